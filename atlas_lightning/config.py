@@ -1,0 +1,377 @@
+"""The typed schema of every run's configuration, and its composition from ``conf/``.
+
+Hydra composes the YAML groups under ``conf/`` (model, data, rollout, algorithm, trainer,
+layout, reward, callbacks, logger, experiment); the result is merged onto the dataclasses
+below, so an unknown key or a value of the wrong type fails before any work with the key's
+full name (``model.lora.rnak``). Range and cross-field checks live in ``validate``.
+
+Who calls it: ``cli.py`` (every verb), tests (compose the real configs), launchers'
+pre-flight. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key and what is wrong."""
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+@dataclass
+class PathsConfig:
+    """Where everything goes. Every output lies under ``root`` (seed section 2)."""
+
+    root: str = "."
+    #: Built artefacts the embedded default needs (tiny model, sample data).
+    cache: str = "${oc.env:ATLAS_LIGHTNING_CACHE,${oc.env:HOME}/.cache/atlas-lightning}"
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 64
+    alpha: int = 128
+    dropout: float = 0.0
+    #: ``all-linear`` or an explicit list of module names.
+    target_modules: Any = "all-linear"
+
+
+@dataclass
+class ModelConfig:
+    """The base model (frozen) and the two LoRA adapters on it."""
+
+    #: A local folder in Hugging Face layout (config.json, weights, tokenizer). Never a hub id:
+    #: nothing is downloaded at run time.
+    path: str = "${paths.cache}/tiny-model"
+    dtype: str = "bfloat16"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    gradient_checkpointing: bool = True
+    #: Tokens a chunk when computing log-probs/entropy/values from hidden states, so that
+    #: full-vocabulary logits never exist for a whole micro-batch.
+    logprob_chunk_tokens: int = 4096
+    attn_implementation: str = "sdpa"
+    #: Starting adapters (PEFT folders), e.g. ``.../global_step_29/actor/lora_adapter``.
+    actor_adapter: Optional[str] = None
+    critic_adapter: Optional[str] = None
+
+
+@dataclass
+class DataConfig:
+    """Question parquets (SPEC section 10): ``<root>/<benchmark>/<split>.parquet``."""
+
+    root: str = "${paths.cache}/sample-data"
+    benchmarks: list[str] = field(default_factory=lambda: ["gpqa", "lcb"])
+    train_split: str = "train"
+    val_split: str = "val_full"
+    #: Our column name -> the file's column name, for files named differently.
+    columns: dict[str, str] = field(default_factory=dict)
+    #: Columns whose values split validation metrics (``gpqa/<value>/acc``).
+    subset_columns: list[str] = field(default_factory=lambda: ["subset"])
+    #: Cap on validation questions per benchmark (None: all of ``val_full``).
+    val_max_questions: Optional[int] = None
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass
+class RolloutConfig:
+    """The engines and the agent loop."""
+
+    #: ``vllm`` (in-process vllm.LLM), ``vllm-server`` (OpenAI-compatible server we start),
+    #: ``hf`` (transformers reference engine, tests only).
+    engine: str = "vllm"
+    n: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    #: Validation decoding (greedy by default).
+    val_temperature: float = 0.0
+    val_n: int = 1
+    max_prompt_length: int = 2048
+    #: Response tokens a trajectory (generated + tool responses).
+    max_response_length: int = 8192
+    #: Tokens one assistant turn may generate.
+    max_tokens_per_turn: int = 2048
+    max_model_len: int = 16384
+    max_turns: int = 9
+    max_explores: int = 8
+    #: Requests in flight across the engines.
+    max_in_flight: int = 640
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.6
+    enable_sleep_mode: bool = True
+    #: ``lora``: the adapter goes to the engines; ``merged``: merged into the base, in buckets.
+    weight_sync: str = "lora"
+    bucket_mb: int = 512
+    request_timeout_s: float = 600.0
+    max_retries: int = 2
+    #: CPU engine's KV cache in GiB (``VLLM_CPU_KVCACHE_SPACE``).
+    cpu_kvcache_gib: int = 1
+    enforce_eager: bool = False
+    #: Largest gap tolerated between trainer and engine log-probs on the probe (nats/token).
+    max_logprob_gap: float = 0.05
+
+
+@dataclass
+class AlgorithmConfig:
+    """PPO with verl's semantics (SPEC section 5)."""
+
+    adv_estimator: str = "gae"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv: bool = True
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_coef: float = 0.001
+    cliprange_value: float = 0.5
+    actor_lr: float = 1e-6
+    critic_lr: float = 1e-5
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    train_batch_size: int = 32
+    ppo_mini_batch_size: int = 8
+    ppo_epochs: int = 2
+    shuffle_minibatches: bool = False
+    #: Per-card token budget of a backward micro-batch (packed sequences).
+    ppo_max_token_len_per_gpu: int = 49152
+    #: Per-card token budget of forward-only passes (old/base log-probs, values).
+    forward_max_token_len_per_gpu: int = 98304
+    critic_warmup: int = 0
+
+
+@dataclass
+class RewardConfig:
+    """SPEC section 4: lambda and optional shaping."""
+
+    cost_per_usd: float = 0.1
+    #: Added to ``terminal_reward`` when the episode ends without a submit (default 0).
+    no_submit_reward: float = 0.0
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 40
+    val_every: int = 5
+    val_before_train: bool = True
+    save_every: int = 5
+    accelerator: str = "auto"
+    devices: int = 1
+    num_nodes: int = 1
+    precision: str = "bf16-true"
+    #: ``None``: fresh; a checkpoint folder; or ``auto`` (the run's latest complete step).
+    resume: Optional[str] = None
+    #: Start from another run's step: ``<root>/checkpoints/<name>/global_step_N`` (adapters only).
+    init_from: Optional[str] = None
+    init_critic: bool = True
+    #: Memory-check mode (SPEC 8): synthetic steps at the full token budget.
+    memory_check: bool = False
+    memory_check_steps: int = 2
+    log_every: int = 1
+
+
+@dataclass
+class LayoutConfig:
+    """Cards and engines (SPEC section 7)."""
+
+    #: ``colocated`` (engines sleep on the training cards) or ``separate``.
+    mode: str = "colocated"
+    gpus: int = 1
+    train_gpus: Optional[int] = None
+    serve_gpus: int = 0
+    engine_tp: int = 1
+    #: Bound on how many updates a rollout may lag behind (separate mode).
+    max_staleness: int = 1
+
+
+@dataclass
+class LoggerConfig:
+    project: str = "atlas-lightning"
+    entity: Optional[str] = None
+    #: ``offline`` unless WANDB_API_KEY is set; ``disabled`` turns W&B off.
+    mode: str = "auto"
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class HubConfig:
+    repo_id: Optional[str] = None
+    repo_type: str = "dataset"
+    private: bool = True
+    endpoint: Optional[str] = None
+    publish_checkpoints: bool = False
+
+
+@dataclass
+class RootConfig:
+    name: str = "tiny-cpu"
+    seed: int = 0
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
+    #: name -> ``{_target_: class.path, ...kwargs}``; a user's own callbacks by class path.
+    callbacks: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- checks
+
+_CHOICES = {
+    "rollout.engine": ("vllm", "vllm-server", "hf"),
+    "rollout.weight_sync": ("lora", "merged"),
+    "algorithm.adv_estimator": ("gae",),
+    "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "algorithm.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
+    "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
+    "layout.mode": ("colocated", "separate"),
+    "model.dtype": ("bfloat16", "float16", "float32"),
+    "logger.mode": ("auto", "online", "offline", "disabled"),
+}
+
+_POSITIVE = (
+    "model.lora.rank", "model.lora.alpha", "model.logprob_chunk_tokens",
+    "rollout.n", "rollout.max_prompt_length", "rollout.max_response_length",
+    "rollout.max_tokens_per_turn", "rollout.max_model_len", "rollout.max_turns",
+    "rollout.max_in_flight", "rollout.tensor_parallel_size", "rollout.bucket_mb", "rollout.val_n",
+    "algorithm.train_batch_size", "algorithm.ppo_mini_batch_size", "algorithm.ppo_epochs",
+    "algorithm.ppo_max_token_len_per_gpu", "algorithm.forward_max_token_len_per_gpu",
+    "trainer.total_steps", "trainer.devices", "trainer.num_nodes", "layout.gpus", "layout.engine_tp",
+)
+
+
+def _get(cfg: DictConfig, key: str) -> Any:
+    return OmegaConf.select(cfg, key, throw_on_missing=True)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Range and cross-field checks; raises ``ConfigError`` naming the key."""
+    for key, choices in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
+    for key in _POSITIVE:
+        value = _get(cfg, key)
+        if value is None or value <= 0:
+            raise ConfigError(f"{key}={value!r} must be a positive number")
+    if not 0 <= cfg.rollout.max_explores <= 64:
+        raise ConfigError(f"rollout.max_explores={cfg.rollout.max_explores} must be within 0..64")
+    for key in ("algorithm.gamma", "algorithm.lam"):
+        if not 0.0 <= _get(cfg, key) <= 1.0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be within [0, 1]")
+    for key in ("algorithm.clip_ratio_low", "algorithm.clip_ratio_high", "algorithm.cliprange_value"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0")
+    if cfg.algorithm.clip_ratio_c <= 1.0:
+        raise ConfigError(f"algorithm.clip_ratio_c={cfg.algorithm.clip_ratio_c} must be > 1 (dual clip)")
+    if cfg.algorithm.train_batch_size % cfg.algorithm.ppo_mini_batch_size:
+        raise ConfigError(
+            f"algorithm.ppo_mini_batch_size={cfg.algorithm.ppo_mini_batch_size} must divide "
+            f"algorithm.train_batch_size={cfg.algorithm.train_batch_size}"
+        )
+    if cfg.rollout.max_tokens_per_turn > cfg.rollout.max_response_length:
+        raise ConfigError("rollout.max_tokens_per_turn must not exceed rollout.max_response_length")
+    if cfg.rollout.max_prompt_length + cfg.rollout.max_response_length > cfg.rollout.max_model_len:
+        raise ConfigError(
+            f"rollout.max_prompt_length + rollout.max_response_length "
+            f"({cfg.rollout.max_prompt_length} + {cfg.rollout.max_response_length}) exceeds "
+            f"rollout.max_model_len={cfg.rollout.max_model_len}"
+        )
+    if cfg.reward.cost_per_usd < 0:
+        raise ConfigError(f"reward.cost_per_usd={cfg.reward.cost_per_usd} must be >= 0")
+    if not cfg.data.benchmarks:
+        raise ConfigError("data.benchmarks must name at least one benchmark")
+    for name, spec in (cfg.callbacks or {}).items():
+        if spec is not None and "_target_" not in spec:
+            raise ConfigError(f"callbacks.{name} needs a _target_ (a class path)")
+
+
+# ----------------------------------------------------------------------------- composition
+
+
+def config_dir() -> str:
+    """The packaged ``conf/`` folder (works from a clone and from an installed wheel)."""
+    return str(resources.files("atlas_lightning.conf"))
+
+
+def compose(overrides: list[str] | None = None, user_config_dir: str | None = None) -> DictConfig:
+    """Compose ``config.yaml`` with ``overrides`` (hydra syntax), type-check and validate it.
+
+    ``user_config_dir`` adds a user's own config folder to the search path: its groups
+    (e.g. ``experiment/mine.yaml``) sit beside the packaged ones.
+    Raises ``ConfigError`` naming the key on any unknown key or invalid value.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = list(overrides or [])
+    if user_config_dir:
+        path = Path(user_config_dir).expanduser().resolve()
+        if not path.is_dir():
+            raise ConfigError(f"--config-dir {user_config_dir}: no such folder")
+        overrides.append(f"hydra.searchpath=[file://{path}]")
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="atlas-lightning"):
+            raw = hydra_compose(config_name="config", overrides=overrides)
+        schema = OmegaConf.structured(RootConfig)
+        cfg = OmegaConf.merge(schema, raw)
+        if cfg.paths.root == ".":
+            cfg.paths.root = os.getcwd()
+        OmegaConf.resolve(cfg)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(_explain(err)) from None
+    finally:
+        GlobalHydra.instance().clear()
+    validate(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def _explain(err: Exception) -> str:
+    """OmegaConf's messages carry ``full_key``; keep the first line and that key."""
+    text = str(err).strip()
+    full_key = getattr(err, "full_key", None)
+    first = text.splitlines()[0] if text else type(err).__name__
+    if full_key and full_key not in first:
+        return f"{full_key}: {first}"
+    return first
+
+
+def run_dirs(cfg: DictConfig) -> dict[str, Path]:
+    """The seed's section 2 layout for this run, under ``paths.root``."""
+    root = Path(cfg.paths.root)
+    return {
+        "root": root,
+        "artifacts": root / "artifacts" / cfg.name,
+        "checkpoints": root / "checkpoints" / cfg.name,
+        "outputs": root / "outputs" / cfg.name,
+        "logs": root / "logs",
+        "wandb": root / "wandb",
+        "runs": root / "runs" / cfg.name,
+    }
