@@ -1,0 +1,44 @@
+"""The reward of SPEC section 4: breakdown, placement on response tokens, invariants.
+
+Pure Python + numpy. Everything is computed from a runtime event log (the record's ``episode``
+field, ``Episode.to_record_episode()``), never from the model's text.
+
+``score_episode`` is what the rollout layer calls once per ended episode; ``batch_invariants`` and
+``reward_means`` give the step's ``reward/...`` metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping
+
+from atlas_lightning.reward.breakdown import reward_breakdown
+from atlas_lightning.reward.invariants import batch_invariants, trajectory_invariants
+from atlas_lightning.reward.placement import place_rewards, token_level_rewards
+
+
+def score_episode(episode: Mapping[str, Any], cost_per_usd: float, no_submit_reward: float = 0.0) -> dict:
+    """``{"reward": breakdown, "reward_trace": trace, "invariants": per-trajectory invariants}``."""
+    breakdown = reward_breakdown(episode, cost_per_usd, no_submit_reward)
+    trace = place_rewards(episode, breakdown)
+    return {
+        "reward": breakdown,
+        "reward_trace": trace,
+        "invariants": trajectory_invariants(episode, breakdown, trace),
+    }
+
+
+def reward_means(breakdowns: Iterable[Mapping[str, float]], prefix: str = "reward/") -> dict:
+    """``{prefix + field: mean over trajectories}`` for every numeric field (``reward/acc``, ...)."""
+    rows = list(breakdowns)
+    if not rows:
+        return {}
+    # Fields every row has (explore_reward_9.. exist only where max_explores > 8).
+    fields = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and all(k in r for r in rows)]
+    return {prefix + k: math.fsum(float(r[k]) for r in rows) / len(rows) for k in fields}
+
+
+__all__ = [
+    "score_episode", "reward_breakdown", "place_rewards", "token_level_rewards",
+    "trajectory_invariants", "batch_invariants", "reward_means",
+]
