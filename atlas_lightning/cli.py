@@ -1,0 +1,116 @@
+"""``atlas-lightning``: the command line. Verbs ``fit``, ``validate``, ``memory-check``, ``plan``,
+``publish`` and ``data``; config composition from ``conf/`` with hydra overrides.
+
+    atlas-lightning fit experiment=tiny-cpu paths.root=/tmp/r name=demo
+    atlas-lightning fit experiment=tiny-cpu --print-config      # composed config, no work
+    atlas-lightning fit experiment=mine --config-dir ./myconf    # a user's own config groups
+    atlas-lightning data sample --out DIR
+    atlas-lightning data tiny-model --out DIR
+
+Every verb that takes a config composes and validates it first, so an unknown key or a bad
+value fails in seconds, naming the key, before any model or engine is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from atlas_lightning.config import ConfigError
+
+CONFIG_VERBS = {
+    "fit": "train: rollouts, PPO updates, validation, checkpoints",
+    "validate": "run the validation sets through the agent loop with the configured adapters",
+    "memory-check": "synthetic steps at the full token budget; each card's peak memory",
+    "plan": "predict per-card memory for a layout and refuse impossible ones",
+}
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. experiment=tiny-cpu rollout.n=8")
+    parser.add_argument("--print-config", "--cfg", action="store_true", dest="print_config",
+                        help="print the composed, validated config as YAML and exit")
+    parser.add_argument("--config-dir", default=None,
+                        help="a folder of your own config groups, searched beside the packaged conf/")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="atlas-lightning",
+        description="A Lightning-based PPO trainer for cost-aware tool-using LLM agents.",
+    )
+    verbs = parser.add_subparsers(dest="verb", metavar="{fit,validate,memory-check,plan,publish,data}")
+    verbs.required = True
+    for verb, help_text in CONFIG_VERBS.items():
+        _add_config_args(verbs.add_parser(verb, help=help_text, description=help_text))
+
+    publish = verbs.add_parser("publish", help="publish the data root to the Hugging Face Hub")
+    _add_config_args(publish)
+    publish.add_argument("--weights", action="store_true", help="also send adapter weights")
+
+    data = verbs.add_parser("data", help="build the bundled sample data or the tiny local model")
+    data_verbs = data.add_subparsers(dest="data_verb", metavar="{sample,tiny-model}")
+    data_verbs.required = True
+    sample = data_verbs.add_parser("sample", help="write the generated sample question parquets")
+    sample.add_argument("--out", required=True, type=Path)
+    sample.add_argument("--seed", type=int, default=0)
+    tiny = data_verbs.add_parser("tiny-model", help="build the tiny Qwen3-architecture model and tokenizer")
+    tiny.add_argument("--out", required=True, type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _run_data(args: argparse.Namespace) -> int:
+    import json
+
+    if args.data_verb == "sample":
+        from atlas_lightning.data.sample import build_sample
+
+        summary = build_sample(args.out, seed=args.seed)
+    else:
+        from atlas_lightning.data.tiny_model import build_tiny_model
+
+        summary = build_tiny_model(args.out, seed=args.seed)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def _run_config_verb(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    from atlas_lightning.config import compose
+
+    cfg = compose(args.overrides, user_config_dir=args.config_dir)
+    if args.print_config:
+        print(OmegaConf.to_yaml(cfg), end="")
+        return 0
+    from atlas_lightning import verbs
+
+    runner = {
+        "fit": verbs.fit,
+        "validate": verbs.validate,
+        "memory-check": verbs.memory_check,
+        "plan": verbs.plan,
+        "publish": verbs.publish,
+    }[args.verb]
+    kwargs = {"weights": args.weights} if args.verb == "publish" else {}
+    return runner(cfg, **kwargs) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.verb == "data":
+            return _run_data(args)
+        return _run_config_verb(args)
+    except ConfigError as err:
+        print(f"atlas-lightning {args.verb}: config error: {err}", file=sys.stderr)
+        return 2
+    except NotImplementedError as err:
+        print(f"atlas-lightning {args.verb}: not available yet: {err}", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

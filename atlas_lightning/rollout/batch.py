@@ -1,0 +1,121 @@
+"""``RolloutBatch``: what one RL step's rollout hands the trainer, and how it is assembled.
+
+One batch holds this rank's trajectories of one step: their records (seed section 4, with the
+per-token arrays attached), the token-level rewards placed by ``atlas_lightning.reward``, the
+reward invariants, the loop's statistics and the weights version the engine served while
+sampling (``weights_version``: the on-policy check reads it).
+
+``padded`` turns the ragged per-token arrays into verl's right-padded ``(bs, response_length)``
+tensors, with ``response_length`` the longest response of this batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from atlas_lightning import reward as reward_lib
+from atlas_lightning.records import TrajectoryRecord, build_record
+from atlas_lightning.rollout.agent_loop import LoopStats, Trajectory
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def trajectory_uid(benchmark: str, question_id: str) -> str:
+    """A file-name-safe uid for a question (shared by its samples), unique across benchmarks
+    (ids are unique within a benchmark only); readable when possible."""
+    name = question_id if question_id.startswith(benchmark) else f"{benchmark}-{question_id}"
+    safe = _UNSAFE.sub("_", name)[:96] or "q"
+    if safe != name:
+        safe += "-" + hashlib.sha1(name.encode()).hexdigest()[:8]
+    if not safe[0].isalnum():
+        safe = "q" + safe
+    return safe
+
+
+def session_id(sample_index: int) -> str:
+    return f"n{sample_index:03d}"
+
+
+@dataclass
+class RolloutBatch:
+    step: int
+    partition: str
+    records: list[TrajectoryRecord]
+    #: float32 ``(len(response_ids),)`` per trajectory, the reward on each response token.
+    token_rewards: list[np.ndarray]
+    invariants: list[dict]
+    stats: LoopStats
+    weights_version: Optional[int] = None
+    timing: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def sequence_lengths(self) -> list[int]:
+        return [len(r.prompt_ids) + len(r.response_ids) for r in self.records]
+
+    def padded(self, name: str, dtype: torch.dtype = torch.float32, pad: float = 0) -> torch.Tensor:
+        """``(bs, max_response_len)`` tensor of a response array (``response_ids``,
+        ``response_mask``, ``response_logprobs``) or ``token_rewards``, right-padded with ``pad``."""
+        arrays = self.token_rewards if name == "token_rewards" else [getattr(r, name) for r in self.records]
+        width = max((len(a) for a in arrays), default=0)
+        out = torch.full((len(arrays), width), pad, dtype=dtype)
+        for i, array in enumerate(arrays):
+            out[i, : len(array)] = torch.as_tensor(np.asarray(array), dtype=dtype)
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """Reward means, the two invariants, response lengths and turn counts of this batch."""
+        out = reward_lib.reward_means([r.reward for r in self.records])
+        out.update(reward_lib.batch_invariants(self.invariants))
+        lengths = np.array([len(r.response_ids) for r in self.records], dtype=np.float64)
+        generated = np.array([int(np.sum(r.response_mask)) for r in self.records], dtype=np.float64)
+        if len(lengths):
+            out["response_length/mean"] = float(lengths.mean())
+            out["response_length/max"] = float(lengths.max())
+            out["response_length/generated_mean"] = float(generated.mean())
+            out["num_turns/mean"] = float(np.mean([r.num_turns for r in self.records]))
+        return out
+
+
+def assemble_batch(
+    trajectories: list[Trajectory],
+    *,
+    step: int,
+    partition: str,
+    run_id: str,
+    cost_per_usd: float,
+    no_submit_reward: float,
+    stats: LoopStats,
+    weights_version: Optional[int],
+) -> RolloutBatch:
+    """Score every ended episode and build its record. Refuses an unfinished trajectory: a
+    step with missing trajectories is never recorded as complete."""
+    records, rewards, invariants = [], [], []
+    for traj in trajectories:
+        if not traj.done:
+            raise RuntimeError(f"trajectory {traj.uid}/{traj.session_id} did not finish; the step is not recorded")
+        episode = traj.episode.to_record_episode()
+        scored = reward_lib.score_episode(episode, cost_per_usd, no_submit_reward)
+        dense = reward_lib.token_level_rewards(scored["reward_trace"], len(traj.response_ids))
+        invariants.append(reward_lib.trajectory_invariants(episode, scored["reward"], scored["reward_trace"], dense))
+        question = traj.episode.question
+        records.append(build_record(
+            episode, scored, run_id=run_id, partition=partition, global_steps=step,
+            uid=traj.uid, session_id=traj.session_id, ground_truth=question.ground_truth,
+            data_source=question.data_source, attempt_id=traj.attempt_id,
+            extra={"subsets": dict(question.subsets)} if question.subsets else None,
+            prompt_ids=np.asarray(traj.prompt_ids, dtype=np.int64),
+            response_ids=np.asarray(traj.response_ids, dtype=np.int64),
+            response_mask=np.asarray(traj.response_mask, dtype=np.int8),
+            response_logprobs=np.asarray(traj.response_logprobs, dtype=np.float32),
+        ))
+        rewards.append(dense.astype(np.float32))
+    return RolloutBatch(step=step, partition=partition, records=records, token_rewards=rewards,
+                        invariants=invariants, stats=stats, weights_version=weights_version)

@@ -1,0 +1,157 @@
+"""The engine interface: what the agent loop asks of a rollout engine, whatever serves it.
+
+An engine takes token-ID requests and hands back finished generations, with the log-prob of
+each sampled token. Requests are submitted without waiting (``submit``) and collected as they
+finish (``poll``), so one loop drives continuous batching across the turns of many episodes.
+Every request carries its own sampling seed, which makes a trajectory's tokens a function of
+(seed, weights, prompt) and not of which other requests shared the batch.
+
+Implementations: ``vllm_engine.VLLMEngine`` (in-process ``vllm.LLM``), ``server_engine``
+(vLLM's OpenAI-compatible server, separate layouts), ``hf_engine.HFEngine`` (transformers,
+the reference the tests check the others against).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+
+class EngineError(RuntimeError):
+    """An engine failed in a way a retry did not mend; the message names the engine and request."""
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling for one request. ``temperature == 0`` means greedy."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: Optional[int] = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingSpec
+
+
+@dataclass
+class GenerationResult:
+    """A finished request. ``logprobs[i]`` is the engine's log-prob of ``token_ids[i]`` under the
+    distribution it sampled from (temperature applied)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    #: ``stop`` (a stop token, which is included in ``token_ids``) or ``length``.
+    finish_reason: str
+    #: Set instead of tokens when the engine failed this request.
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class AdapterVersion:
+    """A LoRA adapter as a PEFT folder, with a version that grows with every sync."""
+
+    folder: str
+    version: int
+    name: str = "actor"
+    #: What the trainer sent: tensor count and checksum (see ``tensor_checksum``).
+    tensor_count: Optional[int] = None
+    checksum: Optional[float] = None
+
+
+@dataclass
+class SyncReport:
+    """What an engine reports holding after a weight or adapter sync (SPEC 7)."""
+
+    tensor_count: int
+    checksum: float
+    extra: dict = field(default_factory=dict)
+
+
+def tensor_checksum(tensors: Iterable[torch.Tensor]) -> tuple[int, float]:
+    """(count, checksum) of tensors: the float64 sum over all elements of ``x * w`` where ``w``
+    is a fixed pseudo-random weight per position modulo 997, so that permutations and sign
+    flips change it. Independent of sharding and of the order the tensors are given in only
+    through the sum (tensor order does not matter)."""
+    count, total = 0, 0.0
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1).to(torch.float64).cpu()
+        weights = (torch.arange(flat.numel(), dtype=torch.float64) % 997 + 1.0) / 997.0
+        total += float((flat * weights).sum())
+        count += 1
+    return count, total
+
+
+def request_seed(*parts: object) -> int:
+    """A stable 31-bit seed from any parts (run seed, step, trajectory, turn)."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+class Engine(ABC):
+    """A rollout engine. Not thread-safe: one agent loop drives it."""
+
+    name: str = "engine"
+
+    @abstractmethod
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue a request; returns at once."""
+
+    @abstractmethod
+    def poll(self) -> list[GenerationResult]:
+        """Advance the engine and return the requests that finished since the last call
+        (possibly none). Raises ``EngineError`` when the engine itself is gone."""
+
+    @abstractmethod
+    def num_pending(self) -> int:
+        """Requests submitted and not yet returned by ``poll``."""
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Drop requests (used on timeouts); their results never come back."""
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Submit all and wait for all; results in request order. A convenience for probes."""
+        for request in requests:
+            self.submit(request)
+        results: dict[str, GenerationResult] = {}
+        while len(results) < len(requests):
+            for result in self.poll():
+                results[result.request_id] = result
+        return [results[r.request_id] for r in requests]
+
+    # -- weights --------------------------------------------------------------------------
+
+    def set_adapter(self, adapter: Optional[AdapterVersion]) -> SyncReport:
+        """Serve ``adapter`` for all later requests (None: the bare base); report what is held."""
+        raise NotImplementedError(f"{self.name} cannot serve LoRA adapters")
+
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
+        """Replace the base weights (HF names) in place; report what is held."""
+        raise NotImplementedError(f"{self.name} cannot reload weights")
+
+    @abstractmethod
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Log-prob of each token ``1..len-1`` given the ones before it (temperature 1), with
+        the current weights and adapter: the probe that checks a sync."""
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Free accelerator memory for the update (a no-op where the backend has no sleep)."""
+
+    def wake_up(self) -> None:
+        """Take memory back before a rollout."""
+
+    def close(self) -> None:
+        """Release the engine."""
