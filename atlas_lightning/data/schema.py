@@ -19,6 +19,14 @@ permutations       list<list<int32>>, optional: orders of the candidates; trajec
                    seed, the question id and ``i``
 =================  ===========================================================================
 
+Values the loader (``loader.py``) enforces, naming file, row and field when one is broken:
+non-empty ``question_id`` (unique), ``problem`` and ``solver_model``; ``benchmark`` equal to the
+file's; GPQA ``ground_truth`` a single capital letter; ``confidence`` in [0, 1]; ``cost_usd``
+finite and >= 0; ``is_correct`` a bool; each permutation a permutation of
+``range(len(candidates))``; null ``data_source`` reads as ``""``, null ``permutations`` as none.
+Differently named files are read through ``data.columns`` (our name -> the file's; dotted keys
+such as ``candidates.cost_usd`` rename candidate struct fields); see ``loader.py``.
+
 Nothing here imports torch; these objects cross into the pure-Python runtime.
 """
 
@@ -58,5 +66,5 @@ class Question:
     ground_truth: str
     candidates: tuple[Candidate, ...]
     data_source: str = ""
-    subsets: dict[str, str] = field(default_factory=dict)
+    subsets: dict[str, str] = field(default_factory=dict, hash=False)
     permutations: tuple[tuple[int, ...], ...] = ()

@@ -1,0 +1,208 @@
+"""``RolloutDataModule``: questions in, one ``RolloutBatch`` per RL step out.
+
+Contract:
+
+- RL steps are 1-based, as verl's: step ``N`` is the N-th rollout batch, sampled with the
+  weights after ``N - 1`` updates; validation "before training" is step 0.
+- Step ``N`` samples the questions ``QuestionSampler.step_indices(N - 1)`` (a pure function
+  of the seed and the step), ``rollout.n`` samples each. With several engines (``world_size / TP``),
+  engine ``g`` serves the ``g``-th share of the questions; the ranks of one TP group feed it
+  identical requests and then keep their own share of its trajectories.
+- Synchronous mode is strictly on-policy: the train dataloader has a length (``total_steps``),
+  which stops Lightning from fetching a batch ahead, and a step's rollout runs only when the
+  loop asks for that step, i.e. after the previous step's update and weight sync. Each batch
+  carries ``weights_version``, the adapter version the engine served while sampling.
+- ``state_dict`` holds the next step to sample; a resumed run samples exactly what an
+  uninterrupted one would (the sampler and every request seed are functions of the step).
+- The engine is built in ``setup`` (after the process group exists), or attached by a caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Optional
+
+import lightning as L
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, IterableDataset
+
+from atlas_lightning.data.loader import load_split
+from atlas_lightning.data.sampler import QuestionSampler, shard
+from atlas_lightning.data.schema import Question
+from atlas_lightning.env.episode import Episode, RuntimeConfig
+from atlas_lightning.rollout.agent_loop import AgentLoop, LoopLimits, LoopStats, Sampling, Trajectory
+from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id, trajectory_uid
+from atlas_lightning.rollout.chat import ChatFormat
+from atlas_lightning.rollout.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class _RolloutSteps(IterableDataset):
+    """Yields the datamodule's rollouts for steps ``next_step .. total_steps``, each sampled
+    only when asked for. Sized, so Lightning does not prefetch."""
+
+    def __init__(self, datamodule: "RolloutDataModule") -> None:
+        self.dm = datamodule
+
+    def __len__(self) -> int:
+        return self.dm.total_steps
+
+    def __iter__(self):
+        while self.dm.next_step <= self.dm.total_steps:
+            step = self.dm.next_step
+            batch = self.dm.rollout(step)
+            self.dm.next_step = step + 1
+            yield batch
+
+
+class RolloutProgress:
+    """A one-line display on rank 0: trajectories done out of the total, tokens a second."""
+
+    def __init__(self, label: str, enabled: bool, every_s: float = 2.0) -> None:
+        self.label, self.enabled, self.every_s = label, enabled, every_s
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int, stats: LoopStats) -> None:
+        now = time.monotonic()
+        if not self.enabled or (done < total and now - self._last < self.every_s):
+            return
+        self._last = now
+        end = "\n" if done == total else "\r"
+        sys.stderr.write(f"{self.label}: {done}/{total} trajectories, {stats.tokens_per_second:,.0f} tok/s{end}")
+        sys.stderr.flush()
+
+
+class RolloutDataModule(L.LightningDataModule):
+    def __init__(self, cfg: DictConfig, engine: Optional[Engine] = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.engine = engine
+        self.next_step = 1
+        self.total_steps = cfg.trainer.total_steps
+        #: The adapter version the engine serves; the weight-sync callback bumps it.
+        self.weights_version: Optional[int] = None
+        self.train_questions: list[Question] = []
+        self.val_questions: list[Question] = []
+        self.chat: Optional[ChatFormat] = None
+        self.rank, self.local_rank, self.world_size = 0, 0, 1
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.trainer is not None:
+            self.rank = self.trainer.global_rank
+            self.local_rank = self.trainer.local_rank
+            self.world_size = self.trainer.world_size
+        if self.chat is None:
+            from transformers import AutoTokenizer
+
+            self.chat = ChatFormat(AutoTokenizer.from_pretrained(self.cfg.model.path))
+        if not self.train_questions:
+            self.train_questions = self._fitting(load_split(self.cfg.data, self.cfg.data.train_split), "train")
+            self.val_questions = self._fitting(
+                load_split(self.cfg.data, self.cfg.data.val_split, self.cfg.data.val_max_questions), "val")
+        self.sampler = QuestionSampler(len(self.train_questions), self.cfg.algorithm.train_batch_size,
+                                       seed=self.cfg.data.seed, shuffle=self.cfg.data.shuffle)
+        if self.engine is None:
+            from atlas_lightning.rollout.factory import build_engine
+
+            self.engine = build_engine(self.cfg, self.rank, self.local_rank, self.world_size)
+
+    def _fitting(self, questions: list[Question], split: str) -> list[Question]:
+        """Drop questions whose prompt exceeds ``rollout.max_prompt_length`` (as verl's loader
+        does), saying how many."""
+        limit = self.cfg.rollout.max_prompt_length
+        kept = [q for q in questions if len(self._prompt_ids(Episode(q, 0, self._runtime()))) <= limit]
+        if len(kept) < len(questions):
+            log.warning("%d of %d %s questions have prompts over rollout.max_prompt_length=%d and are skipped",
+                        len(questions) - len(kept), len(questions), split, limit)
+        if not kept:
+            raise ValueError(f"no {split} question fits rollout.max_prompt_length={limit}")
+        return kept
+
+    def _runtime(self) -> RuntimeConfig:
+        return RuntimeConfig(max_explores=self.cfg.rollout.max_explores, max_turns=self.cfg.rollout.max_turns)
+
+    def _prompt_ids(self, episode: Episode) -> list[int]:
+        return self.chat.prompt_ids(episode.messages(), episode.tools())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_RolloutSteps(self), batch_size=None, num_workers=0, collate_fn=_identity)
+
+    # -- rollouts -------------------------------------------------------------------------
+
+    def _limits(self) -> LoopLimits:
+        r = self.cfg.rollout
+        return LoopLimits(max_response_length=r.max_response_length, max_tokens_per_turn=r.max_tokens_per_turn,
+                          max_model_len=r.max_model_len, max_in_flight=r.max_in_flight,
+                          request_timeout_s=r.request_timeout_s, max_retries=r.max_retries)
+
+    def _trajectories(self, questions: list[Question], samples: int) -> list[Trajectory]:
+        """This rank's trajectories of ``questions``: its engine's share of the questions, then,
+        within a TP group, its own share of the group's trajectories."""
+        from atlas_lightning.rollout.factory import engine_world
+
+        engine_index, engines, _ = engine_world(self.rank, self.world_size, self.cfg.rollout.tensor_parallel_size)
+        trajectories = []
+        for question in shard(questions, engine_index, engines):
+            for sample in range(samples):
+                episode = Episode(question, sample, self._runtime(), seed=self.cfg.seed)
+                prompt = self._prompt_ids(episode)
+                episode.on_prompt_tokens(len(prompt))
+                trajectories.append(Trajectory(uid=trajectory_uid(question.benchmark, question.question_id),
+                                               session_id=session_id(sample), episode=episode, prompt_ids=prompt))
+        return trajectories
+
+    def _run(self, trajectories: list[Trajectory], sampling: Sampling, step: int, partition: str) -> RolloutBatch:
+        if self.engine is None:
+            raise RuntimeError("RolloutDataModule has no engine: call setup() or pass one")
+        started = time.monotonic()
+        self.engine.wake_up()
+        progress = RolloutProgress(f"{partition} step {step}", enabled=self.rank == 0)
+        stats = AgentLoop(self.engine, self.chat, self._limits()).run(
+            trajectories, sampling, seed_parts=(self.cfg.seed, partition, step), progress=progress)
+        batch = assemble_batch(
+            self._own_share(trajectories), step=step, partition=partition, run_id=self.cfg.name,
+            cost_per_usd=self.cfg.reward.cost_per_usd, no_submit_reward=self.cfg.reward.no_submit_reward,
+            stats=stats, weights_version=self.weights_version)
+        batch.timing["gen"] = time.monotonic() - started
+        return batch
+
+    def _own_share(self, trajectories: list[Trajectory]) -> list[Trajectory]:
+        from atlas_lightning.rollout.factory import engine_world
+
+        _, _, tp_rank = engine_world(self.rank, self.world_size, self.cfg.rollout.tensor_parallel_size)
+        return shard(trajectories, tp_rank, self.cfg.rollout.tensor_parallel_size)
+
+    def rollout(self, step: int) -> RolloutBatch:
+        """RL step ``step``'s training rollout on this rank (sampled now, with the weights the
+        engine serves now)."""
+        questions = [self.train_questions[i] for i in self.sampler.step_indices(step - 1)]
+        r = self.cfg.rollout
+        return self._run(self._trajectories(questions, r.n), Sampling(r.temperature, r.top_p, r.top_k), step, "train")
+
+    def validation_rollout(self, step: int) -> RolloutBatch:
+        """The validation sets through the same agent loop (``rollout.val_temperature``, greedy
+        by default), labelled with the RL step it validates."""
+        r = self.cfg.rollout
+        sampling = Sampling(r.val_temperature, 1.0 if r.val_temperature == 0 else r.top_p,
+                            -1 if r.val_temperature == 0 else r.top_k)
+        return self._run(self._trajectories(self.val_questions, r.val_n), sampling, step, "val")
+
+    # -- resumable state ------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"next_step": self.next_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_step = int(state["next_step"])
+
+    def teardown(self, stage: Optional[str] = None) -> None:
+        pass
+
+
+def _identity(batch):
+    return batch

@@ -1,0 +1,59 @@
+"""Small helpers for "one process a card, rank 0 writes": gathering Python objects to rank 0
+and barriers that are no-ops when not distributed."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_rank_zero() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def gather_objects(obj: Any) -> Optional[list]:
+    """Every rank's ``obj`` in rank order on rank 0 (None on the others). Collective."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank. Collective."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Element-wise sum of ``values`` over ranks (float64 on CPU; gloo and NCCL both serve it)."""
+    if not is_distributed():
+        return list(values)
+    import torch
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.cpu().tolist()
