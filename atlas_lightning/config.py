@@ -175,7 +175,7 @@ class TrainerConfig:
     accelerator: str = "auto"
     devices: int = 1
     num_nodes: int = 1
-    precision: str = "bf16-true"
+    precision: str = "32-true"
     #: ``None``: fresh; a checkpoint folder; or ``auto`` (the run's latest complete step).
     resume: Optional[str] = None
     #: Start from another run's step: ``<root>/checkpoints/<name>/global_step_N`` (adapters only).

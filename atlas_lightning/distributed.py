@@ -57,3 +57,15 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
     return tensor.cpu().tolist()
+
+
+def all_reduce_max(values: list[float]) -> list[float]:
+    """Element-wise maximum of ``values`` over ranks. Collective."""
+    if not is_distributed():
+        return list(values)
+    import torch
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.cpu().tolist()

@@ -192,6 +192,12 @@ class RolloutDataModule(L.LightningDataModule):
                             -1 if r.val_temperature == 0 else r.top_k)
         return self._run(self._trajectories(self.val_questions, r.val_n), sampling, step, "val")
 
+    def probe_token_ids(self) -> list[int]:
+        """The fixed probe sequence of the weight-sync check: the first validation question's
+        prompt (identical on every rank)."""
+        question = (self.val_questions or self.train_questions)[0]
+        return self._prompt_ids(Episode(question, 0, self._runtime()))
+
     # -- resumable state ------------------------------------------------------------------
 
     def state_dict(self) -> dict:

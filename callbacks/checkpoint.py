@@ -1,0 +1,131 @@
+"""Checkpoints named by the RL step: ``checkpoints/<name>/global_step_N/`` (SPEC 9, seed 2).
+
+A checkpoint folder holds ``actor/lora_adapter/`` and ``critic/lora_adapter/`` (PEFT folders
+that ``PeftModel.from_pretrained`` loads), ``lightning/`` (Lightning's resumable state: the
+trainable tensors, optimizer states, data cursor, callbacks and loops; a torch.distributed
+checkpoint folder under FSDP2, a single ``state.ckpt`` file otherwise) and, once everything
+else is in place, ``checkpoint.json`` (step, files, sizes, sha256). A folder without
+``checkpoint.json`` is not a checkpoint: it may hold only ``val_dumps/``, or be what a crash
+left. ``latest_checkpointed_iteration.txt`` beside the folders names the newest complete one
+(verl's file).
+
+Collective: every rank takes part in the gathers and in Lightning's save; rank 0 writes the
+adapters, moves files into place and writes the marker. Non-finite steps are never saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from lightning.pytorch.callbacks import Checkpoint
+
+from atlas_lightning import distributed as dist_utils
+from atlas_lightning.config import run_dirs
+
+MARKER = "checkpoint.json"
+LATEST = "latest_checkpointed_iteration.txt"
+STATE_DIR = "lightning"
+
+
+def step_dir(checkpoints: Path, step: int) -> Path:
+    return Path(checkpoints) / f"global_step_{step}"
+
+
+def is_complete(folder: Path) -> bool:
+    return (Path(folder) / MARKER).is_file()
+
+
+def latest_complete(checkpoints: Path) -> Optional[Path]:
+    """The newest ``global_step_N`` folder that holds a marker, or None."""
+    found = []
+    for folder in Path(checkpoints).glob("global_step_*"):
+        try:
+            step = int(folder.name.rsplit("_", 1)[1])
+        except ValueError:
+            continue
+        if is_complete(folder):
+            found.append((step, folder))
+    return max(found)[1] if found else None
+
+
+def lightning_state_path(folder: Path) -> Path:
+    """What ``trainer.fit(ckpt_path=...)`` takes for a checkpoint folder."""
+    state = Path(folder) / STATE_DIR
+    single = state / "state.ckpt"
+    return single if single.is_file() else state
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class StepCheckpoint(Checkpoint):
+    """Save every ``every_n_steps`` RL steps and at the last step."""
+
+    def __init__(self, every_n_steps: int = 5, save_last: bool = True) -> None:
+        self.every_n_steps = every_n_steps
+        self.save_last = save_last
+        self.last_saved: Optional[int] = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if outputs is not None and not outputs.get("finite", True):
+            return
+        step = batch.step
+        last = step == pl_module.cfg.trainer.total_steps
+        if (self.every_n_steps and step % self.every_n_steps == 0) or (self.save_last and last):
+            self.save(trainer, pl_module, step)
+
+    def save(self, trainer, pl_module, step: int) -> Path:
+        cfg = pl_module.cfg
+        checkpoints = run_dirs(cfg)["checkpoints"]
+        final = step_dir(checkpoints, step)
+        tmp = checkpoints / f".tmp-global_step_{step}"
+        if dist_utils.is_rank_zero():
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / STATE_DIR).mkdir(parents=True)
+        dist_utils.barrier()
+        pl_module.save_adapters(tmp)
+        distributed_state = trainer.world_size > 1
+        trainer.save_checkpoint(tmp / STATE_DIR if distributed_state else tmp / STATE_DIR / "state.ckpt")
+        dist_utils.barrier()
+        if dist_utils.is_rank_zero():
+            final.mkdir(parents=True, exist_ok=True)
+            (final / MARKER).unlink(missing_ok=True)
+            for part in ("actor", "critic", STATE_DIR):
+                shutil.rmtree(final / part, ignore_errors=True)
+                os.replace(tmp / part, final / part)
+            shutil.rmtree(tmp, ignore_errors=True)
+            files = {str(p.relative_to(final)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                     for p in sorted(final.rglob("*")) if p.is_file() and p.parts[len(final.parts)] != "val_dumps"}
+            _atomic_text(final / MARKER, json.dumps({"global_step": step, "files": files}, indent=1) + "\n")
+            _atomic_text(checkpoints / LATEST, f"{step}\n")
+        dist_utils.barrier()
+        self.last_saved = step
+        for callback in trainer.callbacks:
+            hook = getattr(callback, "on_checkpoint_saved", None)
+            if hook is not None and callback is not self:
+                hook(trainer, final, step)
+        return final
+
+    def state_dict(self) -> dict:
+        return {"last_saved": self.last_saved}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_saved = state.get("last_saved")
