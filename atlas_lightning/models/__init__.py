@@ -1,0 +1,17 @@
+"""Base + LoRA actor, critic value head, packed sequences, chunked log-probs, adapter
+import/export, FSDP2 wrapping and merged weights for the engines.
+
+Modules (one responsibility each):
+
+* ``packing``: ``PackedBatch``, ``pack_sequences``, ``pack_padded`` (verl layout <-> packed).
+* ``logprobs``: ``token_logprobs_and_entropy`` (chunked, checkpointed lm_head + log-softmax).
+* ``actor_critic``: ``ActorCritic`` (one frozen base, adapters ``actor``/``critic``, value head).
+* ``adapter_switch``: per-forward adapter selection that never flips ``requires_grad``.
+* ``sharding``: ``shard`` (FSDP2 ``fully_shard`` per decoder layer, value head, root).
+* ``weights``: ``adapter_state``, ``merged_weights``, ``bucket_weights``, ``merged_weight_buckets``.
+* ``adapters``: ``save_adapter``, ``load_adapter`` (PEFT folders, base identity checks).
+* ``identity``, ``checkpoint_names``: what identifies a base; checkpoint parameter names.
+* ``tiny``: ``save_tiny_causal_lm`` (random tiny Qwen3 / Qwen3.5 folders for tests).
+
+Submodules import torch, transformers and peft; this package file imports nothing heavy.
+"""

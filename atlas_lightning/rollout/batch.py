@@ -57,6 +57,14 @@ class RolloutBatch:
     def __len__(self) -> int:
         return len(self.records)
 
+    def subset(self, indices: list[int]) -> "RolloutBatch":
+        """The trajectories at ``indices`` (e.g. one data-parallel rank's share)."""
+        return RolloutBatch(step=self.step, partition=self.partition,
+                            records=[self.records[i] for i in indices],
+                            token_rewards=[self.token_rewards[i] for i in indices],
+                            invariants=[self.invariants[i] for i in indices], stats=self.stats,
+                            weights_version=self.weights_version, timing=dict(self.timing))
+
     def sequence_lengths(self) -> list[int]:
         return [len(r.prompt_ids) + len(r.response_ids) for r in self.records]
 

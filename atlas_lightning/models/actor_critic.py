@@ -1,0 +1,322 @@
+"""Actor and critic as two LoRA adapters on ONE frozen base, plus the critic's value head.
+
+One copy of the base weights serves three passes over a ``PackedBatch``:
+
+* ``actor_forward``: adapter ``actor``; per-response-token log-probs (and entropy) of the
+  tempered policy, computed from the final hidden states in chunks (``logprobs.py``).
+* ``critic_forward``: adapter ``critic``; per-response-token values from the value head.
+* ``base_forward``: no adapter (the reference policy for the KL), always without grad.
+
+Contracts (``N`` = response tokens of the batch, packed order; see ``packing.py``):
+
+* outputs are ``(N,)`` fp32; ``PackedBatch.scatter_responses`` gives verl's
+  ``(bs, response_length)``;
+* position ``t - 1`` scores response token ``t`` for log-probs AND values: the value of
+  response token ``j`` is ``V`` of the state before it was emitted, as verl's critic takes
+  ``values[:, -response_length - 1 : -1]``;
+* the value head is ``Linear(hidden, 1)`` kept in fp32 and applied to the fp32-cast last
+  hidden state (fp32 because returns and advantages are differences of values: bf16's 3
+  significant digits would show in GAE). Under FSDP2 it is its own unit with an fp32 policy.
+  It starts as a token-classification head does (normal(0, initializer_range), bias 0);
+* LoRA weights follow peft: fp32 when the base is bf16/fp16 (``autocast_adapter_dtype``);
+  both adapters are initialised from ``init_seed`` under a forked RNG, so every rank builds
+  the same adapters before sharding;
+* both adapters stay trainable at the same time: ``actor_parameters()`` and
+  ``critic_parameters()`` are disjoint, the selection of an adapter never flips
+  ``requires_grad``, and a forward only touches the selected adapter, so each loss's
+  gradients reach only its own adapter (``adapter_switch.py``, which also keeps gradient
+  checkpointing replays on the adapter that ran the forward);
+* gradient checkpointing: non-reentrant, per decoder layer, active in ``train()`` mode only.
+
+Attention and sequence boundaries (what transformers 5.19 does, checked in its source):
+
+* ``packed`` layout (default for attention-only models such as Qwen3): one ``(1, T)`` row,
+  ``position_ids`` restarting at 0, no attention mask, no cache. ``masking_utils`` then finds
+  the sequences (``find_packed_sequence_indices``) and each attends only to itself. With
+  ``sdpa``/``eager`` this materialises a dense ``(1, 1, T, T)`` mask (2.4 GB of bool at
+  T = 49,152: fine on CPU tests, wasteful on GPUs); ``flex_attention`` builds a BlockMask
+  (O(T^2 / 128^2)); ``flash_attention_2/3`` take the varlen kernel with ``cu_seqlens`` derived
+  from ``position_ids``, no mask at all. On GPUs use ``flex_attention`` or flash: measured
+  on an H200 (torch 2.11) for a 49,152-token row of 12 sequences, a forward's peak was
+  11.4 GiB with ``sdpa`` and 0.3 GiB with ``flex_attention`` (tiny model, so the mask is
+  all of it), both exact at sequence boundaries (fp32, 7e-6).
+* ``padded`` layout (default for models with recurrent layers, ``_is_stateful`` in
+  transformers, e.g. Qwen3.5/3.6's Gated DeltaNet linear attention): in transformers 5.19 the
+  torch fallbacks of ``causal_conv1d_fn`` and ``chunk_gated_delta_rule`` ignore sequence
+  boundaries, so a packed row would leak conv and recurrent state from one sequence into the
+  next (measured: 4e-2 logit error on a tiny Qwen3.5). The batch is therefore run right-padded
+  ``(n, max_len)`` with an attention mask, exact by causality (padding only follows real
+  tokens), at the cost of padding compute. ``sequence_layout="packed"`` on such a model is
+  refused.
+
+Who calls it: the PPO module (forward passes, optimizers over the two parameter lists),
+``sharding.shard`` (FSDP2), ``adapters`` and ``weights`` (export/import).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .adapter_switch import checkpoint_keeping_adapter, selected_adapter, tuner_layers
+from .checkpoint_names import name_map
+from .identity import base_identity
+from .logprobs import token_logprobs_and_entropy
+from .packing import PackedBatch
+
+ACTOR = "actor"
+CRITIC = "critic"
+ADAPTERS = (ACTOR, CRITIC)
+SEQUENCE_LAYOUTS = ("auto", "packed", "padded")
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16`` (only the three float types)."""
+    allowed = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if isinstance(dtype, torch.dtype) and dtype in allowed.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in allowed:
+        return allowed[dtype]
+    raise ValueError(f"dtype={dtype!r} is not one of {', '.join(allowed)}")
+
+
+def peft_lora_config(spec: Any):
+    """A ``peft.LoraConfig`` (task CAUSAL_LM) from a LoRA spec: a ``peft.LoraConfig``, the
+    project's ``config.LoraConfig`` (``rank, alpha, dropout, target_modules``), a DictConfig
+    or a mapping with those keys (peft's names ``r, lora_alpha, lora_dropout`` also work).
+    ``target_modules="all-linear"`` is peft's: every linear layer except the output head."""
+    from peft import LoraConfig
+
+    if isinstance(spec, LoraConfig):
+        config = copy.deepcopy(spec)
+        config.task_type = "CAUSAL_LM"
+        return config
+    if type(spec).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        spec = OmegaConf.to_container(spec, resolve=True)
+    elif is_dataclass(spec):
+        spec = asdict(spec)
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"LoRA spec must be a mapping, dataclass or peft.LoraConfig, got {type(spec).__name__}")
+
+    def pick(*names, default=None):
+        for name in names:
+            if name in spec and spec[name] is not None:
+                return spec[name]
+        return default
+
+    rank, alpha = pick("rank", "r"), pick("alpha", "lora_alpha")
+    if not isinstance(rank, int) or rank <= 0:
+        raise ValueError(f"LoRA spec: rank={rank!r} must be a positive integer")
+    if not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise ValueError(f"LoRA spec: alpha={alpha!r} must be a positive number")
+    dropout = float(pick("dropout", "lora_dropout", default=0.0))
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"LoRA spec: dropout={dropout} must be within [0, 1)")
+    target = pick("target_modules", default="all-linear")
+    if not isinstance(target, str):
+        target = sorted(target)
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target, task_type="CAUSAL_LM")
+
+
+class ActorCritic(nn.Module):
+    """Frozen base + LoRA adapters ``actor`` and ``critic`` + fp32 value head (module doc)."""
+
+    def __init__(
+        self,
+        base_path: str,
+        lora: Any,
+        *,
+        dtype: str | torch.dtype = torch.float32,
+        gradient_checkpointing: bool = False,
+        logprob_chunk_tokens: int = 4096,
+        attn_implementation: str = "sdpa",
+        sequence_layout: str = "auto",
+        critic_lora: Any = None,
+        init_seed: int = 0,
+        device: str | torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        from peft import get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        if logprob_chunk_tokens <= 0:
+            raise ValueError(f"logprob_chunk_tokens={logprob_chunk_tokens} must be positive")
+        if sequence_layout not in SEQUENCE_LAYOUTS:
+            raise ValueError(f"sequence_layout={sequence_layout!r} is not one of {', '.join(SEQUENCE_LAYOUTS)}")
+        if not Path(base_path).is_dir():
+            raise FileNotFoundError(f"base model folder {base_path} does not exist (a local folder, never a hub id)")
+        self.base_path = str(base_path)
+        self.logprob_chunk_tokens = int(logprob_chunk_tokens)
+
+        # ``device``: weights go straight there (e.g. ``cuda:LOCAL_RANK``), not through host
+        # memory: 8 ranks each holding a 27B bf16 copy in RAM would need 432 GB of it.
+        device = torch.device(device) if device is not None else None
+        base = AutoModelForCausalLM.from_pretrained(
+            self.base_path,
+            dtype=torch_dtype(dtype),
+            attn_implementation=attn_implementation,
+            **({"device_map": {"": device}} if device is not None else {}),
+        )
+        base.requires_grad_(False)
+        base.config.use_cache = False
+        #: Identity of the base (identity.py), taken before LoRA and sharding.
+        self.base_identity = base_identity(base)
+        #: Loaded name -> checkpoint name (checkpoint_names.py), or None with the reason.
+        self.checkpoint_names, self.checkpoint_names_problem = name_map(base, self.base_path)
+        self.sequence_layout = self._choose_layout(base, sequence_layout)
+
+        accelerators = [device.index or 0] if device is not None and device.type == "cuda" else []
+        with torch.random.fork_rng(devices=accelerators):
+            torch.manual_seed(init_seed)  # seeds the accelerator's generator too: LoRA A is drawn there
+            peft_model = get_peft_model(base, peft_lora_config(lora), adapter_name=ACTOR)
+            peft_model.add_adapter(CRITIC, peft_lora_config(critic_lora if critic_lora is not None else lora))
+            hidden_size = base.get_output_embeddings().weight.shape[1]
+            self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32, device=device)
+            nn.init.normal_(self.value_head.weight, std=float(getattr(base.config, "initializer_range", 0.02)))
+            nn.init.zeros_(self.value_head.bias)
+        self.peft_model = peft_model
+        self._tuner_layers = tuner_layers(peft_model)
+        # peft left only the first adapter trainable; both are trained, each by its own loss.
+        for name in ADAPTERS:
+            for param in self._adapter_parameters(name):
+                param.requires_grad_(True)
+
+        if gradient_checkpointing:
+            self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            for layer in self.decoder_layers():
+                layer._gradient_checkpointing_func = checkpoint_keeping_adapter(tuner_layers(layer))
+        self.train()
+
+    @classmethod
+    def from_config(cls, model_cfg: Any, init_seed: int = 0, device: str | torch.device | None = None) -> "ActorCritic":
+        """Build from the ``model`` config group (``config.ModelConfig``): base path, dtype, LoRA,
+        checkpointing, chunk size, attention; then start the adapters named by
+        ``actor_adapter`` / ``critic_adapter`` if set (``adapters.load_adapter``, which checks
+        the base and LoRA settings). Unsharded; call ``sharding.shard`` after."""
+        from .adapters import load_adapter
+
+        model = cls(
+            model_cfg.path,
+            model_cfg.lora,
+            dtype=model_cfg.dtype,
+            gradient_checkpointing=model_cfg.gradient_checkpointing,
+            logprob_chunk_tokens=model_cfg.logprob_chunk_tokens,
+            attn_implementation=model_cfg.attn_implementation,
+            init_seed=init_seed,
+            device=device,
+        )
+        for adapter, folder in ((ACTOR, model_cfg.actor_adapter), (CRITIC, model_cfg.critic_adapter)):
+            if folder:
+                load_adapter(model, adapter, folder)
+        return model
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def hf_model(self) -> nn.Module:
+        """The transformers causal LM (LoRA layers injected in place)."""
+        return self.peft_model.base_model.model
+
+    def decoder_layers(self) -> nn.ModuleList:
+        """The decoder's layer list: FSDP2 units and gradient-checkpointing units."""
+        layers = getattr(self.hf_model.base_model, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise TypeError(f"{type(self.hf_model).__name__}: cannot find the decoder's `layers` list")
+        return layers
+
+    def _adapter_parameters(self, adapter: str) -> list[nn.Parameter]:
+        params = []
+        for layer in self._tuner_layers:
+            for attr in layer.adapter_layer_names:
+                container = getattr(layer, attr)
+                if adapter in container:
+                    item = container[adapter]
+                    params.extend([item] if isinstance(item, nn.Parameter) else item.parameters())
+        if not params:
+            raise KeyError(f"no LoRA parameters for adapter {adapter!r}")
+        return params
+
+    def actor_parameters(self) -> list[nn.Parameter]:
+        """The actor adapter's LoRA parameters (what the actor optimizer steps)."""
+        return self._adapter_parameters(ACTOR)
+
+    def critic_parameters(self) -> list[nn.Parameter]:
+        """The critic adapter's LoRA parameters and the value head's."""
+        return self._adapter_parameters(CRITIC) + list(self.value_head.parameters())
+
+    def micro_batch_tokens(self, sequence_lengths) -> int:
+        """Tokens a micro-batch of these sequence lengths occupies in this model's layout:
+        the sum when packed, ``n * max`` when padded. What a token-budget packer should count."""
+        lengths = [int(n) for n in sequence_lengths]
+        if not lengths:
+            return 0
+        return sum(lengths) if self.sequence_layout == "packed" else len(lengths) * max(lengths)
+
+    @staticmethod
+    def _choose_layout(base: nn.Module, requested: str) -> str:
+        recurrent = bool(getattr(base, "_is_stateful", False))
+        if requested == "packed" and recurrent:
+            raise ValueError(
+                f"sequence_layout='packed' is refused for {type(base).__name__}: it has recurrent (linear-attention) "
+                f"layers whose transformers kernels do not see packed sequence boundaries; use 'padded' or 'auto'"
+            )
+        if requested == "auto":
+            return "padded" if recurrent else "packed"
+        return requested
+
+    # ------------------------------------------------------------------ passes
+    def actor_forward(
+        self, packed: PackedBatch, temperature: float = 1.0, compute_entropy: bool = True
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """Actor adapter: ``(log_probs (N,), entropy (N,) or None)``, fp32, of
+        ``softmax(logits / temperature)``. Differentiable w.r.t. the actor's LoRA."""
+        return self(packed, mode=ACTOR, temperature=temperature, compute_entropy=compute_entropy)
+
+    def critic_forward(self, packed: PackedBatch) -> Tensor:
+        """Critic adapter + value head: ``values (N,)`` fp32. Differentiable w.r.t. the critic."""
+        return self(packed, mode=CRITIC)
+
+    def base_forward(self, packed: PackedBatch, temperature: float = 1.0) -> Tensor:
+        """Adapters off: the base policy's ``log_probs (N,)`` fp32, no grad (KL reference)."""
+        with torch.no_grad():
+            log_probs, _ = self(packed, mode="base", temperature=temperature, compute_entropy=False)
+        return log_probs
+
+    def forward(self, packed: PackedBatch, mode: str = ACTOR, temperature: float = 1.0, compute_entropy: bool = True):
+        """Dispatch used by the three passes above (a module call, so FSDP2's hooks run)."""
+        if mode not in (ACTOR, CRITIC, "base"):
+            raise ValueError(f"mode={mode!r} is not one of actor, critic, base")
+        if not isinstance(packed, PackedBatch):
+            raise TypeError(f"expected a PackedBatch, got {type(packed).__name__}")
+        with selected_adapter(self._tuner_layers, None if mode == "base" else mode):
+            hidden = self._scoring_hidden_states(packed)
+            if mode == CRITIC:
+                # not a view: FSDP2 hooks the root's outputs, and an in-place op on a view would skip them
+                return self.value_head(hidden.to(torch.float32)).squeeze(-1).clone()
+            head = self.hf_model.get_output_embeddings()
+            return token_logprobs_and_entropy(
+                hidden,
+                head.weight,
+                packed.target_ids,
+                chunk_tokens=self.logprob_chunk_tokens,
+                temperature=temperature,
+                compute_entropy=compute_entropy,
+                bias=head.bias,
+            )
+
+    def _scoring_hidden_states(self, packed: PackedBatch) -> Tensor:
+        """``(N, H)`` final (normed) hidden states at ``packed.logit_index``."""
+        decoder = self.hf_model.base_model
+        if self.sequence_layout == "packed":
+            out = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+            return out.last_hidden_state[0].index_select(0, packed.logit_index)
+        ids, mask, positions, flat_index = packed.padded_layout()
+        out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
+        return hidden.index_select(0, flat_index[packed.logit_index])

@@ -1,0 +1,249 @@
+"""Adapter folders: save a run's adapter as a PEFT folder, start an adapter from one.
+
+A saved folder (``global_step_N/actor/lora_adapter/``, seed section 2 and SPEC 9):
+
+* ``adapter_config.json`` and ``adapter_model.safetensors``: exactly what
+  ``PeftModel.from_pretrained(base, folder)`` loads (keys without the adapter name,
+  ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``);
+* ``value_head.safetensors`` (critic only): ``weight (1, H)`` and ``bias (1,)``, fp32;
+  peft ignores it;
+* ``atlas_base.json``: the identity of the base it was trained on (``identity.py``).
+
+Saving is atomic: the folder is written complete under a temporary name beside the target
+and renamed into place (an existing folder is moved aside first and removed after, so a
+reader sees the old folder or the new one, never a half-written one). Under FSDP2 the
+tensors are gathered whole (a collective every rank calls) and rank 0 alone writes; all
+ranks leave together (barrier).
+
+Loading refuses, naming the folder and the field, an adapter whose base differs (config
+shape fields, then the weights fingerprint; folders from elsewhere without
+``atlas_base.json`` are checked by tensor shapes alone, with a warning), whose rank,
+alpha or other LoRA hyper-parameters differ, or whose set of adapted modules differs.
+
+Who calls it: checkpointing (save), run start from another run's step (load).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .actor_critic import ADAPTERS, CRITIC, ActorCritic
+from .identity import identity_mismatch
+from .weights import adapter_state, full_tensor
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+VALUE_HEAD_FILE = "value_head.safetensors"
+BASE_FILE = "atlas_base.json"
+
+#: LoRA hyper-parameters that must agree between a folder and the adapter it starts.
+COMPARED_FIELDS = (
+    "r", "lora_alpha", "use_rslora", "use_dora", "fan_in_fan_out", "bias", "rank_pattern", "alpha_pattern",
+)
+
+
+class AdapterMismatchError(ValueError):
+    """A folder's adapter cannot start this model's adapter; the message names folder and field."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def save_adapter(model: ActorCritic, adapter_name: str, folder: str | Path) -> Path:
+    """Write ``adapter_name`` (and, for the critic, the value head) as a PEFT folder at
+    ``folder``, atomically. Collective under FSDP2 (all ranks call; rank 0 writes)."""
+    from safetensors.torch import save_file
+
+    if adapter_name not in ADAPTERS:
+        raise ValueError(f"adapter_name={adapter_name!r} is not one of {', '.join(ADAPTERS)}")
+    folder = Path(folder)
+    state = adapter_state(model, adapter_name)
+    value_head = None
+    if adapter_name == CRITIC:
+        with torch.no_grad():
+            value_head = {n: full_tensor(p.detach()).clone() for n, p in model.value_head.named_parameters()}
+    failure: BaseException | None = None
+    if _rank() == 0:
+        try:
+            _write_folder(model, adapter_name, folder, state, value_head, save_file)
+        except BaseException as err:  # re-raised below, after the other ranks have heard of it
+            failure = err
+    # every rank leaves together, and all of them fail if rank 0 could not write
+    message = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(message, src=0)
+    if failure is not None:
+        raise failure
+    if message[0] is not None:
+        raise RuntimeError(f"save_adapter({adapter_name!r}, {folder}) failed on rank 0: {message[0]}")
+    return folder
+
+
+def _write_folder(model: ActorCritic, adapter_name: str, folder: Path, state, value_head, save_file) -> None:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _saved_config(model, adapter_name).save_pretrained(str(tmp))
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_FILE),
+                  metadata={"format": "pt"})
+        if value_head is not None:
+            save_file({k: v.to("cpu").contiguous() for k, v in value_head.items()}, str(tmp / VALUE_HEAD_FILE),
+                      metadata={"format": "pt"})
+        identity = {**model.base_identity, "adapter_name": adapter_name, "base_path": model.base_path}
+        (tmp / BASE_FILE).write_text(json.dumps(identity, indent=2) + "\n")
+        _replace_folder(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _saved_config(model: ActorCritic, adapter_name: str):
+    config = copy.deepcopy(model.peft_model.peft_config[adapter_name])
+    config.inference_mode = True
+    config.base_model_name_or_path = model.base_path
+    return config
+
+
+def _replace_folder(tmp: Path, folder: Path) -> None:
+    if not folder.exists():
+        os.replace(tmp, folder)
+        return
+    old = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"
+    os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _adapted_modules(keys) -> set[str]:
+    """Module paths that carry LoRA factors, from PEFT-style keys (``...q_proj.lora_A.weight``)."""
+    return {key.split(".lora_")[0] for key in keys if ".lora_" in key}
+
+
+def load_adapter(model: ActorCritic, adapter_name: str, folder: str | Path, *, require_value_head: bool = True) -> None:
+    """Start ``adapter_name`` from the PEFT folder ``folder`` (another run's step): check it fits
+    this base and this adapter's LoRA settings, then copy its tensors into the (possibly
+    sharded) parameters. For the critic, also the value head (``require_value_head=False``
+    keeps the fresh head when the folder has none). Raises ``FileNotFoundError`` or
+    ``AdapterMismatchError``. Under FSDP2 every rank calls it (each reads the folder)."""
+    from safetensors.torch import load_file
+
+    if adapter_name not in ADAPTERS:
+        raise ValueError(f"adapter_name={adapter_name!r} is not one of {', '.join(ADAPTERS)}")
+    folder = Path(folder)
+    for needed in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (folder / needed).is_file():
+            raise FileNotFoundError(f"{folder}: no {needed} (not a PEFT adapter folder)")
+    saved = json.loads((folder / CONFIG_FILE).read_text())
+    _check_base(model, folder, saved)
+    _check_lora_fields(model, adapter_name, folder, saved)
+
+    tensors = load_file(str(folder / WEIGHTS_FILE))
+    targets = _peft_named_parameters(model, adapter_name)
+    expected_modules, found_modules = _adapted_modules(targets), _adapted_modules(tensors)
+    if expected_modules != found_modules:
+        missing, extra = sorted(expected_modules - found_modules), sorted(found_modules - expected_modules)
+        raise AdapterMismatchError(
+            f"{folder}: target_modules differ: {len(missing)} modules adapted here but not in the folder "
+            f"(e.g. {missing[:2]}), {len(extra)} in the folder but not here (e.g. {extra[:2]})"
+        )
+    if set(tensors) != set(targets):
+        diff = sorted(set(tensors) ^ set(targets))
+        raise AdapterMismatchError(f"{folder}: {WEIGHTS_FILE} keys differ from this adapter's, e.g. {diff[:3]}")
+    for key, param in targets.items():
+        if tuple(tensors[key].shape) != tuple(param.shape):
+            raise AdapterMismatchError(
+                f"{folder}: {key} has shape {tuple(tensors[key].shape)}, this model's is {tuple(param.shape)} "
+                f"(a different base or rank)"
+            )
+
+    value_head = None
+    if adapter_name == CRITIC:
+        if (folder / VALUE_HEAD_FILE).is_file():
+            value_head = load_file(str(folder / VALUE_HEAD_FILE))
+            for name, param in model.value_head.named_parameters():
+                if name not in value_head or tuple(value_head[name].shape) != tuple(param.shape):
+                    found = tuple(value_head[name].shape) if name in value_head else "missing"
+                    raise AdapterMismatchError(
+                        f"{folder}: {VALUE_HEAD_FILE} field {name} is {found}, expected {tuple(param.shape)}"
+                    )
+        elif require_value_head:
+            raise FileNotFoundError(
+                f"{folder}: no {VALUE_HEAD_FILE} (the critic's value head); "
+                f"pass require_value_head=False to start a fresh head"
+            )
+
+    with torch.no_grad():
+        for key, param in targets.items():
+            _copy_full_into(param, tensors[key])
+        if value_head is not None:
+            for name, param in model.value_head.named_parameters():
+                _copy_full_into(param, value_head[name])
+
+
+def _check_base(model: ActorCritic, folder: Path, saved: dict) -> None:
+    identity_file = folder / BASE_FILE
+    if not identity_file.is_file():
+        log.warning(
+            "%s has no %s: its base (%s) is checked by tensor shapes only", folder, BASE_FILE,
+            saved.get("base_model_name_or_path"),
+        )
+        return
+    problem = identity_mismatch(model.base_identity, json.loads(identity_file.read_text()))
+    if problem:
+        raise AdapterMismatchError(f"{folder}: trained on a different base model: {problem}")
+
+
+def _check_lora_fields(model: ActorCritic, adapter_name: str, folder: Path, saved: dict) -> None:
+    live = model.peft_model.peft_config[adapter_name].to_dict()
+    if saved.get("peft_type", "LORA") != "LORA":
+        raise AdapterMismatchError(f"{folder}: peft_type={saved.get('peft_type')!r}, expected 'LORA'")
+    for field in COMPARED_FIELDS:
+        a, b = live.get(field), saved.get(field)
+        if field in ("rank_pattern", "alpha_pattern"):
+            a, b = a or {}, b or {}
+        if field == "lora_alpha" and isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            same = float(a) == float(b)
+        else:
+            same = a == b
+        if not same:
+            raise AdapterMismatchError(
+                f"{folder}: {field}={b!r} in {CONFIG_FILE}, this run's {adapter_name} adapter has {field}={a!r}"
+            )
+
+
+def _peft_named_parameters(model: ActorCritic, adapter_name: str) -> dict[str, Tensor]:
+    """PEFT file key -> the live (possibly sharded) parameter, without gathering anything."""
+    from peft import get_peft_model_state_dict
+
+    wanted = {id(p) for p in model._adapter_parameters(adapter_name)}
+    live = {name: p for name, p in model.peft_model.named_parameters() if id(p) in wanted}
+    return get_peft_model_state_dict(
+        model.peft_model, state_dict=live, adapter_name=adapter_name, save_embedding_layers=False
+    )
+
+
+def _copy_full_into(param: Tensor, full: Tensor) -> None:
+    """Copy a full tensor into ``param``; a DTensor keeps only its own shard of it."""
+    full = full.to(device=param.device, dtype=param.dtype)
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        # every rank read the same file, so each takes its shard locally (no communication)
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full)

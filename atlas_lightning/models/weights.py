@@ -1,0 +1,153 @@
+"""Weights for the engines: the adapter's tensors, or the base with the adapter merged in.
+
+Everything here works from FULL tensors. Under FSDP2 a parameter is a DTensor sharded on
+dim 0, unevenly when the dim does not divide by the world size (torch.chunk semantics: with
+6 ranks some shards are short or empty). Merging shard by shard, ``B_shard @ A_shard``, is
+wrong (both LoRA factors are sharded on dim 0, so the shards do not multiply into a shard of
+``B @ A``): that is how report 28's 6-rank layout got NaN entropies. So each parameter is
+first gathered whole (``DTensor.full_tensor()``, a collective), then merged exactly as a
+one-process model would.
+
+Collective contract: ``adapter_state``, ``merged_weights`` and ``save_adapter`` gather
+parameter by parameter in a fixed order; under FSDP2 EVERY rank must call them and drive
+the generators to the end in lockstep, even ranks that throw the tensors away. Peak extra
+memory is about two full parameters (the gathered base weight and its merged copy).
+
+Bitwise equality with a one-process merge: ``merged_weights`` performs peft's own merge
+arithmetic (``lora.Linear.get_delta_weight`` then ``merge(safe_merge=False)``): ``delta =
+transpose(B @ A, fan_in_fan_out) * scaling`` in the LoRA dtype (fp32 via an upcast when bf16
+LoRA sits on CPU, as peft does), then ``W += delta`` in place in W's dtype. The inputs are
+the same full tensors at every world size, and the same ops in the same order on the same
+device give the same bits; the tests check it against ``merge_and_unload()``.
+
+Who calls it: weight sync to the engines (rollout room), ``adapters.save_adapter``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import Tensor
+
+from .actor_critic import ADAPTERS, ActorCritic
+
+
+def full_tensor(tensor: Tensor) -> Tensor:
+    """The whole tensor: ``DTensor.full_tensor()`` (collective) for a sharded one, else itself."""
+    if hasattr(tensor, "full_tensor"):
+        return tensor.full_tensor()
+    return tensor
+
+
+def _check_adapter(model: ActorCritic, adapter_name: str) -> None:
+    if adapter_name not in ADAPTERS:
+        raise ValueError(f"adapter_name={adapter_name!r} is not one of {', '.join(ADAPTERS)}")
+
+
+def adapter_state(model: ActorCritic, adapter_name: str) -> dict[str, Tensor]:
+    """The adapter's LoRA tensors, full (gathered), named as in a PEFT ``adapter_model.safetensors``
+    (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``). Collective under FSDP2."""
+    from peft import get_peft_model_state_dict
+
+    _check_adapter(model, adapter_name)
+    wanted = {id(p) for p in model._adapter_parameters(adapter_name)}
+    gathered = {}
+    with torch.no_grad():
+        for name, param in model.peft_model.named_parameters():
+            if id(param) in wanted:
+                gathered[name] = full_tensor(param.detach()).clone()
+    return get_peft_model_state_dict(
+        model.peft_model, state_dict=gathered, adapter_name=adapter_name, save_embedding_layers=False
+    )
+
+
+def _merge_into(layer: BaseTunerLayer, adapter: str, weight: Tensor) -> Tensor:
+    """``weight + scaling * B @ A`` with peft's arithmetic (module doc); ``weight`` is full."""
+    if adapter not in layer.lora_A:
+        return weight
+    if layer.use_dora.get(adapter, False) or layer.lora_bias.get(adapter, False):
+        raise NotImplementedError(f"merging DoRA or LoRA-bias adapters is not supported ({type(layer).__name__})")
+    lora_a = full_tensor(layer.lora_A[adapter].weight.detach())
+    lora_b = full_tensor(layer.lora_B[adapter].weight.detach())
+    dtype = lora_b.dtype
+    cast_to_fp32 = lora_b.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
+    if cast_to_fp32:
+        lora_a, lora_b = lora_a.float(), lora_b.float()
+    delta = lora_b @ lora_a
+    if layer.fan_in_fan_out:
+        delta = delta.T
+    delta = delta * layer.scaling[adapter]
+    if cast_to_fp32:
+        delta = delta.to(dtype)
+    merged = weight.clone()
+    merged += delta
+    return merged
+
+
+def merged_weights(model: ActorCritic, adapter_name: str = "actor") -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(checkpoint name, full tensor)`` for every base parameter, with ``adapter_name``
+    merged into the LoRA-wrapped linears' weights (in the base dtype). Names are the base
+    checkpoint's (``model.layers.0.self_attn.q_proj.weight``; for Qwen3.5/3.6 checkpoints
+    ``model.language_model.layers...``), what vLLM's ``load_weights`` expects; tied duplicates
+    appear once. Collective under FSDP2: every rank iterates to the end. Unsharded, the tensors
+    of unmerged parameters are the model's own storage: treat every yielded tensor as read-only."""
+    _check_adapter(model, adapter_name)
+    names = model.checkpoint_names
+    if names is None:
+        raise NotImplementedError(
+            f"merged weights cannot be named for {model.base_path}: {model.checkpoint_names_problem}"
+        )
+    hf = model.hf_model
+    seen: set[int] = set()
+    tuner_prefixes: list[str] = []
+    with torch.no_grad():
+        for module_name, module in hf.named_modules():
+            if any(module_name.startswith(prefix) for prefix in tuner_prefixes):
+                continue  # LoRA factors and the wrapped base layer: handled with their tuner layer
+            if isinstance(module, BaseTunerLayer):
+                tuner_prefixes.append(module_name + ".")
+                owner, merge = module.get_base_layer(), True
+            else:
+                owner, merge = module, False
+            for param_name, param in owner.named_parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                loaded_name = f"{module_name}.{param_name}" if module_name else param_name
+                if loaded_name not in names:
+                    raise KeyError(f"merged_weights: {loaded_name} is not a parameter of the base {model.base_path}")
+                tensor = full_tensor(param.detach())
+                if merge and param_name == "weight":
+                    tensor = _merge_into(module, adapter_name, tensor)
+                yield names[loaded_name], tensor
+
+
+def bucket_weights(
+    weights: Iterable[tuple[str, Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, Tensor]]]:
+    """Group ``(name, tensor)`` pairs, in order, into lists of at most ``bucket_bytes`` bytes.
+    A tensor larger than ``bucket_bytes`` travels alone in its own bucket (it cannot be split
+    without the receiver knowing how to join it). No bucket is empty."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
+    bucket: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def merged_weight_buckets(
+    model: ActorCritic, adapter_name: str = "actor", bucket_bytes: int = 512 * 2**20
+) -> Iterator[list[tuple[str, Tensor]]]:
+    """``merged_weights`` grouped by ``bucket_weights`` (default 512 MiB, report 28's cap)."""
+    return bucket_weights(merged_weights(model, adapter_name), bucket_bytes)
+
