@@ -194,7 +194,7 @@ class LayoutConfig:
     #: ``colocated`` (engines sleep on the training cards) or ``separate``.
     mode: str = "colocated"
     gpus: int = 1
-    train_gpus: Optional[int] = None
+    train_gpus: int = 1
     serve_gpus: int = 0
     engine_tp: int = 1
     #: Bound on how many updates a rollout may lag behind (separate mode).
@@ -299,6 +299,7 @@ def validate(cfg: DictConfig) -> None:
             f"({cfg.rollout.max_prompt_length} + {cfg.rollout.max_response_length}) exceeds "
             f"rollout.max_model_len={cfg.rollout.max_model_len}"
         )
+    _validate_layout(cfg)
     if cfg.reward.cost_per_usd < 0:
         raise ConfigError(f"reward.cost_per_usd={cfg.reward.cost_per_usd} must be >= 0")
     if not cfg.data.benchmarks:
@@ -306,6 +307,30 @@ def validate(cfg: DictConfig) -> None:
     for name, spec in (cfg.callbacks or {}).items():
         if spec is not None and "_target_" not in spec:
             raise ConfigError(f"callbacks.{name} needs a _target_ (a class path)")
+
+
+def _validate_layout(cfg: DictConfig) -> None:
+    """Cards, training processes and engines must agree (memory is ``plan``'s business)."""
+    layout, trainer = cfg.layout, cfg.trainer
+    processes = trainer.devices * trainer.num_nodes
+    tp = cfg.rollout.tensor_parallel_size
+    if layout.mode == "colocated":
+        if layout.train_gpus != layout.gpus:
+            raise ConfigError(f"layout.train_gpus={layout.train_gpus} must equal layout.gpus={layout.gpus} "
+                              f"in a colocated layout")
+        if processes != layout.gpus:
+            raise ConfigError(f"layout.gpus={layout.gpus} but trainer.devices x trainer.num_nodes = {processes}: "
+                              f"a colocated layout trains on every card")
+        if layout.gpus % tp:
+            raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide layout.gpus={layout.gpus}")
+    else:
+        if layout.train_gpus + layout.serve_gpus != layout.gpus:
+            raise ConfigError(f"layout.train_gpus ({layout.train_gpus}) + layout.serve_gpus ({layout.serve_gpus}) "
+                              f"must equal layout.gpus ({layout.gpus}) in a separate layout")
+        if processes != layout.train_gpus:
+            raise ConfigError(f"trainer.devices x trainer.num_nodes = {processes} but layout.train_gpus={layout.train_gpus}")
+        if layout.serve_gpus <= 0 or layout.serve_gpus % tp:
+            raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide layout.serve_gpus={layout.serve_gpus}")
 
 
 # ----------------------------------------------------------------------------- composition
@@ -354,13 +379,14 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
 
 
 def _explain(err: Exception) -> str:
-    """OmegaConf's messages carry ``full_key``; keep the first line and that key."""
-    text = str(err).strip()
+    """Hydra's and OmegaConf's message, without their internals; names the full key."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    kept = [line for line in lines if not line.startswith(("object_type", "full_key", "reference_type"))]
     full_key = getattr(err, "full_key", None)
-    first = text.splitlines()[0] if text else type(err).__name__
-    if full_key and full_key not in first:
-        return f"{full_key}: {first}"
-    return first
+    text = " ".join(kept) or type(err).__name__
+    if full_key and full_key not in text:
+        text = f"{full_key}: {text}"
+    return text
 
 
 def run_dirs(cfg: DictConfig) -> dict[str, Path]:

@@ -1,0 +1,106 @@
+"""The CLI and config composition: every run of SPEC section 2 composes, bad input fails before
+any work naming the key, printing the config does no work, user configs and callbacks plug in."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from atlas_lightning.cli import main
+from atlas_lightning.config import ConfigError, compose, config_dir, run_dirs
+
+EXPERIMENTS = sorted(p.stem for p in (Path(config_dir()) / "experiment").glob("*.yaml"))
+SPEC_RUNS = {
+    "r28-continued-cost-8gpu-n32", "r28-continued-cost-8gpu-t49152-memory", "r28-continued-cost-8gpu-t73728-memory",
+    "r28-continued-cost-8gpu-t49152-tp8-memory", "r28-continued-cost-8gpu-t49152-n16-memory",
+    "r28-continued-cost-8gpu-t49152-n16-separate4-4-memory", "r28-continued-cost-8gpu-t98304-separate6-2-memory",
+    "r28-base-cost-2gpu", "tiny-cpu",
+}
+
+
+def test_every_run_of_the_spec_has_an_experiment_file():
+    assert SPEC_RUNS <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiment_composes_and_is_named_after_its_run(experiment, tmp_path):
+    cfg = compose([f"experiment={experiment}", f"paths.root={tmp_path}"])
+    assert cfg.name == experiment
+    # Only overrides: no experiment file defines a key outside the schema's groups.
+    text = (Path(config_dir()) / "experiment" / f"{experiment}.yaml").read_text()
+    top = set(yaml.safe_load(text)) - {"defaults"}
+    assert top <= set(OmegaConf.to_container(cfg)), top
+
+
+def test_training_of_record_settings():
+    cfg = compose(["experiment=r28-continued-cost-8gpu-n32"])
+    assert (cfg.trainer.devices, cfg.rollout.tensor_parallel_size, cfg.rollout.n) == (8, 4, 32)
+    assert (cfg.algorithm.train_batch_size, cfg.algorithm.ppo_mini_batch_size, cfg.algorithm.ppo_epochs) == (32, 8, 2)
+    assert (cfg.rollout.max_in_flight, cfg.trainer.val_every, cfg.trainer.total_steps) == (640, 5, 40)
+    assert cfg.algorithm.ppo_max_token_len_per_gpu == 49152 and cfg.reward.cost_per_usd == 0.1
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha) == (64, 128)
+
+
+@pytest.mark.parametrize("override, named", [
+    ("model.lora.rnak=3", "model.lora.rnak"),
+    ("rollout.n=many", "rollout.n"),
+    ("rollout.engine=tgi", "rollout.engine"),
+    ("algorithm.ppo_mini_batch_size=5", "algorithm.ppo_mini_batch_size"),
+    ("algorithm.gamma=1.5", "algorithm.gamma"),
+    ("layout.engine_tp=3", "rollout.tensor_parallel_size"),
+    ("experiment=no-such-run", "experiment/no-such-run"),
+])
+def test_bad_input_fails_naming_the_key(override, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        compose(["experiment=tiny-cpu", override])
+
+
+def test_cli_reports_config_errors_with_exit_code_2(capsys):
+    assert main(["fit", "experiment=tiny-cpu", "trainer.totl_steps=3"]) == 2
+    assert "trainer.totl_steps" in capsys.readouterr().err
+
+
+def test_print_config_prints_the_composed_config_and_does_no_work(capsys, tmp_path):
+    assert main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path}", "--print-config"]) == 0
+    printed = OmegaConf.create(capsys.readouterr().out)
+    assert printed == compose(["experiment=tiny-cpu", f"paths.root={tmp_path}"])
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_help_lists_the_six_verbs():
+    out = subprocess.run([sys.executable, "-m", "atlas_lightning.cli", "--help"], capture_output=True, text=True).stdout
+    for verb in ("fit", "validate", "memory-check", "plan", "publish", "data"):
+        assert verb in out
+
+
+def test_a_users_own_config_dir_and_callback_by_class_path(tmp_path):
+    from atlas_lightning.verbs import build_callbacks
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\nname: mine\ntrainer:\n  total_steps: 2\n"
+        "callbacks:\n  timer:\n    _target_: lightning.pytorch.callbacks.Timer\n    duration: '00:01:00:00'\n")
+    cfg = compose(["experiment=mine"], user_config_dir=str(tmp_path))
+    assert cfg.name == "mine" and cfg.trainer.total_steps == 2
+    names = [type(c).__name__ for c in build_callbacks(cfg)]
+    assert names[0] == "WeightSyncCallback" and "Timer" in names and names[-1] == "StepCheckpoint"
+
+    broken = compose(["experiment=tiny-cpu", "+callbacks.bad._target_=no.such.Callback"])
+    with pytest.raises(ConfigError, match="callbacks.bad"):
+        build_callbacks(broken)
+
+
+def test_outputs_go_under_paths_root_and_name(tmp_path):
+    from atlas_lightning.verbs import prepare_run
+
+    cfg = compose(["experiment=tiny-cpu", f"paths.root={tmp_path}", "name=demo"])
+    dirs = prepare_run(cfg, "fit")
+    assert dirs["outputs"] == tmp_path / "outputs" / "demo" and dirs == run_dirs(cfg)
+    assert OmegaConf.load(dirs["outputs"] / "config.yaml") == cfg
+    assert (dirs["outputs"] / "main.log").exists()
+    assert len(list((tmp_path / "logs").glob("demo-*-fit.log"))) == 1
