@@ -71,15 +71,18 @@ def build_callbacks(cfg: DictConfig) -> list:
             callbacks.append(instantiate(spec))
         except Exception as err:  # a bad class path or argument, named for the user
             raise ConfigError(f"callbacks.{name}: cannot build {spec.get('_target_')}: {err}") from err
+    from atlas_lightning.callbacks.hub import hub_callback_from_config
+
+    hub = hub_callback_from_config(cfg)
+    if hub is not None:
+        callbacks.append(hub)
     callbacks.append(StepCheckpoint(every_n_steps=cfg.trainer.save_every))
     return callbacks
 
 
 def build_loggers(cfg: DictConfig) -> list:
-    try:
-        from atlas_lightning.loggers import build_loggers as build
-    except ImportError:
-        return []
+    from atlas_lightning.loggers import build_loggers as build
+
     return build(cfg)
 
 
@@ -178,8 +181,6 @@ def plan(cfg: DictConfig) -> int:
 
 
 def publish(cfg: DictConfig, weights: bool = False) -> int:
-    try:
-        from atlas_lightning.publish import publish_from_config
-    except ImportError:
-        raise NotImplementedError("`publish` lands with the callbacks issue (#6)") from None
+    from atlas_lightning.publish import publish_from_config
+
     return publish_from_config(cfg, weights)

@@ -1,0 +1,72 @@
+"""The uploader's pure parts: commit batching, error classification, log redaction."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import httpx2
+import pytest
+from huggingface_hub.errors import HfHubHTTPError
+
+from atlas_lightning.callbacks.hub_client import (
+    INLINE_SIZE_LIMIT,
+    HubUploader,
+    is_transient,
+    plan_batches,
+    redacted_logs,
+)
+
+
+def test_batches_respect_file_count_and_inline_bytes():
+    entries = [(f"f{i}", Path(f"f{i}"), 10) for i in range(5)]
+    assert [len(b) for b in plan_batches(entries, max_files=2)] == [2, 2, 1]
+    assert [len(b) for b in plan_batches(entries, max_inline_bytes=25)] == [2, 2, 1]
+    big = [("w", Path("w"), INLINE_SIZE_LIMIT + 1)] * 3  # LFS files do not count as inline bytes
+    assert [len(b) for b in plan_batches(big + entries, max_inline_bytes=25)] == [5, 2, 1]
+    flat = [e for b in plan_batches(big + entries, max_files=3) for e in b]
+    assert flat == big + entries, "order must be kept"
+
+
+def _http_error(status: int) -> HfHubHTTPError:
+    request = httpx2.Request("POST", "http://hub/api/x")
+    return HfHubHTTPError(f"{status}", response=httpx2.Response(status, request=request))
+
+
+@pytest.mark.parametrize("status, transient", [(500, True), (503, True), (429, True), (408, True),
+                                               (401, False), (403, False), (404, False), (400, False)])
+def test_http_errors_are_classified_by_status(status, transient):
+    assert is_transient(_http_error(status)) is transient
+
+
+def test_connection_errors_are_transient_even_when_wrapped():
+    try:
+        try:
+            raise httpx2.ConnectError("refused")
+        except httpx2.ConnectError as inner:
+            raise RuntimeError("Error while uploading 'x' to the Hub.") from inner
+    except RuntimeError as outer:
+        assert is_transient(outer)
+    assert not is_transient(ValueError("LFS batch API returned errors"))
+
+
+def test_redacted_logs_hide_the_secret_from_every_logger_and_restore_the_factory(caplog):
+    factory = logging.getLogRecordFactory()
+    with caplog.at_level(logging.DEBUG):
+        with redacted_logs("s3cr3t-token"):
+            with redacted_logs("s3cr3t-token"):  # nested use keeps it on
+                logging.getLogger("some.http.lib").debug("header Authorization: Bearer %s", "s3cr3t-token")
+            logging.getLogger("other").warning("again s3cr3t-token")
+        logging.getLogger("after").warning("plain s3cr3t-token")
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages[:2] == ["header Authorization: Bearer ***", "again ***"]
+    assert messages[2] == "plain s3cr3t-token", "redaction must stop when the publish ends"
+    assert logging.getLogRecordFactory() is factory
+
+
+def test_the_uploader_does_not_show_its_token():
+    uploader = HubUploader("a/b", endpoint="http://localhost:1", token="hf_shouldNotShow")
+    assert "hf_shouldNotShow" not in repr(uploader) and "hf_shouldNotShow" not in uploader.where
+    assert uploader.redact("x hf_shouldNotShow y") == "x *** y"
+    with pytest.raises(ValueError, match="retries=-1"):
+        HubUploader("a/b", retries=-1)
