@@ -157,15 +157,15 @@ class PPOModule(L.LightningModule):
         return merged_weight_buckets(self.model, "actor", bucket_bytes)
 
     def restore_checkpoint(self, step_dir: Path) -> None:
-        """Adapters from a complete ``global_step_M`` folder, and the optimizer states from its
-        Lightning state when present (used by the NaN guard's rollback)."""
-        from atlas_lightning.models.adapters import load_adapter
+        """Trainable tensors (LoRA factors, value head) and optimizer states from a complete
+        ``global_step_M`` folder's Lightning state, in place (the NaN guard's rollback).
+        Collective under FSDP2."""
+        from atlas_lightning.callbacks.checkpoint import lightning_state_path
 
-        step_dir = Path(step_dir)
-        load_adapter(self.model, "actor", step_dir / "actor" / "lora_adapter")
-        load_adapter(self.model, "critic", step_dir / "critic" / "lora_adapter")
-        for optimizer in self.optimizers():
-            optimizer.optimizer.state.clear() if hasattr(optimizer, "optimizer") else optimizer.state.clear()
+        strategy = self.trainer.strategy
+        checkpoint = strategy.load_checkpoint(lightning_state_path(step_dir))
+        strategy.load_model_state_dict(checkpoint, strict=False)
+        strategy.load_optimizer_state_dict(checkpoint)
 
     # -- logging --------------------------------------------------------------------------
 
@@ -255,6 +255,7 @@ class PPOModule(L.LightningModule):
                 ref_log_prob, _ = self._forward_all(seqs, prompts, width, "base")
         _check_finite(nonfinite, batch, mask, old_log_prob=old_log_prob, entropy=entropy, values=values,
                       ref_log_prob=ref_log_prob)
+        _agree_on_nonfinite(nonfinite, "forward")
 
         metrics: dict[str, float] = {}
         with _timed(timing, "adv"):
@@ -318,28 +319,23 @@ class PPOModule(L.LightningModule):
                         history.setdefault(key, []).append(value)
                 grad_norm = _grad_norm(params, cfg.grad_clip)
                 history.setdefault(f"{role}/grad_norm", []).append(grad_norm)
-                if not math.isfinite(grad_norm):
+                losses = [x for key, vals in history.items() if key.endswith("_loss") for x in vals]
+                local_bad = [name for name, bad in ((f"{role}/loss", not all(map(math.isfinite, losses))),
+                                                    (f"{role}/grad_norm", not math.isfinite(grad_norm))) if bad]
+                if local_bad:
+                    nonfinite.setdefault("what", []).extend(local_bad)
+                if _agree_on_nonfinite(nonfinite, f"update_{role}"):
                     self.skipped_optimizer_steps[role] += 1
-                    optimizer.zero_grad(set_to_none=True)
-                    nonfinite.setdefault("what", []).append(f"{role}/grad_norm")
-                    nonfinite.setdefault("phase", f"update_{role}")
-                    break
-                losses = [v for k, v in history.items() if k.endswith("_loss")]
-                if any(not math.isfinite(x) for values_ in losses for x in values_):
-                    nonfinite.setdefault("what", []).append(f"{role}/loss")
-                    nonfinite.setdefault("phase", f"update_{role}")
                     optimizer.zero_grad(set_to_none=True)
                     break
                 optimizer.step()
             if nonfinite:
                 break
-        out = {key: float(np.mean(vals)) for key, vals in history.items()}
+        keys = list(_ROLE_METRICS[role]) + (["actor/kl_loss"] if role == "actor" and cfg.use_kl_loss else [])
+        out = _mean_over_ranks({key: history.get(key, []) for key in keys})
         out[f"{role}/skipped_steps"] = float(self.skipped_optimizer_steps[role])
-        if role == "actor":
-            out["actor/lr"] = cfg.actor_lr
-        else:
-            out["critic/lr"] = cfg.critic_lr
-        return _mean_over_ranks(out)
+        out[f"{role}/lr"] = cfg.actor_lr if role == "actor" else cfg.critic_lr
+        return out
 
     def _micro_step(self, role, seqs, prompts, width, indices, mask, old_log_prob, values, returns, advantages,
                     ref_log_prob, total_tokens, world) -> dict[str, float]:
@@ -427,6 +423,11 @@ class PPOModule(L.LightningModule):
         out["rollout/gen_tokens_per_s"] = batch.stats.tokens_per_second
         return out
 
+    def validation_step(self, batch, batch_idx):
+        """Nothing: validation rollouts run in ``ValidationCallback`` (the ``validate`` verb
+        drives it from ``on_validation_start``); Lightning needs the hook to exist."""
+        return None
+
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-probs (temperature 1) of tokens ``1..`` of ``token_ids`` under the actor, for the
         weight-sync check. Collective under FSDP2 (every rank calls with the same ids)."""
@@ -502,6 +503,17 @@ def _check_finite(nonfinite: dict, batch: RolloutBatch, mask: torch.Tensor, **te
             }
 
 
+def _agree_on_nonfinite(nonfinite: dict, phase: str) -> bool:
+    """True on every rank when any rank found a non-finite value (collective): all ranks must
+    then skip the same optimizer steps, or their FSDP collectives would fall out of step."""
+    anywhere = dist_utils.all_reduce_max([1.0 if nonfinite else 0.0])[0] > 0
+    if anywhere and not nonfinite:
+        nonfinite["what"] = ["(found on another rank)"]
+    if anywhere:
+        nonfinite.setdefault("phase", phase)
+    return anywhere
+
+
 def _per_trajectory(batch: RolloutBatch, mask: torch.Tensor, **tensors) -> dict[str, list[np.ndarray]]:
     out = {}
     lengths = [len(r.response_ids) for r in batch.records]
@@ -513,11 +525,19 @@ def _per_trajectory(batch: RolloutBatch, mask: torch.Tensor, **tensors) -> dict[
     return out
 
 
-def _mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    keys = sorted(metrics)
-    sums = dist_utils.all_reduce_sum([metrics[k] for k in keys])
-    world = dist_utils.world_size()
-    return {k: s / world for k, s in zip(keys, sums)}
+#: The per-micro-batch metrics of each role, in a fixed order (every rank reduces the same list).
+_ROLE_METRICS = {
+    "actor": ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/grad_norm"),
+    "critic": ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"),
+}
+
+
+def _mean_over_ranks(history: dict[str, list[float]]) -> dict[str, float]:
+    """verl's reduction: the mean of every value each rank recorded (micro-batches, optimizer
+    steps), over all ranks. Collective; the keys must be the same on every rank."""
+    keys = list(history)
+    totals = dist_utils.all_reduce_sum([float(sum(history[k])) for k in keys] + [float(len(history[k])) for k in keys])
+    return {k: (totals[i] / totals[len(keys) + i] if totals[len(keys) + i] else 0.0) for i, k in enumerate(keys)}
 
 
 def _combine_batch_metrics(gathered: list) -> dict[str, float]:

@@ -28,13 +28,14 @@ import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+
+from atlas_lightning.atomic import atomic_write
 
 FILE_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -248,21 +249,7 @@ def build_record(
 # ----------------------------------------------------------------------------- files
 
 
-def _atomic_write(path: Path, write: Any, binary: bool = False) -> Path:
-    """Call ``write(handle)`` on a temporary file beside ``path``, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        if os.path.exists(temp):
-            os.unlink(temp)
-        raise
-    return path
+
 
 
 def write_record(folder: str | os.PathLike, record: TrajectoryRecord) -> Path:
@@ -279,7 +266,7 @@ def write_record(folder: str | os.PathLike, record: TrajectoryRecord) -> Path:
         text = json.dumps(data, ensure_ascii=True, allow_nan=False, indent=1)
     except (TypeError, ValueError) as err:
         raise RecordError(f"record {path}: cannot be written as JSON ({err})") from None
-    return _atomic_write(path, lambda handle: handle.write(text + "\n"))
+    return atomic_write(path, lambda handle: handle.write(text + "\n"))
 
 
 def read_record(path: str | os.PathLike) -> TrajectoryRecord:
@@ -326,7 +313,7 @@ def write_step_tensors(
                 raise RecordError(f"{path}: {name} of record {i} must be 1-D, got shape {array.shape}")
         payload[name] = np.concatenate(arrays) if arrays else np.zeros(0)
         payload[f"{name}__offsets"] = np.cumsum([0] + [len(a) for a in arrays], dtype=np.int64)
-    return _atomic_write(path, lambda handle: np.savez(handle, **payload), binary=True)
+    return atomic_write(path, lambda handle: np.savez(handle, **payload), binary=True)
 
 
 def read_step_tensors(path: str | os.PathLike) -> dict[str, list]:
@@ -387,7 +374,7 @@ def write_manifest(folder: str | os.PathLike, extra: Mapping[str, Any] | None = 
             raise RecordError(f"write_manifest: extra key {key!r} would overwrite a manifest field")
         manifest[key] = value
     text = json.dumps(manifest, indent=1, ensure_ascii=True, allow_nan=False)
-    return _atomic_write(folder / MANIFEST_NAME, lambda handle: handle.write(text + "\n"))
+    return atomic_write(folder / MANIFEST_NAME, lambda handle: handle.write(text + "\n"))
 
 
 def verify_manifest(folder: str | os.PathLike) -> list[str]:

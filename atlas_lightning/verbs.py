@@ -17,6 +17,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from atlas_lightning.atomic import atomic_write_text
 from atlas_lightning.config import ConfigError, run_dirs
 
 log = logging.getLogger("atlas_lightning")
@@ -40,9 +41,7 @@ def prepare_run(cfg: DictConfig, verb: str) -> dict[str, Path]:
         return dirs
     for key in ("outputs", "logs"):
         dirs[key].mkdir(parents=True, exist_ok=True)
-    tmp = dirs["outputs"] / ".config.yaml.tmp"
-    tmp.write_text(OmegaConf.to_yaml(cfg))
-    os.replace(tmp, dirs["outputs"] / "config.yaml")
+    atomic_write_text(dirs["outputs"] / "config.yaml", OmegaConf.to_yaml(cfg))
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     for path in (dirs["outputs"] / "main.log", dirs["logs"] / f"{cfg.name}-{stamp}-{verb}.log"):
@@ -112,7 +111,8 @@ def resume_path(cfg: DictConfig) -> Optional[str]:
     return str(lightning_state_path(folder))
 
 
-def build_trainer(cfg: DictConfig, callbacks: Optional[list] = None, loggers: Optional[list] = None):
+def build_trainer(cfg: DictConfig, callbacks: Optional[list] = None, loggers: Optional[list] = None,
+                  limit_val_batches: int = 0):
     import lightning as L
 
     t = cfg.trainer
@@ -126,7 +126,7 @@ def build_trainer(cfg: DictConfig, callbacks: Optional[list] = None, loggers: Op
         logger=loggers if loggers is not None else build_loggers(cfg),
         callbacks=callbacks if callbacks is not None else build_callbacks(cfg),
         num_sanity_val_steps=0,
-        limit_val_batches=0,
+        limit_val_batches=limit_val_batches,
         log_every_n_steps=1,
         default_root_dir=str(run_dirs(cfg)["outputs"]),
         enable_model_summary=False,
@@ -168,16 +168,58 @@ def _closing_summary(cfg: DictConfig, dirs: dict[str, Path], seconds: float) -> 
     print("\n".join(lines), file=sys.stderr)
 
 
+def _step_of(path: Optional[str]) -> int:
+    """N of a ``.../global_step_N[/...]`` path, else 0."""
+    for part in reversed(Path(path).parts if path else ()):
+        if part.startswith("global_step_") and part[len("global_step_"):].isdigit():
+            return int(part[len("global_step_"):])
+    return 0
+
+
 def validate(cfg: DictConfig) -> int:
-    raise NotImplementedError("`validate` lands with the callbacks issue (#6)")
+    """The validation sets through the agent loop with the configured weights: a run's
+    checkpoint (``trainer.resume``), another run's step (``trainer.init_from``) or explicit
+    adapters (``model.actor_adapter``), else the fresh adapters. Metrics, the dump
+    ``val_dumps/N.jsonl`` and records are written as in training, N being the step validated."""
+    import lightning as L
+
+    from atlas_lightning.callbacks.validation import ValidationCallback
+    from atlas_lightning.callbacks.weight_sync import WeightSyncCallback
+    from atlas_lightning.data.datamodule import RolloutDataModule
+    from atlas_lightning.module import PPOModule
+
+    prepare_run(cfg, "validate")
+    ckpt = resume_path(cfg)
+    step = _step_of(ckpt or cfg.trainer.init_from or cfg.model.actor_adapter)
+    results: dict = {}
+
+    class _ValidateOnce(L.Callback):
+        def on_validation_start(self, trainer, pl_module):
+            pl_module.rl_step = step
+            WeightSyncCallback().sync(trainer, pl_module, version=step)
+            results.update(ValidationCallback(val_every=1).run_validation(trainer, pl_module, step))
+
+    trainer = build_trainer(cfg, callbacks=[_ValidateOnce()], limit_val_batches=1)
+    trainer.validate(PPOModule(cfg), datamodule=RolloutDataModule(cfg), ckpt_path=ckpt)
+    if trainer.global_rank == 0:
+        shown = {k: v for k, v in sorted(results.items()) if k.endswith(("/acc", "/objective"))}
+        print("\n".join(f"{k:40s} {v:.4f}" for k, v in shown.items()), file=sys.stderr)
+    return 0
 
 
 def memory_check(cfg: DictConfig) -> int:
-    raise NotImplementedError("`memory-check` lands with the scale issue (#8)")
+    """Synthetic steps at the full token budget; each card's peak per phase (``memory_check.py``)."""
+    from atlas_lightning.memory_check import main_verb
+
+    return main_verb(cfg)
 
 
 def plan(cfg: DictConfig) -> int:
-    raise NotImplementedError("`plan` lands with the scale issue (#8)")
+    """Per-card memory of each phase, refusals before launch (``planning``); exit 2 when refused.
+    The card's memory comes from ``ATLAS_CARD_GIB`` (default 80)."""
+    from atlas_lightning.planning.cli import run_plan
+
+    return run_plan(cfg)
 
 
 def publish(cfg: DictConfig, weights: bool = False) -> int:

@@ -19,13 +19,13 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 from lightning.pytorch.callbacks import Checkpoint
 
 from atlas_lightning import distributed as dist_utils
+from atlas_lightning.atomic import atomic_write_text
 from atlas_lightning.config import run_dirs
 
 MARKER = "checkpoint.json"
@@ -59,13 +59,6 @@ def lightning_state_path(folder: Path) -> Path:
     state = Path(folder) / STATE_DIR
     single = state / "state.ckpt"
     return single if single.is_file() else state
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
 
 
 def _sha256(path: Path) -> str:
@@ -114,8 +107,8 @@ class StepCheckpoint(Checkpoint):
             shutil.rmtree(tmp, ignore_errors=True)
             files = {str(p.relative_to(final)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
                      for p in sorted(final.rglob("*")) if p.is_file() and p.parts[len(final.parts)] != "val_dumps"}
-            _atomic_text(final / MARKER, json.dumps({"global_step": step, "files": files}, indent=1) + "\n")
-            _atomic_text(checkpoints / LATEST, f"{step}\n")
+            atomic_write_text(final / MARKER, json.dumps({"global_step": step, "files": files}, indent=1) + "\n")
+            atomic_write_text(checkpoints / LATEST, f"{step}\n")
         dist_utils.barrier()
         self.last_saved = step
         for callback in trainer.callbacks:

@@ -2,18 +2,22 @@
 
 Order of work, all ranks together (FSDP gathers are collective):
 
-1. export: the actor adapter as a PEFT folder under ``outputs/<name>/engine_adapters/vK``
+1. export: the actor adapter as a PEFT folder under ``outputs/<name>/.engine_adapters/syncK``
+   (hidden: never published)
    (``rollout.weight_sync: lora``), rank 0 writes; or the adapter merged into the base and
    sent in buckets of at most ``rollout.bucket_mb`` (``merged``);
 2. load: each engine serves version ``K`` (a new LoRA id, never a reused one);
 3. verify: the engine reports the tensor count and checksum of what it holds, compared with
    what was sent; then the trainer's and the engine's log-probs of a probe sequence are
    compared, logged as ``rollout/logprob_gap``. A mismatch, a gap over
-   ``rollout.max_logprob_gap`` or a non-finite engine log-prob raises ``WeightSyncError``:
+   ``rollout.max_logprob_gap`` raises ``WeightSyncError``, a non-finite engine log-prob the NaN
+   guard's ``NonFiniteError``:
    no rollout ever runs on weights that are not the trained ones.
 
-Version ``K`` = the number of updates applied (0 before training). It runs first among the
-callbacks (``fit`` puts it there) so that validation after step N samples the step-N weights.
+The weights version served is the number of updates applied (0 before training; after a NaN
+guard rollback to step M, M again); every sync also gets a new engine-side id (``sync_id``,
+never reused) so that no engine serves a stale adapter. It runs first among the callbacks
+(``fit`` puts it there) so that validation after step N samples the step-N weights.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class WeightSyncCallback(L.Callback):
     def __init__(self, keep_versions: int = 2) -> None:
         self.keep_versions = keep_versions
         self.version: Optional[int] = None
+        self.sync_id = 0
         self.last_gap: Optional[float] = None
 
     # -- hooks ----------------------------------------------------------------------------
@@ -51,19 +56,25 @@ class WeightSyncCallback(L.Callback):
             return  # the NaN guard decides; never ship non-finite weights
         self.sync(trainer, pl_module, version=batch.step)
 
+    def on_rl_weights_restored(self, trainer, pl_module, step: int, checkpoint) -> None:
+        """The NaN guard rolled the trainer back: serve the restored weights before the next rollout."""
+        restored = int(Path(checkpoint).name.rsplit("_", 1)[1])
+        self.sync(trainer, pl_module, version=restored, log_step=step)
+
     # -- the sync -------------------------------------------------------------------------
 
-    def sync(self, trainer, pl_module, version: int) -> dict:
+    def sync(self, trainer, pl_module, version: int, log_step: Optional[int] = None) -> dict:
         cfg = pl_module.cfg
+        self.sync_id += 1
         dm = trainer.datamodule
         engine = dm.engine
         started = time.monotonic()
         if cfg.rollout.weight_sync == "lora":
-            folder = run_dirs(cfg)["outputs"] / "engine_adapters" / f"v{version}"
+            folder = run_dirs(cfg)["outputs"] / ".engine_adapters" / f"sync{self.sync_id}"
             expected = pl_module.export_actor_adapter(folder)
             dist_utils.barrier()
-            report = engine.set_adapter(AdapterVersion(str(folder), version=version))
-            self._prune(folder.parent, version)
+            report = engine.set_adapter(AdapterVersion(str(folder), version=self.sync_id))
+            self._prune(folder.parent)
         else:
             expected = (0, 0.0)
             report = None
@@ -73,13 +84,13 @@ class WeightSyncCallback(L.Callback):
                 report = held if report is None else type(held)(report.tensor_count + held.tensor_count,
                                                                 report.checksum + held.checksum)
         self._check_held(expected, report, version)
-        gap = self._probe(trainer, pl_module, dm, engine)
+        gap = self._probe(pl_module, dm, engine, version)
         dm.weights_version = version
         self.version = version
         self.last_gap = gap
         metrics = {"rollout/logprob_gap": gap, "timing_s/update_weights": time.monotonic() - started,
                    "rollout/sync_tensor_count": float(report.tensor_count)}
-        pl_module.log_metrics(metrics, step=version)
+        pl_module.log_metrics(metrics, step=version if log_step is None else log_step)
         return metrics
 
     @staticmethod
@@ -93,13 +104,15 @@ class WeightSyncCallback(L.Callback):
                                   f"trainer's {checksum!r}")
 
     @staticmethod
-    def _probe(trainer, pl_module, dm, engine) -> float:
-        """Max |trainer - engine| log-prob over a fixed probe sequence (a validation prompt)."""
+    def _probe(pl_module, dm, engine, version: int) -> float:
+        """Max |trainer - engine| log-prob over a fixed probe sequence (a validation prompt).
+        Non-finite engine log-probs raise the NaN guard's ``NonFiniteError``."""
+        from atlas_lightning.callbacks.nan_guard import check_probe_logprobs
+
         cfg = pl_module.cfg
         probe = dm.probe_token_ids()
         engine_lp = engine.prompt_logprobs(probe)
-        if not all(math.isfinite(x) for x in engine_lp):
-            raise WeightSyncError("weight sync: the engine's probe log-probs are not finite (NaN/inf)")
+        check_probe_logprobs(engine_lp, version)
         trainer_lp = pl_module.probe_logprobs(probe)
         if len(engine_lp) != len(trainer_lp):
             raise WeightSyncError(f"weight sync: probe lengths differ ({len(engine_lp)} vs {len(trainer_lp)})")
@@ -111,18 +124,20 @@ class WeightSyncCallback(L.Callback):
                 f"(rollout.max_logprob_gap={cfg.rollout.max_logprob_gap}); refusing to roll out")
         return gap
 
-    def _prune(self, parent: Path, version: int) -> None:
+    def _prune(self, parent: Path) -> None:
+        """Keep the newest ``keep_versions`` exported adapters (the engine may still read them)."""
         if not dist_utils.is_rank_zero():
             return
-        for old in parent.glob("v*"):
+        for old in parent.glob("sync*"):
             try:
-                if int(old.name[1:]) <= version - self.keep_versions:
+                if int(old.name[4:]) <= self.sync_id - self.keep_versions:
                     shutil.rmtree(old, ignore_errors=True)
             except ValueError:
                 continue
 
     def state_dict(self) -> dict:
-        return {"version": self.version}
+        return {"version": self.version, "sync_id": self.sync_id}
 
     def load_state_dict(self, state: dict) -> None:
         self.version = state.get("version")
+        self.sync_id = int(state.get("sync_id", 0))

@@ -35,6 +35,16 @@ in the whole mini-batch on all ranks, so that sum over ranks and micro-batches o
 which average gradients over ranks, backpropagate ``world_size * weight * micro_loss`` (the
 same as ``ppo.agg_loss(..., dp_size=world_size, batch_num_tokens=total)``).
 
+Padded layouts (``plan_padded_micro_batches``): a model whose recurrent layers cannot see
+packed sequence boundaries (Qwen3.5/3.6 in transformers 5.17-5.19, ``ActorCritic``'s
+``padded`` layout) runs a micro-batch of ``n`` sequences as ``(n, longest)``; what it costs,
+and what the budget must bound, is ``n x longest``, not the sum of lengths. There the
+sequences are sorted longest first and cut greedily into runs: each micro-batch starts with
+the longest sequence left and takes the next ones while ``count x that length`` fits. This
+gives the fewest micro-batches for that cost (an exchange argument: some optimal plan puts
+the ``floor(budget / longest)`` longest sequences together, and so on recursively; the tests
+check it against exhaustive search) and groups similar lengths, so little is padding.
+
 Who calls it: the PPO step (``module.py``) for every mini-batch; the memory planner.
 Pure Python; no torch.
 """
@@ -51,6 +61,7 @@ __all__ = [
     "MicroBatchPlan",
     "plan_data_parallel",
     "plan_micro_batches",
+    "plan_padded_micro_batches",
     "token_mean_weights",
 ]
 
@@ -134,6 +145,58 @@ def plan_micro_batches(
         bins = _exactly_k_bins(regular, lengths, budget, wanted, fewest)
     bins = bins + [[i] for i in oversized]
     return _finish(bins, lengths, oversized, budget)
+
+
+def plan_padded_micro_batches(
+    seq_lens: Sequence[int],
+    max_token_len: int,
+    *,
+    num_micro_batches: int | None = None,
+    allow_oversized: bool = False,
+) -> MicroBatchPlan:
+    """Micro-batches for a right-padded layout, where ``n`` sequences cost ``n x longest`` tokens.
+
+    Same contract as ``plan_micro_batches`` (every index once; ``num_micro_batches`` asks for
+    exactly that many, empty ones padding; oversized sequences alone, or an error), except
+    that ``token_sums[m]`` is the padded size ``len(micro_batch) x its longest sequence``,
+    which is what stays within ``max_token_len``. Fewest micro-batches (module doc).
+    """
+    lengths = _check_lengths(seq_lens)
+    budget = _check_budget(max_token_len)
+    oversized = _oversized(lengths, budget, allow_oversized)
+    oversized_set = set(oversized)
+    runs: list[list[int]] = []
+    for i in _order_longest_first([i for i in range(len(lengths)) if i not in oversized_set], lengths):
+        if runs and (len(runs[-1]) + 1) * lengths[runs[-1][0]] <= budget:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    fewest = len(runs) + len(oversized)
+    if num_micro_batches is not None:
+        if num_micro_batches < fewest:
+            raise ValueError(
+                f"plan_padded_micro_batches: num_micro_batches={num_micro_batches} is too few; {fewest} are needed "
+                f"for {len(lengths)} sequences padded to their micro-batch's longest under max_token_len={budget}"
+            )
+        # Halving a run of length-sorted sequences keeps both halves within the budget.
+        while len(runs) + len(oversized) < num_micro_batches and any(len(r) > 1 for r in runs):
+            costliest = max((r for r in runs if len(r) > 1), key=lambda r: (len(r) * lengths[r[0]], -r[0]))
+            at = runs.index(costliest)
+            half = (len(costliest) + 1) // 2
+            runs[at : at + 1] = [costliest[:half], costliest[half:]]
+        runs += [[] for _ in range(num_micro_batches - len(runs) - len(oversized))]
+    bins = [sorted(r) for r in runs] + [[i] for i in oversized]
+
+    def padded(b: list[int]) -> int:
+        return len(b) * max((lengths[i] for i in b), default=0)
+
+    ordered = sorted(bins, key=lambda b: (-padded(b), b[0] if b else len(lengths)))
+    return MicroBatchPlan(
+        micro_batches=tuple(tuple(b) for b in ordered),
+        token_sums=tuple(padded(b) for b in ordered),
+        oversized=tuple(oversized),
+        max_token_len=budget,
+    )
 
 
 def plan_data_parallel(

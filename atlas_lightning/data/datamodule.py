@@ -132,6 +132,11 @@ class RolloutDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_RolloutSteps(self), batch_size=None, num_workers=0, collate_fn=_identity)
 
+    def val_dataloader(self) -> DataLoader:
+        """One placeholder batch: the ``validate`` verb runs its rollout from a callback, with the
+        engine and weights Lightning has set up (fit never runs Lightning's validation loop)."""
+        return DataLoader([0], batch_size=None)
+
     # -- rollouts -------------------------------------------------------------------------
 
     def _limits(self) -> LoopLimits:

@@ -49,6 +49,17 @@ Attention and sequence boundaries (what transformers 5.19 does, checked in its s
   tokens), at the cost of padding compute. ``sequence_layout="packed"`` on such a model is
   refused.
 
+Speed paths (issue 9; ``bench/README.md`` has the measurements):
+
+* ``fused_lora=True`` (default): every LoRA-wrapped linear runs as one autograd function in
+  the compute dtype (``fused_lora.py``) instead of peft's separate fp32 adapter path;
+* ``attn_implementation="sdpa_varlen"``: one causal FlashAttention call per packed sequence,
+  no mask, nothing compiled (``attention.py``); the packed forward passes the sequence
+  lengths to it through the decoder's kwargs;
+* ``checkpoint_layers=k``: with gradient checkpointing on, only the first ``k`` decoder
+  layers are recomputed in the backward (``None``: all of them); the others keep their
+  activations, trading memory for the recomputation time.
+
 Who calls it: the PPO module (forward passes, optimizers over the two parameter lists),
 ``sharding.shard`` (FSDP2), ``adapters`` and ``weights`` (export/import).
 """
@@ -63,8 +74,10 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
+from . import attention
 from .adapter_switch import checkpoint_keeping_adapter, selected_adapter, tuner_layers
 from .checkpoint_names import name_map
+from .fused_lora import install_fused_lora
 from .identity import base_identity
 from .logprobs import token_logprobs_and_entropy
 from .packing import PackedBatch
@@ -130,7 +143,7 @@ class ActorCritic(nn.Module):
 
     def __init__(
         self,
-        base_path: str,
+        base_path: str | nn.Module,
         lora: Any,
         *,
         dtype: str | torch.dtype = torch.float32,
@@ -141,7 +154,12 @@ class ActorCritic(nn.Module):
         critic_lora: Any = None,
         init_seed: int = 0,
         device: str | torch.device | None = None,
+        fused_lora: bool = True,
+        checkpoint_layers: Optional[int] = None,
     ) -> None:
+        """``base_path``: a local Hugging Face folder, or an already built transformers causal LM
+        (benchmarks build random ones in place; it is used as given: ``dtype``, ``device`` and
+        ``attn_implementation`` do not apply to it, it is frozen and LoRA is injected into it)."""
         super().__init__()
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM
@@ -150,20 +168,26 @@ class ActorCritic(nn.Module):
             raise ValueError(f"logprob_chunk_tokens={logprob_chunk_tokens} must be positive")
         if sequence_layout not in SEQUENCE_LAYOUTS:
             raise ValueError(f"sequence_layout={sequence_layout!r} is not one of {', '.join(SEQUENCE_LAYOUTS)}")
-        if not Path(base_path).is_dir():
-            raise FileNotFoundError(f"base model folder {base_path} does not exist (a local folder, never a hub id)")
-        self.base_path = str(base_path)
         self.logprob_chunk_tokens = int(logprob_chunk_tokens)
-
-        # ``device``: weights go straight there (e.g. ``cuda:LOCAL_RANK``), not through host
-        # memory: 8 ranks each holding a 27B bf16 copy in RAM would need 432 GB of it.
         device = torch.device(device) if device is not None else None
-        base = AutoModelForCausalLM.from_pretrained(
-            self.base_path,
-            dtype=torch_dtype(dtype),
-            attn_implementation=attn_implementation,
-            **({"device_map": {"": device}} if device is not None else {}),
-        )
+        if isinstance(base_path, nn.Module):
+            base = base_path
+            self.base_path = str(getattr(base.config, "_name_or_path", "") or f"<in-memory {type(base).__name__}>")
+            if device is None:
+                device = next(base.parameters()).device
+        else:
+            if not Path(base_path).is_dir():
+                raise FileNotFoundError(f"base model folder {base_path} does not exist (a local folder, never a hub id)")
+            self.base_path = str(base_path)
+            # ``device``: weights go straight there (e.g. ``cuda:LOCAL_RANK``), not through host
+            # memory: 8 ranks each holding a 27B bf16 copy in RAM would need 432 GB of it.
+            base = AutoModelForCausalLM.from_pretrained(
+                self.base_path,
+                dtype=torch_dtype(dtype),
+                attn_implementation=attn_implementation,
+                **({"device_map": {"": device}} if device is not None else {}),
+            )
+        self.varlen_attention = base.config._attn_implementation == attention.NAME
         base.requires_grad_(False)
         base.config.use_cache = False
         #: Identity of the base (identity.py), taken before LoRA and sharding.
@@ -188,10 +212,22 @@ class ActorCritic(nn.Module):
             for param in self._adapter_parameters(name):
                 param.requires_grad_(True)
 
+        if fused_lora:
+            install_fused_lora(self._tuner_layers)
+        #: Decoder layers recomputed in the backward (the first ``k``); 0 without checkpointing.
+        self.checkpointed_layers = 0
         if gradient_checkpointing:
+            layers = self.decoder_layers()
+            count = len(layers) if checkpoint_layers is None else int(checkpoint_layers)
+            if not 0 <= count <= len(layers):
+                raise ValueError(f"checkpoint_layers={checkpoint_layers} must be within 0..{len(layers)} (decoder layers)")
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            for layer in self.decoder_layers():
+            for index, layer in enumerate(layers):
                 layer._gradient_checkpointing_func = checkpoint_keeping_adapter(tuner_layers(layer))
+                layer.gradient_checkpointing = index < count
+            self.checkpointed_layers = count
+        elif checkpoint_layers is not None:
+            raise ValueError(f"checkpoint_layers={checkpoint_layers} needs gradient_checkpointing=True")
         self.train()
 
     @classmethod
@@ -314,7 +350,8 @@ class ActorCritic(nn.Module):
         """``(N, H)`` final (normed) hidden states at ``packed.logit_index``."""
         decoder = self.hf_model.base_model
         if self.sequence_layout == "packed":
-            out = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+            extra = {attention.SEQ_LENS_KWARG: tuple(packed.seq_lens)} if self.varlen_attention else {}
+            out = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, **extra)
             return out.last_hidden_state[0].index_select(0, packed.logit_index)
         ids, mask, positions, flat_index = packed.padded_layout()
         out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)

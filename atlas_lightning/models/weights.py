@@ -63,10 +63,15 @@ def adapter_state(model: ActorCritic, adapter_name: str) -> dict[str, Tensor]:
     )
 
 
-def _merge_into(layer: BaseTunerLayer, adapter: str, weight: Tensor) -> Tensor:
-    """``weight + scaling * B @ A`` with peft's arithmetic (module doc); ``weight`` is full."""
+def _merge_into(layer: BaseTunerLayer, adapter: str, weight: Tensor, out: Tensor | None = None) -> Tensor:
+    """``weight + scaling * B @ A`` with peft's arithmetic (module doc); ``weight`` is full.
+    With ``out`` (same shape and dtype as ``weight``) the sum is written there instead of a
+    new tensor: ``torch.add(weight, delta, out=out)`` computes in the promoted dtype and rounds
+    once to ``weight``'s, exactly as peft's ``clone(); +=`` does (the tests compare bits)."""
     if adapter not in layer.lora_A:
-        return weight
+        if out is None:
+            return weight
+        return out.copy_(weight)
     if layer.use_dora.get(adapter, False) or layer.lora_bias.get(adapter, False):
         raise NotImplementedError(f"merging DoRA or LoRA-bias adapters is not supported ({type(layer).__name__})")
     lora_a = full_tensor(layer.lora_A[adapter].weight.detach())
@@ -81,18 +86,16 @@ def _merge_into(layer: BaseTunerLayer, adapter: str, weight: Tensor) -> Tensor:
     delta = delta * layer.scaling[adapter]
     if cast_to_fp32:
         delta = delta.to(dtype)
+    if out is not None:
+        return torch.add(weight, delta, out=out)
     merged = weight.clone()
     merged += delta
     return merged
 
 
-def merged_weights(model: ActorCritic, adapter_name: str = "actor") -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(checkpoint name, full tensor)`` for every base parameter, with ``adapter_name``
-    merged into the LoRA-wrapped linears' weights (in the base dtype). Names are the base
-    checkpoint's (``model.layers.0.self_attn.q_proj.weight``; for Qwen3.5/3.6 checkpoints
-    ``model.language_model.layers...``), what vLLM's ``load_weights`` expects; tied duplicates
-    appear once. Collective under FSDP2: every rank iterates to the end. Unsharded, the tensors
-    of unmerged parameters are the model's own storage: treat every yielded tensor as read-only."""
+def _merged_sources(model: ActorCritic, adapter_name: str) -> Iterator[tuple[str, Tensor, BaseTunerLayer | None]]:
+    """``(checkpoint name, full base tensor, tuner layer to merge from or None)`` in
+    ``merged_weights``' order (collective under FSDP2: gathers one parameter at a time)."""
     _check_adapter(model, adapter_name)
     names = model.checkpoint_names
     if names is None:
@@ -102,26 +105,34 @@ def merged_weights(model: ActorCritic, adapter_name: str = "actor") -> Iterator[
     hf = model.hf_model
     seen: set[int] = set()
     tuner_prefixes: list[str] = []
+    for module_name, module in hf.named_modules():
+        if any(module_name.startswith(prefix) for prefix in tuner_prefixes):
+            continue  # LoRA factors and the wrapped base layer: handled with their tuner layer
+        if isinstance(module, BaseTunerLayer):
+            tuner_prefixes.append(module_name + ".")
+            owner, tuner = module.get_base_layer(), module
+        else:
+            owner, tuner = module, None
+        for param_name, param in owner.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            loaded_name = f"{module_name}.{param_name}" if module_name else param_name
+            if loaded_name not in names:
+                raise KeyError(f"merged_weights: {loaded_name} is not a parameter of the base {model.base_path}")
+            yield names[loaded_name], full_tensor(param.detach()), (tuner if param_name == "weight" else None)
+
+
+def merged_weights(model: ActorCritic, adapter_name: str = "actor") -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(checkpoint name, full tensor)`` for every base parameter, with ``adapter_name``
+    merged into the LoRA-wrapped linears' weights (in the base dtype). Names are the base
+    checkpoint's (``model.layers.0.self_attn.q_proj.weight``; for Qwen3.5/3.6 checkpoints
+    ``model.language_model.layers...``), what vLLM's ``load_weights`` expects; tied duplicates
+    appear once. Collective under FSDP2: every rank iterates to the end. Unsharded, the tensors
+    of unmerged parameters are the model's own storage: treat every yielded tensor as read-only."""
     with torch.no_grad():
-        for module_name, module in hf.named_modules():
-            if any(module_name.startswith(prefix) for prefix in tuner_prefixes):
-                continue  # LoRA factors and the wrapped base layer: handled with their tuner layer
-            if isinstance(module, BaseTunerLayer):
-                tuner_prefixes.append(module_name + ".")
-                owner, merge = module.get_base_layer(), True
-            else:
-                owner, merge = module, False
-            for param_name, param in owner.named_parameters(recurse=False):
-                if id(param) in seen:
-                    continue
-                seen.add(id(param))
-                loaded_name = f"{module_name}.{param_name}" if module_name else param_name
-                if loaded_name not in names:
-                    raise KeyError(f"merged_weights: {loaded_name} is not a parameter of the base {model.base_path}")
-                tensor = full_tensor(param.detach())
-                if merge and param_name == "weight":
-                    tensor = _merge_into(module, adapter_name, tensor)
-                yield names[loaded_name], tensor
+        for name, tensor, tuner in _merged_sources(model, adapter_name):
+            yield name, (tensor if tuner is None else _merge_into(tuner, adapter_name, tensor))
 
 
 def bucket_weights(
@@ -151,3 +162,53 @@ def merged_weight_buckets(
     """``merged_weights`` grouped by ``bucket_weights`` (default 512 MiB, report 28's cap)."""
     return bucket_weights(merged_weights(model, adapter_name), bucket_bytes)
 
+
+
+#: Byte alignment of each tensor inside a packed bucket (any dtype's element size divides it).
+PACK_ALIGN = 16
+
+
+def merged_weight_packs(
+    model: ActorCritic, adapter_name: str = "actor", bucket_bytes: int = 512 * 2**20
+) -> Iterator[tuple[Tensor, list[tuple[str, Tensor]]]]:
+    """``merged_weight_buckets`` with each bucket in ONE contiguous buffer: yields ``(buffer,
+    [(name, tensor)])`` where ``buffer`` is a 1-D uint8 tensor on the weights' device and every
+    tensor is a view into it (at ``PACK_ALIGN``-byte offsets), ready for a one-shot transfer.
+    The merge writes straight into the buffer (no merged copy, no second pass to pack), with
+    the same bits as ``merged_weights``. Bucketing as ``bucket_weights`` (a tensor over
+    ``bucket_bytes`` gets a buffer of its own). A fresh buffer per bucket: views stay valid
+    for as long as the caller holds them. Collective under FSDP2, like ``merged_weights``."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
+
+    def aligned(n: int) -> int:
+        return (n + PACK_ALIGN - 1) // PACK_ALIGN * PACK_ALIGN
+
+    pending: list[tuple[str, Tensor, BaseTunerLayer | None]] = []
+    size = 0
+
+    def flush():
+        total = sum(aligned(t.numel() * t.element_size()) for _, t, _ in pending)
+        buffer = torch.empty(total, dtype=torch.uint8, device=pending[0][1].device)
+        views, offset = [], 0
+        for name, tensor, tuner in pending:
+            nbytes = tensor.numel() * tensor.element_size()
+            view = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            if tuner is None:
+                view.copy_(tensor)
+            else:
+                _merge_into(tuner, adapter_name, tensor, out=view)
+            views.append((name, view))
+            offset += aligned(nbytes)
+        return buffer, views
+
+    with torch.no_grad():
+        for name, tensor, tuner in _merged_sources(model, adapter_name):
+            nbytes = tensor.numel() * tensor.element_size()
+            if pending and size + nbytes > bucket_bytes:
+                yield flush()
+                pending, size = [], 0
+            pending.append((name, tensor, tuner))
+            size += nbytes
+        if pending:
+            yield flush()

@@ -1,0 +1,56 @@
+"""Atomic file writes: a temporary file in the target's folder, flushed and fsynced, then
+``os.replace``d into place, so a reader sees the old file or the new one, never half of one.
+The result gets the ordinary permissions of a new file (``0o666`` less the umask), not
+``mkstemp``'s ``0o600``: these files are published and read by others.
+
+Pure Python (no torch, no Lightning): the records, the run export, checkpoints, the callbacks
+and ``atlas-lightning publish`` all write through here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _default_mode() -> int:
+    # The umask can only be read by setting it; do it once, at import, while single-threaded.
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+FILE_MODE = _default_mode()
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], binary: bool = False) -> Path:
+    """Call ``write(handle)`` on a temporary file beside ``path``, then rename it into place.
+    Creates the folder. Text is UTF-8 with newlines written as given."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8", "newline": ""})) as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temp, FILE_MODE)
+        os.replace(temp, path)
+    except BaseException:
+        if os.path.exists(temp):
+            os.unlink(temp)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write(path, lambda handle: handle.write(text))
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any, indent: int | None = 1) -> Path:
+    """ASCII-escaped JSON (a lone surrogate in model text cannot break it); NaN refused."""
+    text = json.dumps(data, indent=indent, ensure_ascii=True, allow_nan=False)
+    return atomic_write_text(path, text + "\n")

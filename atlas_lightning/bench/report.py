@@ -1,0 +1,96 @@
+"""The benchmark's markdown tables, from its JSON results (``cli.Bench.results``)."""
+
+from __future__ import annotations
+
+
+def _f(value, digits=2, scale=1.0) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)):
+        return f"{value * scale:,.{digits}f}"
+    return str(value)
+
+
+def _update_row(model: str, path: str, layers, entry: dict, options: dict) -> str:
+    if "error" in entry or "skipped" in entry:
+        return f"| {model} | {path} | {layers} | {entry.get('error', entry.get('skipped'))} |||||||||"
+    opts = ", ".join(f"{k}={v}" for k, v in options.items())
+    return (f"| {model} | {path} | {layers} | {entry.get('real_tokens')} ({entry.get('padded_tokens')}) | "
+            f"{entry.get('micro_batches')} | {_f(entry.get('critic_s'))} + {_f(entry.get('actor_s'))} | "
+            f"{_f(entry.get('tokens_per_s'), 0)} | {_f(entry.get('useful_tflops'), 0)} | "
+            f"{_f(entry.get('useful_mfu'), 1, 100)}% | {_f(entry.get('peak_gib'), 1)} | {opts} |")
+
+
+def markdown(results: dict) -> str:
+    lines = []
+    env = results.get("environment", {})
+    peak = results.get("matmul_peak", {})
+    copy = results.get("copy_bandwidth", {})
+    lines.append(f"Device: {env.get('gpu', 'cpu')}; torch {env.get('torch')}, transformers {env.get('transformers')}, "
+                 f"peft {env.get('peft')}. bf16 matmul {_f(peak.get('tflops'), 1)} TFLOP/s, "
+                 f"copy {_f(copy.get('gbps'), 0)} GB/s (read + write), measured in this run.")
+    lines.append("")
+    lines.append("PPO update (critic then actor, forward + backward), one micro-batch of the length mix:")
+    lines.append("")
+    lines.append("| model | path | layers | real (padded) tokens | micro-batches | critic + actor s | tokens/s | "
+                 "useful TFLOP/s | useful MFU | peak GiB | options |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    fwd_rows, sync_rows = [], []
+    for model, out in results.get("models", {}).items():
+        sweep = out.get("sweep", {})
+        for option, entry in sweep.items():
+            if option == "layers":
+                continue
+            opts = {k: entry[k] for k in ("fused_lora", "attention", "checkpoint_layers") if k in entry}
+            lines.append(_update_row(model, f"sweep: {option}", sweep.get("layers"), entry, opts))
+        for path in ("ours", "baseline"):
+            full = out.get(path)
+            if not full:
+                continue
+            if "skipped" in full:
+                lines.append(f"| {model} | {path} | - | skipped: {full['skipped']} |||||||||")
+                continue
+            lines.append(_update_row(model, path, full.get("layers"), full.get("update", {}), full.get("options", {})))
+            fwd = full.get("forward", {})
+            for role in ("actor", "critic"):
+                if role in fwd:
+                    e = fwd[role]
+                    fwd_rows.append(f"| {model} | {path} | {role} | {fwd.get('real_tokens')} | {fwd.get('micro_batches')} | "
+                                    f"{_f(e.get('median_s'))} | {_f(e.get('tokens_per_s'), 0)} | "
+                                    f"{_f(e.get('useful_mfu'), 1, 100)}% | {_f(e.get('peak_gib'), 1)} |")
+            if "error" in fwd:
+                fwd_rows.append(f"| {model} | {path} | {fwd['error']} |||||||")
+            ws = full.get("weight_sync")
+            if ws:
+                if "error" in ws:
+                    sync_rows.append(f"| {model} | {ws['error']} ||||")
+                else:
+                    a = ws.get("adapter_state", {})
+                    sync_rows.append(f"| {model} | adapter_state | {_f(a.get('bytes'), 2, 1e-9)} GB | "
+                                     f"{_f(a.get('seconds'), 3)} | {_f(a.get('gbps'), 1)} GB/s | - |")
+                    s = ws.get("save_adapter", {})
+                    sync_rows.append(f"| {model} | save_adapter (disk) | {_f(a.get('bytes'), 2, 1e-9)} GB | "
+                                     f"{_f(s.get('seconds'), 3)} | {_f(s.get('gbps'), 1)} GB/s | - |")
+                    for key in ("merged_cat", "merged_packs"):
+                        m = ws.get(key, {})
+                        sync_rows.append(f"| {model} | {key} | {_f(m.get('bytes'), 2, 1e-9)} GB | {_f(m.get('seconds'), 3)} | "
+                                         f"{_f(m.get('gbps_out'), 0)} GB/s out, {_f(m.get('gbps_moved'), 0)} GB/s moved | "
+                                         f"{_f(m.get('fraction_of_copy_bandwidth'), 0, 100)}% |")
+    if fwd_rows:
+        lines += ["", "Forward-only passes (no grad; actor with entropy):", "",
+                  "| model | path | pass | real tokens | micro-batches | s | tokens/s | useful MFU | peak GiB |",
+                  "|---|---|---|---|---|---|---|---|---|", *fwd_rows]
+    rows = results.get("logprob_memory", [])
+    if rows:
+        lines += ["", "Token log-probs, forward + backward from hidden states (peak above inputs):", "",
+                  "| tokens | hidden | vocab | kind | peak GiB | s | fp32 logits would be GiB |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['tokens']} | {r['hidden']} | {r['vocab']} | {r['kind']} | "
+                         f"{r.get('error') or _f(r.get('peak_above_inputs_gib'), 2)} | {_f(r.get('seconds'), 3)} | "
+                         f"{_f(r.get('logits_fp32_gib'), 1)} |")
+    if sync_rows:
+        lines += ["", "Weight sync (actor adapter; one GPU, nothing to gather):", "",
+                  "| model | path | bytes | s | rate | of copy bandwidth |", "|---|---|---|---|---|---|", *sync_rows]
+    lines += ["", f"Useful FLOPs: {results.get('useful_flops_formula', '')}.", ""]
+    return "\n".join(lines)

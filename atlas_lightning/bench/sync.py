@@ -1,0 +1,67 @@
+"""Weight sync: adapter export, and the merged bucketed path (gather, merge, pack).
+
+* ``adapter_state``: the actor's LoRA tensors, gathered whole (what the LoRA sync sends);
+  ``save_adapter``: the same written as a PEFT folder (disk included).
+* merged, as shipped before issue 9: ``merged_weight_buckets`` then ``torch.cat`` of each
+  bucket's flattened tensors into one buffer (the pack a one-shot transfer needs);
+* merged, packed in place: ``merged_weight_packs`` (the merge writes into the bucket buffer).
+
+Rates: ``gbps_out`` = merged bytes produced per second; ``gbps_moved`` = the fewest bytes the
+job must move through device memory per second (read each base weight, write it packed: 2 x
+the merged bytes; the LoRA factors are negligible), to compare with the measured copy
+bandwidth (which also counts read + write). Unsharded here (one GPU): gathering is free.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+
+from atlas_lightning.models.adapters import save_adapter
+from atlas_lightning.models.weights import adapter_state, merged_weight_buckets, merged_weight_packs
+
+from .measure import timed
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def measure_weight_sync(model, device: torch.device, bucket_bytes: int, copy_gbps: float | None) -> dict:
+    out: dict = {"bucket_bytes": bucket_bytes}
+    state = {}
+    seconds = timed(device, lambda: state.update(adapter_state(model, "actor")))
+    nbytes = sum(_nbytes(t) for t in state.values())
+    out["adapter_state"] = {"seconds": seconds, "bytes": nbytes, "gbps": nbytes / seconds / 1e9, "tensors": len(state)}
+    del state
+    with tempfile.TemporaryDirectory() as folder:
+        seconds = timed(device, lambda: save_adapter(model, "actor", f"{folder}/actor"))
+    out["save_adapter"] = {"seconds": seconds, "gbps": nbytes / seconds / 1e9}
+
+    def cat_path() -> int:
+        total = 0
+        for bucket in merged_weight_buckets(model, "actor", bucket_bytes):
+            packed = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])
+            total += packed.numel()
+            del packed
+        return total
+
+    def pack_path() -> int:
+        total = 0
+        for buffer, _ in merged_weight_packs(model, "actor", bucket_bytes):
+            total += buffer.numel()
+        return total
+
+    for name, fn in (("merged_cat", cat_path), ("merged_packs", pack_path)):
+        fn()  # warm-up: allocator and GEMM heuristics
+        sizes = []
+        times = [timed(device, lambda: sizes.append(fn())) for _ in range(2)]
+        seconds = min(times)
+        produced = sizes[-1]
+        entry = {"seconds": seconds, "times_s": times, "bytes": produced, "gbps_out": produced / seconds / 1e9,
+                 "gbps_moved": 2 * produced / seconds / 1e9}
+        if copy_gbps:
+            entry["fraction_of_copy_bandwidth"] = entry["gbps_moved"] / copy_gbps
+        out[name] = entry
+    return out

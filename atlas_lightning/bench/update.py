@@ -1,0 +1,191 @@
+"""The PPO update and forward-only passes, ours and the plain baseline, on the same inputs.
+
+Ours (``OursRunner``): ``ActorCritic`` (one frozen base, ``actor``/``critic`` LoRA adapters,
+fp32 value head) over token-budget micro-batches, each micro-step exactly as
+``PPOModule._micro_step`` runs it (module.py cannot be imported where the benchmark runs: it
+needs omegaconf): pack, ``critic_forward`` + ``ppo.compute_value_loss`` + backward, then
+``actor_forward`` + ``ppo.compute_policy_loss_vanilla`` + backward, losses normalised by the
+mini-batch's loss tokens. Packed layout: one ``(1, T)`` row per micro-batch; padded layout
+(the hybrid): ``algorithms.partition.plan_padded_micro_batches`` under the same budget.
+
+Baseline (``BaselineRunner``): the plain transformers + peft recipe: ``AutoModelForCausalLM``
+shape with transformers' ``sdpa`` attention, ``get_peft_model`` with LoRA r64 all-linear
+adapters ``actor`` and ``critic`` (peft's defaults: fp32 adapters, ``set_adapter`` to
+switch), transformers' gradient checkpointing (non-reentrant) on every layer, right-padded
+micro-batches of a fixed number of sequences (as many of the longest as fit the budget,
+fewer if the full logits would not fit in memory), full-vocabulary logits ->
+``log_softmax(float)`` -> gather for the actor; the decoder's last hidden state -> fp32
+value head for the critic. Same PPO loss functions.
+
+Who calls it: ``cli.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from atlas_lightning.algorithms import ppo
+from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
+from atlas_lightning.models.actor_critic import ActorCritic
+from atlas_lightning.models.packing import PackedBatch, pack_sequences
+
+from .workload import PPOInputs
+
+#: conf/algorithm/ppo.yaml's loss settings (the benchmark must not need hydra/omegaconf).
+PPO_CONFIG = {
+    "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean",
+    "cliprange_value": 0.5,
+}
+TEMPERATURE = 1.0
+
+
+def lora_spec(rank: int) -> dict:
+    return {"rank": rank, "alpha": 2 * rank, "dropout": 0.0, "target_modules": "all-linear"}
+
+
+def _pack(inputs: PPOInputs, indices, device) -> PackedBatch:
+    return pack_sequences(
+        [inputs.sequences[i] for i in indices], [inputs.prompt_lengths[i] for i in indices], response_length=inputs.width
+    ).to(device)
+
+
+def _losses(role: str, inputs: PPOInputs, rows: torch.Tensor, packed: PackedBatch, per_token: torch.Tensor,
+            total_tokens: float) -> torch.Tensor:
+    m = inputs.response_mask[rows]
+    agg = dict(loss_agg_mode=PPO_CONFIG["loss_agg_mode"], dp_size=1, batch_num_tokens=total_tokens)
+    padded = packed.scatter_responses(per_token)
+    if role == "critic":
+        loss, _ = ppo.compute_value_loss(padded, inputs.returns[rows], inputs.values[rows], m,
+                                         PPO_CONFIG["cliprange_value"], **agg)
+        return loss
+    loss, _ = ppo.compute_policy_loss_vanilla(
+        inputs.old_log_prob[rows], padded, inputs.advantages[rows], m, loss_agg_mode=PPO_CONFIG["loss_agg_mode"],
+        config=PPO_CONFIG, global_batch_info={"dp_size": 1, "batch_num_tokens": total_tokens})
+    return loss
+
+
+class OursRunner:
+    """``ActorCritic`` micro-steps (module doc). ``budget``: tokens a micro-batch may hold."""
+
+    def __init__(self, base: nn.Module, rank: int, budget: int, *, fused_lora: bool = True,
+                 checkpoint_layers: Optional[int] = None, chunk_tokens: int = 1024) -> None:
+        self.device = next(base.parameters()).device
+        self.model = ActorCritic(base, lora_spec(rank), gradient_checkpointing=True, logprob_chunk_tokens=chunk_tokens,
+                                 fused_lora=fused_lora, checkpoint_layers=checkpoint_layers)
+        self.budget = budget
+        # B starts at zero (a no-op adapter): give it values so the low-rank path is real work
+        with torch.no_grad():
+            for p in self.model.actor_parameters() + self.model.critic_parameters():
+                if p.abs().max() == 0:
+                    p.normal_(0.0, 1e-3)
+
+    def micro_batches(self, inputs: PPOInputs, budget: Optional[int] = None) -> list[list[int]]:
+        """Token-budget micro-batches as the PPO module plans them (padded cost for the padded layout)."""
+        lengths = [int(s.numel()) for s in inputs.sequences]
+        planner = plan_padded_micro_batches if self.model.sequence_layout == "padded" else plan_micro_batches
+        plan = planner(lengths, budget or self.budget, allow_oversized=True)
+        return [list(mb) for mb in plan.micro_batches]
+
+    def train_pass(self, role: str, inputs: PPOInputs) -> None:
+        total = float(inputs.response_mask.sum())
+        for indices in self.micro_batches(inputs):
+            packed = _pack(inputs, indices, self.device)
+            rows = torch.as_tensor(indices, device=self.device)
+            if role == "critic":
+                out = self.model.critic_forward(packed)
+            else:
+                out, _ = self.model.actor_forward(packed, temperature=TEMPERATURE, compute_entropy=False)
+            _losses(role, inputs, rows, packed, out, total).backward()
+
+    @torch.no_grad()
+    def forward_pass(self, role: str, inputs: PPOInputs, budget: Optional[int] = None) -> None:
+        for indices in self.micro_batches(inputs, budget):
+            packed = _pack(inputs, indices, self.device)
+            if role == "critic":
+                self.model.critic_forward(packed)
+            else:
+                self.model.actor_forward(packed, temperature=TEMPERATURE, compute_entropy=True)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+
+class BaselineRunner:
+    """Plain transformers + peft, padded (module doc)."""
+
+    def __init__(self, base: nn.Module, rank: int, budget: int, *, logits_bytes_limit: Optional[float] = None) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        self.device = next(base.parameters()).device
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        config = dict(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+        self.peft_model = get_peft_model(base, LoraConfig(**config), adapter_name="actor")
+        self.peft_model.add_adapter("critic", LoraConfig(**config))
+        hidden = base.config.hidden_size
+        self.value_head = nn.Linear(hidden, 1, dtype=torch.float32, device=self.device)
+        self.vocab = base.config.vocab_size
+        self.budget = budget
+        self.logits_bytes_limit = logits_bytes_limit
+        self.peft_model.train()
+        with torch.no_grad():
+            for name, p in self.peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 1e-3)
+
+    def micro_batch_size(self, inputs: PPOInputs, budget: Optional[int] = None) -> int:
+        longest = max(int(s.numel()) for s in inputs.sequences)
+        size = max(1, (budget or self.budget) // longest)
+        if self.logits_bytes_limit is not None:
+            # bf16 logits + fp32 copy + fp32 log-softmax + its fp32 gradient: ~14 bytes an entry
+            size = max(1, min(size, int(self.logits_bytes_limit // (14 * longest * self.vocab))))
+        return size
+
+    def micro_batches(self, inputs: PPOInputs, budget: Optional[int] = None) -> list[list[int]]:
+        n, size = len(inputs.sequences), self.micro_batch_size(inputs, budget)
+        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+    def _per_token(self, role: str, packed: PackedBatch) -> torch.Tensor:
+        ids, mask, _, flat_index = packed.padded_layout()
+        width = ids.shape[1]
+        if role == "critic":
+            self.peft_model.set_adapter("critic")
+            hidden = self.peft_model.base_model.model.model(input_ids=ids, attention_mask=mask, use_cache=False)
+            values = self.value_head(hidden.last_hidden_state.float()).squeeze(-1)
+            return values.reshape(-1)[flat_index[packed.logit_index]]
+        self.peft_model.set_adapter("actor")
+        logits = self.peft_model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        token_lp = log_probs[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)  # position t scores token t + 1
+        target = flat_index[packed.target_index]
+        return token_lp.reshape(-1)[(target // width) * (width - 1) + target % width - 1]
+
+    def train_pass(self, role: str, inputs: PPOInputs) -> None:
+        total = float(inputs.response_mask.sum())
+        for indices in self.micro_batches(inputs):
+            packed = _pack(inputs, indices, self.device)
+            rows = torch.as_tensor(indices, device=self.device)
+            _losses(role, inputs, rows, packed, self._per_token(role, packed), total).backward()
+
+    @torch.no_grad()
+    def forward_pass(self, role: str, inputs: PPOInputs, budget: Optional[int] = None) -> None:
+        for indices in self.micro_batches(inputs, budget):
+            self._per_token(role, _pack(inputs, indices, self.device))
+
+    def zero_grad(self) -> None:
+        self.peft_model.zero_grad(set_to_none=True)
+        self.value_head.zero_grad(set_to_none=True)
+
+
+def update_fn(runner, inputs: PPOInputs, times: dict) -> Callable[[], None]:
+    """One PPO update (critic pass then actor pass) recording each pass's seconds in ``times``."""
+    from .measure import timed
+
+    def step() -> None:
+        runner.zero_grad()
+        times.setdefault("critic", []).append(timed(runner.device, lambda: runner.train_pass("critic", inputs)))
+        times.setdefault("actor", []).append(timed(runner.device, lambda: runner.train_pass("actor", inputs)))
+
+    return step

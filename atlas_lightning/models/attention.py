@@ -1,0 +1,92 @@
+"""``sdpa_varlen``: exact attention over packed (or right-padded) rows with no mask at all.
+
+Why: with a packed ``(1, T)`` row, transformers' ``sdpa`` path builds a dense ``(T x T)``
+boolean mask (2.4 GB at T = 49,152) and hands it to a masked kernel that computes every one
+of the T^2 scores, most of them across sequence boundaries and thrown away; ``flex_attention``
+skips those blocks but needs ``torch.compile`` (tens of seconds per shape on first use) and
+a BlockMask per micro-batch. Here each packed sequence gets its own causal
+``scaled_dot_product_attention`` call with ``is_causal=True`` and no mask, which PyTorch
+dispatches to its built-in FlashAttention kernel on GPUs (bf16/fp16, head_dim <= 256):
+only the causal triangle of each sequence is computed, nothing is compiled, no mask exists.
+
+Contract (who calls it: transformers' attention modules, once the name is registered by
+importing this module and the model is built with ``attn_implementation="sdpa_varlen"``):
+
+* packed layout: batch 1 and the caller passes ``atlas_seq_lens`` (a tuple of Python ints
+  summing to the row length) through the decoder's ``**kwargs``; ``ActorCritic`` does. The
+  kwargs reach the attention call again when gradient checkpointing replays a layer.
+* right-padded layout (``(n, L)`` rows, real tokens first): no ``atlas_seq_lens``; one
+  causal call over the whole batch, ignoring the padding mask. That is exact for every real
+  token, because causality only lets a real token see earlier positions, which are all real
+  when padding only ever follows. Outputs at padded positions are garbage nobody reads.
+  Left padding would be wrong; ``PackedBatch.padded_layout`` only right-pads.
+
+The mask function registered with it returns ``None`` (no mask is built), so a mask that
+transformers would have made is never materialised.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+NAME = "sdpa_varlen"
+SEQ_LENS_KWARG = "atlas_seq_lens"
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
+
+
+def sdpa_varlen_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function signature: ``query (B, Hq, L, D)``, ``key``/``value``
+    ``(B, Hkv, L, D)``; returns ``(B, L, Hq, D)`` and no weights (module doc for the layouts)."""
+    if dropout:
+        raise ValueError(f"{NAME}: attention dropout {dropout} is not supported (training runs without it)")
+    seq_lens: Optional[Sequence[int]] = kwargs.get(SEQ_LENS_KWARG)
+    gqa = query.shape[1] != key.shape[1]
+    if seq_lens is None:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
+    if query.shape[0] != 1 or sum(seq_lens) != query.shape[2]:
+        raise ValueError(
+            f"{NAME}: {SEQ_LENS_KWARG} sums to {sum(seq_lens)} tokens but the packed row has shape "
+            f"{tuple(query.shape)} (expected batch 1 and the same length)"
+        )
+    outputs, start = [], 0
+    for length in seq_lens:
+        end = start + int(length)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+                is_causal=True, scale=scaling, enable_gqa=gqa,
+            )
+        )
+        start = end
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register ``sdpa_varlen`` (attention and its no-op mask) with transformers; idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, sdpa_varlen_attention_forward)
+    AttentionMaskInterface.register(NAME, _no_mask)
+    return NAME
+
+
+register()

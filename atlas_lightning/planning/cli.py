@@ -1,0 +1,57 @@
+"""The ``plan`` verb: compose, plan, print the table, write ``outputs/<name>/plan.json``.
+
+    atlas-lightning plan experiment=<run> [overrides]          (verbs.plan -> run_plan)
+    python -m atlas_lightning.planning [--card-gib G] [--linear-kernel fla|torch] [--json] experiment=<run> ...
+
+Exit code 0: the plan passes; 2: refused (each reason printed), or the model folder unreadable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Optional
+
+from . import ShapeError, make_plan
+from .report import format_plan, write_plan_json
+
+
+def run_plan(cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: Optional[str] = None,
+             as_json: bool = False, write: bool = True) -> int:
+    """Plan ``cfg`` (a composed config), print it, write ``plan.json`` under the run's outputs;
+    return the exit code (module doc)."""
+    from atlas_lightning.config import run_dirs
+
+    try:
+        plan = make_plan(cfg, card_gib=card_gib, linear_kernel=linear_kernel)
+    except (ShapeError, ValueError) as err:
+        print(f"atlas-lightning plan: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=1) if as_json else format_plan(plan))
+    if write:
+        path = write_plan_json(plan, run_dirs(cfg)["outputs"] / "plan.json")
+        if not as_json:
+            print(f"written: {path}")
+    return 0 if plan.ok else 2
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from atlas_lightning.config import ConfigError, compose
+
+    parser = argparse.ArgumentParser(prog="python -m atlas_lightning.planning", description=__doc__.split("\n")[0])
+    parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. experiment=r28-continued-cost-8gpu-n32")
+    parser.add_argument("--card-gib", type=float, default=None, help="memory of one card (default: $ATLAS_CARD_GIB or 80)")
+    parser.add_argument("--linear-kernel", choices=("fla", "torch", "auto"), default=None,
+                        help="Gated DeltaNet kernel path for hybrid models (default: $ATLAS_LINEAR_ATTENTION_KERNEL or auto)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    parser.add_argument("--config-dir", default=None, help="a folder of your own config groups")
+    parser.add_argument("--no-write", action="store_true", help="do not write outputs/<name>/plan.json")
+    args = parser.parse_args(argv)
+    try:
+        cfg = compose(args.overrides, user_config_dir=args.config_dir)
+    except ConfigError as err:
+        print(f"atlas-lightning plan: config error: {err}", file=sys.stderr)
+        return 2
+    return run_plan(cfg, card_gib=args.card_gib, linear_kernel=args.linear_kernel, as_json=args.json,
+                    write=not args.no_write)

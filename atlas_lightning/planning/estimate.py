@@ -1,0 +1,451 @@
+"""The per-card memory estimate of a run: ``estimate(model_shape, cfg) -> Plan``.
+
+Pure Python (no torch): it reads the config (``config.RootConfig`` or its DictConfig) and the
+shape of the base (``shapes.ModelShape``, from ``config.json``) and predicts, for every phase
+of an RL step, the peak bytes a card holds. Notation (bytes unless said):
+
+* ``W`` training processes (FSDP2 ranks) = ``trainer.devices x trainer.num_nodes``;
+* ``b`` base dtype bytes (``model.dtype``); ``c`` compute dtype bytes (bf16 -> 2, fp32 -> 4);
+* ``P`` base parameters, ``P_root`` embeddings + final norm + head, ``P_layer`` the largest
+  decoder layer, ``R`` one adapter's LoRA parameters (rank x (in + out) over adapted linears),
+  ``H`` hidden, ``V`` vocabulary, ``L`` layers (``L_ck`` of them checkpointed);
+* ``T`` tokens of a micro-batch: ``algorithm.ppo_max_token_len_per_gpu`` for updates,
+  ``algorithm.forward_max_token_len_per_gpu`` for forward-only passes (padded layouts count
+  ``n x max_len``, which the packer bounds by the same budget); ``N <= T`` response tokens,
+  taken as ``T`` (an upper bound); ``C = min(model.logprob_chunk_tokens, N)``;
+* ``a(kind)``, ``f(kind)``: saved and forward working-set bytes per token of one layer
+  (``activations.py``, which gives their formulas).
+
+Terms of a training card (each phase lists those it holds):
+
+    base weights            P b / W
+    FSDP root unsharded     P_root c                (W > 1: the root unit stays gathered)
+    FSDP gathered layers    2 P_layer c             (W > 1: the running layer and the prefetched one)
+    LoRA states             2 R (4 + 4 + 8) / W     (actor + critic: fp32 params, grads, Adam moments)
+    layer inputs            L_ck T H c              (what checkpointing keeps)
+    saved activations       T sum a(kind)           (layers that are not checkpointed)
+    one layer recomputed    T max a(kind)           (the backward replays one checkpointed layer)
+    gradient streams        4 T H c                 (grads of the residual stream in flight)
+    embeddings, final norm  T H (2c + 4) + N H c    (layer-0 input, fp32 norm copy, head input)
+    log-prob chunks         12 C V + N H c          (actor: bf16 logits, fp32 log-softmax and
+                                                    probabilities, bf16 grad; grad of hidden)
+    value head input        4 N H + N H c           (critic: fp32 hidden, grad)
+    attention mask          T x T (packed) or T x max_len (padded), sdpa/eager only
+    forward working set     3 T H c + T max f(kind) (forward-only: residual stream + one layer)
+
+Card totals add ``RUNTIME_GIB`` (CUDA context, cuBLAS workspace, NCCL buffers), allocator
+slack (``ALLOCATOR_SLACK`` x the tensors) and, in colocated layouts, the engine asleep
+(``ENGINE_ASLEEP_GIB``; with ``rollout.enable_sleep_mode=false`` it keeps its whole budget).
+
+Engine (vLLM): its budget is ``rollout.gpu_memory_utilization x card``; inside it, weights
+``P 2 / TP``, a reserve for activations and sampler logits (``ENGINE_RESERVE_GIB`` +
+``max_num_seqs x V x 4``), and the KV cache: ``full-attention layers x 2 x kv_heads/TP x
+head_dim x 2`` bytes a token, plus the linear-attention state of each sequence. Generation on
+a colocated card = trainer resident (weights, LoRA states) + the engine budget.
+
+Weight sync: ``lora`` gathers one full adapter (``4 R``); ``merged`` holds the engine's weights
+awake, a bucket (``max(bucket_mb, largest tensor)``) and one merged copy of the largest tensor.
+
+Calibration (see ``tests/scale/device_memory_check.py`` and the notes in ``activations.py``):
+the log-prob term reproduces the H200 measurement of ``models/logprobs.py`` (hidden 5120,
+vocabulary 248,320, 49,152 tokens: 2.8 GiB at 1,024-token chunks, 11.4 GiB at 4,096).
+
+Who calls it: ``planning.plan`` (the ``plan`` verb, pre-flight), ``memory_check`` (to print
+the prediction beside the measurement).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .activations import forward_bytes_per_token, saved_bytes_per_token
+from .shapes import FULL, ModelShape
+
+GIB = 2**30
+RUNTIME_GIB = 1.0
+ALLOCATOR_SLACK = 1.05
+ENGINE_ASLEEP_GIB = 1.5
+ENGINE_RESERVE_GIB = 2.0
+GRADIENT_STREAMS = 4
+LOGPROB_BYTES_PER_ENTRY = 12
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass
+class Phase:
+    """One phase's peak on one kind of card: ``terms`` (name -> bytes) are torch tensors;
+    ``overhead`` (name -> bytes) is what the card holds outside them."""
+
+    name: str
+    cards: str
+    terms: dict[str, float]
+    overhead: dict[str, float] = field(default_factory=dict)
+    #: Tokens of the micro-batch this phase was estimated at (None: not token-driven).
+    tokens: Optional[int] = None
+    #: Reserved over allocated bytes of the caching allocator (1.0 where no card is sized).
+    slack: float = 1.0
+
+    @property
+    def tensors(self) -> float:
+        """Bytes of torch tensors: what ``torch.cuda.max_memory_allocated`` measures."""
+        return float(sum(self.terms.values()))
+
+    @property
+    def card(self) -> float:
+        """Bytes of the card in use: tensors with allocator slack, plus the overhead."""
+        return self.tensors * self.slack + float(sum(self.overhead.values()))
+
+    def largest(self, k: int = 3) -> list[tuple[str, float]]:
+        return sorted(self.terms.items(), key=lambda kv: -kv[1])[:k]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "cards": self.cards, "tokens": self.tokens,
+                "tensors_gib": self.tensors / GIB, "card_gib": self.card / GIB,
+                "terms_gib": {k: v / GIB for k, v in self.terms.items()},
+                "overhead_gib": {k: v / GIB for k, v in self.overhead.items()}}
+
+
+@dataclass
+class Plan:
+    """What ``estimate`` predicts and what the checks concluded (``refusals`` empty: it may run)."""
+
+    name: str
+    device: str  # "gpu" or "cpu"
+    card_bytes: float
+    model: dict
+    phases: list[Phase] = field(default_factory=list)
+    refusals: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    engine: dict = field(default_factory=dict)
+    #: Largest ``ppo_max_token_len_per_gpu`` whose update phases fit the card (GPU only).
+    max_update_tokens: Optional[int] = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.refusals
+
+    def phase(self, name: str, cards: Optional[str] = None) -> Phase:
+        for phase in self.phases:
+            if phase.name == name and (cards is None or phase.cards == cards):
+                return phase
+        raise KeyError(f"no phase {name!r} in the plan of {self.name}")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "ok": self.ok, "device": self.device, "card_gib": self.card_bytes / GIB,
+                "model": self.model, "engine": self.engine, "max_update_tokens": self.max_update_tokens,
+                "phases": [p.to_dict() for p in self.phases], "refusals": list(self.refusals),
+                "notes": list(self.notes)}
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _select(cfg: Any, key: str, default: Any = None) -> Any:
+    """``cfg.a.b`` for a DictConfig, a dataclass or nested dicts; ``default`` when absent."""
+    node = cfg
+    for part in key.split("."):
+        if node is None:
+            return default
+        if isinstance(node, dict):
+            node = node.get(part, None)
+        else:
+            try:
+                node = node[part] if hasattr(node, "keys") and part in node.keys() else getattr(node, part, None)
+            except Exception:  # an OmegaConf missing value
+                return default
+    return default if node is None else node
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The config values the estimate reads, named (``from_config``)."""
+
+    world: int
+    device: str
+    colocated: bool
+    dtype_bytes: int
+    compute_bytes: int
+    rank: int
+    target_modules: Any
+    checkpointing: bool
+    checkpoint_layers: Optional[int]
+    chunk_tokens: int
+    attn: str
+    update_tokens: int
+    forward_tokens: int
+    max_sequence: int
+    use_ref: bool
+    engine_tp: int
+    serve_cards: int
+    gpu_memory_utilization: float
+    sleep_mode: bool
+    max_model_len: int
+    max_num_seqs: int
+    weight_sync: str
+    bucket_bytes: int
+    cpu_kvcache_gib: float
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "Inputs":
+        dtype = str(_select(cfg, "model.dtype", "bfloat16"))
+        world = int(_select(cfg, "trainer.devices", 1)) * int(_select(cfg, "trainer.num_nodes", 1))
+        accelerator = str(_select(cfg, "trainer.accelerator", "auto"))
+        mode = str(_select(cfg, "layout.mode", "colocated"))
+        layers = _select(cfg, "model.checkpoint_layers", None)
+        return cls(
+            world=world,
+            device="cpu" if accelerator == "cpu" else "gpu",
+            colocated=mode == "colocated",
+            dtype_bytes=DTYPE_BYTES.get(dtype, 2),
+            compute_bytes=DTYPE_BYTES.get(dtype, 2),
+            rank=int(_select(cfg, "model.lora.rank", 64)),
+            target_modules=_select(cfg, "model.lora.target_modules", "all-linear"),
+            checkpointing=bool(_select(cfg, "model.gradient_checkpointing", True)),
+            checkpoint_layers=None if layers is None else int(layers),
+            chunk_tokens=int(_select(cfg, "model.logprob_chunk_tokens", 4096)),
+            attn=str(_select(cfg, "model.attn_implementation", "sdpa")),
+            update_tokens=int(_select(cfg, "algorithm.ppo_max_token_len_per_gpu", 49152)),
+            forward_tokens=int(_select(cfg, "algorithm.forward_max_token_len_per_gpu", 98304)),
+            max_sequence=int(_select(cfg, "rollout.max_prompt_length", 2048))
+            + int(_select(cfg, "rollout.max_response_length", 8192)),
+            use_ref=bool(_select(cfg, "algorithm.use_kl_loss", False) or _select(cfg, "algorithm.use_kl_in_reward", False)),
+            engine_tp=int(_select(cfg, "rollout.tensor_parallel_size", 1)),
+            serve_cards=int(_select(cfg, "layout.serve_gpus", 0)),
+            gpu_memory_utilization=float(_select(cfg, "rollout.gpu_memory_utilization", 0.6)),
+            sleep_mode=bool(_select(cfg, "rollout.enable_sleep_mode", True)),
+            max_model_len=int(_select(cfg, "rollout.max_model_len", 16384)),
+            max_num_seqs=min(int(_select(cfg, "rollout.max_in_flight", 640)), 1024),
+            weight_sync=str(_select(cfg, "rollout.weight_sync", "lora")),
+            bucket_bytes=int(_select(cfg, "rollout.bucket_mb", 512)) * 2**20,
+            cpu_kvcache_gib=float(_select(cfg, "rollout.cpu_kvcache_gib", 1)),
+        )
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+
+class _Model:
+    """The estimate's arithmetic for one shape and config (phase builders)."""
+
+    def __init__(self, shape: ModelShape, inputs: Inputs, linear_kernel: str) -> None:
+        self.s, self.i, self.kernel = shape, inputs, linear_kernel
+        self.c = inputs.compute_bytes
+        self.adapted = {kind: len(shape.adapted_linears(kind, inputs.target_modules)) for kind in set(shape.layer_types)}
+        self.lora = shape.lora_params(inputs.rank, inputs.target_modules)
+        count = shape.num_layers if inputs.checkpoint_layers is None else inputs.checkpoint_layers
+        self.checkpointed = list(shape.layer_types[:count]) if inputs.checkpointing else []
+        self.kept = list(shape.layer_types[len(self.checkpointed):])
+
+    def _saved(self, kind: str) -> float:
+        return saved_bytes_per_token(self.s, kind, c=self.c, rank=self.i.rank, adapted=self.adapted[kind],
+                                     linear_kernel=self.kernel)
+
+    def _forward(self, kind: str) -> float:
+        return forward_bytes_per_token(self.s, kind, c=self.c, rank=self.i.rank, adapted=self.adapted[kind],
+                                       linear_kernel=self.kernel)
+
+    def resident(self) -> dict[str, float]:
+        s, i, c = self.s, self.i, self.c
+        terms = {"base weights": s.base_params * i.dtype_bytes / i.world}
+        if i.world > 1:
+            terms["FSDP root unsharded"] = s.root_params * c
+            terms["FSDP gathered layers"] = 2 * s.largest_layer_params * c
+        terms["LoRA states (actor+critic)"] = (2 * self.lora * 16 + 2 * (s.hidden_size + 1) * 16) / i.world
+        return terms
+
+    def _mask(self, tokens: int) -> float:
+        if self.i.attn not in ("sdpa", "eager"):
+            return 0.0
+        if self.s.recurrent:  # padded (n, max_len): n masks of max_len^2
+            return float(tokens) * min(self.i.max_sequence, tokens)
+        return float(tokens) * tokens
+
+    def update(self, role: str, tokens: int) -> dict[str, float]:
+        s, c = self.s, self.c
+        h, t, n = s.hidden_size, float(tokens), float(tokens)
+        terms = self.resident()
+        terms["layer inputs (checkpointed)"] = len(self.checkpointed) * t * h * c
+        if self.kept:
+            terms["saved activations"] = t * sum(self._saved(kind) for kind in self.kept)
+        if self.checkpointed:
+            terms["one layer recomputed"] = t * max(self._saved(kind) for kind in set(self.checkpointed))
+        terms["gradient streams"] = GRADIENT_STREAMS * t * h * c
+        terms["embeddings, final norm"] = t * h * (2 * c + 4) + n * h * c
+        if role == "actor":
+            chunk = min(self.i.chunk_tokens, tokens)
+            terms["log-prob chunks"] = LOGPROB_BYTES_PER_ENTRY * chunk * s.vocab_size + n * h * c
+        else:
+            terms["value head input"] = n * h * (4 + c)
+        mask = self._mask(tokens)
+        if mask:
+            terms["attention mask"] = mask
+        return terms
+
+    def forward(self, role: str, tokens: int) -> dict[str, float]:
+        s, c = self.s, self.c
+        h, t = s.hidden_size, float(tokens)
+        terms = self.resident()
+        terms["residual stream"] = 3 * t * h * c
+        terms["one layer working set"] = t * max(self._forward(kind) for kind in set(s.layer_types))
+        if role == "critic":
+            terms["value head input"] = t * h * 4
+        else:
+            chunk = min(self.i.chunk_tokens, tokens)
+            terms["log-prob chunks"] = LOGPROB_BYTES_PER_ENTRY * chunk * s.vocab_size
+        mask = self._mask(tokens)
+        if mask:
+            terms["attention mask"] = mask
+        return terms
+
+
+def _engine(shape: ModelShape, inputs: Inputs, card_bytes: float) -> dict:
+    """The engine's budget and KV capacity per serving card (module doc)."""
+    tp = max(inputs.engine_tp, 1)
+    budget = inputs.gpu_memory_utilization * card_bytes if inputs.device == "gpu" else inputs.cpu_kvcache_gib * GIB
+    weights = shape.base_params * 2 / tp
+    reserve = ENGINE_RESERVE_GIB * GIB + inputs.max_num_seqs * shape.vocab_size * 4
+    kv_heads = max(1.0, shape.num_kv_heads / tp)
+    per_token = shape.count(FULL) * 2 * kv_heads * shape.head_dim * 2
+    per_sequence_state = shape.recurrent_state_bytes_per_sequence() / tp
+    kv = budget - weights - reserve if inputs.device == "gpu" else budget
+    per_sequence = inputs.max_model_len * per_token + per_sequence_state
+    return {
+        "budget_gib": budget / GIB, "weights_gib": weights / GIB, "reserve_gib": reserve / GIB,
+        "kv_cache_gib": kv / GIB, "kv_bytes_per_token": per_token,
+        "state_bytes_per_sequence": per_sequence_state,
+        "full_length_sequences": max(kv, 0.0) / per_sequence if per_sequence else float("inf"),
+    }
+
+
+def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: float = 80.0, linear_kernel: str = "fla",
+             name: Optional[str] = None) -> Plan:
+    """Predict every phase's per-card peak for ``cfg`` on cards of ``card_gib`` GiB (module
+    doc for each term's formula) and refuse what cannot fit (``Plan.refusals``).
+
+    ``linear_kernel``: which Gated DeltaNet path the trainer will run on a hybrid model,
+    ``fla`` (flash-linear-attention installed) or ``torch`` (transformers' fallback).
+    Layout consistency (world sizes, TP, separate layouts) is ``checks.layout_refusals``'
+    business; this function only sizes memory.
+    """
+    inputs = Inputs.from_config(cfg)
+    card = card_gib * GIB
+    model = _Model(model_shape, inputs, linear_kernel)
+    s = model_shape
+    plan = Plan(
+        name=name or str(_select(cfg, "name", "run")),
+        device=inputs.device,
+        card_bytes=card,
+        model={"model_type": s.model_type, "base_params": s.base_params, "lora_params_per_adapter": model.lora,
+               "layers": s.num_layers, "linear_attention_layers": s.count("linear_attention"),
+               "hidden_size": s.hidden_size, "vocab_size": s.vocab_size,
+               "layout": "padded" if s.recurrent else "packed",
+               "linear_attention_kernel": linear_kernel if s.recurrent else None,
+               "checkpointed_layers": len(model.checkpointed), "world_size": inputs.world},
+    )
+    train_cards = "every card" if inputs.colocated else "training cards"
+    slack = ALLOCATOR_SLACK if inputs.device == "gpu" else 1.0
+    overhead = {}
+    if inputs.device == "gpu":
+        overhead["runtime (CUDA context, NCCL)"] = RUNTIME_GIB * GIB
+        if inputs.colocated:
+            asleep = ENGINE_ASLEEP_GIB * GIB if inputs.sleep_mode else inputs.gpu_memory_utilization * card
+            overhead["engine asleep" if inputs.sleep_mode else "engine awake (no sleep mode)"] = asleep
+
+    engine = _engine(s, inputs, card)
+    plan.engine = engine
+    if inputs.colocated or inputs.device == "cpu":
+        resident = model.resident()
+        gen_terms = dict(resident)
+        gen_overhead = {"engine (gpu_memory_utilization x card)": engine["budget_gib"] * GIB} if inputs.device == "gpu" else {}
+        if inputs.device == "gpu":
+            gen_overhead["runtime (CUDA context, NCCL)"] = RUNTIME_GIB * GIB
+        plan.phases.append(Phase("generation", train_cards, gen_terms, gen_overhead, slack=slack))
+    else:
+        serve_overhead = {"engine (gpu_memory_utilization x card)": engine["budget_gib"] * GIB,
+                          "runtime (CUDA context, NCCL)": RUNTIME_GIB * GIB}
+        plan.phases.append(Phase("generation", "serving cards", {}, serve_overhead))
+
+    for role, phase_name in (("actor", "old_log_prob"), ("critic", "values")):
+        plan.phases.append(Phase(phase_name, train_cards, model.forward(role, inputs.forward_tokens), overhead,
+                                 tokens=inputs.forward_tokens, slack=slack))
+    if inputs.use_ref:
+        plan.phases.append(Phase("ref", train_cards, model.forward("actor", inputs.forward_tokens), overhead,
+                                 tokens=inputs.forward_tokens, slack=slack))
+    for role in ("critic", "actor"):
+        plan.phases.append(Phase(f"update_{role}", train_cards, model.update(role, inputs.update_tokens), overhead,
+                                 tokens=inputs.update_tokens, slack=slack))
+
+    sync = model.resident()
+    if inputs.weight_sync == "merged":
+        sync["merged bucket"] = max(inputs.bucket_bytes, s.largest_tensor_params * inputs.dtype_bytes)
+        sync["merge copy of one tensor"] = s.largest_tensor_params * inputs.dtype_bytes
+        sync_overhead = dict(overhead)
+        if inputs.colocated and inputs.device == "gpu":
+            sync_overhead["engine weights awake"] = engine["weights_gib"] * GIB
+    else:
+        sync["gathered adapter"] = model.lora * 4
+        sync_overhead = dict(overhead)
+    plan.phases.append(Phase("update_weights", train_cards, sync, sync_overhead, slack=slack))
+
+    _capacity_refusals(plan, model, inputs, engine, card)
+    return plan
+
+
+def _capacity_refusals(plan: Plan, model: _Model, inputs: Inputs, engine: dict, card: float) -> None:
+    if inputs.device != "gpu":
+        plan.notes.append("CPU run: no card to fit; the figures are for information (host memory)")
+        return
+    budget_name = {"update_critic": "algorithm.ppo_max_token_len_per_gpu",
+                   "update_actor": "algorithm.ppo_max_token_len_per_gpu",
+                   "old_log_prob": "algorithm.forward_max_token_len_per_gpu",
+                   "values": "algorithm.forward_max_token_len_per_gpu",
+                   "ref": "algorithm.forward_max_token_len_per_gpu"}
+    fits = lambda phase: phase.card <= card  # noqa: E731
+    overhead = plan.phase("update_actor").overhead
+    plan.max_update_tokens = _largest_fitting(
+        lambda t: max(Phase("u", "", model.update(r, t), overhead, slack=ALLOCATOR_SLACK).card
+                      for r in ("actor", "critic")), card)
+    for phase in plan.phases:
+        if fits(phase):
+            continue
+        top = ", ".join(f"{k} {v / GIB:.1f}" for k, v in phase.largest())
+        if phase.name in budget_name:
+            largest = plan.max_update_tokens if phase.name.startswith("update") else _largest_fitting(
+                lambda t, n=phase.name: Phase("f", "", model.forward("critic" if n == "values" else "actor", t),
+                                               phase.overhead, slack=ALLOCATOR_SLACK).card, card)
+            advice = (f"; the largest {budget_name[phase.name]} that fits is about {largest:,}" if largest
+                      else "; no token budget fits: fewer parameters per card are needed (more cards)")
+            plan.refusals.append(
+                f"{phase.name} on {phase.cards}: needs {phase.card / GIB:.1f} GiB of a {card / GIB:.0f} GiB card at "
+                f"{budget_name[phase.name]}={phase.tokens:,} (largest terms, GiB: {top}){advice}")
+        elif phase.name == "generation":
+            plan.refusals.append(
+                f"generation on {phase.cards}: the trainer keeps {phase.tensors / GIB:.1f} GiB and the engine asks for "
+                f"rollout.gpu_memory_utilization={inputs.gpu_memory_utilization} x {card / GIB:.0f} GiB = "
+                f"{engine['budget_gib']:.1f} GiB: {phase.card / GIB:.1f} GiB in all; lower gpu_memory_utilization")
+        else:
+            plan.refusals.append(
+                f"{phase.name} on {phase.cards}: needs {phase.card / GIB:.1f} GiB of a {card / GIB:.0f} GiB card "
+                f"(largest terms, GiB: {top})")
+    if engine["kv_cache_gib"] <= 0 or engine["full_length_sequences"] < 1:
+        plan.refusals.append(
+            f"engine: rollout.gpu_memory_utilization={inputs.gpu_memory_utilization} gives {engine['budget_gib']:.1f} GiB; "
+            f"weights take {engine['weights_gib']:.1f} GiB at TP{inputs.engine_tp} and the reserve "
+            f"{engine['reserve_gib']:.1f} GiB, leaving {engine['kv_cache_gib']:.1f} GiB of KV cache: "
+            f"{engine['full_length_sequences']:.2f} sequences of rollout.max_model_len={inputs.max_model_len}")
+
+
+def _largest_fitting(card_at, card: float, ceiling: int = 1 << 22) -> Optional[int]:
+    """Largest token count (a multiple of 1,024) whose ``card_at(tokens)`` fits ``card``; None if none."""
+    if card_at(1024) > card:
+        return None
+    low, high = 1024, 2048
+    while high < ceiling and card_at(high) <= card:
+        low, high = high, high * 2
+    while high - low > 1024:
+        mid = (low + high) // 2 // 1024 * 1024
+        if mid <= low:
+            break
+        low, high = (mid, high) if card_at(mid) <= card else (low, mid)
+    return low

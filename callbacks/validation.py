@@ -1,0 +1,201 @@
+"""``ValidationCallback``: the validation sets through the agent loop every ``val_every`` RL steps
+(SPEC section 6).
+
+When: after the update of step ``N`` when ``N % val_every == 0`` (and at the last step,
+``trainer.total_steps``, when ``val_on_last_step``, as verl does), and before the first step as
+step 0 when ``val_before_train`` and the run is fresh (not resumed, step 0 not validated yet).
+A step whose output is not finite is not validated (its update was skipped; the NaN guard owns it).
+
+What, on every rank: ``trainer.datamodule.validation_rollout(N)`` (collective), with the global
+RNGs (Python, numpy, torch CPU and CUDA) saved before and restored after, so validation never
+shifts training's random draws; the rollout itself is greedy by default and uses its own request
+seeds. Then, with every rank's records gathered on rank 0:
+
+- metrics (``_summary.view_metrics``): ``<bench>/overall/{acc,objective,cost,cost_usd,explores}``
+  and the same for every subset value (``gpqa/<value>/acc``, ...), plus ``val/reward/<field>``
+  means of every reward-breakdown field, ``val/terminal/<reason>`` fractions,
+  ``val/trajectories`` and ``timing_s/testing``; logged with ``pl_module.log_metrics(metrics,
+  step=N)`` on every rank (rank 0 computes them and broadcasts them; the module logs on rank 0
+  only; a failure on rank 0 is raised on every rank);
+- ``checkpoints/<name>/global_step_N/val_dumps/N.jsonl``: verl's dump, one row a trajectory with
+  ``input`` (decoded prompt), ``output`` (decoded response, tool responses included), ``gts``,
+  ``score`` (training reward), ``step``, ``uid`` and every reward-breakdown key; decoded with
+  ``trainer.datamodule.chat.tokenizer`` and ``skip_special_tokens=True`` as verl does;
+- ``artifacts/<name>/val/step_N/``: the records, tensors.npz and manifest (``_step_dump``).
+
+Other callbacks hear of it: every callback with a method ``on_rl_validation_end(trainer,
+pl_module, step, metrics, rows)`` is called on every rank (``rows``: the per-trajectory rows of
+``_summary.trajectory_row`` on rank 0, None elsewhere); the figures callback draws from it.
+
+Ordering: the weights the engines serve at step N must be the updated ones, so the weight-sync
+callback must run before this one, in ``on_train_start`` and ``on_train_batch_end`` (earlier in
+the callback list; ``verbs.build_callbacks`` puts it first).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import lightning as L
+import numpy as np
+import torch
+
+from atlas_lightning.config import run_dirs
+from atlas_lightning.reward import reward_means
+from atlas_lightning.callbacks._collective import on_rank_zero
+from atlas_lightning.callbacks._files import atomic_write_jsonl
+from atlas_lightning.callbacks._step_dump import gather_step, write_step_folder
+from atlas_lightning.callbacks._step_output import read_step_output, run_config
+from atlas_lightning.callbacks._summary import terminal_counts, trajectory_row, view_metrics
+
+log = logging.getLogger(__name__)
+
+#: Keys of a dump row besides the reward breakdown's (verl's ``_dump_generations`` plus ``uid``).
+DUMP_KEYS = ("input", "output", "gts", "score", "step", "uid")
+
+
+@contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Restore the Python, numpy and torch (CPU and every initialised CUDA device) RNG states on
+    exit, whatever ran inside."""
+    python_state, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+def dump_rows(records: list, tokenizer: Any, step: int) -> list[dict]:
+    """verl's validation dump rows (see the module docstring), one a record, in record order."""
+    rows = []
+    for record in records:
+        name = f"trajectory {record.uid}/{record.session_id}"
+        if record.prompt_ids is None or record.response_ids is None:
+            raise ValueError(f"validation step {step}: {name} has no prompt_ids/response_ids to decode")
+        clash = sorted(set(DUMP_KEYS) & set(record.reward))
+        if clash:
+            raise ValueError(
+                f"validation step {step}: {name}'s reward breakdown has keys {clash} that the dump reserves")
+        row = {
+            "input": tokenizer.decode([int(t) for t in record.prompt_ids], skip_special_tokens=True),
+            "output": tokenizer.decode([int(t) for t in record.response_ids], skip_special_tokens=True),
+            "gts": record.ground_truth,
+            "score": float(record.reward_score),
+            "step": int(step),
+            "uid": record.uid,
+        }
+        row.update(record.reward)
+        rows.append(row)
+    return rows
+
+
+def validation_metrics(records: list, seconds: Optional[float] = None) -> tuple[dict[str, float], list[dict]]:
+    """``(metrics, rows)`` of a validation's records (see the module docstring)."""
+    rows = [trajectory_row(record) for record in records]
+    metrics = view_metrics(rows)
+    metrics.update(reward_means([record.reward for record in records], prefix="val/reward/"))
+    if rows:
+        metrics["val/trajectories"] = float(len(rows))
+        metrics.update({f"val/terminal/{reason}": n / len(rows) for reason, n in terminal_counts(rows).items()})
+    if seconds is not None:
+        metrics["timing_s/testing"] = float(seconds)
+    return metrics, rows
+
+
+class ValidationCallback(L.Callback):
+    """Validation every ``val_every`` RL steps (0: only before training and at the last step),
+    before the first step when ``val_before_train``; see the module docstring."""
+
+    def __init__(self, val_every: int = 5, val_before_train: bool = True, val_on_last_step: bool = True) -> None:
+        if not isinstance(val_every, int) or isinstance(val_every, bool) or val_every < 0:
+            raise ValueError(
+                f"ValidationCallback: val_every must be an int >= 0 (0: never periodically), got {val_every!r}")
+        self.val_every = val_every
+        self.val_before_train = bool(val_before_train)
+        self.val_on_last_step = bool(val_on_last_step)
+        #: RL steps validated so far (checkpointed: a resumed run does not redo step 0).
+        self.validated: list[int] = []
+        self._restored = False
+
+    # -- when -------------------------------------------------------------------------------
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        fresh = not self._restored and getattr(trainer.datamodule, "next_step", 1) == 1
+        if self.val_before_train and fresh and 0 not in self.validated:
+            self.run_validation(trainer, pl_module, 0)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        out = read_step_output(outputs, "ValidationCallback.on_train_batch_end")
+        total_steps = run_config(pl_module, "ValidationCallback").trainer.total_steps
+        if out.finite and self.should_validate(out.step, total_steps):
+            self.run_validation(trainer, pl_module, out.step)
+
+    def should_validate(self, step: int, total_steps: Optional[int] = None) -> bool:
+        """After step ``step``'s update: is it a validation step?"""
+        periodic = self.val_every > 0 and step % self.val_every == 0
+        last = self.val_on_last_step and total_steps is not None and step == int(total_steps)
+        return periodic or last
+
+    # -- what -------------------------------------------------------------------------------
+
+    def run_validation(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> dict[str, float]:
+        """Validate as RL step ``step`` on every rank (collective); returns the metrics."""
+        cfg = run_config(pl_module, "ValidationCallback")
+        datamodule = trainer.datamodule
+        if datamodule is None or not hasattr(datamodule, "validation_rollout"):
+            raise ValueError("ValidationCallback: trainer.datamodule must be a RolloutDataModule (validation_rollout)")
+        started = time.monotonic()
+        with preserved_rng():
+            batch = datamodule.validation_rollout(step)
+        gathered = gather_step(step, batch.records)
+        seconds = time.monotonic() - started
+        rows: Optional[list] = None
+
+        def summarize_and_write() -> dict:
+            nonlocal rows
+            records = gathered[0]
+            metrics, rows = validation_metrics(records, seconds)
+            tokenizer = getattr(getattr(datamodule, "chat", None), "tokenizer", None)
+            if tokenizer is None:
+                raise ValueError("ValidationCallback: trainer.datamodule.chat.tokenizer is needed to decode the dump")
+            atomic_write_jsonl(dump_path(cfg, step), dump_rows(records, tokenizer, step))
+            write_step_folder(run_dirs(cfg)["artifacts"] / "val", step, records,
+                              manifest_extra={"partition": "val", "run_id": cfg.name,
+                                              "weights_version": getattr(batch, "weights_version", None)})
+            log.info("validation step %d: %s", step, ", ".join(
+                f"{k}={v:.4g}" for k, v in metrics.items() if k.endswith("/overall/acc")))
+            return metrics
+
+        metrics = on_rank_zero(summarize_and_write, f"validation step {step}")
+        pl_module.log_metrics(metrics, step=step)
+        self.validated.append(step)
+        for callback in trainer.callbacks:
+            hook = getattr(callback, "on_rl_validation_end", None)
+            if callable(hook):
+                hook(trainer, pl_module, step, metrics, rows)
+        return metrics
+
+    # -- resumable state ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"validated": list(self.validated)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.validated = [int(s) for s in state_dict.get("validated", [])]
+        self._restored = True
+
+
+def dump_path(cfg: Any, step: int) -> Path:
+    """``checkpoints/<name>/global_step_N/val_dumps/N.jsonl`` of a run."""
+    return run_dirs(cfg)["checkpoints"] / f"global_step_{step}" / "val_dumps" / f"{step}.jsonl"

@@ -1,0 +1,204 @@
+"""ArtifactDumpCallback: run.json and train/step_N/ against the seed's sections 2 and 4, driven by a
+real Lightning Trainer; step folders appear whole or not at all."""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+import subprocess
+from pathlib import Path
+
+import lightning
+import numpy as np
+import pytest
+import torch
+
+from atlas_lightning.callbacks._step_dump import gather_step, remove_stale_temporaries, write_step_folder
+from atlas_lightning.callbacks._step_output import read_step_output
+from atlas_lightning.callbacks.artifacts import ArtifactDumpCallback
+from atlas_lightning.config import run_dirs
+from atlas_lightning.records import (
+    RECORD_FIELDS,
+    RecordError,
+    read_record,
+    read_step_tensors,
+    verify_manifest,
+)
+
+#: Seed section 4: the reward breakdown's and the episode's named fields.
+SEED_REWARD_FIELDS = (
+    "objective", "final_reward", "training_reward", "acc", "cost", "cost_total",
+    *(f"explore_reward_{k}" for k in range(1, 9)), "terminal_reward", "found_correct", "first_correct_k",
+    "submitted_after_correct", "terminal_reason_code",
+)
+SEED_EPISODE_FIELDS = ("generations", "proposed_calls", "events", "terminal_reason", "token_counts")
+
+
+def _visible(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_train_steps_are_dumped_as_the_seed_lays_them_out(tmp_path, h, chat):
+    cfg = h.make_cfg(tmp_path, total_steps=3, extra=[
+        "++model.actor_adapter=/runs/r25/global_step_29/actor/lora_adapter",
+        "++model.critic_adapter=/runs/r25/global_step_29/critic/lora_adapter",
+        "trainer.init_from=/runs/r25/global_step_29",
+    ])
+    artifacts = run_dirs(cfg)["artifacts"]
+    stale = artifacts / "train" / ".tmp-step_9-deadbeef"
+    stale.mkdir(parents=True)
+    (stale / "half.json").write_text("{")
+
+    _, module, _ = h.fit(cfg, chat, [ArtifactDumpCallback()])
+
+    assert _visible(artifacts) == ["run.json", "train"]
+    assert _visible(artifacts / "train") == ["step_1", "step_2", "step_3"]  # the crashed run's temporary is gone
+    for step in (1, 2, 3):
+        folder = artifacts / "train" / f"step_{step}"
+        assert verify_manifest(folder) == []
+        manifest = json.loads((folder / "manifest.json").read_text())
+        batch = module.outputs[step]["batch"]
+        assert manifest["step"] == step and manifest["partition"] == "train"
+        assert manifest["counts"]["records"] == len(batch.records) == 6
+        assert set(manifest["tensor_names"]) == set(h.TENSOR_NAMES)
+
+        expected = {r.filename: r for r in batch.records}
+        assert sorted(p.name for p in folder.glob("*_*.json")) == sorted(expected)
+        for name, original in expected.items():
+            record = read_record(folder / name)
+            data = record.to_json_dict()
+            assert list(data)[: len(RECORD_FIELDS)] == list(RECORD_FIELDS)
+            assert record.partition == "train" and record.global_steps == step and record.run_id == cfg.name
+            assert set(SEED_REWARD_FIELDS) <= set(record.reward)
+            assert set(SEED_EPISODE_FIELDS) <= set(record.episode)
+            assert record.reward_score == record.reward["training_reward"]
+            assert record.written_at
+            mine = original.to_json_dict()
+            assert {k: v for k, v in data.items() if k != "written_at"} == {k: v for k, v in mine.items() if k != "written_at"}
+
+        tensors = read_step_tensors(folder / "tensors.npz")
+        output = module.outputs[step]
+        for i, record in enumerate(batch.records):
+            assert (tensors["uid"][i], tensors["session_id"][i]) == (record.uid, record.session_id)
+            np.testing.assert_array_equal(tensors["response_ids"][i], record.response_ids)
+            np.testing.assert_array_equal(tensors["response_mask"][i], record.response_mask)
+            np.testing.assert_array_equal(tensors["values"][i], output["tensors"]["values"][i])
+            # Independent reference: with gamma = lam = 1, GAE's return at a generated token is the
+            # sum of the token rewards from there on (rewards sit on generated tokens only).
+            mask = record.response_mask.astype(bool)
+            rewards = tensors["token_rewards"][i]
+            reward_to_go = np.cumsum(rewards[::-1])[::-1]
+            np.testing.assert_allclose(tensors["returns"][i][mask], reward_to_go[mask], atol=1e-5)
+            assert np.isclose(rewards.sum(), record.reward["final_reward"], atol=1e-6)
+
+
+def test_run_json_names_code_packages_hosts_and_starting_adapters(tmp_path, h, chat):
+    cfg = h.make_cfg(tmp_path, total_steps=1, extra=[
+        "++model.actor_adapter=/runs/r25/global_step_29/actor/lora_adapter", "trainer.init_from=/runs/r25/global_step_29"])
+    h.fit(cfg, chat, [ArtifactDumpCallback()])
+    run = json.loads((run_dirs(cfg)["artifacts"] / "run.json").read_text())
+
+    checkout = Path(__file__).resolve().parents[2]
+    head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert run["code_revision"]["git_commit"] == head.stdout.strip()
+    assert run["code_revision"]["package_version"] == "0.1.0"
+    assert run["packages"]["torch"] == torch.__version__
+    assert run["packages"]["lightning"] == lightning.__version__
+    assert {"vllm", "transformers", "peft", "python"} <= set(run["packages"])
+    assert run["hosts"]["world_size"] == 1
+    assert run["hosts"]["hostnames"] == [socket.gethostname()]
+    assert run["hosts"]["ranks"][0]["rank"] == 0 and run["hosts"]["ranks"][0]["device"] == "cpu"
+    assert run["starting_adapters"]["actor_adapter"] == "/runs/r25/global_step_29/actor/lora_adapter"
+    assert run["starting_adapters"]["critic_adapter"] is None
+    assert run["starting_adapters"]["init_from"] == "/runs/r25/global_step_29"
+    assert run["config"]["name"] == cfg.name and run["config"]["trainer"]["total_steps"] == 1
+    assert run["start_time"].endswith("Z") and len(run["launches"]) == 1
+
+
+def test_a_relaunch_keeps_the_earlier_launches(tmp_path, h):
+    cfg = h.make_cfg(tmp_path)
+    hosts = [{"rank": 0, "hostname": "node-a"}, {"rank": 1, "hostname": "node-b"}]
+    ArtifactDumpCallback.write_run_json(cfg, hosts[:1], 1)
+    path = ArtifactDumpCallback.write_run_json(cfg, hosts, 2)
+    run = json.loads(path.read_text())
+    assert [launch["hosts"]["world_size"] for launch in run["launches"]] == [1, 2]
+    assert run["hosts"]["hostnames"] == ["node-a", "node-b"]
+
+
+def _records(h, chat, tmp_path, step=1):
+    dm = h.ScriptedDataModule(h.make_cfg(tmp_path), chat)
+    return dm.rollout(step).records
+
+
+def test_a_crash_mid_write_leaves_no_step_folder(tmp_path, h, chat):
+    records = _records(h, chat, tmp_path)
+    parent = tmp_path / "train"
+    write_step_folder(parent, 7, records)
+    before = json.loads((parent / "step_7" / "manifest.json").read_text())
+
+    broken = [copy.deepcopy(r) for r in records]
+    broken[3].reward["cost"] = float("nan")  # JSON refuses it: the 4th record's write fails
+    with pytest.raises(RecordError, match="cannot be written as JSON"):
+        write_step_folder(parent, 8, broken)
+    with pytest.raises(RecordError):
+        write_step_folder(parent, 7, broken)  # a failed rewrite keeps the old folder whole
+    assert _visible(parent) == ["step_7"]  # no step_8, no hidden temporary
+    assert verify_manifest(parent / "step_7") == []
+    assert json.loads((parent / "step_7" / "manifest.json").read_text())["files"] == before["files"]
+
+    write_step_folder(parent, 7, records[:2])  # a successful rewrite replaces it whole
+    assert _visible(parent) == ["step_7"]
+    assert sorted(p.name for p in (parent / "step_7").glob("*_*.json")) == sorted(r.filename for r in records[:2])
+    assert verify_manifest(parent / "step_7") == []
+
+
+def test_stale_temporaries_are_removed(tmp_path):
+    for name in (".tmp-step_3-0a1b2c3d", ".old-step_2-00000000", "step_2"):
+        (tmp_path / name).mkdir()
+    removed = remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in removed) == [".old-step_2-00000000", ".tmp-step_3-0a1b2c3d"]
+    assert _visible(tmp_path) == ["step_2"]
+
+
+def test_tensors_that_do_not_fit_the_trajectories_are_refused(tmp_path, h, chat):
+    records = _records(h, chat, tmp_path)
+    good = [np.zeros(len(r.response_ids), np.float32) for r in records]
+    with pytest.raises(ValueError, match=r"tensors\['values'\] has 5 arrays for 6 trajectories"):
+        gather_step(4, records, {"values": good[:5]})
+    bad = list(good)
+    bad[2] = np.zeros(len(good[2]) + 1, np.float32)
+    with pytest.raises(ValueError, match=f"step 4: tensors\\['values'\\] of trajectory {records[2].uid}/{records[2].session_id}"):
+        gather_step(4, records, {"values": bad})
+    with pytest.raises(ValueError, match="two trajectories are named"):
+        gather_step(4, records + records[:1])
+
+
+@pytest.mark.parametrize("outputs, message", [
+    (None, "must be the step-output dict"),
+    ({"step": 1}, "lacks key"),
+    ({"step": 0, "batch": None, "tensors": {}, "metrics": {}, "finite": True}, "1-based RL step"),
+    ({"step": 1, "batch": [], "tensors": {}, "metrics": {}, "finite": True}, "must be a RolloutBatch"),
+    ({"step": 1, "batch": None, "tensors": {}, "metrics": {}, "finite": 1}, "'finite' must be a bool"),
+])
+def test_a_step_output_off_contract_is_named(outputs, message):
+    with pytest.raises(ValueError, match=message):
+        read_step_output(outputs, "test")
+
+
+def test_a_nonfinite_output_needs_its_diagnostic(tmp_path, h, chat):
+    dm = h.ScriptedDataModule(h.make_cfg(tmp_path), chat)
+    batch = dm.rollout(2)
+    with pytest.raises(ValueError, match="'nonfinite' is None"):
+        read_step_output({"step": 2, "batch": batch, "tensors": {}, "metrics": {}, "finite": False}, "test")
+    with pytest.raises(ValueError, match="'step' is 3 but its batch is of step 2"):
+        read_step_output({"step": 3, "batch": batch, "tensors": {}, "metrics": {}, "finite": True}, "test")
+
+
+def test_rank_zero_work_returns_or_raises_its_own_error():
+    from atlas_lightning.callbacks._collective import on_rank_zero
+
+    assert on_rank_zero(lambda: {"acc": 1.0}, "work") == {"acc": 1.0}
+    with pytest.raises(KeyError, match="missing"):
+        on_rank_zero(lambda: {}["missing"], "work")
