@@ -25,6 +25,7 @@ no partial batch is returned.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -38,6 +39,8 @@ from atlas_lightning.rollout.engine import (
     SamplingSpec,
     request_seed,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,8 @@ class AgentLoop:
                         f"(e.g. {self._names(in_flight, waiting)}); the step is not recorded: {err}"
                     ) from err
                 stats.retries += 1
+                log.warning("%s engine failed (%d in a row, %d requests in flight); retrying: %s",
+                            self.engine.name, engine_failures, len(in_flight), err)
                 time.sleep(min(2.0 ** engine_failures, 30.0))
                 continue
             for result in results:
@@ -247,6 +252,8 @@ class AgentLoop:
     def _retry(self, traj: Trajectory, request: GenerationRequest, why: str, stats: LoopStats) -> None:
         traj.attempt_id += 1
         stats.retries += 1
+        log.warning("request %s: %s; attempt %d of %d", request.request_id, why, traj.attempt_id + 1,
+                    self.limits.max_retries + 1)
         if traj.attempt_id > self.limits.max_retries:
             raise EngineError(
                 f"{self.engine.name} engine: request {request.request_id} failed {traj.attempt_id} times "

@@ -133,7 +133,13 @@ class VLLMEngine(Engine):
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=True,
         )
-        if not on_cpu:
+        if on_cpu:
+            # vLLM 0.32 rewinds a seeded request's generator (set_offset) when a chunked prefill
+            # discards its sampled token, and CPU generators refuse that ("CPU Generator does not
+            # use offset"): the step fails and its requests are stranded. Whole-prompt prefills
+            # never discard, so prompts are never split on CPU (VLLM-NOTES, the seeded-chunking trap).
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
+        else:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
         if lora_rank is not None:
             kwargs.update(enable_lora=True, max_lora_rank=_lora_rank_slot(lora_rank), max_loras=1)

@@ -92,3 +92,20 @@ def test_seeded_sampling_does_not_depend_on_batch_company(vllm_engine):
     crowded = sample([PROMPTS[1], PROMPTS[0], PROMPTS[2]], "crowd")[1]
     assert alone.token_ids == crowded.token_ids
     assert alone.logprobs == pytest.approx(crowded.logprobs, abs=1e-5)
+
+
+def test_seeded_sampling_survives_prompts_beyond_one_step_budget(vllm_engine):
+    """Twelve 1,500-token seeded prompts (18,000 tokens, over the 4,096 a step) at once: with
+    chunked prefill, vLLM 0.32 on CPU failed the step ("CPU Generator does not use offset") and
+    stranded every request; each must finish, as it does alone."""
+    prompts = [[(7 * i + 3 * k) % 1900 + 10 for k in range(1500)] for i in range(12)]
+
+    def requests(chosen, tag):
+        return [GenerationRequest(f"{tag}{i}", tuple(prompts[i]), SamplingSpec(max_tokens=8, temperature=1.0, seed=99 + i))
+                for i in chosen]
+
+    crowd = vllm_engine.generate(requests(range(12), "long"))
+    assert [r.finish_reason for r in crowd] == ["length"] * 12
+    alone = vllm_engine.generate(requests([5], "long-alone"))[0]
+    assert alone.token_ids == crowd[5].token_ids
+    assert alone.logprobs == pytest.approx(crowd[5].logprobs, abs=1e-5)
