@@ -29,6 +29,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def shut_down() -> None:
+    """End the process group cleanly once a verb is done (barrier, then destroy). Left to the
+    interpreter's exit, gloo's worker threads can be torn down while still joinable, and the
+    process aborts ("terminate called without an active exception") after a finished run."""
+    if is_distributed():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def gather_objects(obj: Any) -> Optional[list]:
     """Every rank's ``obj`` in rank order on rank 0 (None on the others). Collective."""
     if not is_distributed():

@@ -17,6 +17,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from atlas_lightning import distributed as dist_utils
 from atlas_lightning.atomic import atomic_write_text
 from atlas_lightning.config import ConfigError, run_dirs
 
@@ -137,6 +138,8 @@ def fit(cfg: DictConfig) -> int:
     from atlas_lightning.data.datamodule import RolloutDataModule
     from atlas_lightning.module import PPOModule
 
+    if cfg.trainer.memory_check:  # the report's memory-check runs: synthetic steps, no rollouts
+        return memory_check(cfg)
     dirs = prepare_run(cfg, "fit")
     ckpt = resume_path(cfg)
     trainer = build_trainer(cfg)
@@ -146,6 +149,7 @@ def fit(cfg: DictConfig) -> int:
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
     if trainer.global_rank == 0:
         _closing_summary(cfg, dirs, time.time() - started)
+    dist_utils.shut_down()
     return 0
 
 
@@ -204,6 +208,7 @@ def validate(cfg: DictConfig) -> int:
     if trainer.global_rank == 0:
         shown = {k: v for k, v in sorted(results.items()) if k.endswith(("/acc", "/objective"))}
         print("\n".join(f"{k:40s} {v:.4f}" for k, v in shown.items()), file=sys.stderr)
+    dist_utils.shut_down()
     return 0
 
 

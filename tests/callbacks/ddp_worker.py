@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cb_harness as h  # noqa: E402
 
+from atlas_lightning.distributed import shut_down  # noqa: E402
 from atlas_lightning.callbacks.artifacts import ArtifactDumpCallback  # noqa: E402
 from atlas_lightning.callbacks.figures import FiguresCallback  # noqa: E402
 from atlas_lightning.callbacks.nan_guard import NaNGuardCallback, NonFiniteError  # noqa: E402
@@ -39,6 +40,7 @@ def main() -> None:
         outcome["error"] = str(err)
     outcome.update(rank=trainer.global_rank, val_calls=dm.val_calls, logged_steps=[s for s, _ in module.logged])
     (root / f"{name}_rank_{os.environ['RANK']}.json").write_text(json.dumps(outcome))
+    shut_down()  # as the CLI's verbs do: gloo torn down at exit can abort a finished process
 
 
 if __name__ == "__main__":
