@@ -47,7 +47,6 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L

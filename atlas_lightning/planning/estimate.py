@@ -16,22 +16,28 @@ of an RL step, the peak bytes a card holds. Notation (bytes unless said):
 * ``a(kind)``, ``f(kind)``: saved and forward working-set bytes per token of one layer
   (``activations.py``, which gives their formulas).
 
-Terms of a training card (each phase lists those it holds):
+Terms of a training card. Held together (summed):
 
     base weights            P b / W
     FSDP root unsharded     P_root c                (W > 1: the root unit stays gathered)
     FSDP gathered layers    2 P_layer c             (W > 1: the running layer and the prefetched one)
     LoRA states             2 R (4 + 4 + 8) / W     (actor + critic: fp32 params, grads, Adam moments)
-    layer inputs            L_ck T H c              (what checkpointing keeps)
-    saved activations       T sum a(kind)           (layers that are not checkpointed)
-    one layer recomputed    T max a(kind)           (the backward replays one checkpointed layer)
-    gradient streams        4 T H c                 (grads of the residual stream in flight)
-    embeddings, final norm  T H (2c + 4) + N H c    (layer-0 input, fp32 norm copy, head input)
+    layer inputs            L_ck T H c              (update: what checkpointing keeps)
+    saved activations       T sum a(kind)           (update: layers that are not checkpointed)
+    embeddings, final norm  T H (2c + 4) + N H c    (update: layer-0 input, fp32 norm copy, head input)
+    residual stream         3 T H c                 (forward-only: a layer's input, output, residual)
+    attention mask          T x T (packed) or T x max_len (padded), sdpa/eager only
+
+Transients that follow one another (only the largest is added: the head's backward runs and
+frees its buffers before the first layer's backward starts, and a forward-only pass runs the
+layers before the head; the H200 measurement shows it, actor and critic peaks being equal):
+
     log-prob chunks         12 C V + N H c          (actor: bf16 logits, fp32 log-softmax and
                                                     probabilities, bf16 grad; grad of hidden)
-    value head input        4 N H + N H c           (critic: fp32 hidden, grad)
-    attention mask          T x T (packed) or T x max_len (padded), sdpa/eager only
-    forward working set     3 T H c + T max f(kind) (forward-only: residual stream + one layer)
+    value head input        (4 + c) N H             (critic: fp32 hidden, its grad; 4 N H forward-only)
+    one layer recomputed    T max a(kind) + 4 T H c (update: a checkpointed layer replayed, and the
+      + gradients                                    grads of the residual stream in flight)
+    one layer working set   T max f(kind)           (forward-only)
 
 Card totals add ``RUNTIME_GIB`` (CUDA context, cuBLAS workspace, NCCL buffers), allocator
 slack (``ALLOCATOR_SLACK`` x the tensors) and, in colocated layouts, the engine asleep
@@ -46,9 +52,12 @@ a colocated card = trainer resident (weights, LoRA states) + the engine budget.
 Weight sync: ``lora`` gathers one full adapter (``4 R``); ``merged`` holds the engine's weights
 awake, a bucket (``max(bucket_mb, largest tensor)``) and one merged copy of the largest tensor.
 
-Calibration (see ``tests/scale/device_memory_check.py`` and the notes in ``activations.py``):
-the log-prob term reproduces the H200 measurement of ``models/logprobs.py`` (hidden 5120,
-vocabulary 248,320, 49,152 tokens: 2.8 GiB at 1,024-token chunks, 11.4 GiB at 4,096).
+Calibration: the log-prob term reproduces the H200 measurement of ``models/logprobs.py``
+(hidden 5120, vocabulary 248,320, 49,152 tokens: 2.8 GiB at 1,024-token chunks, 11.4 GiB at
+4,096). Against memory-check on an H200 (``tests/scale/device_memory_check.py``; figures in
+``tests/scale/h200_memory_check.json``, asserted by ``tests/scale/test_plan_vs_h200.py``) the
+dense terms are analytic and land within a few per cent; the torch-fallback linear-attention
+terms carry fitted factors (``activations.py``).
 
 Who calls it: ``planning.plan`` (the ``plan`` verb, pre-flight), ``memory_check`` (to print
 the prediction beside the measurement).
@@ -81,6 +90,9 @@ class Phase:
     cards: str
     terms: dict[str, float]
     overhead: dict[str, float] = field(default_factory=dict)
+    #: Transients that happen one after another (the head's backward, then the layers'): only
+    #: the largest counts at the peak.
+    sequential: dict[str, float] = field(default_factory=dict)
     #: Tokens of the micro-batch this phase was estimated at (None: not token-driven).
     tokens: Optional[int] = None
     #: Reserved over allocated bytes of the caching allocator (1.0 where no card is sized).
@@ -89,7 +101,7 @@ class Phase:
     @property
     def tensors(self) -> float:
         """Bytes of torch tensors: what ``torch.cuda.max_memory_allocated`` measures."""
-        return float(sum(self.terms.values()))
+        return float(sum(self.terms.values())) + max(self.sequential.values(), default=0.0)
 
     @property
     def card(self) -> float:
@@ -97,12 +109,16 @@ class Phase:
         return self.tensors * self.slack + float(sum(self.overhead.values()))
 
     def largest(self, k: int = 3) -> list[tuple[str, float]]:
-        return sorted(self.terms.items(), key=lambda kv: -kv[1])[:k]
+        items = list(self.terms.items())
+        if self.sequential:
+            items.append(max(self.sequential.items(), key=lambda kv: kv[1]))
+        return sorted(items, key=lambda kv: -kv[1])[:k]
 
     def to_dict(self) -> dict:
         return {"name": self.name, "cards": self.cards, "tokens": self.tokens,
                 "tensors_gib": self.tensors / GIB, "card_gib": self.card / GIB,
                 "terms_gib": {k: v / GIB for k, v in self.terms.items()},
+                "sequential_gib": {k: v / GIB for k, v in self.sequential.items()},
                 "overhead_gib": {k: v / GIB for k, v in self.overhead.items()}}
 
 
@@ -261,42 +277,46 @@ class _Model:
             return float(tokens) * min(self.i.max_sequence, tokens)
         return float(tokens) * tokens
 
-    def update(self, role: str, tokens: int) -> dict[str, float]:
+    def update(self, role: str, tokens: int) -> tuple[dict[str, float], dict[str, float]]:
+        """``(terms, sequential)`` of an update micro-step of ``role`` (module doc)."""
         s, c = self.s, self.c
         h, t, n = s.hidden_size, float(tokens), float(tokens)
         terms = self.resident()
-        terms["layer inputs (checkpointed)"] = len(self.checkpointed) * t * h * c
+        if self.checkpointed:
+            terms["layer inputs (checkpointed)"] = len(self.checkpointed) * t * h * c
         if self.kept:
             terms["saved activations"] = t * sum(self._saved(kind) for kind in self.kept)
-        if self.checkpointed:
-            terms["one layer recomputed"] = t * max(self._saved(kind) for kind in set(self.checkpointed))
-        terms["gradient streams"] = GRADIENT_STREAMS * t * h * c
         terms["embeddings, final norm"] = t * h * (2 * c + 4) + n * h * c
-        if role == "actor":
-            chunk = min(self.i.chunk_tokens, tokens)
-            terms["log-prob chunks"] = LOGPROB_BYTES_PER_ENTRY * chunk * s.vocab_size + n * h * c
-        else:
-            terms["value head input"] = n * h * (4 + c)
         mask = self._mask(tokens)
         if mask:
             terms["attention mask"] = mask
-        return terms
+        sequential = {}
+        if role == "actor":
+            chunk = min(self.i.chunk_tokens, tokens)
+            sequential["log-prob chunks"] = LOGPROB_BYTES_PER_ENTRY * chunk * s.vocab_size + n * h * c
+        else:
+            sequential["value head input"] = n * h * (4 + c)
+        recompute = t * max(self._saved(kind) for kind in set(self.checkpointed)) if self.checkpointed else 0.0
+        sequential["one layer recomputed + gradients" if self.checkpointed else "gradients"] = (
+            recompute + GRADIENT_STREAMS * t * h * c)
+        return terms, sequential
 
-    def forward(self, role: str, tokens: int) -> dict[str, float]:
+    def forward(self, role: str, tokens: int) -> tuple[dict[str, float], dict[str, float]]:
+        """``(terms, sequential)`` of a forward-only pass of ``role`` (module doc)."""
         s, c = self.s, self.c
         h, t = s.hidden_size, float(tokens)
         terms = self.resident()
         terms["residual stream"] = 3 * t * h * c
-        terms["one layer working set"] = t * max(self._forward(kind) for kind in set(s.layer_types))
-        if role == "critic":
-            terms["value head input"] = t * h * 4
-        else:
-            chunk = min(self.i.chunk_tokens, tokens)
-            terms["log-prob chunks"] = LOGPROB_BYTES_PER_ENTRY * chunk * s.vocab_size
         mask = self._mask(tokens)
         if mask:
             terms["attention mask"] = mask
-        return terms
+        sequential = {"one layer working set": t * max(self._forward(kind) for kind in set(s.layer_types))}
+        if role == "critic":
+            sequential["value head input"] = t * h * 4
+        else:
+            chunk = min(self.i.chunk_tokens, tokens)
+            sequential["log-prob chunks"] = LOGPROB_BYTES_PER_ENTRY * chunk * s.vocab_size
+        return terms, sequential
 
 
 def _engine(shape: ModelShape, inputs: Inputs, card_bytes: float) -> dict:
@@ -367,13 +387,16 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: float = 80.0, linea
         plan.phases.append(Phase("generation", "serving cards", {}, serve_overhead))
 
     for role, phase_name in (("actor", "old_log_prob"), ("critic", "values")):
-        plan.phases.append(Phase(phase_name, train_cards, model.forward(role, inputs.forward_tokens), overhead,
+        terms, sequential = model.forward(role, inputs.forward_tokens)
+        plan.phases.append(Phase(phase_name, train_cards, terms, overhead, sequential=sequential,
                                  tokens=inputs.forward_tokens, slack=slack))
     if inputs.use_ref:
-        plan.phases.append(Phase("ref", train_cards, model.forward("actor", inputs.forward_tokens), overhead,
+        terms, sequential = model.forward("actor", inputs.forward_tokens)
+        plan.phases.append(Phase("ref", train_cards, terms, overhead, sequential=sequential,
                                  tokens=inputs.forward_tokens, slack=slack))
     for role in ("critic", "actor"):
-        plan.phases.append(Phase(f"update_{role}", train_cards, model.update(role, inputs.update_tokens), overhead,
+        terms, sequential = model.update(role, inputs.update_tokens)
+        plan.phases.append(Phase(f"update_{role}", train_cards, terms, overhead, sequential=sequential,
                                  tokens=inputs.update_tokens, slack=slack))
 
     sync = model.resident()
@@ -404,16 +427,15 @@ def _capacity_refusals(plan: Plan, model: _Model, inputs: Inputs, engine: dict, 
     fits = lambda phase: phase.card <= card  # noqa: E731
     overhead = plan.phase("update_actor").overhead
     plan.max_update_tokens = _largest_fitting(
-        lambda t: max(Phase("u", "", model.update(r, t), overhead, slack=ALLOCATOR_SLACK).card
-                      for r in ("actor", "critic")), card)
+        lambda t: max(_update_phase(model, role, t, overhead).card for role in ("actor", "critic")), card)
     for phase in plan.phases:
         if fits(phase):
             continue
         top = ", ".join(f"{k} {v / GIB:.1f}" for k, v in phase.largest())
         if phase.name in budget_name:
             largest = plan.max_update_tokens if phase.name.startswith("update") else _largest_fitting(
-                lambda t, n=phase.name: Phase("f", "", model.forward("critic" if n == "values" else "actor", t),
-                                               phase.overhead, slack=ALLOCATOR_SLACK).card, card)
+                lambda t, n=phase.name: _forward_phase(model, "critic" if n == "values" else "actor", t,
+                                                       phase.overhead).card, card)
             advice = (f"; the largest {budget_name[phase.name]} that fits is about {largest:,}" if largest
                       else "; no token budget fits: fewer parameters per card are needed (more cards)")
             plan.refusals.append(
@@ -434,6 +456,16 @@ def _capacity_refusals(plan: Plan, model: _Model, inputs: Inputs, engine: dict, 
             f"weights take {engine['weights_gib']:.1f} GiB at TP{inputs.engine_tp} and the reserve "
             f"{engine['reserve_gib']:.1f} GiB, leaving {engine['kv_cache_gib']:.1f} GiB of KV cache: "
             f"{engine['full_length_sequences']:.2f} sequences of rollout.max_model_len={inputs.max_model_len}")
+
+
+def _update_phase(model: _Model, role: str, tokens: int, overhead: dict) -> Phase:
+    terms, sequential = model.update(role, tokens)
+    return Phase("update", "", terms, overhead, sequential=sequential, slack=ALLOCATOR_SLACK)
+
+
+def _forward_phase(model: _Model, role: str, tokens: int, overhead: dict) -> Phase:
+    terms, sequential = model.forward(role, tokens)
+    return Phase("forward", "", terms, overhead, sequential=sequential, slack=ALLOCATOR_SLACK)
 
 
 def _largest_fitting(card_at, card: float, ceiling: int = 1 << 22) -> Optional[int]:

@@ -32,7 +32,10 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"{phase.name:<16}{phase.cards:<16}{tokens:>8}{phase.tensors / GIB:>13.1f}"
                      f"{phase.card / GIB:>10.1f}  {top}")
     e = plan.engine
-    if e:
+    if e and plan.device == "cpu":
+        lines += ["", f"engine: CPU KV cache {e['kv_cache_gib']:.1f} GiB (rollout.cpu_kvcache_gib), "
+                      f"{e['full_length_sequences']:.1f} sequences of max_model_len"]
+    elif e:
         lines += ["", f"engine per serving card: budget {e['budget_gib']:.1f} GiB = weights {e['weights_gib']:.1f} + "
                       f"reserve {e['reserve_gib']:.1f} + KV cache {e['kv_cache_gib']:.1f} "
                       f"({e['full_length_sequences']:.1f} sequences of max_model_len)"]

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# ATLAS report 28 memory check, asynchronous: 4 cards train, 4 serve one TP4 engine, merged weights in 512 MB buckets.
+#
+#   launch/r28-continued-cost-8gpu-t49152-n16-separate4-4-memory.sh [hydra overrides...]
+#
+# The asynchronous separate layout is not implemented yet: the plan refuses this run with the reason
+# (merged weights themselves are exact at every FSDP2 world size: tests/scale).
+# Plan and pre-flight first (seconds; nothing starts if they fail), then
+# `atlas-lightning memory-check experiment=r28-continued-cost-8gpu-t49152-n16-separate4-4-memory`; the log goes to logs/r28-continued-cost-8gpu-t49152-n16-separate4-4-memory-<UTC time>.log.
+# launch/common.sh lists the environment variables; launch/slurm.sbatch runs it on several nodes.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+ATLAS_GPUS_WANTED=8 atlas_launch r28-continued-cost-8gpu-t49152-n16-separate4-4-memory memory-check "$@"

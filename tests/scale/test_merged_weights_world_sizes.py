@@ -1,0 +1,65 @@
+"""Merged weights exact at FSDP2 world sizes 4 and 6 (issue 8, part 3; SPEC 7), on gloo processes.
+
+Report 28's six-rank layout got NaN entropies from wrong merged weights: FSDP2 shards every
+parameter on dim 0 over the ranks, unevenly when a dim does not divide by 6. Here the dims
+(hidden 74, MLP 130, vocabulary 131, LoRA rank 5; q_proj 64 and k/v 32 wide) divide by
+neither 4 nor 6 wherever it matters, so shards are uneven and, for the rank-5 LoRA factors,
+some ranks hold nothing. Each case runs the models room's worker (``tests/models/fsdp_worker.py``,
+imported by path, unchanged) under ``torch.distributed.run``: it shards an ActorCritic over W
+ranks and compares, on rank 0, ``merged_weights`` of both adapters with a one-process
+``merge_and_unload()`` bit for bit, and the sharded passes and gradients with one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from atlas_lightning.models.tiny import save_tiny_causal_lm
+
+WORKER = Path(__file__).resolve().parents[1] / "models" / "fsdp_worker.py"
+DIMS = dict(hidden_size=74, intermediate_size=130, vocab_size=131)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size, arch", [(4, "qwen3"), (6, "qwen3"), (6, "qwen3_5")])
+def test_merged_weights_exact_at_uneven_world_sizes(world_size, arch, tmp_path):
+    for dim in DIMS.values():
+        assert dim % world_size, f"{dim} divides by {world_size}: shards would be even"
+    base = save_tiny_causal_lm(tmp_path / "base", arch=arch, **DIMS)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
+         str(WORKER), str(base), str(out)],
+        env=env, capture_output=True, text=True, timeout=400,
+    )
+    seconds = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    print(f"world_size={world_size} arch={arch}: {seconds:.1f} s")
+
+    assert report["world_size"] == world_size
+    assert report["all_params_sharded"] and report["uneven_params"] > 0
+    assert report["empty_local_shards"] > 0  # rank-5 LoRA factors over 6 ranks: chunks 1,1,1,1,1,0
+    for adapter in ("actor", "critic"):
+        assert report[f"merged/{adapter}/names_equal"]
+        assert report[f"merged/{adapter}/bitwise"], report[f"merged/{adapter}/max_err"]
+        assert report[f"merged/{adapter}/max_err"] == 0.0
+        assert report[f"merged/{adapter}/equals_unsharded_export"]
+        assert report[f"merged/{adapter}/changed_tensors"] >= 14  # every LoRA-wrapped linear moved
+        assert report[f"state/{adapter}/equal"]
+    # the sharded model computes what one process computes (no NaN, no drift)
+    output_errors = {k: v for k, v in report.items() if k.startswith("err/") and k != "err/grads"}
+    assert len(output_errors) == 4 * world_size
+    assert max(output_errors.values()) <= 1e-5, output_errors
+    assert report["err/grads"] <= 1e-5 * max(1.0, report["grad_scale"]), report["err/grads"]
+    assert report["reload/equal"]

@@ -1,0 +1,173 @@
+"""``plan``: shapes read from config.json agree with transformers; the estimate reproduces the
+measurements it was calibrated on and the report's budgets; impossible layouts are refused,
+each with its reason, and the verb exits 2 on a refusal."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from atlas_lightning.cli import main as cli_main
+from atlas_lightning.config import ConfigError, compose
+from atlas_lightning.models.tiny import save_tiny_causal_lm
+from atlas_lightning.planning import GIB, ShapeError, estimate, make_plan, read_model_shape, shape_from_config
+from atlas_lightning.planning.checks import MERGED_WEIGHTS_TEST, layout_refusals
+
+from .conftest import DENSE_8B, QWEN3_6_27B_TEXT
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _meta_model(config: dict):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures")}
+    with torch.device("meta"):
+        if config["model_type"] == "qwen3":
+            return Qwen3ForCausalLM(Qwen3Config(**fields))
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**fields))
+
+
+def _lora_params(model, rank: int) -> int:
+    return sum(rank * (m.in_features + m.out_features) for m in model.model.layers.modules()
+               if isinstance(m, torch.nn.Linear))
+
+
+@pytest.mark.parametrize("config", [DENSE_8B, QWEN3_6_27B_TEXT], ids=["dense8b", "qwen3_6_27b"])
+def test_shape_counts_equal_a_transformers_model(config):
+    model = _meta_model(config)
+    shape = shape_from_config(config)
+    assert shape.base_params == sum(p.numel() for p in model.parameters())
+    assert shape.lora_params(64) == _lora_params(model, 64)
+    assert shape.largest_layer_params == max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("arch, tied", [("qwen3", False), ("qwen3", True), ("qwen3_5", False)])
+def test_shape_of_a_saved_folder_equals_what_loads(arch, tied, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_causal_lm(tmp_path / arch, arch=arch, tie_word_embeddings=tied, hidden_size=72)
+    shape = read_model_shape(folder)
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    unique = {id(p): p.numel() for p in loaded.parameters()}
+    assert shape.base_params == sum(unique.values())
+    assert shape.lora_params(4) == _lora_params(loaded, 4)
+    assert shape.recurrent == (arch == "qwen3_5")
+
+
+def test_27b_adapter_size_is_the_reports_actor_adapter(qwen27b_dir):
+    """Report 28's actor adapter (LoRA r64, all linear, fp32) is 1,867,797,544 bytes: the
+    tensors plus a safetensors header of ~150 KB."""
+    tensors = read_model_shape(qwen27b_dir).lora_params(64) * 4
+    assert 0 < 1_867_797_544 - tensors < 300_000
+
+
+def test_unknown_family_and_missing_folder_are_named(tmp_path):
+    with pytest.raises(ShapeError, match="model_type='gpt2'"):
+        shape_from_config({"model_type": "gpt2", "hidden_size": 8}, "x/config.json")
+    with pytest.raises(ShapeError, match="num_hidden_layers"):
+        shape_from_config({**DENSE_8B, "num_hidden_layers": 0})
+    with pytest.raises(ShapeError, match="no config.json"):
+        read_model_shape(tmp_path)
+
+
+def _cfg(run: str, model_dir, tmp_path, *extra: str):
+    return compose([f"experiment={run}", f"model.path={model_dir}", f"data.root={tmp_path}", f"paths.root={tmp_path}",
+                    *extra])
+
+
+def test_logprob_term_reproduces_the_h200_measurement(qwen27b_dir, tmp_path):
+    """models/logprobs.py measured on an H200 (hidden 5120, vocabulary 248,320, 49,152 tokens):
+    2.8 GiB with 1,024-token chunks, 11.4 GiB with 4,096 (the grad of the hidden states aside)."""
+    shape = read_model_shape(qwen27b_dir)
+    terms = {}
+    for chunk in (1024, 4096):
+        cfg = _cfg("r28-continued-cost-8gpu-t49152-memory", qwen27b_dir, tmp_path, f"model.logprob_chunk_tokens={chunk}")
+        term = estimate(shape, cfg).phase("update_actor").sequential["log-prob chunks"]
+        terms[chunk] = (term - 49152 * 5120 * 2) / GIB
+    assert terms[1024] == pytest.approx(2.8, rel=0.05)
+    assert terms[4096] == pytest.approx(11.4, rel=0.05)
+
+
+def test_report_budgets_on_80gb_cards(qwen27b_dir, tmp_path):
+    """Report 28: 49,152 tokens a card fit on 8 A100 80GB with the 27B; 73,728 ran out of memory."""
+    fits = make_plan(_cfg("r28-continued-cost-8gpu-t49152-memory", qwen27b_dir, tmp_path), card_gib=80, linear_kernel="fla")
+    assert fits.ok, fits.refusals
+    assert 49152 <= fits.max_update_tokens < 73728
+    oom = make_plan(_cfg("r28-continued-cost-8gpu-t73728-memory", qwen27b_dir, tmp_path), card_gib=80, linear_kernel="fla")
+    assert not oom.ok
+    assert any(r.startswith("update_actor") and "ppo_max_token_len_per_gpu=73,728" in r for r in oom.refusals)
+    assert oom.max_update_tokens == fits.max_update_tokens
+    # An H200 holds it; transformers' fallback kernels (no flash-linear-attention) need far more.
+    assert make_plan(_cfg("r28-continued-cost-8gpu-t73728-memory", qwen27b_dir, tmp_path), card_gib=139,
+                     linear_kernel="fla").ok
+    torch_path = make_plan(_cfg("r28-continued-cost-8gpu-t49152-memory", qwen27b_dir, tmp_path), card_gib=80,
+                           linear_kernel="torch")
+    assert torch_path.phase("update_actor").tensors > 1.2 * fits.phase("update_actor").tensors
+
+
+@pytest.mark.parametrize("run, train", [("r28-continued-cost-8gpu-t98304-separate6-2-memory", 6),
+                                        ("r28-continued-cost-8gpu-t49152-n16-separate4-4-memory", 4)])
+def test_separate_layouts_are_refused_with_the_reason(run, train, qwen27b_dir, tmp_path):
+    plan = make_plan(_cfg(run, qwen27b_dir, tmp_path), card_gib=80, linear_kernel="fla")
+    reason = plan.refusals[0]
+    assert "not implemented" in reason and "issue 8" in reason
+    assert f"exact at FSDP2 world size {train}" in reason and MERGED_WEIGHTS_TEST in reason
+    assert (REPO / MERGED_WEIGHTS_TEST).is_file()
+
+
+def test_impossible_layouts_are_refused(qwen27b_dir, tmp_path):
+    shape = read_model_shape(qwen27b_dir)
+    base = OmegaConf.to_container(_cfg("r28-continued-cost-8gpu-n32", qwen27b_dir, tmp_path), resolve=True)
+    assert layout_refusals(base, shape) == []
+
+    def refused(**changes):
+        cfg = json.loads(json.dumps(base))
+        for key, value in changes.items():
+            group, name = key.split("__")
+            cfg[group][name] = value
+        return " | ".join(layout_refusals(cfg, shape))
+
+    assert "engine TP 3 does not divide the 8 cards" in refused(rollout__tensor_parallel_size=3, layout__engine_tp=3)
+    assert "24 attention heads" in refused(rollout__tensor_parallel_size=16, layout__engine_tp=16, layout__gpus=16,
+                                           layout__train_gpus=16, trainer__devices=16)
+    assert "must all be equal" in refused(trainer__devices=4)
+    assert "differs from layout.engine_tp" in refused(layout__engine_tp=8)
+    assert "longer than algorithm.ppo_max_token_len_per_gpu=16,384" in refused(algorithm__ppo_max_token_len_per_gpu=16384)
+    # the composed route refuses the TP mismatch before the plan, naming the key
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not divide layout.gpus=8"):
+        _cfg("r28-continued-cost-8gpu-n32", qwen27b_dir, tmp_path, "layout.engine_tp=3")
+
+
+def test_engine_budget_refusals(qwen27b_dir, tmp_path):
+    greedy = make_plan(_cfg("r28-continued-cost-8gpu-n32", qwen27b_dir, tmp_path, "rollout.gpu_memory_utilization=0.95"),
+                       card_gib=80, linear_kernel="fla")
+    assert any(r.startswith("generation on every card") and "lower gpu_memory_utilization" in r for r in greedy.refusals)
+    starved = make_plan(_cfg("r28-continued-cost-8gpu-n32", qwen27b_dir, tmp_path, "rollout.gpu_memory_utilization=0.1"),
+                        card_gib=80, linear_kernel="fla")
+    assert any(r.startswith("engine:") and "sequences of rollout.max_model_len=32768" in r for r in starved.refusals)
+
+
+def test_plan_verb_exit_codes_and_plan_json(qwen27b_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ATLAS_LINEAR_ATTENTION_KERNEL", "fla")
+    args = [f"model.path={qwen27b_dir}", f"data.root={tmp_path}", f"paths.root={tmp_path}"]
+    monkeypatch.setenv("ATLAS_CARD_GIB", "80")
+    assert cli_main(["plan", "experiment=r28-continued-cost-8gpu-t49152-memory", *args]) == 0
+    assert "PLAN OK" in capsys.readouterr().out
+    assert cli_main(["plan", "experiment=r28-continued-cost-8gpu-t73728-memory", *args]) == 2
+    out = capsys.readouterr().out
+    assert "PLAN REFUSED" in out and "update_actor on every card" in out
+    saved = json.loads((tmp_path / "outputs" / "r28-continued-cost-8gpu-t73728-memory" / "plan.json").read_text())
+    assert saved["ok"] is False and saved["card_gib"] == 80
+    assert {p["name"] for p in saved["phases"]} >= {"generation", "old_log_prob", "values", "update_critic",
+                                                    "update_actor", "update_weights"}
+    monkeypatch.setenv("ATLAS_CARD_GIB", "139")  # an H200 holds 73,728 tokens a card
+    assert cli_main(["plan", "experiment=r28-continued-cost-8gpu-t73728-memory", *args]) == 0
+    monkeypatch.setenv("ATLAS_CARD_GIB", "lots")
+    assert cli_main(["plan", "experiment=r28-continued-cost-8gpu-t73728-memory", *args]) == 2
+    assert "ATLAS_CARD_GIB='lots'" in capsys.readouterr().err
