@@ -1,11 +1,13 @@
 """``atlas-lightning``: the command line. Verbs ``fit``, ``validate``, ``memory-check``, ``plan``,
-``publish`` and ``data``; config composition from ``conf/`` with hydra overrides.
+``publish``, ``data`` and ``bench``; config composition from ``conf/`` with hydra overrides.
 
     atlas-lightning fit experiment=tiny-cpu paths.root=/tmp/r name=demo
     atlas-lightning fit experiment=tiny-cpu --print-config      # composed config, no work
     atlas-lightning fit experiment=mine --config-dir ./myconf    # a user's own config groups
     atlas-lightning data sample --out DIR
     atlas-lightning data tiny-model --out DIR
+    atlas-lightning data tiny-orchestrator --out DIR --base DIR   # the SFT warm start of tiny-cpu
+    atlas-lightning bench --tiny                                  # the performance benchmark (bench/)
 
 Every verb that takes a config composes and validates it first, so an unknown key or a bad
 value fails in seconds, naming the key, before any model or engine is touched.
@@ -40,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="atlas-lightning",
         description="A Lightning-based PPO trainer for cost-aware tool-using LLM agents.",
     )
-    verbs = parser.add_subparsers(dest="verb", metavar="{fit,validate,memory-check,plan,publish,data}")
+    verbs = parser.add_subparsers(dest="verb", metavar="{fit,validate,memory-check,plan,publish,data,bench}")
     verbs.required = True
     for verb, help_text in CONFIG_VERBS.items():
         _add_config_args(verbs.add_parser(verb, help=help_text, description=help_text))
@@ -50,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--weights", action="store_true", help="also send adapter weights")
 
     data = verbs.add_parser("data", help="build the bundled sample data or the tiny local model")
-    data_verbs = data.add_subparsers(dest="data_verb", metavar="{sample,tiny-model}")
+    data_verbs = data.add_subparsers(dest="data_verb", metavar="{sample,tiny-model,tiny-orchestrator}")
     data_verbs.required = True
     sample = data_verbs.add_parser("sample", help="write the generated sample question parquets")
     sample.add_argument("--out", required=True, type=Path)
@@ -58,6 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = data_verbs.add_parser("tiny-model", help="build the tiny Qwen3-architecture model and tokenizer")
     tiny.add_argument("--out", required=True, type=Path)
     tiny.add_argument("--seed", type=int, default=0)
+    orchestrator = data_verbs.add_parser(
+        "tiny-orchestrator", help="SFT the tiny model on runtime-rendered tool-call episodes (tiny-cpu's model)")
+    orchestrator.add_argument("--out", required=True, type=Path)
+    orchestrator.add_argument("--base", type=Path, default=None,
+                              help="a tiny-model folder to start from (default: build one with --seed)")
+    orchestrator.add_argument("--seed", type=int, default=0)
+
+    verbs.add_parser("bench", help="the H200 performance benchmark: ours against transformers + peft (bench/)",
+                     add_help=False)
     return parser
 
 
@@ -68,10 +79,14 @@ def _run_data(args: argparse.Namespace) -> int:
         from atlas_lightning.data.sample import build_sample
 
         summary = build_sample(args.out, seed=args.seed)
-    else:
+    elif args.data_verb == "tiny-model":
         from atlas_lightning.data.tiny_model import build_tiny_model
 
         summary = build_tiny_model(args.out, seed=args.seed)
+    else:
+        from atlas_lightning.data.tiny_orchestrator import build_tiny_orchestrator
+
+        summary = build_tiny_orchestrator(args.out, seed=args.seed, base=args.base)
     print(json.dumps(summary, indent=2, default=str))
     return 0
 
@@ -99,6 +114,11 @@ def _run_config_verb(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser (it runs where hydra and vLLM are absent, too)
+        from atlas_lightning.bench.cli import main as bench_main
+
+        return bench_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     try:
         if args.verb == "data":

@@ -59,6 +59,15 @@ class ModelConfig:
     #: full-vocabulary logits never exist for a whole micro-batch.
     logprob_chunk_tokens: int = 4096
     attn_implementation: str = "sdpa"
+    #: ``packed`` (sequences concatenated, no padding), ``padded`` (right-padded rows; the only
+    #: choice for models with linear-attention layers) or ``auto`` (packed where the model allows).
+    sequence_layout: str = "auto"
+    #: Run each LoRA-wrapped linear as one fused autograd function in the compute dtype
+    #: (``models/fused_lora.py``); False uses peft's own adapter path.
+    fused_lora: bool = True
+    #: With gradient checkpointing, checkpoint only the first k decoder layers (None: all).
+    #: ``atlas-lightning plan`` recommends a k that fits the memory budget.
+    checkpoint_layers: Optional[int] = None
     #: Starting adapters (PEFT folders), e.g. ``.../global_step_29/actor/lora_adapter``.
     actor_adapter: Optional[str] = None
     critic_adapter: Optional[str] = None

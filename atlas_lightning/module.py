@@ -48,7 +48,7 @@ from atlas_lightning import distributed as dist_utils
 from atlas_lightning.algorithms import ppo
 from atlas_lightning.algorithms.functional import masked_mean, masked_whiten
 from atlas_lightning.algorithms.kl import apply_kl_penalty, kl_penalty
-from atlas_lightning.algorithms.partition import plan_micro_batches
+from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
 from atlas_lightning.rollout.batch import RolloutBatch
 
@@ -75,6 +75,7 @@ class PPOModule(L.LightningModule):
         self.model = ActorCritic(
             m.path, m.lora, dtype=m.dtype, gradient_checkpointing=m.gradient_checkpointing,
             logprob_chunk_tokens=m.logprob_chunk_tokens, attn_implementation=m.attn_implementation,
+            sequence_layout=m.sequence_layout, fused_lora=m.fused_lora, checkpoint_layers=m.checkpoint_layers,
             init_seed=self.cfg.seed,
         )
         self._load_starting_adapters()
@@ -195,14 +196,16 @@ class PPOModule(L.LightningModule):
         return pack_sequences([torch.tensor([0, 0])], [1], response_length=1).to(self.device)
 
     def _plan(self, lengths: list[int], budget: int) -> list[list[int]]:
-        """This rank's micro-batches, as many as the rank needing most (collective)."""
-        counted = [self.model.micro_batch_tokens([n]) for n in lengths]
-        local = len(plan_micro_batches(counted, budget, allow_oversized=True).micro_batches) if counted else 0
+        """This rank's micro-batches of sequence indices within ``budget`` tokens as the model's
+        layout counts them (packed: the sum; padded: count x longest), as many as the rank
+        needing most (collective: every rank must run the same number of passes under FSDP2)."""
+        planner = plan_padded_micro_batches if self.model.sequence_layout == "padded" else plan_micro_batches
+        local = len(planner(lengths, budget, allow_oversized=True).micro_batches) if lengths else 0
         count = int(max(dist_utils.all_reduce_max([local])[0], 1))
-        if not counted:
+        if not lengths:
             return [[] for _ in range(count)]
-        return [list(mb) for mb in plan_micro_batches(counted, budget, num_micro_batches=count,
-                                                      allow_oversized=True).micro_batches]
+        return [list(mb) for mb in planner(lengths, budget, num_micro_batches=count,
+                                           allow_oversized=True).micro_batches]
 
     # -- forward-only passes --------------------------------------------------------------
 
@@ -355,7 +358,7 @@ class PPOModule(L.LightningModule):
             vf_loss, vf_clipfrac = ppo.compute_value_loss(vpreds, returns[rows], values[rows], m, cfg.cliprange_value, **agg)
             self.manual_backward(vf_loss)
             local_tokens = float(m.sum())
-            return {"critic/vf_loss": float(vf_loss) * total_tokens / max(local_tokens, 1.0) / world,
+            return {"critic/vf_loss": float(vf_loss.detach()) * total_tokens / max(local_tokens, 1.0) / world,
                     "critic/vf_clipfrac": float(vf_clipfrac),
                     "critic/vpred_mean": float(masked_mean(vpreds.detach(), m))}
         log_probs, entropy = self.model.actor_forward(packed, temperature=self.cfg.rollout.temperature,
@@ -373,11 +376,11 @@ class PPOModule(L.LightningModule):
             kld = kl_penalty(log_prob, ref_log_prob[rows], cfg.kl_loss_type)
             kl_loss = ppo.agg_loss(kld, m, **agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
-            stats["actor/kl_loss"] = float(kl_loss)
+            stats["actor/kl_loss"] = float(kl_loss.detach())
         self.manual_backward(loss)
         local_tokens = float(m.sum())
         scale = total_tokens / max(local_tokens, 1.0) / world  # back to this micro-batch's token mean
-        stats["actor/pg_loss"] = float(pg_loss) * scale
+        stats["actor/pg_loss"] = float(pg_loss.detach()) * scale
         if "actor/kl_loss" in stats:
             stats["actor/kl_loss"] *= scale
         return stats

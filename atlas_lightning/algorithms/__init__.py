@@ -6,8 +6,10 @@
 ``partition``: micro-batches under a per-card token budget, on one card and over ranks.
 """
 
-from .partition import DataParallelPlan, MicroBatchPlan, plan_data_parallel, plan_micro_batches, token_mean_weights
+from .partition import (DataParallelPlan, MicroBatchPlan, plan_data_parallel, plan_micro_batches,
+                        plan_padded_micro_batches, token_mean_weights)
 from .ppo import *  # noqa: F403 (ppo.__all__ is the public PPO maths)
 from .ppo import __all__ as _ppo_all
 
-__all__ = [*_ppo_all, "DataParallelPlan", "MicroBatchPlan", "plan_data_parallel", "plan_micro_batches", "token_mean_weights"]
+__all__ = [*_ppo_all, "DataParallelPlan", "MicroBatchPlan", "plan_data_parallel", "plan_micro_batches", "plan_padded_micro_batches",
+           "token_mean_weights"]

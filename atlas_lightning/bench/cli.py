@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=2, help="timed repetitions (after one warm-up)")
     p.add_argument("--sweep-reps", type=int, default=1, help="timed repetitions in the sweep")
     p.add_argument("--sections", default="peak,logprob,update,forward,sync")
-    p.add_argument("--memory-margin-gib", type=float, default=12.0)
+    p.add_argument("--memory-margin-gib", type=float, default=16.0)
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--deadline-s", type=float, default=1e9, help="skip what is left after this many seconds")
     p.add_argument("--out", default="bench.json")
@@ -214,6 +214,7 @@ class Bench:
                     sweep[option] = {"skipped": "deadline"}
                     continue
                 fused, attention, rule = SWEEP[option]
+                runner = base = None
                 with measure.section(sweep, option, self.device) as entry:
                     base = build_model(shape, device=self.device, dtype=self.dtype, attn_implementation=attention,
                                        layers=sweep_layers, seed=self.args.seed)
@@ -226,7 +227,8 @@ class Bench:
                                                      reps=self.args.sweep_reps))
                     entry.update(fused_lora=fused, attention=attention, checkpoint_layers=k)
                     entry["layer_bytes"] = sum(p.numel() * p.element_size() for p in runner.model.decoder_layers()[0].parameters())
-                    del runner, base
+                runner = base = None  # also after a failure, before the next option builds its model
+                measure.free_memory(self.device)
                 self.save()
             selective = self._choose_checkpoint_layers(sweep, full_layers, inputs.num_tokens, shape)
             model_out["checkpoint_choice"] = selective
@@ -241,7 +243,11 @@ class Bench:
             if path == "ours" and attempts[0] is not None and attempts[0] < full_layers:
                 attempts.append(full_layers)  # fall back to checkpointing every layer if it does not fit
             for attempt in attempts:
+                # a failed attempt's model can survive in reference cycles until collected: the
+                # first H200 run OOMed on its fallback attempt for want of this
+                measure.free_memory(self.device)
                 entry = self._run_full(name, shape, path, full_layers, inputs, seq_lens, scored, attempt)
+                entry["allocated_before_gib"] = self._allocated_before
                 model_out[path] = entry
                 self.save()
                 if "error" not in entry.get("update", {}) or not entry["update"]["error"].startswith("OOM"):
@@ -255,7 +261,8 @@ class Bench:
             return {"checkpoint_layers": None, "why": "no sweep peaks (CPU run or sweep incomplete): all layers"}
         sweep_layers = sweep["layers"]
         uncheckpointed = sweep_layers - half["checkpoint_layers"]
-        per_layer = max((half["peak_gib"] - all_ckpt["peak_gib"]) / max(uncheckpointed, 1), 1e-3)
+        # x1.25: on the H200 (run 1) the unscaled prediction left the 36-layer 8B 1-2 GiB short
+        per_layer = 1.25 * max((half["peak_gib"] - all_ckpt["peak_gib"]) / max(uncheckpointed, 1), 1e-3)
         # a checkpointed layer keeps its weights and its input (T x hidden, bf16) alive
         kept = all_ckpt["layer_bytes"] / measure.GIB + tokens * shape.config["hidden_size"] * 2 / measure.GIB
         predicted_all = all_ckpt["peak_gib"] + (full_layers - sweep_layers) * kept
@@ -268,6 +275,8 @@ class Bench:
 
     def _run_full(self, name, shape, path, layers, inputs, seq_lens, scored, checkpoint_layers) -> dict:
         entry: dict = {"layers": layers}
+        self._allocated_before = measure.allocated_gib(self.device)
+        runner = base = None
         attention = "sdpa_varlen" if path == "ours" else "sdpa"
         with measure.section(entry, "update", self.device) as update:
             base = build_model(shape, device=self.device, dtype=self.dtype, attn_implementation=attention,
@@ -303,7 +312,7 @@ class Bench:
                     sync.update(measure_weight_sync(runner.model, self.device, self.args.bucket_mb * 2**20,
                                                     self.results.get("copy_bandwidth", {}).get("gbps")))
                     self.log(f"{name} weight sync: {json.dumps(sync)[:400]}")
-            del runner, base
+        del runner, base
         return entry
 
     # ------------------------------------------------------------------ driver

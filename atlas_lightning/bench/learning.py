@@ -1,0 +1,142 @@
+"""Does the embedded default learn? Train ``experiment=tiny-cpu`` at several seeds and compare the
+validation objective of the last step with step 0's, question by question.
+
+    python -m atlas_lightning.bench.learning --root /tmp/learning --seeds 0 1     # train, then report
+    python -m atlas_lightning.bench.learning --root /tmp/learning --seeds 0 1 --report-only
+    python -m atlas_lightning.bench.learning --root R --seeds 0 -- trainer.total_steps=4   # overrides
+
+Each seed runs ``atlas-lightning fit experiment=tiny-cpu seed=S data.seed=S name=tiny-cpu-seedS
+paths.root=ROOT`` in a subprocess (a run already finished under ROOT is reused), then the
+validation records it wrote (``artifacts/<name>/val/step_N/*.json``, greedy, one trajectory a
+question) are read back. Figures, per seed and validation step: the objective ``acc - lambda *
+dollars`` (the reward breakdown's ``objective``), accuracy, dollars, explores per episode. The
+test of learning is paired: for every validation question, the objective at the last step minus
+the objective at step 0; the mean difference and its standard error (sample standard deviation
+of the differences / sqrt(questions)); ``z`` = mean / SE. Learning is shown when ``z > 3``.
+
+Output: a markdown table on stdout and ``ROOT/learning.json``. Who calls it: people, and the
+README's figures come from it. Needs only the standard library (and the CLI it launches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+EXPERIMENT = "tiny-cpu"
+
+
+def run_name(seed: int) -> str:
+    return f"{EXPERIMENT}-seed{seed}"
+
+
+def train(root: Path, seed: int, overrides: list[str]) -> float:
+    """Run one seed's ``fit`` unless ROOT already holds its finished run; seconds it took (0 if reused)."""
+    name = run_name(seed)
+    if (root / "checkpoints" / name / "latest_checkpointed_iteration.txt").is_file() and _finished(root, name):
+        return 0.0
+    command = [sys.executable, "-m", "atlas_lightning.cli", "fit", f"experiment={EXPERIMENT}", f"seed={seed}",
+               f"data.seed={seed}", f"name={name}", f"paths.root={root}", *overrides]
+    print("$ " + " ".join(command), file=sys.stderr, flush=True)
+    started = time.monotonic()
+    subprocess.run(command, check=True, env=dict(os.environ, WANDB_MODE=os.environ.get("WANDB_MODE", "offline")))
+    return time.monotonic() - started
+
+
+def _finished(root: Path, name: str) -> bool:
+    summary = root / "outputs" / name / "learning_done.json"
+    return summary.is_file()
+
+
+def val_steps(root: Path, name: str) -> dict[int, Path]:
+    folder = root / "artifacts" / name / "val"
+    steps = {}
+    for step_dir in folder.glob("step_*") if folder.is_dir() else ():
+        if step_dir.name[5:].isdigit() and (step_dir / "manifest.json").is_file():
+            steps[int(step_dir.name[5:])] = step_dir
+    return dict(sorted(steps.items()))
+
+
+def read_step(step_dir: Path) -> dict[str, dict]:
+    """question_id -> mean over its trajectories of objective, acc, cost (USD) and explores."""
+    per_question: dict[str, list[dict]] = {}
+    for path in sorted(step_dir.glob("*.json")):
+        if path.name == "manifest.json":
+            continue
+        record = json.loads(path.read_text(encoding="utf-8"))
+        reward = record["reward"]
+        per_question.setdefault(record["question_id"], []).append(
+            {"objective": float(reward["objective"]), "acc": float(reward["acc"]),
+             "cost_usd": float(reward["cost_total"]), "explores": float(reward["num_explores"])})
+    if not per_question:
+        raise ValueError(f"{step_dir}: no trajectory records")
+    return {qid: {key: statistics.fmean(r[key] for r in rows) for key in rows[0]} for qid, rows in per_question.items()}
+
+
+def summarize(steps: dict[int, dict[str, dict]]) -> dict:
+    """Per-step means and the paired last-vs-first test."""
+    curve = {step: {key: statistics.fmean(q[key] for q in questions.values())
+                    for key in ("objective", "acc", "cost_usd", "explores")} | {"questions": len(questions)}
+             for step, questions in steps.items()}
+    first, last = min(steps), max(steps)
+    common = sorted(set(steps[first]) & set(steps[last]))
+    diffs = [steps[last][q]["objective"] - steps[first][q]["objective"] for q in common]
+    mean = statistics.fmean(diffs) if diffs else float("nan")
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    return {"curve": curve, "first_step": first, "last_step": last, "paired_questions": len(common),
+            "objective_gain": mean, "gain_se": se, "z": mean / se if se and se > 0 else float("nan")}
+
+
+def markdown(results: dict) -> str:
+    lines = ["| seed | step | objective | acc | $ / episode | explores | questions |", "|---|---|---|---|---|---|---|"]
+    for seed, result in results["seeds"].items():
+        for step, row in result["curve"].items():
+            lines.append(f"| {seed} | {step} | {row['objective']:+.3f} | {row['acc']:.3f} | {row['cost_usd']:.3f} | "
+                         f"{row['explores']:.2f} | {row['questions']} |")
+    lines += ["", "| seed | steps | objective gain (last - step 0) | SE (paired) | z | train minutes |",
+              "|---|---|---|---|---|---|"]
+    for seed, result in results["seeds"].items():
+        lines.append(f"| {seed} | {result['first_step']} -> {result['last_step']} | {result['objective_gain']:+.3f} | "
+                     f"{result['gain_se']:.3f} | {result['z']:.1f} | {result['train_seconds'] / 60:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m atlas_lightning.bench.learning", description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, required=True, help="where the runs are written (and reused)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--report-only", action="store_true", help="read finished runs, train nothing")
+    parser.add_argument("overrides", nargs="*", help="hydra overrides for every seed's fit (after --)")
+    args = parser.parse_args(argv)
+    args.root.mkdir(parents=True, exist_ok=True)
+    results: dict = {"experiment": EXPERIMENT, "overrides": args.overrides, "seeds": {}}
+    for seed in args.seeds:
+        name = run_name(seed)
+        seconds = 0.0
+        if not args.report_only:
+            seconds = train(args.root, seed, args.overrides)
+            done = args.root / "outputs" / name / "learning_done.json"
+            if seconds:
+                done.write_text(json.dumps({"train_seconds": seconds}) + "\n", encoding="utf-8")
+            else:
+                seconds = json.loads(done.read_text())["train_seconds"]
+        steps = val_steps(args.root, name)
+        if len(steps) < 2:
+            raise SystemExit(f"{args.root}/artifacts/{name}/val holds validation steps {list(steps)}: need step 0 and a later one")
+        result = summarize({step: read_step(folder) for step, folder in steps.items()})
+        result["train_seconds"] = seconds
+        results["seeds"][seed] = result
+    (args.root / "learning.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The benchmark on CPU at toy size: it runs end to end, and its two paths compute the same thing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from atlas_lightning.bench.cli import main
+from atlas_lightning.bench.flops import model_flops
+from atlas_lightning.bench.shapes import build_model, shape_by_name
+from atlas_lightning.bench.update import BaselineRunner, OursRunner, _pack
+from atlas_lightning.bench.workload import ppo_inputs, sample_micro_batch
+
+CPU = torch.device("cpu")
+
+
+def test_tiny_run_writes_json_and_markdown(tmp_path, capsys):
+    out = tmp_path / "r" / "bench.json"
+    assert main(["--tiny", "--models", "tiny", "--sweep", "ours,ours_selective", "--reps", "1", "--tokens", "1024",
+                 "--forward-tokens", "2048",
+                 "--sections", "peak,logprob,update,forward,sync", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    model = results["models"]["tiny"]
+    for path in ("ours", "baseline"):
+        update = model[path]["update"]
+        assert "error" not in update, update
+        assert update["real_tokens"] == model["update_inputs"]["real_tokens"] > 0
+        assert update["tokens_per_s"] > 0 and 0 < update["useful_mfu"]
+        assert set(model[path]["forward"]) >= {"actor", "critic"}
+    assert model["ours"]["options"]["attention"] == "sdpa_varlen"
+    assert model["sweep"]["ours_selective"]["checkpoint_layers"] == 1
+    sync = model["ours"]["weight_sync"]
+    assert sync["merged_packs"]["bytes"] == sync["merged_cat"]["bytes"] > 0
+    assert {r["kind"] for r in results["logprob_memory"]} == {"chunked", "full"}
+    text = out.with_suffix(".md").read_text()
+    assert "| tiny | ours |" in text and "| tiny | baseline |" in text
+    assert text in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_hybrid"])
+def test_baseline_and_ours_score_the_same_tokens(name):
+    """With the adapters at zero both paths are the bare base: the baseline's padded full-logit
+    log-probs and values must equal ours (fp32), which checks its index arithmetic."""
+    shape = shape_by_name(name)
+    inputs = ppo_inputs(sample_micro_batch(3, 600, scale=1 / 32), shape.vocab_size, CPU, seed=1)
+    ours = OursRunner(build_model(shape, device=CPU, dtype=torch.float32, attn_implementation="sdpa_varlen"),
+                      4, 10_000)
+    base = BaselineRunner(build_model(shape, device=CPU, dtype=torch.float32, attn_implementation="sdpa"), 4, 10_000)
+    base.value_head.load_state_dict(ours.model.value_head.state_dict())
+    with torch.no_grad():
+        for name, p in list(ours.model.named_parameters()) + list(base.peft_model.named_parameters()):
+            if "lora_" in name:
+                p.zero_()
+    packed = _pack(inputs, list(range(len(inputs.sequences))), CPU)
+    with torch.no_grad():
+        torch.testing.assert_close(base._per_token("actor", packed), ours.model.actor_forward(packed)[0],
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(base._per_token("critic", packed), ours.model.critic_forward(packed),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_useful_flops_match_torch_flop_counter():
+    """Matmul FLOPs of an actor forward (peft's LoRA path: plain mm calls) against torch's
+    FlopCounterMode. Its CPU attention kernel is not counted by the counter, so attention is
+    checked separately against the causal-half formula."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    shape = shape_by_name("tiny")
+    base = build_model(shape, device=CPU, dtype=torch.float32, attn_implementation="sdpa_varlen")
+    flops = model_flops(base, 4)
+    runner = OursRunner(base, 4, 10_000, chunk_tokens=10_000, fused_lora=False)
+    runner.model.eval()
+    inputs = ppo_inputs(sample_micro_batch(5, 400, scale=1 / 32), shape.vocab_size, CPU)
+    packed = _pack(inputs, list(range(len(inputs.sequences))), CPU)
+    seq_lens = [int(s.numel()) for s in inputs.sequences]
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        runner.model.actor_forward(packed, compute_entropy=False)
+    matmuls = flops.forward("actor", seq_lens, packed.num_response_tokens) - flops.attention(seq_lens)
+    assert counter.get_total_flops() == matmuls
+    config = shape.config
+    heads_dim = config["num_attention_heads"] * config["head_dim"]
+    assert flops.attention(seq_lens) == sum(4 * s * s * heads_dim / 2 for s in seq_lens) * config["num_hidden_layers"]
