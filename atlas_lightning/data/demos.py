@@ -198,7 +198,8 @@ def render_demo(
     )
 
 
-def plan_demo(question: Question, sample_index: int, runtime: RuntimeConfig, seed: int) -> tuple[int, str, random.Random]:
+def plan_demo(question: Question, sample_index: int, runtime: RuntimeConfig,
+              seed: int) -> tuple[int, str, random.Random]:
     """(explore count, submit strategy, the rng for the rest) of one demonstration."""
     rng = random.Random(f"atlas-sft-demo/{seed}/{question.benchmark}/{question.question_id}/{sample_index}")
     quota = min(runtime.max_explores, len(question.candidates), runtime.max_turns - 1)
