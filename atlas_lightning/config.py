@@ -128,6 +128,12 @@ class RolloutConfig:
     enforce_eager: bool = False
     #: Largest gap tolerated between trainer and engine log-probs on the probe (nats/token).
     max_logprob_gap: float = 0.05
+    #: ``vllm-server`` only: attach to this running server (``http://host:port``) instead of
+    #: starting one. It must serve ``model.path`` with the engine arguments ``VLLMServer`` uses,
+    #: LoRA enabled and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; one engine only.
+    server_url: Optional[str] = None
+    #: ``vllm-server`` only: seconds a started server may take to answer ``/health``.
+    server_start_timeout_s: float = 600.0
 
 
 @dataclass

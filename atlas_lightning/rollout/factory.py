@@ -58,4 +58,66 @@ def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size
         if torch.cuda.is_available():
             model = model.to(f"cuda:{local_rank}")
         return HFEngine(model)
-    raise NotImplementedError(f"rollout.engine={kind!r}: the vLLM server client lands with the scale issue (#8)")
+    if kind == "vllm-server":
+        return _build_server_engine(cfg, rank, local_rank, world_size)
+    raise NotImplementedError(f"rollout.engine={kind!r} is not an engine this build knows")
+
+
+def _build_server_engine(cfg: DictConfig, rank: int, local_rank: int, world_size: int) -> Engine:
+    """A ``ServerEngine`` on a server this rank starts (or on ``rollout.server_url``).
+
+    Supported: one process (the server runs TP ``rollout.tensor_parallel_size``), or several
+    processes at TP 1 (each rank is its engine's only member and starts its own server, on its
+    own card where there are cards). Refused, with the reason: TP groups over several training
+    processes, merged-weight sync, one ``server_url`` for several engines, and sleep mode on GPUs."""
+    from atlas_lightning.config import run_dirs
+    from atlas_lightning.rollout.server_engine import ServerEngine, VLLMServer
+
+    r = cfg.rollout
+    _, engines, _ = engine_world(rank, world_size, r.tensor_parallel_size)
+    if world_size > 1 and r.tensor_parallel_size > 1:
+        # the group's ranks would each send the group's identical requests to one server
+        raise NotImplementedError(
+            f"rollout.engine=vllm-server with rollout.tensor_parallel_size={r.tensor_parallel_size} over "
+            f"{world_size} training processes: a server per TP group belongs to the separate layout "
+            f"(not built yet); use tensor_parallel_size=1 or rollout.engine=vllm")
+    if r.weight_sync != "lora":
+        raise NotImplementedError(
+            f"rollout.engine=vllm-server with rollout.weight_sync={r.weight_sync!r}: merged-weight sync to a "
+            f"server belongs to the separate layout (not built yet); use rollout.weight_sync=lora")
+    if r.get("server_url"):
+        if engines > 1:
+            raise NotImplementedError(
+                f"rollout.server_url names one server but there are {engines} engines; each engine "
+                f"swaps its own adapter, so each needs its own server (leave server_url unset)")
+        return ServerEngine(r.server_url, max_in_flight=r.max_in_flight, request_timeout_s=r.request_timeout_s + 60)
+    cuda = torch.cuda.is_available()
+    if cuda and r.enable_sleep_mode:
+        raise NotImplementedError("rollout.engine=vllm-server cannot sleep (its /sleep route is dev-mode only); "
+                                  "set rollout.enable_sleep_mode=false or use rollout.engine=vllm")
+    env = {}
+    if cuda and world_size > 1:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[local_rank] if visible else str(local_rank)
+    server = VLLMServer(
+        cfg.model.path,
+        log_path=run_dirs(cfg)["logs"] / f"vllm-server-{cfg.name}-rank{rank}.log",
+        dtype=cfg.model.dtype,
+        max_model_len=r.max_model_len,
+        lora_rank=cfg.model.lora.rank,
+        tensor_parallel_size=r.tensor_parallel_size,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        enforce_eager=r.enforce_eager,
+        seed=cfg.seed,
+        cpu_kvcache_gib=r.cpu_kvcache_gib,
+        max_num_seqs=min(r.max_in_flight, 1024),
+        start_timeout_s=r.get("server_start_timeout_s", 600.0),
+        env=env,
+    )
+    try:
+        # the socket waits a minute past the agent loop's timeout, so the loop's abort comes first
+        return ServerEngine(server.url, server=server, max_in_flight=r.max_in_flight,
+                            request_timeout_s=r.request_timeout_s + 60)
+    except BaseException:
+        server.close()
+        raise

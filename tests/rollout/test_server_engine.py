@@ -1,0 +1,245 @@
+"""The vLLM server engine (``rollout.engine=vllm-server``) on the tiny model, against the
+in-process vLLM engine and the transformers reference: greedy tokens and log-probs agree,
+seeded sampling gives the in-process engine's tokens, adapters replace each other and are never
+served stale, and failures (bad adapter, dead or absent server) raise ``EngineError``.
+
+One server serves the whole module; the last test kills it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from atlas_lightning.rollout.engine import AdapterVersion, EngineError, GenerationRequest, SamplingSpec
+from atlas_lightning.rollout.hf_engine import HFEngine
+from atlas_lightning.rollout.vllm_engine import lora_checksum
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 12, 8, 150, 64, 3], list(range(20, 60))]
+TOL = 2e-4
+
+
+def _greedy(engine, prompts, max_tokens=12, tag="g"):
+    requests = [GenerationRequest(f"{tag}{i}", tuple(p), SamplingSpec(max_tokens=max_tokens, temperature=0.0))
+                for i, p in enumerate(prompts)]
+    return engine.generate(requests)
+
+
+def _random_adapter(model_dir, folder, seed, rank=8):
+    """A PEFT folder with random B factors (as test_engines.py), and its (count, checksum)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.2)
+    model.save_pretrained(folder)
+    pairs = [(m.lora_A["default"].weight, m.lora_B["default"].weight, m.scaling["default"])
+             for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+    return lora_checksum(pairs)
+
+
+def _assert_same(results, reference, tol=TOL):
+    for got, want in zip(results, reference):
+        assert got.error is None, got.error
+        assert got.token_ids == want.token_ids
+        assert got.finish_reason == want.finish_reason
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < tol
+
+
+@pytest.fixture(scope="module")
+def server_engine(tiny_model_dir, tmp_path_factory, request):
+    pytest.importorskip("vllm")
+    from atlas_lightning.rollout.server_engine import ServerEngine, VLLMServer
+
+    log_path = tmp_path_factory.mktemp("server") / "vllm-server.log"
+    server = VLLMServer(str(tiny_model_dir), log_path=log_path, dtype="float32", max_model_len=2048,
+                        lora_rank=8, enforce_eager=True, seed=0, start_timeout_s=300, wait=False)
+    try:
+        request.getfixturevalue("vllm_engine")  # the in-process engine starts while the server does
+    except BaseException:
+        server.close()
+        raise
+    server.wait_until_healthy()
+    engine = ServerEngine(server.url, server=server, max_in_flight=8)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return HFEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+
+
+def test_greedy_base_matches_in_process_and_reference(server_engine, vllm_engine, hf_engine):
+    for engine in (server_engine, vllm_engine, hf_engine):
+        engine.set_adapter(None)
+    served = _greedy(server_engine, PROMPTS)
+    _assert_same(served, _greedy(hf_engine, PROMPTS))
+    _assert_same(served, _greedy(vllm_engine, PROMPTS))
+    probe = PROMPTS[2]
+    server_lp = server_engine.prompt_logprobs(probe)
+    assert len(server_lp) == len(probe) - 1
+    assert max(abs(a - b) for a, b in zip(server_lp, hf_engine.prompt_logprobs(probe))) < TOL
+
+
+def _scaled_logprobs(model, prompt, tokens, temperature):
+    """Teacher-forced log-probs of ``tokens`` under ``log_softmax(logits / temperature)``."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1] / temperature, dim=-1)
+    return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+def test_seeded_sampling_matches_in_process(server_engine, vllm_engine, hf_engine):
+    """Same seed, same tokens and log-probs as the in-process engine, plain, tempered, and with
+    top-p/top-k; tempered log-probs are of the scaled distribution; a stop token ends 'stop'."""
+    hf_engine.set_adapter(None)
+    specs = [SamplingSpec(max_tokens=16, temperature=1.0, seed=1234),
+             SamplingSpec(max_tokens=16, temperature=0.7, seed=7),
+             SamplingSpec(max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=11)]
+    requests = [GenerationRequest(f"s{i}-{j}", tuple(p), spec)
+                for j, spec in enumerate(specs) for i, p in enumerate(PROMPTS)]
+    started = time.monotonic()
+    for request in requests:
+        server_engine.submit(request)
+    assert time.monotonic() - started < 1.0  # submit does not wait for the server
+    assert server_engine.num_pending() == len(requests)
+    results = {}
+    while server_engine.num_pending():
+        results.update((r.request_id, r) for r in server_engine.poll())
+    served = [results[r.request_id] for r in requests]
+    _assert_same(served, vllm_engine.generate(requests))
+    for request, result in zip(requests[3:6], served[3:6]):  # temperature 0.7
+        expected = _scaled_logprobs(hf_engine.model, request.prompt_ids, result.token_ids, 0.7)
+        assert max(abs(a - b) for a, b in zip(result.logprobs, expected)) < TOL
+
+    stop = served[0].token_ids[3]
+    stopped = server_engine.generate([GenerationRequest(
+        "stop", tuple(PROMPTS[0]), SamplingSpec(max_tokens=16, temperature=1.0, seed=1234, stop_token_ids=(stop,)))])[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == served[0].token_ids[:served[0].token_ids.index(stop) + 1]
+
+
+def test_abort_then_resubmit_returns_only_the_new_call(server_engine):
+    request = GenerationRequest("a0", tuple(PROMPTS[1]), SamplingSpec(max_tokens=400, temperature=1.0, seed=3))
+    server_engine.submit(request)
+    server_engine.abort(["a0"])
+    assert server_engine.num_pending() == 0
+    again = GenerationRequest("a0", tuple(PROMPTS[1]), SamplingSpec(max_tokens=4, temperature=1.0, seed=3))
+    result = server_engine.generate([again])[0]
+    assert result.error is None and len(result.token_ids) == 4
+
+
+def test_lora_matches_reference_and_is_never_stale(server_engine, hf_engine, tiny_model_dir, tmp_path):
+    expected_1 = _random_adapter(tiny_model_dir, tmp_path / "v1", seed=1)
+    expected_2 = _random_adapter(tiny_model_dir, tmp_path / "v2", seed=2)
+    server_engine.set_adapter(None)
+    base = _greedy(server_engine, PROMPTS, tag="b")
+
+    report = server_engine.set_adapter(AdapterVersion(str(tmp_path / "v1"), version=1))
+    assert report.tensor_count == expected_1[0]
+    assert report.checksum == pytest.approx(expected_1[1], rel=1e-9)
+    hf_engine.set_adapter(AdapterVersion(str(tmp_path / "v1"), version=1))
+    v1 = _greedy(server_engine, PROMPTS, tag="v1")
+    _assert_same(v1, _greedy(hf_engine, PROMPTS, tag="h1"))
+    assert [r.token_ids for r in v1] != [r.token_ids for r in base]
+
+    # the same version number again, from another folder: still a new name, never the old adapter
+    report = server_engine.set_adapter(AdapterVersion(str(tmp_path / "v2"), version=1))
+    assert report.checksum == pytest.approx(expected_2[1], rel=1e-9)
+    hf_engine.set_adapter(AdapterVersion(str(tmp_path / "v2"), version=2))
+    v2 = _greedy(server_engine, PROMPTS, tag="v2")
+    _assert_same(v2, _greedy(hf_engine, PROMPTS, tag="h2"))
+    assert [r.logprobs for r in v2] != [r.logprobs for r in v1]
+    probe = PROMPTS[2]  # the weight-sync probe sees the served adapter
+    gap = max(abs(a - b) for a, b in zip(server_engine.prompt_logprobs(probe), hf_engine.prompt_logprobs(probe)))
+    assert gap < TOL
+
+    server_engine.set_adapter(None)
+    hf_engine.set_adapter(None)
+    _assert_same(_greedy(server_engine, PROMPTS, tag="b2"), base, tol=1e-6)
+
+
+def test_bad_adapter_folder_is_a_clear_error_and_serves_the_base(server_engine, tiny_model_dir, tmp_path):
+    _random_adapter(tiny_model_dir, tmp_path / "good", seed=1)
+    server_engine.set_adapter(None)
+    base = _greedy(server_engine, PROMPTS[:1], tag="bb")
+    server_engine.set_adapter(AdapterVersion(str(tmp_path / "good"), version=1))
+
+    with pytest.raises(EngineError, match="missing"):
+        server_engine.set_adapter(AdapterVersion(str(tmp_path / "missing"), version=2))
+    _assert_same(_greedy(server_engine, PROMPTS[:1], tag="bm"), base, tol=1e-6)  # not the stale adapter
+
+    _random_adapter(tiny_model_dir, tmp_path / "rank16", seed=3, rank=16)  # over the server's max rank 8
+    with pytest.raises(EngineError, match="refused the adapter .*rank16") as refused:
+        server_engine.set_adapter(AdapterVersion(str(tmp_path / "rank16"), version=3))
+    assert "LoRA rank 16 is greater than max_lora_rank 8" in str(refused.value)  # the server's reason
+    _assert_same(_greedy(server_engine, PROMPTS[:1], tag="br"), base, tol=1e-6)
+
+
+def test_server_that_never_starts_names_its_log(tiny_model_dir, tmp_path):
+    from atlas_lightning.rollout.server_engine import VLLMServer
+
+    # an interpreter that cannot start: the exit path without paying for vLLM's import
+    with pytest.raises(EngineError, match=r"exited with code .*server\.log") as failed:
+        VLLMServer(str(tiny_model_dir), log_path=tmp_path / "server.log", env={"PYTHONHOME": "/nonexistent"},
+                   start_timeout_s=60)
+    assert "Fatal Python error" in str(failed.value)  # the log's last lines are quoted
+
+
+def test_absent_server_raises():
+    from atlas_lightning.rollout.server_engine import ServerEngine, free_port
+
+    with pytest.raises(EngineError, match="is gone"):
+        ServerEngine(f"http://127.0.0.1:{free_port()}")
+
+
+def test_factory_attaches_to_server_url_and_refuses_what_it_cannot_serve(server_engine):
+    from atlas_lightning.config import compose
+    from atlas_lightning.rollout.factory import build_engine
+
+    cfg = compose(["rollout=vllm_server_cpu", f"rollout.server_url={server_engine.url}"])
+    attached = build_engine(cfg)
+    try:
+        assert attached.name == "vllm-server" and attached.server is None
+        server_engine.set_adapter(None)
+        _assert_same(_greedy(attached, PROMPTS, tag="at"), _greedy(server_engine, PROMPTS, tag="ow"), tol=1e-6)
+    finally:
+        attached.close()
+    assert server_engine.server.alive()  # closing an attached engine leaves the server alone
+
+    with pytest.raises(NotImplementedError, match="weight_sync"):
+        build_engine(compose(["rollout=vllm_server_cpu", "rollout.weight_sync=merged"]))
+    with pytest.raises(NotImplementedError, match="separate layout"):
+        build_engine(compose(["rollout=vllm_server_cpu", "layout=colocated_2gpu", "trainer.devices=2"]),
+                     rank=0, world_size=2)
+    with pytest.raises(NotImplementedError, match="each needs its own server"):
+        build_engine(compose(["rollout=vllm_server_cpu", "rollout.server_url=http://127.0.0.1:1",
+                              "layout=colocated_2gpu", "rollout.tensor_parallel_size=1", "trainer.devices=2"]),
+                     rank=0, world_size=2)
+
+
+def test_dead_server_raises_engine_error(server_engine):
+    """Last: kills the module's server."""
+    server = server_engine.server
+    os.killpg(server.process.pid, signal.SIGKILL)
+    server.process.wait(timeout=30)
+    server_engine.submit(GenerationRequest("dead", tuple(PROMPTS[0]), SamplingSpec(max_tokens=4, temperature=0.0)))
+    with pytest.raises(EngineError, match=str(server.log_path)):
+        server_engine.poll()
+    with pytest.raises(EngineError):  # and stays dead
+        server_engine.poll()
+    with pytest.raises(EngineError):
+        server_engine.prompt_logprobs(PROMPTS[0])
