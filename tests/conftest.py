@@ -54,3 +54,80 @@ def vllm_engine(tiny_model_dir):
                         enforce_eager=True, seed=0)
     yield engine
     engine.close()
+
+
+# -- tiny random base models of several architectures (models/ and bench/ tests) ----------
+
+
+@pytest.fixture(scope="session")
+def qwen3_base(tmp_path_factory) -> str:
+    """Attention-only Qwen3: hidden 64, 2 layers, head_dim 32, vocab 128, untied head."""
+    from atlas_lightning.models.tiny import save_tiny_causal_lm
+
+    return str(save_tiny_causal_lm(tmp_path_factory.mktemp("qwen3"), arch="qwen3"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_tied_base(tmp_path_factory) -> str:
+    """As ``qwen3_base`` but with the lm_head tied to the embeddings, other weights."""
+    from atlas_lightning.models.tiny import save_tiny_causal_lm
+
+    folder = tmp_path_factory.mktemp("qwen3_tied")
+    return str(save_tiny_causal_lm(folder, arch="qwen3", tie_word_embeddings=True, seed=1))
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_base(tmp_path_factory) -> str:
+    """Hybrid Qwen3.5 (linear + full attention), saved in the VLM checkpoint layout."""
+    from atlas_lightning.models.tiny import save_tiny_causal_lm
+
+    return str(save_tiny_causal_lm(tmp_path_factory.mktemp("qwen3_5"), arch="qwen3_5"))
+
+
+def randomize_adapters(model, seed: int = 1234, scale: float = 0.1) -> None:
+    """LoRA B starts at zero (adapter = no-op); give all adapter weights non-zero values."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.actor_parameters() + model.critic_parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * scale)
+
+
+@pytest.fixture
+def randomize():
+    return randomize_adapters
+
+
+# -- FSDP2 worker runs on gloo -------------------------------------------------------------
+
+
+def run_fsdp_worker(world_size: int, arch: str, dims: dict, tmp_path, timeout: int) -> tuple[dict, float]:
+    """``tests/models/fsdp_worker.py`` under ``torch.distributed.run`` at ``world_size`` ranks
+    on a tiny ``arch`` base of ``dims``; (the report its rank 0 wrote, wall seconds)."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from atlas_lightning.models.tiny import save_tiny_causal_lm
+
+    worker = Path(__file__).resolve().parent / "models" / "fsdp_worker.py"
+    base = save_tiny_causal_lm(tmp_path / "base", arch=arch, **dims)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
+         str(worker), str(base), str(out)],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((out / "report.json").read_text()), time.perf_counter() - started
+
+
+@pytest.fixture
+def fsdp_worker():
+    return run_fsdp_worker

@@ -326,8 +326,9 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def make_cfg(root: Path, name: str = "cbtest", total_steps: int = 4, extra: Optional[list[str]] = None):
-    return compose(["experiment=tiny-cpu", f"paths.root={root}", f"name={name}",
-                    f"trainer.total_steps={total_steps}", *(extra or [])])
+    # lambda 0.1 and one validation sample a question: the hand-computed expectations assume them
+    return compose(["experiment=tiny-cpu", f"paths.root={root}", f"name={name}", "reward.cost_per_usd=0.1",
+                    "rollout.val_n=1", f"trainer.total_steps={total_steps}", *(extra or [])])
 
 
 def make_trainer(callbacks: list, **kwargs) -> L.Trainer:

@@ -9,18 +9,8 @@ report its rank 0 writes (see that file for what is compared).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
-from atlas_lightning.models.tiny import save_tiny_causal_lm
-
-WORKER = Path(__file__).with_name("fsdp_worker.py")
 DIMS = dict(hidden_size=80, intermediate_size=136, vocab_size=131)
 
 
@@ -29,20 +19,8 @@ DIMS = dict(hidden_size=80, intermediate_size=136, vocab_size=131)
     "world_size, arch",
     [(1, "qwen3"), (2, "qwen3"), (3, "qwen3"), (3, "qwen3_5"), (4, "qwen3_5")],
 )
-def test_sharded_equals_one_process(world_size, arch, tmp_path):
-    base = save_tiny_causal_lm(tmp_path / "base", arch=arch, **DIMS)
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    started = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-         str(WORKER), str(base), str(out)],
-        env=env, capture_output=True, text=True, timeout=180,
-    )
-    seconds = time.perf_counter() - started
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads((out / "report.json").read_text())
+def test_sharded_equals_one_process(world_size, arch, tmp_path, fsdp_worker):
+    report, seconds = fsdp_worker(world_size, arch, DIMS, tmp_path, timeout=180)
     print(f"world_size={world_size} arch={arch}: {seconds:.1f} s wall, worker {report['total_seconds']:.1f} s")
 
     assert report["world_size"] == world_size
@@ -65,4 +43,4 @@ def test_sharded_equals_one_process(world_size, arch, tmp_path):
     assert report["reload/equal"]
     prefix = "model.language_model." if arch == "qwen3_5" else "model."
     assert any(name.startswith(prefix + "layers.0") for name in report["checkpoint_name_example"])
-    assert (out / "saved" / "critic" / "lora_adapter" / "value_head.safetensors").is_file()
+    assert (tmp_path / "out" / "saved" / "critic" / "lora_adapter" / "value_head.safetensors").is_file()

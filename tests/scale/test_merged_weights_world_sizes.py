@@ -12,39 +12,17 @@ ranks and compares, on rank 0, ``merged_weights`` of both adapters with a one-pr
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
-from atlas_lightning.models.tiny import save_tiny_causal_lm
-
-WORKER = Path(__file__).resolve().parents[1] / "models" / "fsdp_worker.py"
 DIMS = dict(hidden_size=74, intermediate_size=130, vocab_size=131)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size, arch", [(4, "qwen3"), (6, "qwen3"), (6, "qwen3_5")])
-def test_merged_weights_exact_at_uneven_world_sizes(world_size, arch, tmp_path):
+def test_merged_weights_exact_at_uneven_world_sizes(world_size, arch, tmp_path, fsdp_worker):
     for dim in DIMS.values():
         assert dim % world_size, f"{dim} divides by {world_size}: shards would be even"
-    base = save_tiny_causal_lm(tmp_path / "base", arch=arch, **DIMS)
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    started = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-         str(WORKER), str(base), str(out)],
-        env=env, capture_output=True, text=True, timeout=400,
-    )
-    seconds = time.perf_counter() - started
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads((out / "report.json").read_text())
+    report, seconds = fsdp_worker(world_size, arch, DIMS, tmp_path, timeout=400)
     print(f"world_size={world_size} arch={arch}: {seconds:.1f} s")
 
     assert report["world_size"] == world_size
