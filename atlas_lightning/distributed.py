@@ -3,6 +3,7 @@ and barriers that are no-ops when not distributed."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -30,12 +31,19 @@ def barrier() -> None:
 
 
 def shut_down() -> None:
-    """End the process group cleanly once a verb is done (barrier, then destroy). Left to the
-    interpreter's exit, gloo's worker threads can be torn down while still joinable, and the
-    process aborts ("terminate called without an active exception") after a finished run."""
-    if is_distributed():
-        dist.barrier()
-        dist.destroy_process_group()
+    """End a multi-process group cleanly once a verb is done (barrier, then destroy). Left to
+    the interpreter's exit, gloo's worker threads can be torn down while still joinable, and a
+    finished rank aborts ("terminate called without an active exception").
+
+    Left alone: a one-process group, and any group while in-process vLLM holds its own groups
+    on it (vLLM's exit hook destroys those, and fails loudly if the default group is gone)."""
+    if not is_distributed() or dist.get_world_size() == 1:
+        return
+    vllm_state = sys.modules.get("vllm.distributed.parallel_state")
+    if vllm_state is not None and vllm_state.model_parallel_is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def gather_objects(obj: Any) -> Optional[list]:
