@@ -161,14 +161,15 @@ class RolloutDataModule(L.LightningDataModule):
                                                session_id=session_id(sample), episode=episode, prompt_ids=prompt))
         return trajectories
 
-    def _run(self, trajectories: list[Trajectory], sampling: Sampling, step: int, partition: str) -> RolloutBatch:
+    def _run(self, trajectories: list[Trajectory], sampling: Sampling, step: int, partition: str,
+             seed_parts: tuple) -> RolloutBatch:
         if self.engine is None:
             raise RuntimeError("RolloutDataModule has no engine: call setup() or pass one")
         started = time.monotonic()
         self.engine.wake_up()
         progress = RolloutProgress(f"{partition} step {step}", enabled=self.rank == 0)
         stats = AgentLoop(self.engine, self.chat, self._limits()).run(
-            trajectories, sampling, seed_parts=(self.cfg.seed, partition, step), progress=progress)
+            trajectories, sampling, seed_parts=seed_parts, progress=progress)
         batch = assemble_batch(
             self._own_share(trajectories), step=step, partition=partition, run_id=self.cfg.name,
             cost_per_usd=self.cfg.reward.cost_per_usd, no_submit_reward=self.cfg.reward.no_submit_reward,
@@ -187,15 +188,21 @@ class RolloutDataModule(L.LightningDataModule):
         engine serves now)."""
         questions = [self.train_questions[i] for i in self.sampler.step_indices(step - 1)]
         r = self.cfg.rollout
-        return self._run(self._trajectories(questions, r.n), Sampling(r.temperature, r.top_p, r.top_k), step, "train")
+        return self._run(self._trajectories(questions, r.n), Sampling(r.temperature, r.top_p, r.top_k), step, "train",
+                         seed_parts=(self.cfg.seed, "train", step))
 
     def validation_rollout(self, step: int) -> RolloutBatch:
         """The validation sets through the same agent loop (``rollout.val_temperature``, greedy
-        by default), labelled with the RL step it validates."""
+        by default), labelled with the RL step it validates.
+
+        Sampled validation uses the same request seeds at every step (they depend on the run seed,
+        the trajectory and its turn, not on ``step``): common random numbers, so that the change
+        between two validations measures the policy, not a fresh draw of sampling noise."""
         r = self.cfg.rollout
         sampling = Sampling(r.val_temperature, 1.0 if r.val_temperature == 0 else r.top_p,
                             -1 if r.val_temperature == 0 else r.top_k)
-        return self._run(self._trajectories(self.val_questions, r.val_n), sampling, step, "val")
+        return self._run(self._trajectories(self.val_questions, r.val_n), sampling, step, "val",
+                         seed_parts=(self.cfg.seed, "val"))
 
     def probe_token_ids(self) -> list[int]:
         """The fixed probe sequence of the weight-sync check: the first validation question's

@@ -13,12 +13,14 @@ parameter by parameter in a fixed order; under FSDP2 EVERY rank must call them a
 the generators to the end in lockstep, even ranks that throw the tensors away. Peak extra
 memory is about two full parameters (the gathered base weight and its merged copy).
 
-Bitwise equality with a one-process merge: ``merged_weights`` performs peft's own merge
-arithmetic (``lora.Linear.get_delta_weight`` then ``merge(safe_merge=False)``): ``delta =
-transpose(B @ A, fan_in_fan_out) * scaling`` in the LoRA dtype (fp32 via an upcast when bf16
-LoRA sits on CPU, as peft does), then ``W += delta`` in place in W's dtype. The inputs are
-the same full tensors at every world size, and the same ops in the same order on the same
-device give the same bits; the tests check it against ``merge_and_unload()``.
+Bitwise equality with a one-process merge: the merge is ``torch.addmm(W, (scaling * B).to(W.dtype),
+A.to(W.dtype))`` (transposed for ``fan_in_fan_out``): one GEMM whose epilogue adds W and rounds
+once, so a merged weight costs one read of W and one write (peft's own ``merge_and_unload``
+writes the delta, scales it and adds it in separate passes, ~10 bf16-sized passes with its fp32
+delta; it differs from ours only by rounding, within one unit in the last place of W's dtype
+wherever the delta is small next to W). The inputs are the same full tensors at every world
+size, and the same ops in the same order on the same device give the same bits; the tests
+check sharded against unsharded bit for bit, and both against peft's merge within rounding.
 
 Who calls it: weight sync to the engines (rollout room), ``adapters.save_adapter``.
 """
@@ -64,10 +66,11 @@ def adapter_state(model: ActorCritic, adapter_name: str) -> dict[str, Tensor]:
 
 
 def _merge_into(layer: BaseTunerLayer, adapter: str, weight: Tensor, out: Tensor | None = None) -> Tensor:
-    """``weight + scaling * B @ A`` with peft's arithmetic (module doc); ``weight`` is full.
-    With ``out`` (same shape and dtype as ``weight``) the sum is written there instead of a
-    new tensor: ``torch.add(weight, delta, out=out)`` computes in the promoted dtype and rounds
-    once to ``weight``'s, exactly as peft's ``clone(); +=`` does (the tests compare bits)."""
+    """``weight + scaling * B @ A`` (module doc) as ONE fused ``addmm`` in ``weight``'s dtype; the
+    LoRA factors are cast to that dtype first (``scaling`` folded into B, exact for a power of
+    two). ``weight`` is full. With ``out`` (same shape and dtype as ``weight``) the sum is written
+    there instead of a new tensor. The GEMM accumulates in fp32 and rounds once, so the result
+    reads each base weight once and writes it once (the copy bandwidth bound of the packed sync)."""
     if adapter not in layer.lora_A:
         if out is None:
             return weight
@@ -76,21 +79,13 @@ def _merge_into(layer: BaseTunerLayer, adapter: str, weight: Tensor, out: Tensor
         raise NotImplementedError(f"merging DoRA or LoRA-bias adapters is not supported ({type(layer).__name__})")
     lora_a = full_tensor(layer.lora_A[adapter].weight.detach())
     lora_b = full_tensor(layer.lora_B[adapter].weight.detach())
-    dtype = lora_b.dtype
-    cast_to_fp32 = lora_b.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
-    if cast_to_fp32:
-        lora_a, lora_b = lora_a.float(), lora_b.float()
-    delta = lora_b @ lora_a
-    if layer.fan_in_fan_out:
-        delta = delta.T
-    delta = delta * layer.scaling[adapter]
-    if cast_to_fp32:
-        delta = delta.to(dtype)
-    if out is not None:
-        return torch.add(weight, delta, out=out)
-    merged = weight.clone()
-    merged += delta
-    return merged
+    lora_b = (lora_b * layer.scaling[adapter]).to(weight.dtype)
+    lora_a = lora_a.to(weight.dtype)
+    if layer.fan_in_fan_out:  # weight is (in, out): (B @ A).T = A.T @ B.T
+        lora_a, lora_b = lora_b.T, lora_a.T
+    if out is None:
+        return torch.addmm(weight, lora_b, lora_a)
+    return torch.addmm(weight, lora_b, lora_a, out=out)
 
 
 def _merged_sources(model: ActorCritic, adapter_name: str) -> Iterator[tuple[str, Tensor, BaseTunerLayer | None]]:
@@ -104,12 +99,13 @@ def _merged_sources(model: ActorCritic, adapter_name: str) -> Iterator[tuple[str
         )
     hf = model.hf_model
     seen: set[int] = set()
-    tuner_prefixes: list[str] = []
+    inside_tuner = None  # named_modules() is pre-order: a tuner's submodules follow it contiguously
     for module_name, module in hf.named_modules():
-        if any(module_name.startswith(prefix) for prefix in tuner_prefixes):
+        if inside_tuner is not None and module_name.startswith(inside_tuner):
             continue  # LoRA factors and the wrapped base layer: handled with their tuner layer
+        inside_tuner = None
         if isinstance(module, BaseTunerLayer):
-            tuner_prefixes.append(module_name + ".")
+            inside_tuner = module_name + "."
             owner, tuner = module.get_base_layer(), module
         else:
             owner, tuner = module, None

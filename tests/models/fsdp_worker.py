@@ -10,8 +10,10 @@ reference: every rank's batch, and the gradients of ``sum_r loss_r / W``. It the
 
 * per-rank log-probs, entropies, values, base log-probs (gathered from the ranks);
 * full (gathered) LoRA and value-head gradients;
-* ``merged_weights`` of both adapters against ``merge_and_unload()`` of an unsharded copy,
-  bit for bit (same process, one thread, so the same arithmetic);
+* ``merged_weights`` of both adapters against the same export of the unsharded model, bit
+  for bit (same process, one thread, so the same arithmetic), and against peft's own
+  ``merge_and_unload()`` of an unsharded copy (an independent merge: equal up to rounding,
+  ``max_err``);
 * ``adapter_state`` against the unsharded adapter;
 * ``save_adapter`` under FSDP2 (rank 0 writes) then ``load_adapter`` into zeroed sharded
   parameters gives back the same full parameters.
@@ -149,9 +151,7 @@ def main(base: str, out: Path) -> None:
             expected = {names[k]: v for k, v in expected.items() if k in names}
             got = merged[adapter]
             report[f"merged/{adapter}/names_equal"] = sorted(got) == sorted(expected)
-            report[f"merged/{adapter}/bitwise"] = all(
-                got[k].dtype == expected[k].dtype and torch.equal(got[k], expected[k]) for k in expected
-            )
+            report[f"merged/{adapter}/dtypes_equal"] = all(got[k].dtype == expected[k].dtype for k in expected)
             report[f"merged/{adapter}/max_err"] = max(max_err(got[k], expected[k]) for k in expected)
             unsharded = dict(merged_weights(reference, adapter))
             report[f"merged/{adapter}/equals_unsharded_export"] = sorted(unsharded) == sorted(got) and all(

@@ -36,7 +36,8 @@ def test_sharded_equals_one_process(world_size, arch, tmp_path, fsdp_worker):
     assert report["err/grads"] <= 1e-6 * max(1.0, report["grad_scale"]) * 10, report["err/grads"]
     for adapter in ("actor", "critic"):
         assert report[f"merged/{adapter}/names_equal"]
-        assert report[f"merged/{adapter}/bitwise"], report[f"merged/{adapter}/max_err"]
+        assert report[f"merged/{adapter}/dtypes_equal"]
+        assert report[f"merged/{adapter}/max_err"] <= 1e-6, report[f"merged/{adapter}/max_err"]  # fp32 rounding
         assert report[f"merged/{adapter}/equals_unsharded_export"]
         assert report[f"merged/{adapter}/changed_tensors"] >= 14  # every LoRA-wrapped linear moved
         assert report[f"state/{adapter}/equal"]

@@ -6,8 +6,9 @@ parameter on dim 0 over the ranks, unevenly when a dim does not divide by 6. Her
 neither 4 nor 6 wherever it matters, so shards are uneven and, for the rank-5 LoRA factors,
 some ranks hold nothing. Each case runs the models room's worker (``tests/models/fsdp_worker.py``,
 imported by path, unchanged) under ``torch.distributed.run``: it shards an ActorCritic over W
-ranks and compares, on rank 0, ``merged_weights`` of both adapters with a one-process
-``merge_and_unload()`` bit for bit, and the sharded passes and gradients with one process.
+ranks and compares, on rank 0, ``merged_weights`` of both adapters with the one-process export
+bit for bit (and with peft's ``merge_and_unload()`` up to fp32 rounding), and the sharded
+passes and gradients with one process.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def test_merged_weights_exact_at_uneven_world_sizes(world_size, arch, tmp_path, 
     assert report["empty_local_shards"] > 0  # rank-5 LoRA factors over 6 ranks: chunks 1,1,1,1,1,0
     for adapter in ("actor", "critic"):
         assert report[f"merged/{adapter}/names_equal"]
-        assert report[f"merged/{adapter}/bitwise"], report[f"merged/{adapter}/max_err"]
-        assert report[f"merged/{adapter}/max_err"] == 0.0
+        assert report[f"merged/{adapter}/dtypes_equal"]
+        assert report[f"merged/{adapter}/max_err"] <= 1e-6, report[f"merged/{adapter}/max_err"]  # fp32 rounding
         assert report[f"merged/{adapter}/equals_unsharded_export"]
         assert report[f"merged/{adapter}/changed_tensors"] >= 14  # every LoRA-wrapped linear moved
         assert report[f"state/{adapter}/equal"]
