@@ -68,6 +68,9 @@ class ModelConfig:
     #: With gradient checkpointing, checkpoint only the first k decoder layers (None: all).
     #: ``atlas-lightning plan`` recommends a k that fits the memory budget.
     checkpoint_layers: Optional[int] = None
+    #: Norms saving bf16 inputs, and MLP tails replayed in the layers kept out of checkpointing
+    #: (``models/lean_activations.py``): about half a layer's saved activations.
+    lean_activations: bool = True
     #: Starting adapters (PEFT folders), e.g. ``.../global_step_29/actor/lora_adapter``.
     actor_adapter: Optional[str] = None
     critic_adapter: Optional[str] = None

@@ -76,6 +76,7 @@ class PPOModule(L.LightningModule):
             m.path, m.lora, dtype=m.dtype, gradient_checkpointing=m.gradient_checkpointing,
             logprob_chunk_tokens=m.logprob_chunk_tokens, attn_implementation=m.attn_implementation,
             sequence_layout=m.sequence_layout, fused_lora=m.fused_lora, checkpoint_layers=m.checkpoint_layers,
+            lean_activations=m.lean_activations,
             init_seed=self.cfg.seed,
         )
         self._load_starting_adapters()

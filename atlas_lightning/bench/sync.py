@@ -19,6 +19,7 @@ import tempfile
 import torch
 
 from atlas_lightning.models.adapters import save_adapter
+from atlas_lightning.models.merge_kernel import kernel_applies, merge_lora
 from atlas_lightning.models.weights import adapter_state, merged_weight_buckets, merged_weight_packs
 
 from .measure import timed
@@ -26,6 +27,27 @@ from .measure import timed
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def kernel_check(model, adapter: str = "actor", layers: int = 14) -> dict:
+    """The merge kernel against ``torch.addmm`` of the same formula on the first ``layers`` LoRA
+    linears: the largest difference in units of the last place (bf16 spacing of the reference)
+    and the share of elements that differ. 0 or 1 ulp in a few elements is fp32 accumulation order."""
+    from atlas_lightning.models.adapter_switch import tuner_layers
+
+    worst, differing, total = 0.0, 0, 0
+    with torch.no_grad():
+        for layer in tuner_layers(model.hf_model)[:layers]:
+            w = layer.get_base_layer().weight.detach()
+            a, b = layer.lora_A[adapter].weight.detach(), layer.lora_B[adapter].weight.detach()
+            got = merge_lora(w, b, a, layer.scaling[adapter])
+            ref = torch.addmm(w, (b * layer.scaling[adapter]).to(w.dtype), a.to(w.dtype))
+            spacing = torch.finfo(w.dtype).eps * torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp_min(1e-30))))
+            worst = max(worst, float(((got.float() - ref.float()).abs() / spacing).max()))
+            differing += int((got != ref).sum())
+            total += got.numel()
+    return {"kernel": kernel_applies(w), "max_ulps": worst, "differing_fraction": differing / max(total, 1),
+            "linears": min(layers, len(tuner_layers(model.hf_model)))}
 
 
 def measure_weight_sync(model, device: torch.device, bucket_bytes: int, copy_gbps: float | None) -> dict:
@@ -64,4 +86,5 @@ def measure_weight_sync(model, device: torch.device, bucket_bytes: int, copy_gbp
         if copy_gbps:
             entry["fraction_of_copy_bandwidth"] = entry["gbps_moved"] / copy_gbps
         out[name] = entry
+    out["kernel_check"] = kernel_check(model)
     return out

@@ -13,9 +13,10 @@ parameter by parameter in a fixed order; under FSDP2 EVERY rank must call them a
 the generators to the end in lockstep, even ranks that throw the tensors away. Peak extra
 memory is about two full parameters (the gathered base weight and its merged copy).
 
-Bitwise equality with a one-process merge: the merge is ``torch.addmm(W, (scaling * B).to(W.dtype),
-A.to(W.dtype))`` (transposed for ``fan_in_fan_out``): one GEMM whose epilogue adds W and rounds
-once, so a merged weight costs one read of W and one write (peft's own ``merge_and_unload``
+Bitwise equality with a one-process merge: the merge is ``W + (scaling * B).to(W.dtype) @
+A.to(W.dtype)`` accumulated in fp32 and rounded once (transposed for ``fan_in_fan_out``), by a
+Triton kernel on CUDA that reads W once and writes it once, ``torch.addmm`` elsewhere
+(``merge_kernel.py``; peft's own ``merge_and_unload``
 writes the delta, scales it and adds it in separate passes, ~10 bf16-sized passes with its fp32
 delta; it differs from ours only by rounding, within one unit in the last place of W's dtype
 wherever the delta is small next to W). The inputs are the same full tensors at every world
@@ -31,9 +32,10 @@ from typing import Iterable, Iterator
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
-from torch import Tensor
+from torch import Tensor, nn
 
 from .actor_critic import ADAPTERS, ActorCritic
+from .merge_kernel import merge_lora
 
 
 def full_tensor(tensor: Tensor) -> Tensor:
@@ -66,11 +68,10 @@ def adapter_state(model: ActorCritic, adapter_name: str) -> dict[str, Tensor]:
 
 
 def _merge_into(layer: BaseTunerLayer, adapter: str, weight: Tensor, out: Tensor | None = None) -> Tensor:
-    """``weight + scaling * B @ A`` (module doc) as ONE fused ``addmm`` in ``weight``'s dtype; the
-    LoRA factors are cast to that dtype first (``scaling`` folded into B, exact for a power of
-    two). ``weight`` is full. With ``out`` (same shape and dtype as ``weight``) the sum is written
-    there instead of a new tensor. The GEMM accumulates in fp32 and rounds once, so the result
-    reads each base weight once and writes it once (the copy bandwidth bound of the packed sync)."""
+    """``weight + scaling * B @ A`` (module doc) with ``merge_kernel.merge_lora``: the factors cast
+    to ``weight``'s dtype (``scaling`` folded into B first), fp32 accumulation, one rounding; on
+    CUDA one pass over W. ``weight`` is full. With ``out`` (same shape and dtype as ``weight``)
+    the sum is written there instead of a new tensor."""
     if adapter not in layer.lora_A:
         if out is None:
             return weight
@@ -79,28 +80,25 @@ def _merge_into(layer: BaseTunerLayer, adapter: str, weight: Tensor, out: Tensor
         raise NotImplementedError(f"merging DoRA or LoRA-bias adapters is not supported ({type(layer).__name__})")
     lora_a = full_tensor(layer.lora_A[adapter].weight.detach())
     lora_b = full_tensor(layer.lora_B[adapter].weight.detach())
-    lora_b = (lora_b * layer.scaling[adapter]).to(weight.dtype)
-    lora_a = lora_a.to(weight.dtype)
-    if layer.fan_in_fan_out:  # weight is (in, out): (B @ A).T = A.T @ B.T
-        lora_a, lora_b = lora_b.T, lora_a.T
-    if out is None:
-        return torch.addmm(weight, lora_b, lora_a)
-    return torch.addmm(weight, lora_b, lora_a, out=out)
+    if layer.fan_in_fan_out:  # weight is (in, out): (B @ A).T = A.T @ B.T, scaling still on B
+        return merge_lora(weight.T, lora_b, lora_a, layer.scaling[adapter], None if out is None else out.T).T
+    return merge_lora(weight, lora_b, lora_a, layer.scaling[adapter], out)
 
 
-def _merged_sources(model: ActorCritic, adapter_name: str) -> Iterator[tuple[str, Tensor, BaseTunerLayer | None]]:
-    """``(checkpoint name, full base tensor, tuner layer to merge from or None)`` in
-    ``merged_weights``' order (collective under FSDP2: gathers one parameter at a time)."""
-    _check_adapter(model, adapter_name)
+def _merge_plan(model: ActorCritic) -> list[tuple[str, nn.Module, str, BaseTunerLayer | None]]:
+    """``(checkpoint name, owning module, parameter name, tuner layer or None)`` for every base
+    parameter, in module order, tied duplicates once. Built on first use and kept on the model:
+    walking the peft model's ~5,000 modules cost 10 ms a sync on the 8B shape (H200, issue 9).
+    Modules never change after construction (FSDP2 swaps parameters, not modules), so the plan
+    holds modules and names, and each sync reads the parameters afresh."""
+    plan = getattr(model, "_merge_plan_cache", None)
+    if plan is not None:
+        return plan
     names = model.checkpoint_names
-    if names is None:
-        raise NotImplementedError(
-            f"merged weights cannot be named for {model.base_path}: {model.checkpoint_names_problem}"
-        )
-    hf = model.hf_model
     seen: set[int] = set()
+    plan = []
     inside_tuner = None  # named_modules() is pre-order: a tuner's submodules follow it contiguously
-    for module_name, module in hf.named_modules():
+    for module_name, module in model.hf_model.named_modules():
         if inside_tuner is not None and module_name.startswith(inside_tuner):
             continue  # LoRA factors and the wrapped base layer: handled with their tuner layer
         inside_tuner = None
@@ -116,7 +114,21 @@ def _merged_sources(model: ActorCritic, adapter_name: str) -> Iterator[tuple[str
             loaded_name = f"{module_name}.{param_name}" if module_name else param_name
             if loaded_name not in names:
                 raise KeyError(f"merged_weights: {loaded_name} is not a parameter of the base {model.base_path}")
-            yield names[loaded_name], full_tensor(param.detach()), (tuner if param_name == "weight" else None)
+            plan.append((names[loaded_name], owner, param_name, tuner if param_name == "weight" else None))
+    model._merge_plan_cache = plan
+    return plan
+
+
+def _merged_sources(model: ActorCritic, adapter_name: str) -> Iterator[tuple[str, Tensor, BaseTunerLayer | None]]:
+    """``(checkpoint name, full base tensor, tuner layer to merge from or None)`` in
+    ``merged_weights``' order (collective under FSDP2: gathers one parameter at a time)."""
+    _check_adapter(model, adapter_name)
+    if model.checkpoint_names is None:
+        raise NotImplementedError(
+            f"merged weights cannot be named for {model.base_path}: {model.checkpoint_names_problem}"
+        )
+    for name, owner, param_name, tuner in _merge_plan(model):
+        yield name, full_tensor(getattr(owner, param_name).detach()), tuner
 
 
 def merged_weights(model: ActorCritic, adapter_name: str = "actor") -> Iterator[tuple[str, Tensor]]:
