@@ -7,8 +7,9 @@ validation objective of the last step with step 0's, question by question.
 
 Each seed runs ``atlas-lightning fit experiment=tiny-cpu seed=S data.seed=S name=tiny-cpu-seedS
 paths.root=ROOT`` in a subprocess (a run already finished under ROOT is reused), then the
-validation records it wrote (``artifacts/<name>/val/step_N/*.json``, greedy, one trajectory a
-question) are read back. Figures, per seed and validation step: the objective ``acc - lambda *
+validation records it wrote (``artifacts/<name>/val/step_N/*.json``: tiny-cpu samples 6
+trajectories a question at temperature 1, with the same request seeds at every validation) are
+read back. Figures, per seed and validation step: the objective ``acc - lambda *
 dollars`` (the reward breakdown's ``objective``), accuracy, dollars, explores per episode. The
 test of learning is paired: for every validation question, the objective at the last step minus
 the objective at step 0; the mean difference and its standard error (sample standard deviation

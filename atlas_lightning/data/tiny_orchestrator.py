@@ -62,8 +62,8 @@ log = logging.getLogger(__name__)
 #: them equal to the composed ``experiment=tiny-cpu``): demonstrations must fit them.
 TINY_CPU_LIMITS = LoopLimits(max_response_length=1024, max_tokens_per_turn=128, max_model_len=2048)
 TINY_CPU_RUNTIME = RuntimeConfig(max_explores=8, max_turns=9)
-#: The reward's lambda of ``experiment=tiny-cpu`` (0.5: spending matters there), for the summary's objective.
-COST_PER_USD = 0.5
+#: The reward's lambda of ``experiment=tiny-cpu`` (1.0: spending matters there), for the summary's objective.
+COST_PER_USD = 1.0
 SUMMARY_FILE = "sft_summary.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
