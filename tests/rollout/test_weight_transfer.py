@@ -1,0 +1,84 @@
+"""Merged weights into a vLLM server through vLLM's own weight-transfer API, on CPU (the ``gloo``
+backend registered in the server, ``weight_transfer.py`` on the trainer side): the server then
+serves exactly the trainer's merged model, sync after sync, in buckets no larger than asked."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from atlas_lightning.rollout.engine import GenerationRequest, SamplingSpec, tensor_checksum
+from atlas_lightning.rollout.hf_engine import HFEngine
+
+pytestmark = pytest.mark.vllm
+
+PROBE = [5, 17, 42, 99, 7, 300, 12, 12, 8, 150, 64, 3]
+TOL = 2e-4
+BUCKET = 96 * 1024  # small, so that the tiny model travels in many buckets
+
+
+@pytest.fixture(scope="module")
+def transfer_server(tiny_model_dir, tmp_path_factory):
+    pytest.importorskip("vllm")
+    from atlas_lightning.rollout.server_engine import ServerEngine, VLLMServer
+    from atlas_lightning.rollout.weight_transfer import ServerWeightTransfer
+
+    log_path = tmp_path_factory.mktemp("transfer") / "vllm-server.log"
+    server = VLLMServer(str(tiny_model_dir), log_path=log_path, dtype="float32", max_model_len=2048,
+                        enforce_eager=True, seed=0, start_timeout_s=300, weight_transfer="gloo")
+    engine = ServerEngine(server.url, server=server, max_in_flight=4)
+    transfer = ServerWeightTransfer(server.url, backend="gloo", bucket_bytes=BUCKET)
+    yield engine, transfer
+    transfer.close()
+    engine.close()
+
+
+def _reference(tiny_model_dir, merged: dict) -> HFEngine:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(merged, strict=False)
+    assert not unexpected
+    return HFEngine(model)
+
+
+def _greedy(engine, tag):
+    return engine.generate([GenerationRequest(f"{tag}", tuple(PROBE), SamplingSpec(max_tokens=10, temperature=0.0))])[0]
+
+
+def test_merged_weights_reach_the_server_exactly_in_bounded_buckets(transfer_server, tiny_model_dir, randomize):
+    from atlas_lightning.models.actor_critic import ActorCritic
+    from atlas_lightning.models.weights import merged_weight_packs, merged_weights
+    from atlas_lightning.rollout.server_engine import _http
+
+    engine, transfer = transfer_server
+    model = ActorCritic(str(tiny_model_dir), {"rank": 8, "alpha": 16}, dtype="float32")
+    base_lp = engine.prompt_logprobs(PROBE)  # cached in the server's prefix cache from here on
+    for version, seed in ((1, 11), (2, 22)):
+        randomize(model, seed=seed, scale=0.2)
+        merged = {name: t.clone() for name, t in merged_weights(model, "actor")}
+        sizes = []
+
+        def packs():
+            for buffer, views in merged_weight_packs(model, "actor", BUCKET):
+                sizes.append((buffer.numel(), len(views)))
+                yield buffer, views
+
+        report = transfer.send(packs(), version=version)
+        count, checksum = tensor_checksum(merged.values())
+        # what the server's worker received, counted there
+        assert report.tensor_count == count == len(merged)
+        assert math.isclose(report.checksum, checksum, rel_tol=1e-9, abs_tol=1e-9)
+        assert report.extra["buckets"] == len(sizes) > 3
+        assert all(n <= BUCKET or k == 1 for n, k in sizes)  # over the cap only a lone tensor
+        # the server serves the merged model (and not its cached prefix of the old weights)
+        reference = _reference(tiny_model_dir, merged)
+        served = engine.prompt_logprobs(PROBE)
+        assert max(abs(a - b) for a, b in zip(served, reference.prompt_logprobs(PROBE))) < TOL
+        assert max(abs(a - b) for a, b in zip(served, base_lp)) > 100 * TOL
+        got, want = _greedy(engine, f"g{version}"), _greedy(reference, f"r{version}")
+        assert got.token_ids == want.token_ids
+        status, body = _http(engine.url, "GET", "/weight_info")
+        assert status == 200 and body["weight_version"] == str(version)
