@@ -124,6 +124,9 @@ class RolloutConfig:
     #: ``lora``: the adapter goes to the engines; ``merged``: merged into the base, in buckets.
     weight_sync: str = "lora"
     bucket_mb: int = 512
+    #: Merged weights to a server (separate layout): the backend of vLLM's weight-transfer API,
+    #: ``nccl`` (vLLM's own, GPUs) or ``gloo`` (``rollout/gloo_transfer.py``, CPU); None: by device.
+    weight_transfer: Optional[str] = None
     request_timeout_s: float = 600.0
     max_retries: int = 2
     #: CPU engine's KV cache in GiB (``VLLM_CPU_KVCACHE_SPACE``).
@@ -265,6 +268,7 @@ _CHOICES = {
     "algorithm.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
     "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
     "layout.mode": ("colocated", "separate"),
+    "rollout.weight_transfer": (None, "gloo", "nccl"),
     "model.dtype": ("bfloat16", "float16", "float32"),
     "logger.mode": ("auto", "online", "offline", "disabled"),
 }
@@ -349,6 +353,8 @@ def _validate_layout(cfg: DictConfig) -> None:
             raise ConfigError(f"trainer.devices x trainer.num_nodes = {processes} but layout.train_gpus={layout.train_gpus}")
         if layout.serve_gpus <= 0 or layout.serve_gpus % tp:
             raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide layout.serve_gpus={layout.serve_gpus}")
+        if layout.max_staleness < 0:
+            raise ConfigError(f"layout.max_staleness={layout.max_staleness} must be >= 0")
 
 
 # ----------------------------------------------------------------------------- composition

@@ -158,6 +158,13 @@ class PPOModule(L.LightningModule):
 
         return merged_weight_buckets(self.model, "actor", bucket_bytes)
 
+    def merged_weight_packs(self, bucket_bytes: int):
+        """As ``merged_weight_buckets``, each bucket one contiguous buffer ``(buffer, views)``
+        (``models.weights.merged_weight_packs``), for one-shot transfers. Collective."""
+        from atlas_lightning.models.weights import merged_weight_packs
+
+        return merged_weight_packs(self.model, "actor", bucket_bytes)
+
     def restore_checkpoint(self, step_dir: Path) -> None:
         """Trainable tensors (LoRA factors, value head) and optimizer states from a complete
         ``global_step_M`` folder's Lightning state, in place (the NaN guard's rollback).
@@ -279,7 +286,8 @@ class PPOModule(L.LightningModule):
             with _timed(timing, "update_actor"):
                 metrics.update(self._update("actor", seqs, prompts, width, mask, old_log_prob, values, returns,
                                             advantages, ref_log_prob, batch, nonfinite))
-        timing["step"] = timing.get("gen", 0.0) + time.monotonic() - started
+        # asynchronous: the rollout overlapped the previous update; the step waited only this long
+        timing["step"] = timing.get("wait_rollout", timing.get("gen", 0.0)) + time.monotonic() - started
 
         metrics.update(self._data_metrics(batch, mask, scores, rewards, values, returns, advantages, entropy,
                                           old_log_prob, timing))
@@ -424,6 +432,8 @@ class PPOModule(L.LightningModule):
         out = dist_utils.broadcast_object(out)
         out.update({f"timing_s/{k}": float(v) for k, v in timing.items()})
         out["rollout/weights_version"] = float(batch.weights_version if batch.weights_version is not None else -1)
+        if batch.staleness is not None:  # versions the rollout lags the trained policy (SPEC 7)
+            out["rollout/staleness"] = float(dist_utils.all_reduce_max([float(batch.staleness)])[0])
         out["rollout/gen_tokens_per_s"] = batch.stats.tokens_per_second
         return out
 

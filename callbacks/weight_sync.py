@@ -5,7 +5,8 @@ Order of work, all ranks together (FSDP gathers are collective):
 1. export: the actor adapter as a PEFT folder under ``outputs/<name>/.engine_adapters/syncK``
    (hidden: never published)
    (``rollout.weight_sync: lora``), rank 0 writes; or the adapter merged into the base and
-   sent in buckets of at most ``rollout.bucket_mb`` (``merged``);
+   sent in buckets of at most ``rollout.bucket_mb`` (``merged``; to a server through vLLM's
+   weight-transfer API, ``rollout/weight_transfer.py``);
 2. load: each engine serves version ``K`` (a new LoRA id, never a reused one);
 3. verify: the engine reports the tensor count and checksum of what it holds, compared with
    what was sent; then the trainer's and the engine's log-probs of a probe sequence are
@@ -15,13 +16,16 @@ Order of work, all ranks together (FSDP gathers are collective):
    no rollout ever runs on weights that are not the trained ones.
 
 The weights version served is the number of updates applied (0 before training; after a NaN
-guard rollback to step M, M again); every sync also gets a new engine-side id (``sync_id``,
+guard rollback to step M, M again); it is published to the datamodule (``weights_version``)
+while the sync still holds ``engine_lock``, so that a rollout records the version it really
+sampled with (the asynchronous layout's producer waits on it). Every sync also gets a new engine-side id (``sync_id``,
 never reused) so that no engine serves a stale adapter. It runs first among the callbacks
 (``fit`` puts it there) so that validation after step N samples the step-N weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 import time
@@ -69,29 +73,53 @@ class WeightSyncCallback(L.Callback):
         dm = trainer.datamodule
         engine = dm.engine
         started = time.monotonic()
-        if cfg.rollout.weight_sync == "lora":
-            folder = run_dirs(cfg)["outputs"] / ".engine_adapters" / f"sync{self.sync_id}"
-            expected = pl_module.export_actor_adapter(folder)
-            dist_utils.barrier()
-            report = engine.set_adapter(AdapterVersion(str(folder), version=self.sync_id))
-            self._prune(folder.parent)
-        else:
-            expected = (0, 0.0)
-            report = None
-            for bucket in pl_module.merged_weight_buckets(cfg.rollout.bucket_mb * 2**20):
-                held = engine.load_weights(iter(bucket))
-                expected = (expected[0] + len(bucket), expected[1] + sum(float(t.double().sum()) for _, t in bucket))
-                report = held if report is None else type(held)(report.tensor_count + held.tensor_count,
-                                                                report.checksum + held.checksum)
-        self._check_held(expected, report, version)
-        gap = self._probe(pl_module, dm, engine, version)
-        dm.weights_version = version
+        # no rollout runs while weights move (the asynchronous layout's producer waits)
+        with getattr(dm, "engine_lock", None) or contextlib.nullcontext():
+            if getattr(dm, "asynchronous", False):
+                dist_utils.barrier()  # every rank's producer is idle before the shared server changes
+            if cfg.rollout.weight_sync == "lora":
+                folder = run_dirs(cfg)["outputs"] / ".engine_adapters" / f"sync{self.sync_id}"
+                expected = pl_module.export_actor_adapter(folder)
+                dist_utils.barrier()
+                report = engine.set_adapter(AdapterVersion(str(folder), version=self.sync_id))
+                self._prune(folder.parent)
+            elif getattr(engine, "takes_weight_packs", False):
+                expected, report = self._send_packs(pl_module, engine, cfg.rollout.bucket_mb * 2**20, version)
+            else:
+                expected = (0, 0.0)
+                report = None
+                for bucket in pl_module.merged_weight_buckets(cfg.rollout.bucket_mb * 2**20):
+                    held = engine.load_weights(iter(bucket))
+                    expected = (expected[0] + len(bucket),
+                                expected[1] + sum(float(t.double().sum()) for _, t in bucket))
+                    report = held if report is None else type(held)(report.tensor_count + held.tensor_count,
+                                                                    report.checksum + held.checksum)
+            self._check_held(expected, report, version)
+            gap = self._probe(pl_module, dm, engine, version)
+            dm.weights_version = version  # published under the lock: the next rollout samples it
         self.version = version
         self.last_gap = gap
         metrics = {"rollout/logprob_gap": gap, "timing_s/update_weights": time.monotonic() - started,
                    "rollout/sync_tensor_count": float(report.tensor_count)}
         pl_module.log_metrics(metrics, step=version if log_step is None else log_step)
         return metrics
+
+    @staticmethod
+    def _send_packs(pl_module, engine, bucket_bytes: int, version: int):
+        """Merged weights in packed buckets through the engine's weight-transfer path (a
+        server's): (what was sent, what the engine reports), both as ``tensor_checksum``."""
+        from atlas_lightning.rollout.engine import tensor_checksum
+
+        sent = [0, 0.0]
+
+        def packs():
+            for buffer, views in pl_module.merged_weight_packs(bucket_bytes):
+                count, checksum = tensor_checksum(t for _, t in views)
+                sent[0], sent[1] = sent[0] + count, sent[1] + checksum
+                yield buffer, views
+
+        report = engine.load_weight_packs(packs(), version=version)
+        return (sent[0], sent[1]), report
 
     @staticmethod
     def _check_held(expected: tuple[int, float], report, version: int) -> None:

@@ -12,8 +12,17 @@ Contract:
   which stops Lightning from fetching a batch ahead, and a step's rollout runs only when the
   loop asks for that step, i.e. after the previous step's update and weight sync. Each batch
   carries ``weights_version``, the adapter version the engine served while sampling.
-- ``state_dict`` holds the next step to sample; a resumed run samples exactly what an
-  uninterrupted one would (the sampler and every request seed are functions of the step).
+- Asynchronous mode (``layout.mode=separate``): a ``prefetch.RolloutProducer`` thread samples
+  step ``k + 1`` while update ``k`` runs, never more than ``layout.max_staleness`` versions
+  behind the trainer (it waits for the weight sync otherwise). Every batch gets ``staleness``
+  (trainer's version minus the batch's) when it is handed over; a batch sampled with weights a
+  NaN-guard rollback discarded is sampled again. The dataloader stays sized: Lightning itself
+  never fetches ahead, the producer does, within the bound.
+- Every use of the engine (a rollout, a weight sync, validation) holds ``engine_lock``.
+- ``state_dict`` holds the next step to TRAIN (not the next sampled): a resumed run samples
+  exactly what an uninterrupted one would (the sampler and every request seed are functions
+  of the step), and a batch sampled ahead but not trained on is sampled again, never lost or
+  counted twice.
 - The engine is built in ``setup`` (after the process group exists), or attached by a caller.
 """
 
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -29,6 +39,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, IterableDataset
 
 from atlas_lightning.data.loader import load_split
+from atlas_lightning.data.prefetch import RolloutProducer, WeightsClock
 from atlas_lightning.data.sampler import QuestionSampler, shard
 from atlas_lightning.data.schema import Question
 from atlas_lightning.env.episode import Episode, RuntimeConfig
@@ -41,8 +52,9 @@ log = logging.getLogger(__name__)
 
 
 class _RolloutSteps(IterableDataset):
-    """Yields the datamodule's rollouts for steps ``next_step .. total_steps``, each sampled
-    only when asked for. Sized, so Lightning does not prefetch."""
+    """Yields the datamodule's rollouts for steps ``next_step .. total_steps``: sampled when
+    asked for (synchronous), or by the producer thread ahead of time (asynchronous). Sized, so
+    Lightning does not prefetch."""
 
     def __init__(self, datamodule: "RolloutDataModule") -> None:
         self.dm = datamodule
@@ -51,11 +63,36 @@ class _RolloutSteps(IterableDataset):
         return self.dm.total_steps
 
     def __iter__(self):
+        if self.dm.asynchronous:
+            yield from self._asynchronous()
+            return
         while self.dm.next_step <= self.dm.total_steps:
             step = self.dm.next_step
-            batch = self.dm.rollout(step)
+            batch = self.dm.handed_over(self.dm.rollout(step), waited_s=None)
             self.dm.next_step = step + 1
             yield batch
+
+    def _asynchronous(self):
+        dm = self.dm
+        producer = dm.start_producer(dm.next_step)
+        try:
+            while dm.next_step <= dm.total_steps:
+                step = dm.next_step
+                started = time.monotonic()
+                batch = producer.take(step)
+                if batch.weights_version is not None and dm.weights_version is not None \
+                        and batch.weights_version > dm.weights_version:
+                    # sampled with weights a rollback discarded: sample from here again
+                    log.warning("step %d was sampled with weights v%d, newer than the restored v%d: sampling again",
+                                step, batch.weights_version, dm.weights_version)
+                    producer.stop()
+                    producer = dm.start_producer(step)
+                    batch = producer.take(step)
+                batch = dm.handed_over(batch, waited_s=time.monotonic() - started)
+                dm.next_step = step + 1
+                yield batch
+        finally:
+            producer.stop(timeout_s=0)
 
 
 class RolloutProgress:
@@ -82,12 +119,29 @@ class RolloutDataModule(L.LightningDataModule):
         self.engine = engine
         self.next_step = 1
         self.total_steps = cfg.trainer.total_steps
-        #: The adapter version the engine serves; the weight-sync callback bumps it.
-        self.weights_version: Optional[int] = None
+        #: The weights version the engine serves (``weights_version``); the weight sync bumps it.
+        self.clock = WeightsClock()
+        #: Held by every use of the engine: a rollout, a weight sync, validation.
+        self.engine_lock = threading.RLock()
+        self.producer: Optional[RolloutProducer] = None
         self.train_questions: list[Question] = []
         self.val_questions: list[Question] = []
         self.chat: Optional[ChatFormat] = None
         self.rank, self.local_rank, self.world_size = 0, 0, 1
+
+    @property
+    def weights_version(self) -> Optional[int]:
+        """The weights version the engine serves (updates applied; None before the first sync)."""
+        return self.clock.version
+
+    @weights_version.setter
+    def weights_version(self, version: Optional[int]) -> None:
+        self.clock.publish(version)
+
+    @property
+    def asynchronous(self) -> bool:
+        """Rollouts sampled ahead by a producer thread (``layout.mode=separate``)."""
+        return self.cfg.layout.mode == "separate"
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -145,12 +199,19 @@ class RolloutDataModule(L.LightningDataModule):
                           max_model_len=r.max_model_len, max_in_flight=r.max_in_flight,
                           request_timeout_s=r.request_timeout_s, max_retries=r.max_retries)
 
+    def _engine_world(self) -> tuple[int, int, int]:
+        """(engine index, engines, rank in the engine's TP group) of this rank's requests. In the
+        separate layout each training rank is its own client of the serving engine(s)."""
+        from atlas_lightning.rollout.factory import engine_world
+
+        if self.asynchronous:
+            return self.rank, self.world_size, 0
+        return engine_world(self.rank, self.world_size, self.cfg.rollout.tensor_parallel_size)
+
     def _trajectories(self, questions: list[Question], samples: int) -> list[Trajectory]:
         """This rank's trajectories of ``questions``: its engine's share of the questions, then,
         within a TP group, its own share of the group's trajectories."""
-        from atlas_lightning.rollout.factory import engine_world
-
-        engine_index, engines, _ = engine_world(self.rank, self.world_size, self.cfg.rollout.tensor_parallel_size)
+        engine_index, engines, _ = self._engine_world()
         trajectories = []
         for question in shard(questions, engine_index, engines):
             for sample in range(samples):
@@ -165,23 +226,49 @@ class RolloutDataModule(L.LightningDataModule):
              seed_parts: tuple) -> RolloutBatch:
         if self.engine is None:
             raise RuntimeError("RolloutDataModule has no engine: call setup() or pass one")
-        started = time.monotonic()
-        self.engine.wake_up()
-        progress = RolloutProgress(f"{partition} step {step}", enabled=self.rank == 0)
-        stats = AgentLoop(self.engine, self.chat, self._limits()).run(
-            trajectories, sampling, seed_parts=seed_parts, progress=progress)
+        with self.engine_lock:  # one version per batch; no sync under a running rollout
+            started = time.monotonic()
+            version = self.weights_version
+            self.engine.wake_up()
+            progress = RolloutProgress(f"{partition} step {step}", enabled=self.rank == 0)
+            stats = AgentLoop(self.engine, self.chat, self._limits()).run(
+                trajectories, sampling, seed_parts=seed_parts, progress=progress)
         batch = assemble_batch(
             self._own_share(trajectories), step=step, partition=partition, run_id=self.cfg.name,
             cost_per_usd=self.cfg.reward.cost_per_usd, no_submit_reward=self.cfg.reward.no_submit_reward,
-            stats=stats, weights_version=self.weights_version)
+            stats=stats, weights_version=version)
         batch.timing["gen"] = time.monotonic() - started
         return batch
 
     def _own_share(self, trajectories: list[Trajectory]) -> list[Trajectory]:
-        from atlas_lightning.rollout.factory import engine_world
+        _, _, tp_rank = self._engine_world()
+        tp = 1 if self.asynchronous else self.cfg.rollout.tensor_parallel_size
+        return shard(trajectories, tp_rank, tp)
 
-        _, _, tp_rank = engine_world(self.rank, self.world_size, self.cfg.rollout.tensor_parallel_size)
-        return shard(trajectories, tp_rank, self.cfg.rollout.tensor_parallel_size)
+    # -- hand-over ------------------------------------------------------------------------
+
+    def start_producer(self, first: int) -> RolloutProducer:
+        """A producer thread sampling steps ``first .. total_steps`` (asynchronous mode)."""
+        if self.producer is not None:
+            self.producer.stop(timeout_s=0)
+        self.producer = RolloutProducer(self.rollout, self.clock, first=first, last=self.total_steps,
+                                        max_staleness=int(self.cfg.layout.max_staleness)).start()
+        return self.producer
+
+    def handed_over(self, batch: RolloutBatch, waited_s: Optional[float]) -> RolloutBatch:
+        """``batch`` as the trainer gets it: its ``staleness`` (the trainer's version, i.e. the
+        version the engine serves now, since every update is synced before the next step, minus
+        the batch's), checked against ``layout.max_staleness`` in asynchronous mode; the time
+        the trainer waited for it."""
+        if batch.weights_version is not None and self.weights_version is not None:
+            batch.staleness = self.weights_version - batch.weights_version
+            bound = int(self.cfg.layout.max_staleness)
+            if self.asynchronous and not 0 <= batch.staleness <= bound:
+                raise RuntimeError(f"step {batch.step} was sampled with weights v{batch.weights_version}, the trainer "
+                                   f"holds v{self.weights_version}: staleness {batch.staleness} outside [0, {bound}]")
+        if waited_s is not None:
+            batch.timing["wait_rollout"] = waited_s
+        return batch
 
     def rollout(self, step: int) -> RolloutBatch:
         """RL step ``step``'s training rollout on this rank (sampled now, with the weights the
@@ -219,7 +306,10 @@ class RolloutDataModule(L.LightningDataModule):
         self.next_step = int(state["next_step"])
 
     def teardown(self, stage: Optional[str] = None) -> None:
-        pass
+        """Stop the producer (what it sampled ahead is dropped)."""
+        if self.producer is not None:
+            self.producer.stop(timeout_s=0)
+            self.producer = None
 
 
 def _identity(batch):

@@ -53,6 +53,9 @@ class RolloutBatch:
     stats: LoopStats
     weights_version: Optional[int] = None
     timing: dict = field(default_factory=dict)
+    #: Versions the weights it was sampled with lag the trainer's when it is trained on
+    #: (set at hand-over: 0 in synchronous layouts, at most ``layout.max_staleness`` otherwise).
+    staleness: Optional[int] = None
 
     def __len__(self) -> int:
         return len(self.records)
@@ -63,7 +66,8 @@ class RolloutBatch:
                             records=[self.records[i] for i in indices],
                             token_rewards=[self.token_rewards[i] for i in indices],
                             invariants=[self.invariants[i] for i in indices], stats=self.stats,
-                            weights_version=self.weights_version, timing=dict(self.timing))
+                            weights_version=self.weights_version, timing=dict(self.timing),
+                            staleness=self.staleness)
 
     def sequence_lengths(self) -> list[int]:
         return [len(r.prompt_ids) + len(r.response_ids) for r in self.records]

@@ -22,7 +22,12 @@ def engine_world(rank: int, world_size: int, tp: int) -> tuple[int, int, int]:
 
 
 def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size: int = 1) -> Engine:
-    """The engine of ``cfg.rollout.engine`` serving ``cfg.model.path``."""
+    """The engine of ``cfg.rollout.engine`` serving ``cfg.model.path`` (the separate layout:
+    this rank's client of the shared server, ``separate.py``; collective)."""
+    if cfg.layout.mode == "separate":
+        from atlas_lightning.rollout.separate import build_separate_engine
+
+        return build_separate_engine(cfg, rank, world_size)
     kind = cfg.rollout.engine
     if kind == "vllm":
         from atlas_lightning.rollout.vllm_engine import VLLMEngine
@@ -69,7 +74,8 @@ def _build_server_engine(cfg: DictConfig, rank: int, local_rank: int, world_size
     Supported: one process (the server runs TP ``rollout.tensor_parallel_size``), or several
     processes at TP 1 (each rank is its engine's only member and starts its own server, on its
     own card where there are cards). Refused, with the reason: TP groups over several training
-    processes, merged-weight sync, one ``server_url`` for several engines, and sleep mode on GPUs."""
+    processes and merged-weight sync (both are the separate layout's), one ``server_url`` for
+    several engines, and sleep mode on GPUs."""
     from atlas_lightning.config import run_dirs
     from atlas_lightning.rollout.server_engine import ServerEngine, VLLMServer
 
@@ -79,12 +85,13 @@ def _build_server_engine(cfg: DictConfig, rank: int, local_rank: int, world_size
         # the group's ranks would each send the group's identical requests to one server
         raise NotImplementedError(
             f"rollout.engine=vllm-server with rollout.tensor_parallel_size={r.tensor_parallel_size} over "
-            f"{world_size} training processes: a server per TP group belongs to the separate layout "
-            f"(not built yet); use tensor_parallel_size=1 or rollout.engine=vllm")
+            f"{world_size} training processes: a server on cards of its own is the separate layout "
+            f"(layout.mode=separate); use tensor_parallel_size=1 or rollout.engine=vllm")
     if r.weight_sync != "lora":
         raise NotImplementedError(
-            f"rollout.engine=vllm-server with rollout.weight_sync={r.weight_sync!r}: merged-weight sync to a "
-            f"server belongs to the separate layout (not built yet); use rollout.weight_sync=lora")
+            f"rollout.engine=vllm-server with rollout.weight_sync={r.weight_sync!r} in a colocated layout: merged "
+            f"weights reach a server through vLLM's weight-transfer API in the separate layout "
+            f"(layout.mode=separate); here use rollout.weight_sync=lora")
     if r.get("server_url"):
         if engines > 1:
             raise NotImplementedError(

@@ -23,7 +23,9 @@ every sync). Differences a caller must know:
   callback's log-prob probe (``prompt_logprobs`` through the same adapter name), which fails
   on a stale or missing adapter. ``set_adapter`` also checks that ``/v1/models`` lists the new
   adapter at that folder and no longer lists the old one.
-- ``load_weights`` (merged-weight sync) is not available; ``sleep``/``wake_up`` are no-ops.
+- ``load_weights`` (merged-weight sync) is not available here: merged weights reach a server
+  through vLLM's weight-transfer API in the separate layout (``separate.py``,
+  ``weight_transfer.py``); ``sleep``/``wake_up`` are no-ops.
 """
 
 from __future__ import annotations
@@ -608,8 +610,9 @@ class ServerEngine(Engine):
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
         raise NotImplementedError(
-            "vllm-server: merged-weight sync (rollout.weight_sync=merged) to a server belongs to the "
-            "separate layout's weight transfer, which is not built yet; use rollout.weight_sync=lora")
+            "vllm-server: merged weights (rollout.weight_sync=merged) reach a server in buckets through vLLM's "
+            "weight-transfer API, in the separate layout (layout.mode=separate, separate.SharedServerEngine); "
+            "use rollout.weight_sync=lora here")
 
     # -- memory -------------------------------------------------------------------------------
 

@@ -1,0 +1,139 @@
+"""Asynchronous rollouts with bounded staleness (the separate layout, SPEC 7).
+
+Two pieces, both thread-level (one producer thread per training process, beside Lightning's
+loop; no collectives run on it):
+
+- ``WeightsClock``: the weights version the engine serves (the number of updates applied to
+  the weights it holds). The weight sync publishes each new version; the producer waits on it.
+- ``RolloutProducer``: samples RL steps ``first .. last`` in order on a background thread,
+  each with whatever version the engine serves when it starts, and hands them over in order
+  (``take``). It starts step ``s`` only when ``(s - 1) - version <= max_staleness``: step
+  ``s`` is trained after ``s - 1`` updates, so that is the bound on how many versions its
+  rollout lags the policy it trains. With ``max_staleness = 1``, step ``k + 1`` is sampled
+  with version ``k - 1`` while update ``k`` runs; with 0 nothing overlaps.
+
+The engine is shared with the weight sync and validation: every use of it holds
+``engine_lock`` for its whole duration (a rollout, a sync), so a batch is sampled with exactly
+one version and a sync never swaps weights under a running rollout.
+
+An exception on the producer thread is raised again by ``take``. ``stop`` asks the thread to
+end after its current rollout and drops what it sampled ahead (a resumed run samples those
+steps again from the data cursor: nothing is lost or counted twice).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
+
+
+class WeightsClock:
+    """The engine's weights version, published by the weight sync, awaited by the producer."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._version: Optional[int] = None
+
+    @property
+    def version(self) -> Optional[int]:
+        return self._version
+
+    def publish(self, version: Optional[int]) -> None:
+        with self._cond:
+            self._version = version
+            self._cond.notify_all()
+
+    def wait_until(self, ready: Callable[[Optional[int]], bool], stop: threading.Event,
+                   poll_s: float = 0.5) -> Optional[int]:
+        """Block until ``ready(version)`` (returns the version) or ``stop`` is set (returns None)."""
+        with self._cond:
+            while not stop.is_set():
+                if ready(self._version):
+                    return self._version
+                self._cond.wait(timeout=poll_s)
+        return None
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class RolloutProducer:
+    """Samples steps ``first .. last`` ahead of the trainer within ``max_staleness`` versions.
+
+    ``sample(step)`` runs one step's rollout and returns its batch (it must take
+    ``engine_lock`` itself, as ``RolloutDataModule.rollout`` does, and record the version it
+    sampled with). ``take(step)`` returns that step's batch, blocking until it is there."""
+
+    def __init__(self, sample: Callable[[int], object], clock: WeightsClock, *, first: int, last: int,
+                 max_staleness: int) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"layout.max_staleness={max_staleness} must be >= 0")
+        self.sample, self.clock = sample, clock
+        self.first, self.last, self.max_staleness = first, last, max_staleness
+        self._ready: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+        self._next_take = first
+
+    def allowed(self, step: int, version: Optional[int]) -> bool:
+        """May step ``step`` be sampled now that the engine serves ``version``?"""
+        return version is not None and (step - 1) - version <= self.max_staleness
+
+    def start(self) -> "RolloutProducer":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        for step in range(self.first, self.last + 1):
+            if self.clock.wait_until(lambda v, s=step: self.allowed(s, v), self._stop) is None:
+                return
+            try:
+                batch = self.sample(step)
+            except BaseException as err:  # handed to the trainer's thread by take()
+                self._ready.put((step, _Failed(err)))
+                return
+            if self._stop.is_set():
+                return
+            self._ready.put((step, batch))
+
+    def take(self, step: int, poll_s: float = 1.0):
+        """Step ``step``'s batch (steps are taken in order); re-raises a producer failure."""
+        if step != self._next_take:
+            raise RuntimeError(f"rollout producer: step {step} asked for, step {self._next_take} is next")
+        while True:
+            try:
+                got, batch = self._ready.get(timeout=poll_s)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._ready.empty():
+                    raise RuntimeError(f"rollout producer ended before step {step} (stopped, or steps "
+                                       f"{self.first}..{self.last} exhausted)") from None
+        if isinstance(batch, _Failed):
+            raise batch.error
+        if got != step:
+            raise RuntimeError(f"rollout producer: got step {got}, expected {step}")
+        self._next_take = step + 1
+        return batch
+
+    def stop(self, timeout_s: Optional[float] = None) -> None:
+        """End the thread after its current rollout and drop what was sampled ahead."""
+        self._stop.set()
+        self.clock.publish(self.clock.version)  # wake a waiting producer
+        if self._thread.is_alive() and timeout_s != 0:
+            started = time.monotonic()
+            self._thread.join(timeout=timeout_s)
+            if self._thread.is_alive():
+                log.warning("rollout producer still running after %.0f s", time.monotonic() - started)
+        while not self._ready.empty():
+            self._ready.get_nowait()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()

@@ -1,0 +1,152 @@
+"""The separate layout's engine side (SPEC 7): ONE vLLM server on the serving cards, shared by
+every training process.
+
+- ``build_separate_engine`` (collective, from ``RolloutDataModule.setup``): rank 0 starts the
+  server (TP ``layout.engine_tp`` on cards ``train_gpus .. gpus - 1``; on CPU a CPU server) or
+  attaches to ``rollout.server_url``, and every rank gets a ``SharedServerEngine`` on its URL.
+  Each rank sends its own share of the step's requests (``RolloutDataModule`` treats each
+  training rank as its own client); the server batches them all.
+- Weight movement is collective and driven by rank 0, the only rank that changes the server:
+  ``set_adapter`` (LoRA sync: rank 0 loads the adapter under a new name, every rank then names
+  it in its requests) and ``load_weight_packs`` (merged sync through vLLM's weight-transfer
+  API, ``weight_transfer.ServerWeightTransfer``; every rank drives the bucket generator, whose
+  FSDP2 gathers are collective, and rank 0 sends). The report rank 0 gets is every rank's.
+
+The weight sync holds every rank's ``engine_lock`` and passes a barrier before calling these,
+so no rank's producer has requests in flight while the server's weights change.
+
+Refused, with the reason: several servers (``layout.serve_gpus / layout.engine_tp > 1``), an
+in-process engine (``rollout.engine`` other than ``vllm-server``) and sleep mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Iterable, Optional
+
+import torch
+from omegaconf import DictConfig
+
+from atlas_lightning import distributed as dist_utils
+from atlas_lightning.rollout.engine import AdapterVersion, SyncReport
+from atlas_lightning.rollout.server_engine import ServerEngine, VLLMServer
+
+log = logging.getLogger(__name__)
+
+
+def separate_refusals(cfg: DictConfig) -> list[str]:
+    """Why ``cfg``'s separate layout cannot run in this build (empty: it can)."""
+    out = []
+    layout, r = cfg.layout, cfg.rollout
+    if r.engine != "vllm-server":
+        out.append(f"layout.mode=separate serves from vLLM servers on the serving cards: set rollout.engine=vllm-server "
+                   f"(got {r.engine!r})")
+    if layout.serve_gpus != layout.engine_tp:
+        out.append(f"layout.serve_gpus={layout.serve_gpus} with layout.engine_tp={layout.engine_tp} makes "
+                   f"{layout.serve_gpus // max(layout.engine_tp, 1)} servers; the separate layout runs one (TP = the "
+                   f"serving cards): set layout.engine_tp={layout.serve_gpus}")
+    if r.enable_sleep_mode:
+        out.append("layout.mode=separate: the serving cards never train, so there is nothing to sleep for; "
+                   "set rollout.enable_sleep_mode=false")
+    return out
+
+
+class SharedServerEngine(ServerEngine):
+    """A training rank's client of the one shared server; rank 0 owns the server (``server``)
+    and the weight transfer (``transfer``). Weight methods are collective over training ranks."""
+
+    takes_weight_packs = True
+
+    def __init__(self, url: str, *, rank: int, transfer=None, **kwargs) -> None:
+        super().__init__(url, **kwargs)
+        self.rank = rank
+        self.transfer = transfer
+
+    def set_adapter(self, adapter: Optional[AdapterVersion]) -> SyncReport:
+        report, name = None, None
+        if self.rank == 0:
+            report = super().set_adapter(adapter)
+            name = self._adapter
+        report, name = dist_utils.broadcast_object((report, name))
+        self._adapter = name
+        self._model = name if name is not None else self._base
+        return report
+
+    def load_weight_packs(self, packs: Iterable, version: Optional[int] = None) -> SyncReport:
+        """Merged weights in packed buckets to the server (rank 0 sends; the others only drive
+        the generator, whose gathers are collective)."""
+        report = None
+        if self.rank == 0:
+            if self.transfer is None:
+                raise RuntimeError("merged-weight sync: rank 0 has no weight transfer (rollout.weight_sync=merged "
+                                   "needs the server started with vLLM's weight-transfer API)")
+            report = self.transfer.send(packs, version=version)
+        else:
+            for _ in packs:
+                pass
+        return dist_utils.broadcast_object(report)
+
+    def close(self) -> None:
+        if self.transfer is not None:
+            self.transfer.close()
+            self.transfer = None
+        super().close()
+
+
+def _serving_cards(cfg: DictConfig) -> Optional[str]:
+    """``CUDA_VISIBLE_DEVICES`` for the server: the cards after the training ones."""
+    if not torch.cuda.is_available():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    cards = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    wanted = range(cfg.layout.train_gpus, cfg.layout.gpus)
+    if len(cards) < cfg.layout.gpus:
+        raise RuntimeError(f"layout.gpus={cfg.layout.gpus} but this node shows {len(cards)} cards "
+                           f"(CUDA_VISIBLE_DEVICES={visible!r})")
+    return ",".join(cards[i] for i in wanted)
+
+
+def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> SharedServerEngine:
+    """This rank's client of the separate layout's server (collective; see the module doc)."""
+    from atlas_lightning.config import run_dirs
+    from atlas_lightning.rollout.weight_transfer import ServerWeightTransfer, bucket_bytes_of, default_backend
+
+    problems = separate_refusals(cfg)
+    if problems:
+        raise NotImplementedError("; ".join(problems))
+    r = cfg.rollout
+    merged = r.weight_sync == "merged"
+    backend = (r.get("weight_transfer") or default_backend()) if merged else None
+    server, url, error = None, None, None
+    if rank == 0:
+        try:
+            if r.get("server_url"):
+                url = r.server_url
+            else:
+                cards = _serving_cards(cfg)
+                server = VLLMServer(
+                    cfg.model.path, log_path=run_dirs(cfg)["logs"] / f"vllm-server-{cfg.name}-separate.log",
+                    dtype=cfg.model.dtype, max_model_len=r.max_model_len,
+                    lora_rank=None if merged else cfg.model.lora.rank, tensor_parallel_size=cfg.layout.engine_tp,
+                    gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager, seed=cfg.seed,
+                    cpu_kvcache_gib=r.cpu_kvcache_gib, max_num_seqs=min(r.max_in_flight * world_size, 1024),
+                    start_timeout_s=r.get("server_start_timeout_s", 600.0),
+                    env={"CUDA_VISIBLE_DEVICES": cards} if cards is not None else None, weight_transfer=backend)
+                url = server.url
+        except Exception as err:  # every rank must hear of it, not wait for a URL forever
+            error = f"{type(err).__name__}: {err}"
+    url, error = dist_utils.broadcast_object((url, error))
+    if error is not None:
+        raise RuntimeError(f"separate layout: rank 0 could not start the server: {error}")
+    transfer = None
+    try:
+        if rank == 0 and merged:
+            transfer = ServerWeightTransfer(url, backend=backend, bucket_bytes=bucket_bytes_of(r.bucket_mb),
+                                            workers=cfg.layout.engine_tp, timeout_s=r.request_timeout_s + 60)
+        return SharedServerEngine(url, rank=rank, transfer=transfer, server=server, max_in_flight=r.max_in_flight,
+                                  request_timeout_s=r.request_timeout_s + 60)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
