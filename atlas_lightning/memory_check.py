@@ -23,8 +23,9 @@ Generation: when vLLM is importable and ``generation`` is on, each rank builds i
 (``rollout.factory.build_engine``), generates a burst of requests (``max_in_flight / engines``
 prompts of the synthetic prompt length, ``max_tokens_per_turn`` tokens each) and reports the
 card's used memory (GPU) or the peak resident set (CPU), then puts the engine to sleep where it
-can, so the update phases see what a colocated step sees. Otherwise the report says
-"not measured" and why; nothing is ever estimated in its place.
+can, so the update phases see what a colocated step sees. Otherwise (and in the separate
+layout, whose training cards never generate) the report says "not measured" and why; nothing
+is ever estimated in its place.
 
 Steady state: before the first step, both optimizers take one step at learning rate 0 with zero
 gradients, so Adam's moments and both adapters' gradients are allocated as they are from the
@@ -228,6 +229,10 @@ class MemoryCheckModule(PPOModule):
 
         if importlib.util.find_spec("vllm") is None:
             return {"measured": False, "why": "not measured (vllm not installed)"}
+        if self.cfg.layout.mode == "separate":
+            return {"measured": False, "why": "not measured on the training cards: in the separate layout the "
+                                              "engine runs on the serving cards (plan: the generation and "
+                                              "receive_weights phases of the serving cards)"}
         from atlas_lightning.rollout.engine import GenerationRequest, SamplingSpec
         from atlas_lightning.rollout.factory import build_engine
 

@@ -3,8 +3,8 @@
 #
 #   launch/r28-continued-cost-8gpu-t49152-n16-separate4-4-memory.sh [hydra overrides...]
 #
-# The asynchronous separate layout is not implemented yet: the plan refuses this run with the reason
-# (merged weights themselves are exact at every FSDP2 world size: tests/scale).
+# Training rank 0 starts one vLLM server (TP4) on cards 4-7; merged weights reach it in 512 MB buckets
+# through vLLM's weight-transfer API (nccl); rollout k+1 overlaps update k (layout.max_staleness=1).
 # Plan and pre-flight first (seconds; nothing starts if they fail), then
 # `atlas-lightning memory-check experiment=r28-continued-cost-8gpu-t49152-n16-separate4-4-memory`; the log goes to logs/r28-continued-cost-8gpu-t49152-n16-separate4-4-memory-<UTC time>.log.
 # launch/common.sh lists the environment variables; launch/slurm.sbatch runs it on several nodes.

@@ -15,8 +15,8 @@ Contract:
 - Asynchronous mode (``layout.mode=separate``): a ``prefetch.RolloutProducer`` thread samples
   step ``k + 1`` while update ``k`` runs, never more than ``layout.max_staleness`` versions
   behind the trainer (it waits for the weight sync otherwise). Every batch gets ``staleness``
-  (trainer's version minus the batch's) when it is handed over; a batch sampled with weights a
-  NaN-guard rollback discarded is sampled again. The dataloader stays sized: Lightning itself
+  (trainer's version minus the batch's) when it is handed over; after a NaN-guard rollback what
+  was sampled ahead (with the discarded weights) is sampled again on the restored ones. The dataloader stays sized: Lightning itself
   never fetches ahead, the producer does, within the bound.
 - Every use of the engine (a rollout, a weight sync, validation) holds ``engine_lock``.
 - ``state_dict`` holds the next step to TRAIN (not the next sampled): a resumed run samples
@@ -79,15 +79,12 @@ class _RolloutSteps(IterableDataset):
             while dm.next_step <= dm.total_steps:
                 step = dm.next_step
                 started = time.monotonic()
+                if producer.rollbacks != dm.clock.rollbacks:
+                    # a NaN-guard rollback restored older weights: what was sampled ahead used the
+                    # discarded ones; sample from here again, on the restored version
+                    log.warning("weights rolled back to v%s: sampling step %d again", dm.weights_version, step)
+                    producer = dm.start_producer(step, base_version=dm.weights_version)
                 batch = producer.take(step)
-                if batch.weights_version is not None and dm.weights_version is not None \
-                        and batch.weights_version > dm.weights_version:
-                    # sampled with weights a rollback discarded: sample from here again
-                    log.warning("step %d was sampled with weights v%d, newer than the restored v%d: sampling again",
-                                step, batch.weights_version, dm.weights_version)
-                    producer.stop()
-                    producer = dm.start_producer(step)
-                    batch = producer.take(step)
                 batch = dm.handed_over(batch, waited_s=time.monotonic() - started)
                 dm.next_step = step + 1
                 yield batch
@@ -247,12 +244,14 @@ class RolloutDataModule(L.LightningDataModule):
 
     # -- hand-over ------------------------------------------------------------------------
 
-    def start_producer(self, first: int) -> RolloutProducer:
-        """A producer thread sampling steps ``first .. total_steps`` (asynchronous mode)."""
+    def start_producer(self, first: int, base_version: Optional[int] = None) -> RolloutProducer:
+        """A producer thread sampling steps ``first .. total_steps`` (asynchronous mode); step
+        ``first`` is trained on weights ``base_version`` (default ``first - 1``)."""
         if self.producer is not None:
             self.producer.stop(timeout_s=0)
         self.producer = RolloutProducer(self.rollout, self.clock, first=first, last=self.total_steps,
-                                        max_staleness=int(self.cfg.layout.max_staleness)).start()
+                                        max_staleness=int(self.cfg.layout.max_staleness),
+                                        base_version=base_version).start()
         return self.producer
 
     def handed_over(self, batch: RolloutBatch, waited_s: Optional[float]) -> RolloutBatch:

@@ -5,12 +5,15 @@ loop; no collectives run on it):
 
 - ``WeightsClock``: the weights version the engine serves (the number of updates applied to
   the weights it holds). The weight sync publishes each new version; the producer waits on it.
+  A version lower than the last one is a NaN-guard rollback (``rollbacks`` counts them).
 - ``RolloutProducer``: samples RL steps ``first .. last`` in order on a background thread,
   each with whatever version the engine serves when it starts, and hands them over in order
-  (``take``). It starts step ``s`` only when ``(s - 1) - version <= max_staleness``: step
-  ``s`` is trained after ``s - 1`` updates, so that is the bound on how many versions its
+  (``take``). Step ``first`` is trained on weights ``base`` (``first - 1`` unless a rollback
+  says otherwise) and every later step one update later, so it starts step ``s`` only when
+  ``(s - first) - (version - base) <= max_staleness``: the bound on how many versions its
   rollout lags the policy it trains. With ``max_staleness = 1``, step ``k + 1`` is sampled
-  with version ``k - 1`` while update ``k`` runs; with 0 nothing overlaps.
+  with version ``k - 1`` while update ``k`` runs; with 0 nothing overlaps. After a rollback
+  the datamodule starts a new producer from the restored version.
 
 The engine is shared with the weight sync and validation: every use of it holds
 ``engine_lock`` for its whole duration (a rollout, a sync), so a batch is sampled with exactly
@@ -38,6 +41,8 @@ class WeightsClock:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._version: Optional[int] = None
+        #: How many times a lower version was published (NaN-guard rollbacks).
+        self.rollbacks = 0
 
     @property
     def version(self) -> Optional[int]:
@@ -45,6 +50,8 @@ class WeightsClock:
 
     def publish(self, version: Optional[int]) -> None:
         with self._cond:
+            if version is not None and self._version is not None and version < self._version:
+                self.rollbacks += 1
             self._version = version
             self._cond.notify_all()
 
@@ -72,11 +79,15 @@ class RolloutProducer:
     sampled with). ``take(step)`` returns that step's batch, blocking until it is there."""
 
     def __init__(self, sample: Callable[[int], object], clock: WeightsClock, *, first: int, last: int,
-                 max_staleness: int) -> None:
+                 max_staleness: int, base_version: Optional[int] = None) -> None:
         if max_staleness < 0:
             raise ValueError(f"layout.max_staleness={max_staleness} must be >= 0")
         self.sample, self.clock = sample, clock
         self.first, self.last, self.max_staleness = first, last, max_staleness
+        #: The weights step ``first`` is trained on.
+        self.base = first - 1 if base_version is None else base_version
+        #: The clock's rollback count when this producer started (a new rollback retires it).
+        self.rollbacks = clock.rollbacks
         self._ready: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
@@ -84,7 +95,7 @@ class RolloutProducer:
 
     def allowed(self, step: int, version: Optional[int]) -> bool:
         """May step ``step`` be sampled now that the engine serves ``version``?"""
-        return version is not None and (step - 1) - version <= self.max_staleness
+        return version is not None and (step - self.first) - (version - self.base) <= self.max_staleness
 
     def start(self) -> "RolloutProducer":
         self._thread.start()

@@ -14,10 +14,10 @@ from typing import Any
 from .estimate import _select
 from .shapes import LINEAR, ModelShape
 
-#: Where the asynchronous (separate) layout's engine side is tracked.
-ASYNC_LAYOUT_ISSUE = "issue 8 (scale: the asynchronous separate layout's engine side)"
 #: The test proving merged weights exact at uneven FSDP2 world sizes.
 MERGED_WEIGHTS_TEST = "tests/scale/test_merged_weights_world_sizes.py"
+#: The end-to-end test of the separate layout (CPU: one trainer, one vLLM server).
+SEPARATE_LAYOUT_TEST = "tests/e2e/test_separate_layout.py"
 
 
 def layout_refusals(cfg: Any, shape: ModelShape) -> list[str]:
@@ -30,13 +30,7 @@ def layout_refusals(cfg: Any, shape: ModelShape) -> list[str]:
     processes = int(_select(cfg, "trainer.devices", 1)) * int(_select(cfg, "trainer.num_nodes", 1))
 
     if mode == "separate":
-        out.append(
-            f"layout.mode=separate ({train} cards train, {serve} serve): the asynchronous layout of SPEC section 7 "
-            f"(rollout k+1 overlapping update k, engines on their own cards fed merged weights in buckets of "
-            f"rollout.bucket_mb) is not implemented yet, {ASYNC_LAYOUT_ISSUE}. Merged weights are not what blocks "
-            f"it: they are exact at FSDP2 world size {train} with uneven shards ({MERGED_WEIGHTS_TEST} checks world "
-            f"sizes 4 and 6 bit for bit against a one-process merge), so the reference's NaN entropies would not "
-            f"recur; run the colocated layout until the engine side lands")
+        out.extend(separate_refusals(cfg))
         if processes != train:
             out.append(f"trainer.devices x trainer.num_nodes = {processes} but layout.train_gpus={train}")
         if train + serve != gpus:
@@ -64,6 +58,30 @@ def layout_refusals(cfg: Any, shape: ModelShape) -> list[str]:
     utilization = float(_select(cfg, "rollout.gpu_memory_utilization", 0.5))
     if not 0.0 < utilization <= 1.0:
         out.append(f"rollout.gpu_memory_utilization={utilization} must be within (0, 1]")
+    return out
+
+
+def separate_refusals(cfg: Any) -> list[str]:
+    """What the separate layout (``rollout/separate.py``) cannot run (it runs one vLLM server
+    on the serving cards, fed by every training rank; merged weights through vLLM's
+    weight-transfer API, exact at any FSDP2 world size, uneven shards included:
+    ``MERGED_WEIGHTS_TEST``). Also what ``separate.build_separate_engine`` refuses."""
+    out = []
+    serve = int(_select(cfg, "layout.serve_gpus", 0))
+    tp = int(_select(cfg, "layout.engine_tp", _select(cfg, "rollout.tensor_parallel_size", 1)))
+    engine = str(_select(cfg, "rollout.engine", "vllm"))
+    if engine != "vllm-server":
+        out.append(f"layout.mode=separate serves from a vLLM server on the serving cards: set rollout.engine=vllm-server "
+                   f"(got {engine!r})")
+    if serve != tp:
+        out.append(f"layout.serve_gpus={serve} with engine TP {tp} would make {serve // max(tp, 1)} servers; the "
+                   f"separate layout runs one server over all serving cards: set layout.engine_tp="
+                   f"rollout.tensor_parallel_size={serve}")
+    if bool(_select(cfg, "rollout.enable_sleep_mode", False)):
+        out.append("layout.mode=separate: the serving cards never train, nothing needs to sleep: "
+                   "set rollout.enable_sleep_mode=false")
+    if int(_select(cfg, "layout.max_staleness", 1)) < 0:
+        out.append("layout.max_staleness must be >= 0")
     return out
 
 

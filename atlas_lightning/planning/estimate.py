@@ -51,6 +51,10 @@ a colocated card = trainer resident (weights, LoRA states) + the engine budget.
 
 Weight sync: ``lora`` gathers one full adapter (``4 R``); ``merged`` holds the engine's weights
 awake, a bucket (``max(bucket_mb, largest tensor)``) and one merged copy of the largest tensor.
+Separate layout, merged (vLLM's weight-transfer API, ``rollout/weight_transfer.py``): the
+sender (training rank 0) also holds vLLM's ``NCCL_NUM_BUFFERS`` packed send buffers of a bucket
+each; every serving card holds as many receive buffers beside the engine's budget, and vLLM's
+layerwise reload materializes about one layer's weights (``P 2 / layers / TP``) at a time.
 
 Calibration: the log-prob term reproduces the H200 measurement of ``models/logprobs.py``
 (hidden 5120, vocabulary 248,320, 49,152 tokens: 2.8 GiB at 1,024-token chunks, 11.4 GiB at
@@ -79,6 +83,8 @@ ENGINE_RESERVE_GIB = 2.0
 GRADIENT_STREAMS = 4
 LOGPROB_BYTES_PER_ENTRY = 12
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+#: Packed buffers each side of vLLM's nccl weight transfer keeps (``rollout.weight_transfer.NCCL_NUM_BUFFERS``).
+NCCL_NUM_BUFFERS = 2
 
 
 @dataclass
@@ -401,11 +407,15 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: float = 80.0, linea
 
     sync = model.resident()
     if inputs.weight_sync == "merged":
-        sync["merged bucket"] = max(inputs.bucket_bytes, s.largest_tensor_params * inputs.dtype_bytes)
+        bucket = max(inputs.bucket_bytes, s.largest_tensor_params * inputs.dtype_bytes)
+        sync["merged bucket"] = bucket
         sync["merge copy of one tensor"] = s.largest_tensor_params * inputs.dtype_bytes
         sync_overhead = dict(overhead)
         if inputs.colocated and inputs.device == "gpu":
             sync_overhead["engine weights awake"] = engine["weights_gib"] * GIB
+        if not inputs.colocated:
+            sync[f"send buffers ({NCCL_NUM_BUFFERS} x bucket, rank 0)"] = NCCL_NUM_BUFFERS * bucket
+            plan.phases.append(_receive_phase(s, inputs, engine, bucket))
     else:
         sync["gathered adapter"] = model.lora * 4
         sync_overhead = dict(overhead)
@@ -413,6 +423,17 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: float = 80.0, linea
 
     _capacity_refusals(plan, model, inputs, engine, card)
     return plan
+
+
+def _receive_phase(s: ModelShape, inputs: Inputs, engine: dict, bucket: float) -> Phase:
+    """A serving card while merged weights arrive (module doc): the engine's budget stays
+    allocated, receive buffers and the layerwise reload's one layer come on top of it."""
+    terms = {f"receive buffers ({NCCL_NUM_BUFFERS} x bucket)": NCCL_NUM_BUFFERS * bucket,
+             "layerwise reload (one layer)": s.base_params * 2 / max(s.num_layers, 1) / max(inputs.engine_tp, 1)}
+    overhead = {"engine (gpu_memory_utilization x card)": engine["budget_gib"] * GIB}
+    if inputs.device == "gpu":
+        overhead["runtime (CUDA context, NCCL)"] = RUNTIME_GIB * GIB
+    return Phase("receive_weights", "serving cards", terms, overhead)
 
 
 def _capacity_refusals(plan: Plan, model: _Model, inputs: Inputs, engine: dict, card: float) -> None:
@@ -441,6 +462,12 @@ def _capacity_refusals(plan: Plan, model: _Model, inputs: Inputs, engine: dict, 
             plan.refusals.append(
                 f"{phase.name} on {phase.cards}: needs {phase.card / GIB:.1f} GiB of a {card / GIB:.0f} GiB card at "
                 f"{budget_name[phase.name]}={phase.tokens:,} (largest terms, GiB: {top}){advice}")
+        elif phase.name == "receive_weights":
+            plan.refusals.append(
+                f"receive_weights on {phase.cards}: the engine keeps rollout.gpu_memory_utilization="
+                f"{inputs.gpu_memory_utilization} x {card / GIB:.0f} GiB and the merged-weight buckets need "
+                f"{phase.tensors / GIB:.1f} GiB more ({top}): {phase.card / GIB:.1f} GiB in all; lower "
+                f"rollout.bucket_mb or rollout.gpu_memory_utilization")
         elif phase.name == "generation":
             plan.refusals.append(
                 f"generation on {phase.cards}: the trainer keeps {phase.tensors / GIB:.1f} GiB and the engine asks for "

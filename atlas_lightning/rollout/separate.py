@@ -35,23 +35,6 @@ from atlas_lightning.rollout.server_engine import ServerEngine, VLLMServer
 log = logging.getLogger(__name__)
 
 
-def separate_refusals(cfg: DictConfig) -> list[str]:
-    """Why ``cfg``'s separate layout cannot run in this build (empty: it can)."""
-    out = []
-    layout, r = cfg.layout, cfg.rollout
-    if r.engine != "vllm-server":
-        out.append(f"layout.mode=separate serves from vLLM servers on the serving cards: set rollout.engine=vllm-server "
-                   f"(got {r.engine!r})")
-    if layout.serve_gpus != layout.engine_tp:
-        out.append(f"layout.serve_gpus={layout.serve_gpus} with layout.engine_tp={layout.engine_tp} makes "
-                   f"{layout.serve_gpus // max(layout.engine_tp, 1)} servers; the separate layout runs one (TP = the "
-                   f"serving cards): set layout.engine_tp={layout.serve_gpus}")
-    if r.enable_sleep_mode:
-        out.append("layout.mode=separate: the serving cards never train, so there is nothing to sleep for; "
-                   "set rollout.enable_sleep_mode=false")
-    return out
-
-
 class SharedServerEngine(ServerEngine):
     """A training rank's client of the one shared server; rank 0 owns the server (``server``)
     and the weight transfer (``transfer``). Weight methods are collective over training ranks."""
@@ -111,6 +94,8 @@ def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> Shared
     """This rank's client of the separate layout's server (collective; see the module doc)."""
     from atlas_lightning.config import run_dirs
     from atlas_lightning.rollout.weight_transfer import ServerWeightTransfer, bucket_bytes_of, default_backend
+
+    from atlas_lightning.planning.checks import separate_refusals
 
     problems = separate_refusals(cfg)
     if problems:

@@ -104,3 +104,18 @@ def test_nothing_is_sampled_before_the_first_sync():
     clock.publish(0)
     assert producer.take(1)["version"] == 0
     producer.stop()
+
+
+def test_after_a_rollback_a_new_producer_starts_from_the_restored_weights():
+    clock, lock, log = WeightsClock(), threading.Lock(), []
+    clock.publish(3)
+    clock.publish(1)  # the NaN guard restored global_step_1 after step 4
+    assert clock.rollbacks == 1
+    old = RolloutProducer(_sampler(lock, clock, log, 0.0), clock, first=5, last=9, max_staleness=1)
+    assert not old.allowed(5, 1)  # counted from step numbers alone it would wait forever
+    producer = RolloutProducer(_sampler(lock, clock, log, 0.0), clock, first=5, last=9, max_staleness=1,
+                               base_version=1).start()
+    assert producer.take(5) == {"step": 5, "version": 1}
+    time.sleep(0.2)
+    assert [s for _, s, _ in log] == [5, 6]  # one ahead, not two
+    producer.stop()

@@ -82,3 +82,32 @@ def test_merged_weights_reach_the_server_exactly_in_bounded_buckets(transfer_ser
         assert got.token_ids == want.token_ids
         status, body = _http(engine.url, "GET", "/weight_info")
         assert status == 200 and body["weight_version"] == str(version)
+
+
+def test_the_plan_accounts_the_buffers_vllm_keeps():
+    """``plan`` sizes the nccl transfer's send and receive buffers as vLLM allocates them."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_NUM_BUFFERS
+
+    from atlas_lightning.planning.estimate import NCCL_NUM_BUFFERS as planned
+    from atlas_lightning.rollout.weight_transfer import NCCL_NUM_BUFFERS
+
+    assert planned == NCCL_NUM_BUFFERS == DEFAULT_PACKED_NUM_BUFFERS
+
+
+def test_bucket_info_cuts_a_pack_back_into_its_tensors(qwen3_base, randomize):
+    """What the server is told about a bucket (names, dtypes, shapes, offsets) rebuilds every
+    tensor from the raw bytes, as ``gloo_transfer.unpack`` does in the server."""
+    pytest.importorskip("vllm")
+    from atlas_lightning.models.actor_critic import ActorCritic
+    from atlas_lightning.models.weights import merged_weight_packs
+    from atlas_lightning.rollout.gloo_transfer import GlooUpdateInfo, unpack
+    from atlas_lightning.rollout.weight_transfer import bucket_info
+
+    model = ActorCritic(qwen3_base, {"rank": 4, "alpha": 8}, dtype="bfloat16")
+    randomize(model)
+    for buffer, views in merged_weight_packs(model, "actor", 8 * 1024):
+        info = GlooUpdateInfo(**bucket_info(views, buffer))
+        received = buffer.clone()  # what arrives: the same bytes, another buffer
+        for (name, want), (got_name, got) in zip(views, unpack(received, info)):
+            assert got_name == name and got.dtype == want.dtype and torch.equal(got, want)

@@ -15,7 +15,7 @@ from atlas_lightning.cli import main as cli_main
 from atlas_lightning.config import ConfigError, compose
 from atlas_lightning.models.tiny import save_tiny_causal_lm
 from atlas_lightning.planning import GIB, ShapeError, estimate, make_plan, read_model_shape, shape_from_config
-from atlas_lightning.planning.checks import MERGED_WEIGHTS_TEST, layout_refusals
+from atlas_lightning.planning.checks import MERGED_WEIGHTS_TEST, SEPARATE_LAYOUT_TEST, layout_refusals
 
 from .conftest import DENSE_8B, QWEN3_6_27B_TEXT
 
@@ -111,14 +111,56 @@ def test_report_budgets_on_80gb_cards(qwen27b_dir, tmp_path):
     assert torch_path.phase("update_actor").tensors > 1.2 * fits.phase("update_actor").tensors
 
 
-@pytest.mark.parametrize("run, train", [("r28-continued-cost-8gpu-t98304-separate6-2-memory", 6),
-                                        ("r28-continued-cost-8gpu-t49152-n16-separate4-4-memory", 4)])
-def test_separate_layouts_are_refused_with_the_reason(run, train, qwen27b_dir, tmp_path):
-    plan = make_plan(_cfg(run, qwen27b_dir, tmp_path), card_gib=80, linear_kernel="fla")
-    reason = plan.refusals[0]
-    assert "not implemented" in reason and "issue 8" in reason
-    assert f"exact at FSDP2 world size {train}" in reason and MERGED_WEIGHTS_TEST in reason
-    assert (REPO / MERGED_WEIGHTS_TEST).is_file()
+@pytest.mark.parametrize("run, train, card", [("r28-continued-cost-8gpu-t98304-separate6-2-memory", 6, 139),
+                                              ("r28-continued-cost-8gpu-t49152-n16-separate4-4-memory", 4, 80)])
+def test_separate_layouts_pass_with_the_buckets_accounted(run, train, card, qwen27b_dir, tmp_path):
+    """The layouts run (tests/e2e/test_separate_layout.py on CPU; merged weights exact at FSDP2
+    world sizes 4 and 6): ``plan`` refuses them only for memory. 98,304 tokens a card need an
+    H200, as the colocated 73,728 do."""
+    cfg = _cfg(run, qwen27b_dir, tmp_path)
+    plan = make_plan(cfg, card_gib=card, linear_kernel="fla")
+    assert plan.ok, plan.refusals
+    on_80 = make_plan(cfg, card_gib=80, linear_kernel="fla")
+    assert all(r.startswith(("update_actor", "update_critic")) for r in on_80.refusals), on_80.refusals
+    assert plan.model["world_size"] == train
+    assert (REPO / MERGED_WEIGHTS_TEST).is_file() and (REPO / SEPARATE_LAYOUT_TEST).is_file()
+    # rollout.bucket_mb=512, but the 27B's embedding (2.4 GiB in bf16) travels alone, whole
+    largest = read_model_shape(qwen27b_dir).largest_tensor_params * 2
+    bucket = max(512 * 2**20, largest)
+    assert bucket > 512 * 2**20
+    sync = plan.phase("update_weights")
+    assert sync.cards == "training cards" and sync.terms["merged bucket"] == bucket
+    assert sync.terms["send buffers (2 x bucket, rank 0)"] == 2 * bucket
+    receive = plan.phase("receive_weights")
+    assert receive.cards == "serving cards"
+    assert receive.terms["receive buffers (2 x bucket)"] == 2 * bucket
+    assert receive.overhead["engine (gpu_memory_utilization x card)"] == pytest.approx(
+        cfg.rollout.gpu_memory_utilization * card * GIB)
+    assert plan.phase("generation").cards == "serving cards"
+    # buckets too large for the room the engine leaves on its cards: refused with the reason
+    huge = make_plan(_cfg(run, qwen27b_dir, tmp_path, "rollout.bucket_mb=20000", "rollout.gpu_memory_utilization=0.9"),
+                     card_gib=card, linear_kernel="fla")
+    assert any(r.startswith("receive_weights on serving cards") and "rollout.bucket_mb" in r for r in huge.refusals)
+
+
+def test_separate_layouts_the_build_cannot_run_are_refused(qwen27b_dir, tmp_path):
+    shape = read_model_shape(qwen27b_dir)
+    base = OmegaConf.to_container(_cfg("r28-continued-cost-8gpu-t49152-n16-separate4-4-memory", qwen27b_dir, tmp_path),
+                                  resolve=True)
+    assert layout_refusals(base, shape) == []
+
+    def refused(**changes):
+        cfg = json.loads(json.dumps(base))
+        for key, value in changes.items():
+            group, name = key.split("__")
+            cfg[group][name] = value
+        return " | ".join(layout_refusals(cfg, shape))
+
+    assert "set rollout.engine=vllm-server" in refused(rollout__engine="vllm")
+    assert "would make 2 servers" in refused(layout__engine_tp=2, rollout__tensor_parallel_size=2)
+    assert "set rollout.enable_sleep_mode=false" in refused(rollout__enable_sleep_mode=True)
+    assert "layout.train_gpus (4) + layout.serve_gpus (4) != layout.gpus (6)" in refused(layout__gpus=6)
+    assert "but layout.train_gpus=4" in refused(trainer__devices=2)
 
 
 def test_impossible_layouts_are_refused(qwen27b_dir, tmp_path):
