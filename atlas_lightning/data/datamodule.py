@@ -16,8 +16,9 @@ Contract:
   step ``k + 1`` while update ``k`` runs, never more than ``layout.max_staleness`` versions
   behind the trainer (it waits for the weight sync otherwise). Every batch gets ``staleness``
   (trainer's version minus the batch's) when it is handed over; after a NaN-guard rollback what
-  was sampled ahead (with the discarded weights) is sampled again on the restored ones. The dataloader stays sized: Lightning itself
-  never fetches ahead, the producer does, within the bound.
+  was sampled ahead (with the discarded weights) is sampled again on the restored ones. The
+  dataloader stays sized: Lightning itself never fetches ahead, the producer does, within the
+  bound.
 - Every use of the engine (a rollout, a weight sync, validation) holds ``engine_lock``.
 - ``state_dict`` holds the next step to TRAIN (not the next sampled): a resumed run samples
   exactly what an uninterrupted one would (the sampler and every request seed are functions

@@ -2,15 +2,18 @@
 layout=separate_cpu rollout=vllm_server_cpu`` (one training process, one CPU vLLM server it
 starts), 3 steps. Rollout k+1 is sampled during update k, staleness is logged every step and
 bounded, every weight sync is verified (merged weights through vLLM's weight-transfer API, or
-the LoRA adapter), and the step records are complete."""
+the LoRA adapter), and the step records are complete; two training ranks share the server;
+a run killed after step 2 resumes without losing or repeating the prefetched step 3."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,26 +26,31 @@ NAME = "sep"
 STEPS = 3
 
 
-def _command(tiny_model_dir, sample_data_dir, root: Path, weight_sync: str) -> list[str]:
+def _command(tiny_model_dir, sample_data_dir, root: Path, weight_sync: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "atlas_lightning.cli", "fit", "experiment=tiny-cpu", f"name={NAME}",
             f"model.path={tiny_model_dir}", f"data.root={sample_data_dir}", f"paths.root={root}",
             "layout=separate_cpu", "rollout=vllm_server_cpu", f"rollout.weight_sync={weight_sync}",
             f"trainer.total_steps={STEPS}", "trainer.save_every=2", "trainer.val_before_train=false",
             "trainer.val_every=100", "callbacks.validation.val_on_last_step=false", "rollout.n=2",
             "algorithm.train_batch_size=2", "algorithm.ppo_mini_batch_size=1", "rollout.max_tokens_per_turn=24",
-            "logger.mode=disabled"]
+            "logger.mode=disabled", *extra]
 
 
 def _history(root: Path) -> list[dict]:
-    (path,) = (root / "runs" / NAME).glob("*/history.csv")
-    return list(csv.DictReader(path.open()))
+    rows = []
+    for path in sorted((root / "runs" / NAME).glob("*/history.csv")):
+        rows += list(csv.DictReader(path.open()))
+    return rows
 
 
-@pytest.mark.parametrize("weight_sync", ["merged", "lora"])
-def test_fit_in_the_separate_layout(weight_sync, tiny_model_dir, sample_data_dir, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled")
-    result = subprocess.run(_command(tiny_model_dir, sample_data_dir, tmp_path, weight_sync), capture_output=True,
-                            text=True, timeout=900, env=env)
+@pytest.mark.parametrize("weight_sync, ranks", [("merged", 2), ("lora", 1)])
+def test_fit_in_the_separate_layout(weight_sync, ranks, tiny_model_dir, sample_data_dir, tmp_path):
+    """``ranks`` training processes (FSDP2 on gloo) share the one server; with 2, rank 0 sends the
+    merged weights while rank 1 only takes part in the gathers, and both feed the server."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(2 // ranks), WANDB_MODE="disabled")
+    layout = [f"layout.gpus={ranks + 1}", f"layout.train_gpus={ranks}", f"trainer.devices={ranks}"]
+    result = subprocess.run(_command(tiny_model_dir, sample_data_dir, tmp_path, weight_sync, *layout),
+                            capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
 
     rows = _history(tmp_path)
@@ -67,3 +75,44 @@ def test_fit_in_the_separate_layout(weight_sync, tiny_model_dir, sample_data_dir
         assert (tmp_path / "checkpoints" / NAME / f"global_step_{step}" / "checkpoint.json").is_file()
     server_log = (tmp_path / "logs" / f"vllm-server-{NAME}-separate.log").read_text()
     assert ("weight-transfer-config" in server_log) == (weight_sync == "merged")
+
+
+def test_sigkill_then_resume_samples_the_prefetched_step_again(tiny_model_dir, sample_data_dir, tmp_path):
+    """Killed once step 2 is checkpointed (step 3 was sampled during update 2 and never trained),
+    ``trainer.resume=auto`` samples step 3 again (its questions, on the step-2 weights) and trains
+    it once: no step is lost or counted twice."""
+    from atlas_lightning.config import compose
+    from atlas_lightning.data.datamodule import RolloutDataModule
+
+    env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled")
+    command = _command(tiny_model_dir, sample_data_dir, tmp_path, "merged", "trainer.save_every=1")
+    marker = tmp_path / "checkpoints" / NAME / "global_step_2" / "checkpoint.json"
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                               start_new_session=True)
+    deadline = time.monotonic() + 900
+    while not marker.exists():
+        assert process.poll() is None, "the run ended before step 2 was checkpointed"
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)  # the server is in this process group too
+    process.wait()
+    assert not (tmp_path / "artifacts" / NAME / "train" / "step_3").exists()
+    state = json.loads((tmp_path / "checkpoints" / NAME / "latest_checkpointed_iteration.txt").read_text())
+    assert state == 2
+
+    result = subprocess.run(command + ["trainer.resume=auto"], capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    trained = [int(float(r["training/rl_step"])) for r in _history(tmp_path) if r.get("training/rl_step")]
+    assert sorted(trained) == [1, 2, 3]  # each step once, across both launches
+    resumed = [r for r in _history(tmp_path) if r.get("training/rl_step") and float(r["training/rl_step"]) == 3][0]
+    assert float(resumed["rollout/weights_version"]) == 2.0 and float(resumed["rollout/staleness"]) == 0.0
+    cfg = compose(command[command.index("experiment=tiny-cpu"):])
+    dm = RolloutDataModule(cfg, engine=object())  # no engine: only the sampler is read
+    dm.setup("fit")
+    expected = sorted(dm.train_questions[i].question_id for i in dm.sampler.step_indices(2))
+    folder = tmp_path / "artifacts" / NAME / "train" / "step_3"
+    assert verify_manifest(folder) == []
+    records = [read_record(p) for p in folder.glob("*.json") if p.name != "manifest.json"]
+    assert sorted({r.question_id for r in records}) == expected and len(records) == 4
+    assert (tmp_path / "checkpoints" / NAME / "global_step_3" / "checkpoint.json").is_file()
