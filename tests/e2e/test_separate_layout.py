@@ -1,9 +1,9 @@
 """The separate layout end to end on CPU, through the CLI: ``fit experiment=tiny-cpu
-layout=separate_cpu rollout=vllm_server_cpu`` (one training process, one CPU vLLM server it
-starts), 3 steps. Rollout k+1 is sampled during update k, staleness is logged every step and
-bounded, every weight sync is verified (merged weights through vLLM's weight-transfer API, or
-the LoRA adapter), and the step records are complete; two training ranks share the server;
-a run killed after step 2 resumes without losing or repeating the prefetched step 3."""
+layout=separate_cpu rollout=vllm_server_cpu`` (training processes and one CPU vLLM server the
+first of them starts), 3 steps. Rollout k+1 is sampled during update k, staleness is logged
+every step and bounded, every weight sync is verified, and the step records are complete:
+two training ranks with merged weights (vLLM's weight-transfer API); one rank with the LoRA
+adapter, killed after step 2 and resumed without losing or repeating the prefetched step 3."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _history(root: Path) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("weight_sync, ranks", [("merged", 2), ("lora", 1)])
+@pytest.mark.parametrize("weight_sync, ranks", [("merged", 2)])  # LoRA, one rank: the resume test
 def test_fit_in_the_separate_layout(weight_sync, ranks, tiny_model_dir, sample_data_dir, tmp_path):
     """``ranks`` training processes (FSDP2 on gloo) share the one server; with 2, rank 0 sends the
     merged weights while rank 1 only takes part in the gathers, and both feed the server."""
@@ -85,14 +85,15 @@ def test_fit_in_the_separate_layout(weight_sync, ranks, tiny_model_dir, sample_d
 
 
 def test_sigkill_then_resume_samples_the_prefetched_step_again(tiny_model_dir, sample_data_dir, tmp_path):
-    """Killed once step 2 is checkpointed (step 3 was sampled during update 2 and never trained),
+    """One training rank, LoRA sync. Killed once step 2 is checkpointed (step 3 was sampled
+    during update 2 and never trained),
     ``trainer.resume=auto`` samples step 3 again (its questions, on the step-2 weights) and trains
     it once: no step is lost or counted twice."""
     from atlas_lightning.config import compose
     from atlas_lightning.data.datamodule import RolloutDataModule
 
     env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled")
-    command = _command(tiny_model_dir, sample_data_dir, tmp_path, "merged", "trainer.save_every=1")
+    command = _command(tiny_model_dir, sample_data_dir, tmp_path, "lora", "trainer.save_every=1")
     marker = tmp_path / "checkpoints" / NAME / "global_step_2" / "checkpoint.json"
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                                start_new_session=True)
