@@ -143,6 +143,15 @@ def test_separate_layouts_pass_with_the_buckets_accounted(run, train, card, qwen
     assert any(r.startswith("receive_weights on serving cards") and "rollout.bucket_mb" in r for r in huge.refusals)
 
 
+def _refusals(base: dict, shape, **changes) -> str:
+    """``layout_refusals`` of ``base`` with ``group__key=value`` changes, joined by `` | ``."""
+    cfg = json.loads(json.dumps(base))
+    for key, value in changes.items():
+        group, name = key.split("__")
+        cfg[group][name] = value
+    return " | ".join(layout_refusals(cfg, shape))
+
+
 def test_separate_layouts_the_build_cannot_run_are_refused(qwen27b_dir, tmp_path):
     shape = read_model_shape(qwen27b_dir)
     base = OmegaConf.to_container(_cfg("r28-continued-cost-8gpu-t49152-n16-separate4-4-memory", qwen27b_dir, tmp_path),
@@ -150,11 +159,7 @@ def test_separate_layouts_the_build_cannot_run_are_refused(qwen27b_dir, tmp_path
     assert layout_refusals(base, shape) == []
 
     def refused(**changes):
-        cfg = json.loads(json.dumps(base))
-        for key, value in changes.items():
-            group, name = key.split("__")
-            cfg[group][name] = value
-        return " | ".join(layout_refusals(cfg, shape))
+        return _refusals(base, shape, **changes)
 
     assert "set rollout.engine=vllm-server" in refused(rollout__engine="vllm")
     assert "would make 2 servers" in refused(layout__engine_tp=2, rollout__tensor_parallel_size=2)
@@ -169,11 +174,7 @@ def test_impossible_layouts_are_refused(qwen27b_dir, tmp_path):
     assert layout_refusals(base, shape) == []
 
     def refused(**changes):
-        cfg = json.loads(json.dumps(base))
-        for key, value in changes.items():
-            group, name = key.split("__")
-            cfg[group][name] = value
-        return " | ".join(layout_refusals(cfg, shape))
+        return _refusals(base, shape, **changes)
 
     assert "engine TP 3 does not divide the 8 cards" in refused(rollout__tensor_parallel_size=3, layout__engine_tp=3)
     assert "24 attention heads" in refused(rollout__tensor_parallel_size=16, layout__engine_tp=16, layout__gpus=16,
