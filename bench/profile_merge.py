@@ -1,34 +1,59 @@
-"""Where the merged-weight packing spends its time (issue 9): kernels of one ``merged_weight_packs``
-pass over the 8B shape, and one linear's merge next to a plain copy.
+"""Where the merged-weight packing spends its time (issue 9): one ``merged_weight_packs`` pass
+over the 8B shape, grouped launches against one launch per linear, host (queueing) time against
+the whole pass, each kernel tile of a sweep, and one linear's merge next to a plain copy.
 
-    python3 bench/profile_merge.py [--layers 36] [--out profile_merge.json]
+    python3 bench/profile_merge.py [--layers 36] [--tiles] [--out profile_merge.json]
 
-Prints torch.profiler's kernel table (top 20 by device time) and a JSON line of per-op timings.
+Prints torch.profiler's kernel table (top 20 by device time) of the grouped pass and a JSON line:
+``packs_s`` (whole pass, synchronised), ``packs_host_s`` (until the last launch is queued),
+``per_linear_s`` (the same pass with every merge launched alone), ``tiles`` (pass time per
+``merge_kernel.TILE`` candidate), ``gbps_moved`` = 2 x merged bytes / time (read W, write out)
+against ``copy_gbps`` (a 1 GiB device copy, read + write).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from unittest import mock
 
 import torch
 
 from atlas_lightning.bench.shapes import build_model, shape_by_name
 from atlas_lightning.bench.update import lora_spec
+from atlas_lightning.models import merge_kernel
 from atlas_lightning.models.actor_critic import ActorCritic
-from atlas_lightning.models.weights import _merged_sources, merged_weight_packs
+from atlas_lightning.models.weights import merged_weight_packs
+
+#: Run 7 (bench/NOTES.md) timed 64x256/8, 128x128/8, 128x256/8, 64x128/4, 32x256/4 and 64x512/8:
+#: 64x128 with 4 warps won (73% of copy bandwidth); these are its neighbours.
+TILES = [
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4},
+    {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 2},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8},
+]
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def timed(fn, reps: int = 5) -> float:
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
-    sync()
+    synchronize()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
-        sync()
+        synchronize()
         times.append(time.perf_counter() - start)
     return min(times)
 
@@ -38,6 +63,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--shape", default="dense8b")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--tiles", action="store_true", help="time each TILE candidate")
+    p.add_argument("--reps", type=int, default=5, help="timed passes (the minimum is reported)")
     p.add_argument("--out", default="profile_merge.json")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -47,26 +74,57 @@ def main() -> None:
     with torch.no_grad():
         for param in model.actor_parameters():
             param.normal_(0, 0.01)
-    out: dict = {}
-    out["walk_only_s"] = timed(lambda: sum(1 for _ in _merged_sources(model, "actor")))
-    out["packs_s"] = timed(lambda: sum(b.numel() for b, _ in merged_weight_packs(model, "actor")))
+
+    def packs() -> int:
+        return sum(b.numel() for b, _ in merged_weight_packs(model, "actor"))
+
+    out: dict = {"tile": merge_kernel.TILE, "group_slots": merge_kernel.GROUP_SLOTS,
+                 "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    out["copy_gbps"] = 2 * src.numel() / timed(lambda: dst.copy_(src), reps=10) / 1e9
+    del src, dst
+    nbytes = packs()
+    out["merged_bytes"] = nbytes
+
+    def rate(seconds: float) -> dict:
+        moved = 2 * nbytes / seconds / 1e9
+        return {"s": seconds, "gbps_moved": moved, "of_copy": moved / out["copy_gbps"]}
+
+    out["packs"] = rate(timed(packs, args.reps))
+    host = []
+    for _ in range(5):
+        synchronize()
+        start = time.perf_counter()
+        packs()
+        host.append(time.perf_counter() - start)
+    synchronize()
+    out["packs_host_s"] = min(host)
+    with mock.patch.object(merge_kernel, "_groupable", lambda job: False):
+        out["per_linear"] = rate(timed(packs, args.reps))
+    if args.tiles:
+        out["tiles"] = []
+        for tile in TILES:
+            with mock.patch.object(merge_kernel, "TILE", tile):
+                out["tiles"].append({**tile, **rate(timed(packs, args.reps))})
+            print(json.dumps(out["tiles"][-1]), flush=True)
     layer = model.decoder_layers()[0].mlp.down_proj
     w = layer.get_base_layer().weight
     a = layer.lora_A["actor"].weight.detach().to(w.dtype)
     b = (layer.lora_B["actor"].weight.detach() * 2.0).to(w.dtype)
     dst = torch.empty_like(w)
-    nbytes = w.numel() * w.element_size()
+    one = w.numel() * w.element_size()
     for name, fn in {
         "copy": lambda: dst.copy_(w),
+        "kernel": lambda: merge_kernel.merge_lora(w, layer.lora_B["actor"].weight, layer.lora_A["actor"].weight, 2.0, dst),
         "addmm_out": lambda: torch.addmm(w, b, a, out=dst),
-        "addmm_new": lambda: torch.addmm(w, b, a),
-        "mm_then_add": lambda: torch.add(w, b @ a, out=dst),
     }.items():
         seconds = timed(fn, reps=20)
-        out[name] = {"s": seconds, "gbps_moved": 2 * nbytes / seconds / 1e9, "shape": list(w.shape)}
+        out[name] = {"s": seconds, "gbps_moved": 2 * one / seconds / 1e9, "shape": list(w.shape)}
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
-        sum(b.numel() for b, _ in merged_weight_packs(model, "actor"))
+        packs()
+        synchronize()
     print(prof.key_averages().table(sort_by=("cuda_time_total" if device.type == "cuda" else "cpu_time_total"), row_limit=20), flush=True)
     print(json.dumps(out), flush=True)
     with open(args.out, "w") as f:
@@ -74,4 +132,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with torch.no_grad():
+        main()

@@ -2,8 +2,8 @@
 
 * ``adapter_state``: the actor's LoRA tensors, gathered whole (what the LoRA sync sends);
   ``save_adapter``: the same written as a PEFT folder (disk included).
-* merged, as shipped before issue 9: ``merged_weight_buckets`` then ``torch.cat`` of each
-  bucket's flattened tensors into one buffer (the pack a one-shot transfer needs);
+* merged, packed then copied: ``merged_weight_buckets`` (now the packs' views) then ``torch.cat``
+  of each bucket's tensors into one buffer (what a packer costs that does not write in place);
 * merged, packed in place: ``merged_weight_packs`` (the merge writes into the bucket buffer).
 
 Rates: ``gbps_out`` = merged bytes produced per second; ``gbps_moved`` = the fewest bytes the
@@ -19,7 +19,7 @@ import tempfile
 import torch
 
 from atlas_lightning.models.adapters import save_adapter
-from atlas_lightning.models.merge_kernel import kernel_applies, merge_lora
+from atlas_lightning.models.merge_kernel import GROUP_SLOTS, MergeJob, kernel_applies, merge_lora, merge_lora_many, rounding_bound
 from atlas_lightning.models.weights import adapter_state, merged_weight_buckets, merged_weight_packs
 
 from .measure import timed
@@ -30,32 +30,37 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def kernel_check(model, adapter: str = "actor", layers: int = 14) -> dict:
-    """The merge (``merge_lora``: the Triton kernel on CUDA) and ``torch.addmm`` of the same
-    formula, each against a float64 reference, on the first ``layers`` LoRA linears. Errors are
-    in units of the allowed bound: one rounding to W's dtype plus fp32 accumulation,
-    ``spacing(ref) + (r + 2) * eps32 * (|W| + |s B| @ |A|)``; <= 1 is correct. Also the share of
-    elements where the two differ (last-bit accumulation-order differences)."""
+    """The merge (``merge_lora``: the Triton kernel on CUDA), the grouped launch
+    (``merge_lora_many``) and ``torch.addmm`` of the same formula, each against a float64
+    reference (``rounding_bound``), on the first ``layers`` LoRA linears. Errors are in units of
+    the allowed bound; <= 1 is correct. Also whether the grouped launch gives the per-linear
+    bits, and the share of elements where the kernel and ``addmm`` differ."""
     from atlas_lightning.models.adapter_switch import tuner_layers
 
-    worst = {"merge": 0.0, "addmm": 0.0}
-    differing, total = 0, 0
+    worst = {"merge": 0.0, "grouped": 0.0, "addmm": 0.0}
+    differing, total, grouped_equal = 0, 0, True
+    chosen = tuner_layers(model.hf_model)[:layers]
     with torch.no_grad():
-        for layer in tuner_layers(model.hf_model)[:layers]:
-            w = layer.get_base_layer().weight.detach()
-            a, b = layer.lora_A[adapter].weight.detach(), layer.lora_B[adapter].weight.detach()
-            s = layer.scaling[adapter]
-            b_r, a_r = (b * s).to(w.dtype), a.to(w.dtype)
-            exact = w.double() + b_r.double() @ a_r.double()
-            magnitude = w.double().abs() + b_r.double().abs() @ a_r.double().abs()
-            spacing = torch.finfo(w.dtype).eps * torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))))
-            bound = spacing + (a.shape[0] + 2) * torch.finfo(torch.float32).eps * magnitude
-            results = {"merge": merge_lora(w, b, a, s), "addmm": torch.addmm(w, b_r, a_r)}
-            for name, got in results.items():
-                worst[name] = max(worst[name], float(((got.double() - exact).abs() / bound).max()))
-            differing += int((results["merge"] != results["addmm"]).sum())
-            total += w.numel()
-    return {"kernel": kernel_applies(w), "merge_error_in_bounds": worst["merge"], "addmm_error_in_bounds": worst["addmm"],
-            "differing_fraction": differing / max(total, 1), "linears": min(layers, len(tuner_layers(model.hf_model)))}
+        for start in range(0, len(chosen), GROUP_SLOTS):
+            jobs, singles = [], []
+            for layer in chosen[start:start + GROUP_SLOTS]:
+                w = layer.get_base_layer().weight
+                a, b, s = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight, layer.scaling[adapter]
+                jobs.append(MergeJob(w, b, a, s, torch.empty_like(w)))
+                singles.append(merge_lora(w, b, a, s))
+            merge_lora_many(jobs)
+            for job, single in zip(jobs, singles):
+                exact, bound = rounding_bound(job.weight, job.lora_b, job.lora_a, job.scaling)
+                addmm = torch.addmm(job.weight, (job.lora_b * job.scaling).to(job.weight.dtype), job.lora_a.to(job.weight.dtype))
+                for name, got in (("merge", single), ("grouped", job.out), ("addmm", addmm)):
+                    worst[name] = max(worst[name], float(((got.double() - exact).abs() / bound).max()))
+                grouped_equal &= torch.equal(single, job.out)
+                differing += int((single != addmm).sum())
+                total += single.numel()
+    return {"kernel": kernel_applies(chosen[0].get_base_layer().weight), "merge_error_in_bounds": worst["merge"],
+            "grouped_error_in_bounds": worst["grouped"], "grouped_equals_per_linear": grouped_equal,
+            "addmm_error_in_bounds": worst["addmm"], "differing_fraction": differing / max(total, 1),
+            "linears": len(chosen)}
 
 
 def measure_weight_sync(model, device: torch.device, bucket_bytes: int, copy_gbps: float | None) -> dict:

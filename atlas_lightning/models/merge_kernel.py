@@ -9,19 +9,28 @@ computes that tile of ``B @ A`` (the whole rank in one ``tl.dot``, fp32 accumula
 rounds once and stores: W is read once and ``out`` written once; A and B are re-read per tile
 from L2.
 
-Arithmetic (the same formula as ``weights._merge_into``'s fallback): the factors are cast to
-``out``'s dtype after ``B`` is scaled by ``s`` in its own dtype, the product accumulates in fp32,
-W is added in fp32 and the sum is rounded once to ``out``'s dtype. The kernel and the fallback
-may differ in the last bit where fp32 accumulation order differs; each is deterministic, so a
-sharded and an unsharded model on the same device give the same bits.
+Why groups: one launch per linear left the card waiting on the host (252 launches for the 8B
+shape, each ~50 us of Python against ~38 us of device work). ``merge_lora_many`` launches up
+to ``GROUP_SLOTS`` row-major merges at once, each passed as its own kernel arguments (so
+Triton still knows every pointer's alignment and that the inner strides are 1: a table of
+pointers read in the kernel lost both and ran 3.5x slower, bench/NOTES.md runs 5-6).
+
+Arithmetic (the same formula as the ``addmm`` fallback): the factors are cast to ``out``'s
+dtype after ``B`` is scaled by ``s`` in its own dtype, the product accumulates in fp32, W is
+added in fp32 and the sum is rounded once to ``out``'s dtype (``rounding_bound`` states how
+far from the exact value that may land). One fixed tile (``TILE``, no autotuning), so every
+rank and every run computes the same bits; on CPU the kernel and ``addmm`` differ at most in
+the last bit where the accumulation order differs. On the card cuBLAS's bf16 ``addmm`` is not
+correctly rounded (100x outside the bound, issue 9), which is why CUDA never takes it.
 
 Shapes: ``weight (M, N)``, ``lora_b (M, r)``, ``lora_a (r, N)``, any strides (transposed views
-for ``fan_in_fan_out`` included), ``out (M, N)``. Who calls it: ``weights._merge_into``.
+for ``fan_in_fan_out`` included), ``out (M, N)``. Who calls it: ``weights``' merges.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -32,6 +41,24 @@ try:  # Triton ships with CUDA builds of torch; CPU builds have none
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
+#: Tile of W each program merges, and its warps. Fixed rather than autotuned: an autotuner
+#: times configs on each process's first call (seconds on the first sync) and could pick
+#: different tiles on different ranks. Chosen on the H200 (bench/profile_merge.py --tiles).
+TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4}
+
+#: Most merges one launch of the grouped kernel carries (its argument slots).
+GROUP_SLOTS = 4
+
+
+class MergeJob(NamedTuple):
+    """One merge for ``merge_lora_many``: ``out = weight + (scaling * lora_b) @ lora_a``."""
+
+    weight: Tensor
+    lora_b: Tensor
+    lora_a: Tensor
+    scaling: float
+    out: Tensor
+
 
 def kernel_applies(weight: Tensor) -> bool:
     """The Triton path runs for CUDA tensors (or any, under ``TRITON_INTERPRET=1``, for tests)."""
@@ -40,23 +67,26 @@ def kernel_applies(weight: Tensor) -> bool:
     return weight.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def rounding_bound(weight: Tensor, lora_b: Tensor, lora_a: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+    """``(exact, bound)`` in float64: the exact ``W + (s B).to(dtype) @ A.to(dtype)`` a correct
+    merge rounds, and how far from it a result may land: one rounding to W's dtype plus fp32
+    accumulation, ``spacing(exact) + (r + 2) * eps32 * (|W| + |s B| @ |A|)``. The reference the
+    tests and the card's ``kernel_check`` hold every merge to."""
+    b = (lora_b * scaling).to(weight.dtype).double()
+    a = lora_a.to(weight.dtype).double()
+    w = weight.double()
+    exact = w + b @ a
+    spacing = torch.finfo(weight.dtype).eps * torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))))
+    bound = spacing + (a.shape[0] + 2) * torch.finfo(torch.float32).eps * (w.abs() + b.abs() @ a.abs())
+    return exact, bound
+
+
 if triton is not None:
 
-    @triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_M": 64, "BLOCK_N": 256}, num_warps=8),
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8),
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 256}, num_warps=8),
-            triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4),
-        ],
-        key=["M", "N", "BLOCK_K"],
-    )
     @triton.jit
-    def _merge_kernel(w_ptr, b_ptr, a_ptr, out_ptr, M, N, K, scaling,
-                      stride_wm, stride_wn, stride_bm, stride_bk, stride_ak, stride_an, stride_om, stride_on,
-                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+    def _merge_tile(w_ptr, b_ptr, a_ptr, out_ptr, M, N, K, scaling, stride_wm, stride_wn, stride_bm, stride_bk,
+                    stride_ak, stride_an, stride_om, stride_on, pid_m, pid_n,
+                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -77,29 +107,100 @@ if triton is not None:
         result = (w.to(tl.float32) + delta).to(out_dtype)
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on, result, mask=mask)
 
+    @triton.jit
+    def _merge_kernel(w_ptr, b_ptr, a_ptr, out_ptr, M, N, K, scaling,
+                      stride_wm, stride_wn, stride_bm, stride_bk, stride_ak, stride_an, stride_om, stride_on,
+                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        _merge_tile(w_ptr, b_ptr, a_ptr, out_ptr, M, N, K, scaling, stride_wm, stride_wn, stride_bm, stride_bk,
+                    stride_ak, stride_an, stride_om, stride_on, tl.program_id(0), tl.program_id(1),
+                    BLOCK_K, IEEE, BLOCK_M, BLOCK_N)
 
-def merge_lora(weight: Tensor, lora_b: Tensor, lora_a: Tensor, scaling: float, out: Tensor | None = None) -> Tensor:
-    """``weight + (scaling * lora_b).to(dtype) @ lora_a.to(dtype)`` rounded once to ``weight``'s
-    dtype (module doc), into ``out`` when given (same shape and dtype as ``weight``)."""
+    @triton.jit
+    def _row_major_slot(w_ptr, b_ptr, a_ptr, out_ptr, M, N, K, scaling, tile,
+                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # row-major W, out (M, N), B (M, K), A (K, N): literal unit strides keep loads vectorised
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        _merge_tile(w_ptr, b_ptr, a_ptr, out_ptr, M, N, K, scaling, N, 1, K, 1, N, 1, N, 1,
+                    tile // tiles_n, tile % tiles_n, BLOCK_K, IEEE, BLOCK_M, BLOCK_N)
+
+    @triton.jit
+    def _merge_group_kernel(w0, b0, a0, o0, M0, N0, s0, end0, w1, b1, a1, o1, M1, N1, s1, end1,
+                            w2, b2, a2, o2, M2, N2, s2, end2, w3, b3, a3, o3, M3, N3, s3, K,
+                            BLOCK_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # one 1-D grid over the slots' tiles, slot by slot; end<i> = tiles of slots 0..i
+        pid = tl.program_id(0)
+        if pid < end0:
+            _row_major_slot(w0, b0, a0, o0, M0, N0, K, s0, pid, BLOCK_K, IEEE, BLOCK_M, BLOCK_N)
+        elif pid < end1:
+            _row_major_slot(w1, b1, a1, o1, M1, N1, K, s1, pid - end0, BLOCK_K, IEEE, BLOCK_M, BLOCK_N)
+        elif pid < end2:
+            _row_major_slot(w2, b2, a2, o2, M2, N2, K, s2, pid - end1, BLOCK_K, IEEE, BLOCK_M, BLOCK_N)
+        else:
+            _row_major_slot(w3, b3, a3, o3, M3, N3, K, s3, pid - end2, BLOCK_K, IEEE, BLOCK_M, BLOCK_N)
+
+
+def _check_chain(weight: Tensor, lora_b: Tensor, lora_a: Tensor) -> None:
     if weight.dim() != 2 or lora_b.shape[0] != weight.shape[0] or lora_a.shape[1] != weight.shape[1] \
             or lora_b.shape[1] != lora_a.shape[0]:
         raise ValueError(f"merge_lora: weight {tuple(weight.shape)}, B {tuple(lora_b.shape)}, A {tuple(lora_a.shape)} "
                          f"do not chain as W + B @ A")
+
+
+def _tile_arguments(weight: Tensor, rank: int) -> dict:
+    tile = dict(TILE) if weight.is_cuda else {"BLOCK_M": 64, "BLOCK_N": 128}  # the interpreter ignores warps
+    return {"BLOCK_K": max(16, triton.next_power_of_2(rank)), "IEEE": weight.dtype == torch.float32, **tile}
+
+
+def merge_lora(weight: Tensor, lora_b: Tensor, lora_a: Tensor, scaling: float, out: Tensor | None = None) -> Tensor:
+    """``weight + (scaling * lora_b).to(dtype) @ lora_a.to(dtype)`` rounded once to ``weight``'s
+    dtype (module doc), into ``out`` when given (same shape and dtype as ``weight``)."""
+    _check_chain(weight, lora_b, lora_a)
     if out is None:
         out = torch.empty_like(weight, memory_format=torch.contiguous_format)
     if not kernel_applies(weight):
         return torch.addmm(weight, (lora_b * scaling).to(weight.dtype), lora_a.to(weight.dtype), out=out)
     M, N = weight.shape
-    K = lora_a.shape[0]
-    block_k = max(16, triton.next_power_of_2(K))
-
-    def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
-
-    args = (weight, lora_b, lora_a, out, M, N, K, float(scaling), weight.stride(0), weight.stride(1),
-            lora_b.stride(0), lora_b.stride(1), lora_a.stride(0), lora_a.stride(1), out.stride(0), out.stride(1))
-    if weight.is_cuda:
-        _merge_kernel[grid](*args, BLOCK_K=block_k, IEEE=weight.dtype == torch.float32)
-    else:  # Triton's CPU interpreter (tests) has no benchmarker for the autotuner: one fixed tile
-        _merge_kernel.fn[grid](*args, BLOCK_K=block_k, IEEE=weight.dtype == torch.float32, BLOCK_M=64, BLOCK_N=128)
+    meta = _tile_arguments(weight, lora_a.shape[0])
+    grid = (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
+    _merge_kernel[grid](weight, lora_b, lora_a, out, M, N, lora_a.shape[0], float(scaling),
+                        weight.stride(0), weight.stride(1), lora_b.stride(0), lora_b.stride(1),
+                        lora_a.stride(0), lora_a.stride(1), out.stride(0), out.stride(1), **meta)
     return out
+
+
+def _groupable(job: MergeJob) -> bool:
+    return (kernel_applies(job.weight) and job.out.dtype == job.weight.dtype and job.out.shape == job.weight.shape
+            and all(t.is_contiguous() for t in job[:3]) and job.out.is_contiguous())
+
+
+def _launch_group(jobs: Sequence[MergeJob]) -> None:
+    """One launch of ``_merge_group_kernel`` for 1..GROUP_SLOTS row-major jobs of one rank and
+    device; empty slots repeat the last job with no tiles of their own."""
+    meta = _tile_arguments(jobs[0].weight, jobs[0].lora_a.shape[0])
+    args, end = [], 0
+    for slot in range(GROUP_SLOTS):
+        job = jobs[min(slot, len(jobs) - 1)]
+        M, N = job.weight.shape
+        if slot < len(jobs):
+            end += triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        args += [job.weight, job.lora_b, job.lora_a, job.out, M, N, float(job.scaling)]
+        if slot < GROUP_SLOTS - 1:
+            args.append(end)
+    _merge_group_kernel[(end,)](*args, jobs[0].lora_a.shape[0], **meta)
+
+
+def merge_lora_many(jobs: Sequence[MergeJob]) -> None:
+    """Every job's merge into its ``out`` (same bits as ``merge_lora`` one by one, the same tile
+    and formula). On CUDA, contiguous jobs of one rank and device share launches, up to
+    ``GROUP_SLOTS`` a launch; the rest go one by one. The caller keeps the tensors alive until
+    the launches are queued (this returns when they are, not when they finish)."""
+    groups: dict[tuple, list[MergeJob]] = {}
+    for job in jobs:
+        _check_chain(job.weight, job.lora_b, job.lora_a)
+        if _groupable(job):
+            groups.setdefault((job.lora_a.shape[0], job.weight.device), []).append(job)
+        else:
+            merge_lora(*job)
+    for same in groups.values():
+        for start in range(0, len(same), GROUP_SLOTS):
+            _launch_group(same[start:start + GROUP_SLOTS])

@@ -11,7 +11,8 @@ one-process model would.
 Collective contract: ``adapter_state``, ``merged_weights`` and ``save_adapter`` gather
 parameter by parameter in a fixed order; under FSDP2 EVERY rank must call them and drive
 the generators to the end in lockstep, even ranks that throw the tensors away. Peak extra
-memory is about two full parameters (the gathered base weight and its merged copy).
+memory: ``merged_weights`` about two full parameters (the gathered base weight and its merged
+copy); ``merged_weight_packs`` one bucket plus at most ``GROUP_SLOTS`` gathered weights.
 
 Bitwise equality with a one-process merge: the merge is ``W + (scaling * B).to(W.dtype) @
 A.to(W.dtype)`` accumulated in fp32 and rounded once (transposed for ``fan_in_fan_out``), by a
@@ -28,14 +29,14 @@ Who calls it: weight sync to the engines (rollout room), ``adapters.save_adapter
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
 
 from .actor_critic import ADAPTERS, ActorCritic
-from .merge_kernel import merge_lora
+from .merge_kernel import GROUP_SLOTS, MergeJob, merge_lora_many
 
 
 def full_tensor(tensor: Tensor) -> Tensor:
@@ -67,22 +68,41 @@ def adapter_state(model: ActorCritic, adapter_name: str) -> dict[str, Tensor]:
     )
 
 
-def _merge_into(layer: BaseTunerLayer, adapter: str, weight: Tensor, out: Tensor | None = None) -> Tensor:
-    """``weight + scaling * B @ A`` (module doc) with ``merge_kernel.merge_lora``: the factors cast
-    to ``weight``'s dtype (``scaling`` folded into B first), fp32 accumulation, one rounding; on
-    CUDA one pass over W. ``weight`` is full. With ``out`` (same shape and dtype as ``weight``)
-    the sum is written there instead of a new tensor."""
-    if adapter not in layer.lora_A:
-        if out is None:
-            return weight
-        return out.copy_(weight)
-    if layer.use_dora.get(adapter, False) or layer.lora_bias.get(adapter, False):
-        raise NotImplementedError(f"merging DoRA or LoRA-bias adapters is not supported ({type(layer).__name__})")
-    lora_a = full_tensor(layer.lora_A[adapter].weight.detach())
-    lora_b = full_tensor(layer.lora_B[adapter].weight.detach())
-    if layer.fan_in_fan_out:  # weight is (in, out): (B @ A).T = A.T @ B.T, scaling still on B
-        return merge_lora(weight.T, lora_b, lora_a, layer.scaling[adapter], None if out is None else out.T).T
-    return merge_lora(weight, lora_b, lora_a, layer.scaling[adapter], out)
+class _LoraSource(NamedTuple):
+    """What a merge reads from a LoRA-wrapped layer besides its weight: the factor modules (their
+    ``weight`` is read at each sync, since FSDP2 swaps parameters, not modules), the scaling, and
+    whether the weight is stored (in, out)."""
+
+    lora_a: nn.Module
+    lora_b: nn.Module
+    scaling: float
+    fan_in_fan_out: bool
+
+    @classmethod
+    def of(cls, layer: BaseTunerLayer, adapter: str) -> "_LoraSource":
+        if layer.use_dora.get(adapter, False) or layer.lora_bias.get(adapter, False):
+            raise NotImplementedError(f"merging DoRA or LoRA-bias adapters is not supported ({type(layer).__name__})")
+        return cls(layer.lora_A[adapter], layer.lora_B[adapter], layer.scaling[adapter], bool(layer.fan_in_fan_out))
+
+    def job(self, weight: Tensor, out: Tensor) -> MergeJob:
+        """The merge into the full ``weight``, written to ``out``, as a ``merge_kernel.MergeJob``
+        (the factors gathered whole: collective under FSDP2). The module doc states the
+        arithmetic; ``fan_in_fan_out`` weights merge transposed: ``(B @ A).T = A.T @ B.T`` with
+        the scaling still on B."""
+        lora_a, lora_b = full_tensor(self.lora_a.weight), full_tensor(self.lora_b.weight)
+        if self.fan_in_fan_out:
+            return MergeJob(weight.T, lora_b, lora_a, self.scaling, out.T)
+        return MergeJob(weight, lora_b, lora_a, self.scaling, out)
+
+
+def _merged(layer: BaseTunerLayer | None, adapter: str, weight: Tensor) -> Tensor:
+    """``weight`` with ``adapter`` merged in (a new tensor), or ``weight`` itself where there is
+    nothing to merge. Call under ``torch.no_grad()``."""
+    if layer is None or adapter not in layer.lora_A:
+        return weight
+    out = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    merge_lora_many([_LoraSource.of(layer, adapter).job(weight, out)])
+    return out
 
 
 def _merge_plan(model: ActorCritic) -> list[tuple[str, nn.Module, str, BaseTunerLayer | None]]:
@@ -119,16 +139,12 @@ def _merge_plan(model: ActorCritic) -> list[tuple[str, nn.Module, str, BaseTuner
     return plan
 
 
-def _merged_sources(model: ActorCritic, adapter_name: str) -> Iterator[tuple[str, Tensor, BaseTunerLayer | None]]:
-    """``(checkpoint name, full base tensor, tuner layer to merge from or None)`` in
-    ``merged_weights``' order (collective under FSDP2: gathers one parameter at a time)."""
+def _check_nameable(model: ActorCritic, adapter_name: str) -> None:
     _check_adapter(model, adapter_name)
     if model.checkpoint_names is None:
         raise NotImplementedError(
             f"merged weights cannot be named for {model.base_path}: {model.checkpoint_names_problem}"
         )
-    for name, owner, param_name, tuner in _merge_plan(model):
-        yield name, full_tensor(getattr(owner, param_name).detach()), tuner
 
 
 def merged_weights(model: ActorCritic, adapter_name: str = "actor") -> Iterator[tuple[str, Tensor]]:
@@ -137,10 +153,12 @@ def merged_weights(model: ActorCritic, adapter_name: str = "actor") -> Iterator[
     checkpoint's (``model.layers.0.self_attn.q_proj.weight``; for Qwen3.5/3.6 checkpoints
     ``model.language_model.layers...``), what vLLM's ``load_weights`` expects; tied duplicates
     appear once. Collective under FSDP2: every rank iterates to the end. Unsharded, the tensors
-    of unmerged parameters are the model's own storage: treat every yielded tensor as read-only."""
+    of unmerged parameters are the model's own storage: treat every yielded tensor as read-only.
+    One merge (one launch) at a time; ``merged_weight_packs`` is the fast path for transfers."""
+    _check_nameable(model, adapter_name)
     with torch.no_grad():
-        for name, tensor, tuner in _merged_sources(model, adapter_name):
-            yield name, (tensor if tuner is None else _merge_into(tuner, adapter_name, tensor))
+        for name, owner, param_name, tuner in _merge_plan(model):
+            yield name, _merged(tuner, adapter_name, full_tensor(getattr(owner, param_name).detach()))
 
 
 def bucket_weights(
@@ -167,56 +185,117 @@ def bucket_weights(
 def merged_weight_buckets(
     model: ActorCritic, adapter_name: str = "actor", bucket_bytes: int = 512 * 2**20
 ) -> Iterator[list[tuple[str, Tensor]]]:
-    """``merged_weights`` grouped by ``bucket_weights`` (default 512 MiB, report 28's cap)."""
-    return bucket_weights(merged_weights(model, adapter_name), bucket_bytes)
-
+    """``merged_weights`` grouped as ``bucket_weights`` groups them (default 512 MiB, report 28's
+    cap): the views of ``merged_weight_packs`` (one buffer per bucket, merged in grouped launches),
+    so unmerged parameters arrive as copies. Collective under FSDP2."""
+    for _, views in merged_weight_packs(model, adapter_name, bucket_bytes):
+        yield views
 
 
 #: Byte alignment of each tensor inside a packed bucket (any dtype's element size divides it).
 PACK_ALIGN = 16
 
+#: Unmerged tensors below this size are copied into a bucket together (``_foreach_copy_``).
+SMALL_COPY_BYTES = 1 << 20
+
+
+class _PackEntry(NamedTuple):
+    """One base parameter's place in a packed bucket. ``lora`` is None where the parameter is
+    copied as it is (not a LoRA-wrapped weight, or the adapter is not on that layer)."""
+
+    name: str
+    owner: nn.Module
+    param_name: str
+    lora: _LoraSource | None
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # in elements of ``dtype`` from the buffer's start
+
+
+class _PackBucket(NamedTuple):
+    nbytes: int  # the buffer's size (entries at PACK_ALIGN-byte offsets)
+    entries: list[_PackEntry]
+
+
+def _pack_layout(model: ActorCritic, adapter_name: str, bucket_bytes: int) -> list[_PackBucket]:
+    """Where every merged tensor goes: buckets as ``bucket_weights`` cuts them (a tensor over
+    ``bucket_bytes`` alone), offsets aligned to ``PACK_ALIGN``. Shapes are the full (global)
+    ones, which FSDP2's DTensors report unsharded, so nothing is gathered to plan. Built once per
+    (adapter, bucket size) and kept on the model, like ``_merge_plan``: a sync then only reads
+    parameters and writes views."""
+    cache = getattr(model, "_pack_layout_cache", None)
+    if cache is None:
+        cache = model._pack_layout_cache = {}
+    key = (adapter_name, bucket_bytes)
+    if key in cache:
+        return cache[key]
+    buckets: list[_PackBucket] = []
+    entries: list[_PackEntry] = []
+    size = offset = 0  # size as bucket_weights counts it; offset with alignment
+    for name, owner, param_name, tuner in _merge_plan(model):
+        param = getattr(owner, param_name)
+        nbytes = param.numel() * param.element_size()
+        if entries and size + nbytes > bucket_bytes:
+            buckets.append(_PackBucket(offset, entries))
+            entries, size, offset = [], 0, 0
+        lora = None if tuner is None or adapter_name not in tuner.lora_A else _LoraSource.of(tuner, adapter_name)
+        shape = tuple(param.shape)
+        stride = tuple(torch.empty(shape, device="meta").stride())
+        entries.append(_PackEntry(name, owner, param_name, lora, param.dtype, shape, stride,
+                                  offset // param.element_size()))
+        size += nbytes
+        offset += (nbytes + PACK_ALIGN - 1) // PACK_ALIGN * PACK_ALIGN
+    if entries:
+        buckets.append(_PackBucket(offset, entries))
+    cache[key] = buckets
+    return buckets
+
 
 def merged_weight_packs(
     model: ActorCritic, adapter_name: str = "actor", bucket_bytes: int = 512 * 2**20
 ) -> Iterator[tuple[Tensor, list[tuple[str, Tensor]]]]:
-    """``merged_weight_buckets`` with each bucket in ONE contiguous buffer: yields ``(buffer,
-    [(name, tensor)])`` where ``buffer`` is a 1-D uint8 tensor on the weights' device and every
-    tensor is a view into it (at ``PACK_ALIGN``-byte offsets), ready for a one-shot transfer.
-    The merge writes straight into the buffer (no merged copy, no second pass to pack), with
-    the same bits as ``merged_weights``. Bucketing as ``bucket_weights`` (a tensor over
-    ``bucket_bytes`` gets a buffer of its own). A fresh buffer per bucket: views stay valid
-    for as long as the caller holds them. Collective under FSDP2, like ``merged_weights``."""
+    """``merged_weights`` in buckets, each in ONE contiguous buffer: yields ``(buffer, [(name,
+    tensor)])`` where ``buffer`` is a 1-D uint8 tensor on the weights' device and every tensor
+    is a view into it (at ``PACK_ALIGN``-byte offsets), ready for a one-shot transfer. The merge
+    writes straight into the buffer (no merged copy, no second pass to pack), with the same bits
+    as ``merged_weights``, up to ``GROUP_SLOTS`` merges a launch (``merge_lora_many``).
+    Bucketing as ``bucket_weights`` (a tensor over ``bucket_bytes`` gets a buffer of its own).
+    A fresh buffer per bucket: views stay valid for as long as the caller holds them.
+    Collective under FSDP2, like ``merged_weights``; besides the buffer, at most
+    ``GROUP_SLOTS`` gathered weights are held at once. The work is queued on the device: read
+    the buffer on the same stream (or synchronise) before handing it elsewhere."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
-
-    def aligned(n: int) -> int:
-        return (n + PACK_ALIGN - 1) // PACK_ALIGN * PACK_ALIGN
-
-    pending: list[tuple[str, Tensor, BaseTunerLayer | None]] = []
-    size = 0
-
-    def flush():
-        total = sum(aligned(t.numel() * t.element_size()) for _, t, _ in pending)
-        buffer = torch.empty(total, dtype=torch.uint8, device=pending[0][1].device)
-        views, offset = [], 0
-        for name, tensor, tuner in pending:
-            nbytes = tensor.numel() * tensor.element_size()
-            view = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-            if tuner is None:
-                view.copy_(tensor)
-            else:
-                _merge_into(tuner, adapter_name, tensor, out=view)
-            views.append((name, view))
-            offset += aligned(nbytes)
-        return buffer, views
-
+    _check_nameable(model, adapter_name)
+    layout = _pack_layout(model, adapter_name, bucket_bytes)
     with torch.no_grad():
-        for name, tensor, tuner in _merged_sources(model, adapter_name):
-            nbytes = tensor.numel() * tensor.element_size()
-            if pending and size + nbytes > bucket_bytes:
-                yield flush()
-                pending, size = [], 0
-            pending.append((name, tensor, tuner))
-            size += nbytes
-        if pending:
-            yield flush()
+        for bucket in layout:
+            first = bucket.entries[0]
+            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=getattr(first.owner, first.param_name).device)
+            typed: dict[torch.dtype, Tensor] = {}
+            views: list[tuple[str, Tensor]] = []
+            jobs: list[MergeJob] = []
+            small_views: list[Tensor] = []
+            small_sources: list[Tensor] = []
+            for entry in bucket.entries:
+                flat = typed.get(entry.dtype)
+                if flat is None:
+                    flat = typed[entry.dtype] = buffer.view(entry.dtype)
+                view = flat.as_strided(entry.shape, entry.stride, entry.offset)
+                tensor = full_tensor(getattr(entry.owner, entry.param_name))
+                if entry.lora is not None:
+                    jobs.append(entry.lora.job(tensor, view))
+                    if len(jobs) == GROUP_SLOTS:
+                        merge_lora_many(jobs)
+                        jobs = []
+                elif tensor.numel() * tensor.element_size() < SMALL_COPY_BYTES:
+                    small_views.append(view)
+                    small_sources.append(tensor)
+                else:
+                    view.copy_(tensor)
+                views.append((entry.name, view))
+            merge_lora_many(jobs)
+            if small_views:  # norms and biases: one multi-tensor copy instead of ~25 us of host time each
+                torch._foreach_copy_(small_views, small_sources)
+            yield buffer, views

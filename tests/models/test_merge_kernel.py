@@ -18,14 +18,9 @@ import sys
 import pytest
 import torch
 
-from atlas_lightning.models.merge_kernel import merge_lora
+from atlas_lightning.models.merge_kernel import GROUP_SLOTS, MergeJob, merge_lora, merge_lora_many, rounding_bound
 
 CASES = [((48, 80), 5), ((130, 70), 16), ((64, 64), 64), ((17, 300), 8)]
-
-
-def _exact(w, b, a, s):
-    b_r = (b * s).to(w.dtype).double()
-    return w.double() + b_r @ a.to(w.dtype).double()
 
 
 def _check(dtype: torch.dtype) -> None:
@@ -33,9 +28,7 @@ def _check(dtype: torch.dtype) -> None:
     for (m, n), r in CASES:
         w = (torch.randn(m, n, generator=g) * 0.05).to(dtype)
         b, a = torch.randn(m, r, generator=g) * 0.1, torch.randn(r, n, generator=g) * 0.1
-        exact = _exact(w, b, a, 2.0)
-        spacing = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))))
-        bound = spacing + (r + 2) * torch.finfo(torch.float32).eps * (w.double().abs() + (b * 2).abs().double() @ a.abs().double())
+        exact, bound = rounding_bound(w, b, a, 2.0)
         got = merge_lora(w, b, a, 2.0)
         assert got.dtype == dtype and got.shape == w.shape
         assert bool(((got.double() - exact).abs() <= bound).all()), ((m, n), r, float((got.double() - exact).abs().max()))
@@ -48,9 +41,30 @@ def _check(dtype: torch.dtype) -> None:
         assert torch.equal(got_t, got)
 
 
+def _check_grouped(dtype: torch.dtype) -> None:
+    """``merge_lora_many`` over more jobs than one launch carries (two ranks, so two groups;
+    one transposed job, which goes alone) gives each job ``merge_lora``'s bits."""
+    g = torch.Generator().manual_seed(1)
+    shapes = [(48, 80, 8), (130, 70, 8), (64, 64, 8), (17, 300, 8), (33, 96, 8), (40, 48, 16), (96, 40, 16)]
+    jobs, expected = [], []
+    for m, n, r in shapes:
+        w = (torch.randn(m, n, generator=g) * 0.05).to(dtype)
+        b, a = torch.randn(m, r, generator=g) * 0.1, torch.randn(r, n, generator=g) * 0.1
+        jobs.append(MergeJob(w, b, a, 1.5, torch.full_like(w, float("nan"))))
+        expected.append(merge_lora(w, b, a, 1.5))
+    w = jobs[0].weight
+    jobs.append(MergeJob(w, jobs[0].lora_b, jobs[0].lora_a, 1.5, torch.full((w.shape[1], w.shape[0]), float("nan"), dtype=dtype).T))
+    expected.append(expected[0])
+    assert len([s for s in shapes if s[2] == 8]) > GROUP_SLOTS
+    merge_lora_many(jobs)
+    for job, want in zip(jobs, expected):
+        assert torch.equal(job.out, want), tuple(job.weight.shape)
+
+
 def test_fallback_is_the_rounded_sum():
     for dtype in (torch.float32, torch.bfloat16):
         _check(dtype)
+        _check_grouped(dtype)
 
 
 def test_shapes_that_do_not_chain_are_refused():
@@ -62,7 +76,7 @@ def test_shapes_that_do_not_chain_are_refused():
 def test_triton_kernel_under_the_interpreter():
     code = ("import torch, tests.models.test_merge_kernel as t, atlas_lightning.models.merge_kernel as k;"
             "assert k.kernel_applies(torch.zeros(1));"
-            "t._check(torch.float32); print('ok')")
+            "t._check(torch.float32); t._check_grouped(torch.float32); print('ok')")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "ok" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]
