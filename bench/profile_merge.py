@@ -102,6 +102,20 @@ def main() -> None:
     out["packs_host_s"] = min(host)
     with mock.patch.object(merge_kernel, "_groupable", lambda job: False):
         out["per_linear"] = rate(timed(packs, args.reps))
+    # host cost of the pieces: the pass without merges, and one grouped launch of tiny merges
+    with mock.patch("atlas_lightning.models.weights.merge_lora_many", lambda jobs: None):
+        out["host_without_merges_s"] = timed(packs, args.reps)
+    small = [merge_kernel.MergeJob(torch.randn(64, 64, device=device, dtype=torch.bfloat16),
+                                   torch.randn(64, 64, device=device), torch.randn(64, 64, device=device), 2.0,
+                                   torch.empty(64, 64, device=device, dtype=torch.bfloat16)) for _ in range(4)]
+    for n in (1, 4):
+        merge_kernel.merge_lora_many(small[:n])
+        synchronize()
+        start = time.perf_counter()
+        for _ in range(200):
+            merge_kernel.merge_lora_many(small[:n])
+        out[f"host_per_launch_{n}_jobs_us"] = (time.perf_counter() - start) / 200 * 1e6
+        synchronize()
     if args.tiles:
         out["tiles"] = []
         for tile in TILES:

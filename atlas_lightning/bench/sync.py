@@ -15,6 +15,7 @@ bandwidth (which also counts read + write). Unsharded here (one GPU): gathering 
 from __future__ import annotations
 
 import tempfile
+import time
 
 import torch
 
@@ -22,7 +23,7 @@ from atlas_lightning.models.adapters import save_adapter
 from atlas_lightning.models.merge_kernel import GROUP_SLOTS, MergeJob, kernel_applies, merge_lora, merge_lora_many, rounding_bound
 from atlas_lightning.models.weights import adapter_state, merged_weight_buckets, merged_weight_packs
 
-from .measure import timed
+from .measure import sync, timed
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -94,8 +95,13 @@ def measure_weight_sync(model, device: torch.device, bucket_bytes: int, copy_gbp
         times = [timed(device, lambda: sizes.append(fn())) for _ in range(2)]
         seconds = min(times)
         produced = sizes[-1]
-        entry = {"seconds": seconds, "times_s": times, "bytes": produced, "gbps_out": produced / seconds / 1e9,
-                 "gbps_moved": 2 * produced / seconds / 1e9}
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        queued = time.perf_counter() - start  # host time until the last launch is queued
+        sync(device)
+        entry = {"seconds": seconds, "times_s": times, "host_s": queued, "bytes": produced,
+                 "gbps_out": produced / seconds / 1e9, "gbps_moved": 2 * produced / seconds / 1e9}
         if copy_gbps:
             entry["fraction_of_copy_bandwidth"] = entry["gbps_moved"] / copy_gbps
         out[name] = entry

@@ -87,9 +87,8 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def _norm_forward(self, x: Tensor) -> Tensor:
-    offset = type(self).__name__ in OFFSET_NORMS
-    eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps
-    return RMSNormFunction.apply(x, self.weight, float(eps), offset)
+    eps, offset = self._lean_norm  # bound once by install_lean_activations
+    return RMSNormFunction.apply(x, self.weight, eps, offset)
 
 
 def _mlp_tail(mlp: nn.Module, gate: Tensor, up: Tensor) -> Tensor:
@@ -115,6 +114,8 @@ def install_lean_activations(decoder_layers: Sequence[nn.Module], recompute_mlp_
         for module in layer.modules():
             name = type(module).__name__
             if name in SCALE_NORMS + OFFSET_NORMS and isinstance(getattr(module, "weight", None), Tensor):
+                eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+                module._lean_norm = (float(eps), name in OFFSET_NORMS)
                 module.forward = MethodType(_norm_forward, module)
                 counts["norms"] += 1
         mlp = getattr(layer, "mlp", None)

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from atlas_lightning.models.actor_critic import ActorCritic
 from atlas_lightning.models.checkpoint_names import checkpoint_keys
+from atlas_lightning.models.merge_kernel import rounding_bound
 from atlas_lightning.models.packing import pack_sequences
 from atlas_lightning.models.weights import adapter_state, bucket_weights, merged_weight_buckets, merged_weights
 
@@ -28,20 +29,15 @@ def _peft_merge(model: ActorCritic, adapter: str) -> dict[str, torch.Tensor]:
 
 
 def _float64_merge(model: ActorCritic, adapter: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per merged weight: ``W + (s * B) @ A`` with the factors rounded to W's dtype, in float64
-    (the exact value the fused ``addmm`` rounds), and the error it may carry: one rounding to
-    W's dtype plus the fp32 accumulation's, ``(rank + 2) * eps32 * (|W| + |s B| @ |A|)``."""
+    """Per merged weight: the exact ``W + (s * B) @ A`` (factors rounded to W's dtype) in float64
+    and the error a correct merge may carry (``merge_kernel.rounding_bound``: one rounding to W's
+    dtype plus the fp32 accumulation's)."""
     expected = {}
     for name, module in model.hf_model.named_modules():
         if hasattr(module, "lora_A") and adapter in module.lora_A:
-            w = module.get_base_layer().weight.detach()
-            b = (module.lora_B[adapter].weight.detach() * module.scaling[adapter]).to(w.dtype).double()
-            a = module.lora_A[adapter].weight.detach().to(w.dtype).double()
-            exact = w.double() + b @ a
-            magnitude = w.double().abs() + b.abs() @ a.abs()
-            spacing = torch.finfo(w.dtype).eps * torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))))
-            bound = spacing + (a.shape[0] + 2) * torch.finfo(torch.float32).eps * magnitude
-            expected[model.checkpoint_names[f"{name}.weight"]] = (exact, bound)
+            expected[model.checkpoint_names[f"{name}.weight"]] = rounding_bound(
+                module.get_base_layer().weight.detach(), module.lora_B[adapter].weight.detach(),
+                module.lora_A[adapter].weight.detach(), module.scaling[adapter])
     return expected
 
 
