@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 assets: setup
 	test -f $(CACHE)/sample-data/gpqa/train.parquet || $(BIN)/atlas-lightning data sample --out $(CACHE)/sample-data
 	test -f $(CACHE)/tiny-model/config.json || $(BIN)/atlas-lightning data tiny-model --out $(CACHE)/tiny-model
-	# The SFT warm start the demo trains from (~4 min once on 2 cores; cached, deterministic).
+	# The SFT warm start the demo trains from (10-14 min once on 2 cores; cached, deterministic).
 	test -f $(CACHE)/tiny-orchestrator/sft_summary.json || \
 		$(BIN)/atlas-lightning data tiny-orchestrator --base $(CACHE)/tiny-model --out $(CACHE)/tiny-orchestrator
 

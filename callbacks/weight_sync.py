@@ -86,14 +86,17 @@ class WeightSyncCallback(L.Callback):
             elif getattr(engine, "takes_weight_packs", False):
                 expected, report = self._send_packs(pl_module, engine, cfg.rollout.bucket_mb * 2**20, version)
             else:
-                expected = (0, 0.0)
-                report = None
-                for bucket in pl_module.merged_weight_buckets(cfg.rollout.bucket_mb * 2**20):
-                    held = engine.load_weights(iter(bucket))
-                    expected = (expected[0] + len(bucket),
-                                expected[1] + sum(float(t.double().sum()) for _, t in bucket))
-                    report = held if report is None else type(held)(report.tensor_count + held.tensor_count,
-                                                                    report.checksum + held.checksum)
+                sent = [0, 0.0]
+
+                def stream():  # one reload for the whole sync (vllm_engine._reload_weights), bucket by bucket
+                    for bucket in pl_module.merged_weight_buckets(cfg.rollout.bucket_mb * 2**20):
+                        for name, tensor in bucket:
+                            sent[0] += 1
+                            sent[1] += float(tensor.double().sum())
+                            yield name, tensor
+
+                report = engine.load_weights(stream())
+                expected = (sent[0], sent[1])
             self._check_held(expected, report, version)
             gap = self._probe(pl_module, dm, engine, version)
             dm.weights_version = version  # published under the lock: the next rollout samples it

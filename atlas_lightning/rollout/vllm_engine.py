@@ -85,13 +85,25 @@ def lora_checksum(a_b_pairs: Iterable[tuple[torch.Tensor, torch.Tensor, float]])
     return count, total
 
 
-def _reload_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> tuple[int, float]:
-    """Runs inside the vLLM worker: load HF-named tensors through the model's own loader."""
-    worker.reload_weights(weights_iterator=iter(weights))
+def _reload_weights(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, float]:
+    """Runs inside the vLLM worker: load HF-named tensors through the model's own loader, in ONE
+    ``reload_weights`` call; returns (count, plain float64 sum) of what the loader consumed.
+
+    One call for a whole sync, never one per bucket: vLLM 0.32's layerwise reload materialises a
+    fused layer (``qkv_proj``, ``gate_up_proj``) from empty memory when a call delivers only some
+    of its parts and writes it back, so a bucket boundary inside a layer corrupts the part that
+    arrives in the other call (seen: greedy output all token 0). A streamed iterator keeps
+    memory at what the caller holds (a bucket) while vLLM sees every weight of every layer."""
     count, total = 0, 0.0
-    for _, tensor in weights:
-        total += float(tensor.detach().to(torch.float64).sum())
-        count += 1
+
+    def counted():
+        nonlocal count, total
+        for name, tensor in weights:
+            total += float(tensor.detach().to(torch.float64).sum())
+            count += 1
+            yield name, tensor
+
+    worker.reload_weights(weights_iterator=counted())
     return count, total
 
 
@@ -255,8 +267,10 @@ class VLLMEngine(Engine):
         return SyncReport(tensor_count=count, checksum=checksum, extra={"lora_int_id": lora_id})
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
-        batch = list(weights)
-        held = self.llm.collective_rpc(_reload_weights, args=(batch,))
+        """Every base weight of one sync (a stream, consumed once, in one reload; see
+        ``_reload_weights``). The iterator reaches the worker as it is: this engine runs its
+        worker in this process (in-process engine core on CPU, ``external_launcher`` on GPUs)."""
+        held = self.llm.collective_rpc(_reload_weights, args=(weights,))
         self._engine.reset_prefix_cache()
         count, checksum = held[0]
         return SyncReport(tensor_count=count, checksum=checksum)

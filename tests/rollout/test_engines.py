@@ -109,3 +109,37 @@ def test_seeded_sampling_survives_prompts_beyond_one_step_budget(vllm_engine):
     alone = vllm_engine.generate(requests([5], "long-alone"))[0]
     assert alone.token_ids == crowd[5].token_ids
     assert alone.logprobs == pytest.approx(crowd[5].logprobs, abs=1e-5)
+
+
+def test_merged_weights_in_buckets_reach_the_in_process_engine(vllm_engine, hf_engine, tiny_model_dir, randomize):
+    """The colocated merged sync (``callbacks/weight_sync.py``): ``merged_weight_buckets`` streamed
+    into one reload, with bucket boundaries inside fused layers (loading bucket by bucket
+    corrupted those layers); the engine then serves the merged model, and a fresh adapter
+    (B = 0, so merged = base exactly) brings the base back for the tests after this one."""
+    from transformers import AutoModelForCausalLM
+
+    from atlas_lightning.models.actor_critic import ActorCritic
+    from atlas_lightning.models.weights import merged_weight_buckets, merged_weights
+
+    vllm_engine.set_adapter(None)
+    model = ActorCritic(str(tiny_model_dir), {"rank": 8, "alpha": 16}, dtype="float32")
+    base_tokens = [r.token_ids for r in _greedy(vllm_engine, PROMPTS, tag="mb")]
+    try:
+        randomize(model, seed=5, scale=0.2)
+        merged = {name: t.clone() for name, t in merged_weights(model, "actor")}
+        buckets = list(merged_weight_buckets(model, "actor", 64 * 1024))
+        assert len(buckets) > 3 and any(  # a boundary inside a fused vLLM layer (q | k, gate | up)
+            b[-1][0].endswith(("q_proj.weight", "gate_proj.weight")) for b in buckets)
+        report = vllm_engine.load_weights(pair for bucket in buckets for pair in bucket)
+        # the engine's report: what its loader consumed, count and plain float64 sum
+        assert report.tensor_count == len(merged)
+        assert report.checksum == pytest.approx(sum(float(t.double().sum()) for t in merged.values()), rel=1e-9)
+        reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        assert not reference.load_state_dict(merged, strict=False).unexpected_keys
+        served = _greedy(vllm_engine, PROMPTS, tag="m")
+        _assert_same(served, _greedy(HFEngine(reference), PROMPTS, tag="mr"))
+        assert [r.token_ids for r in served] != base_tokens
+    finally:
+        fresh = ActorCritic(str(tiny_model_dir), {"rank": 8, "alpha": 16}, dtype="float32")
+        vllm_engine.load_weights(iter(merged_weights(fresh, "actor")))
+    assert [r.token_ids for r in _greedy(vllm_engine, PROMPTS, tag="mb2")] == base_tokens
