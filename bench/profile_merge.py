@@ -6,7 +6,8 @@ the whole pass, each kernel tile of a sweep, and one linear's merge next to a pl
 
 Prints torch.profiler's kernel table (top 20 by device time) of the grouped pass and a JSON line:
 ``packs_s`` (whole pass, synchronised), ``packs_host_s`` (until the last launch is queued),
-``per_linear_s`` (the same pass with every merge launched alone), ``tiles`` (pass time per
+``per_linear_s`` (the same pass with every merge launched alone), ``slots_<n>`` (at most n merges a
+launch), ``first_pass_s`` (the first pass, compiling included), ``tiles`` (pass time per
 ``merge_kernel.TILE`` candidate), ``gbps_moved`` = 2 x merged bytes / time (read W, write out)
 against ``copy_gbps`` (a 1 GiB device copy, read + write).
 """
@@ -84,7 +85,10 @@ def main() -> None:
     dst = torch.empty_like(src)
     out["copy_gbps"] = 2 * src.numel() / timed(lambda: dst.copy_(src), reps=10) / 1e9
     del src, dst
+    start = time.perf_counter()
     nbytes = packs()
+    synchronize()
+    out["first_pass_s"] = time.perf_counter() - start  # includes compiling the kernels
     out["merged_bytes"] = nbytes
 
     def rate(seconds: float) -> dict:
@@ -102,6 +106,9 @@ def main() -> None:
     out["packs_host_s"] = min(host)
     with mock.patch.object(merge_kernel, "_groupable", lambda job: False):
         out["per_linear"] = rate(timed(packs, args.reps))
+    for slots in (4, 8):  # fewer merges a launch than GROUP_SLOTS: more launches
+        with mock.patch.object(merge_kernel, "GROUP_SLOTS", slots):
+            out[f"slots_{slots}"] = rate(timed(packs, args.reps))
     # host cost of the pieces: the pass without merges, and one grouped launch of tiny merges
     with mock.patch("atlas_lightning.models.weights.merge_lora_many", lambda jobs: None):
         out["host_without_merges_s"] = timed(packs, args.reps)

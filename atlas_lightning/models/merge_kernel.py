@@ -10,10 +10,12 @@ rounds once and stores: W is read once and ``out`` written once; A and B are re-
 from L2.
 
 Why groups: one launch per linear left the card waiting on the host (252 launches for the 8B
-shape, each ~50 us of Python against ~38 us of device work). ``merge_lora_many`` launches up
-to ``GROUP_SLOTS`` row-major merges at once, each passed as its own kernel arguments (so
-Triton still knows every pointer's alignment and that the inner strides are 1: a table of
-pointers read in the kernel lost both and ran 3.5x slower, bench/NOTES.md runs 5-6).
+shape, 50-90 us of Python each against ~38 us of device work). ``merge_lora_many`` launches up
+to ``GROUP_SLOTS`` row-major merges at once (a whole 512 MB bucket: 28 launches for the 8B
+shape), each merge a slot of the kernel's tuple arguments, so Triton still knows every
+pointer's alignment and that the inner strides are 1 (a table of pointers read in the kernel
+lost both and ran 3.5x slower, bench/NOTES.md runs 5-6). Each tuple length compiles once per
+process (~12 s for the 8B shape's first sync; Triton's disk cache serves later runs).
 
 Arithmetic (the same formula as the ``addmm`` fallback): the factors are cast to ``out``'s
 dtype after ``B`` is scaled by ``s`` in its own dtype, the product accumulates in fp32, W is
@@ -46,8 +48,9 @@ except ImportError:  # pragma: no cover - depends on the install
 #: different tiles on different ranks. Chosen on the H200 (bench/profile_merge.py --tiles).
 TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4}
 
-#: Most merges one launch of the grouped kernel carries (its argument slots).
-GROUP_SLOTS = 4
+#: Most merges one launch of the grouped kernel carries (each a slot of its tuple arguments;
+#: a 512 MB bucket of the 8B shape holds up to ~11 linears).
+GROUP_SLOTS = 16
 
 
 class MergeJob(NamedTuple):
@@ -124,19 +127,17 @@ if triton is not None:
                     tile // tiles_n, tile % tiles_n, BLOCK_K, IEEE, BLOCK_M, BLOCK_N)
 
     @triton.jit
-    def _merge_group_kernel(w0, b0, a0, o0, M0, N0, s0, end0, w1, b1, a1, o1, M1, N1, s1, end1,
-                            w2, b2, a2, o2, M2, N2, s2, end2, w3, b3, a3, o3, M3, N3, s3, K,
+    def _merge_group_kernel(ws, bs, as_, outs, ms, ns, scalings, K,
                             BLOCK_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        # one 1-D grid over the slots' tiles, slot by slot; end<i> = tiles of slots 0..i
+        # one 1-D grid over the slots' tiles, slot after slot (tuples: one slot per merge)
         pid = tl.program_id(0)
-        if pid < end0:
-            _row_major_slot(w0, b0, a0, o0, M0, N0, K, s0, pid, BLOCK_K, IEEE, BLOCK_M, BLOCK_N)
-        elif pid < end1:
-            _row_major_slot(w1, b1, a1, o1, M1, N1, K, s1, pid - end0, BLOCK_K, IEEE, BLOCK_M, BLOCK_N)
-        elif pid < end2:
-            _row_major_slot(w2, b2, a2, o2, M2, N2, K, s2, pid - end1, BLOCK_K, IEEE, BLOCK_M, BLOCK_N)
-        else:
-            _row_major_slot(w3, b3, a3, o3, M3, N3, K, s3, pid - end2, BLOCK_K, IEEE, BLOCK_M, BLOCK_N)
+        start = 0
+        for i in tl.static_range(len(ws)):
+            count = tl.cdiv(ms[i], BLOCK_M) * tl.cdiv(ns[i], BLOCK_N)
+            if (pid >= start) & (pid < start + count):
+                _row_major_slot(ws[i], bs[i], as_[i], outs[i], ms[i], ns[i], K, scalings[i], pid - start,
+                                BLOCK_K, IEEE, BLOCK_M, BLOCK_N)
+            start = start + count
 
 
 def _check_chain(weight: Tensor, lora_b: Tensor, lora_a: Tensor) -> None:
@@ -175,18 +176,14 @@ def _groupable(job: MergeJob) -> bool:
 
 def _launch_group(jobs: Sequence[MergeJob]) -> None:
     """One launch of ``_merge_group_kernel`` for 1..GROUP_SLOTS row-major jobs of one rank and
-    device; empty slots repeat the last job with no tiles of their own."""
+    device (each job's tensors and sizes a slot of the kernel's tuple arguments)."""
     meta = _tile_arguments(jobs[0].weight, jobs[0].lora_a.shape[0])
-    args, end = [], 0
-    for slot in range(GROUP_SLOTS):
-        job = jobs[min(slot, len(jobs) - 1)]
-        M, N = job.weight.shape
-        if slot < len(jobs):
-            end += triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-        args += [job.weight, job.lora_b, job.lora_a, job.out, M, N, float(job.scaling)]
-        if slot < GROUP_SLOTS - 1:
-            args.append(end)
-    _merge_group_kernel[(end,)](*args, jobs[0].lora_a.shape[0], **meta)
+    tiles = sum(triton.cdiv(j.weight.shape[0], meta["BLOCK_M"]) * triton.cdiv(j.weight.shape[1], meta["BLOCK_N"])
+                for j in jobs)
+    _merge_group_kernel[(tiles,)](
+        tuple(j.weight for j in jobs), tuple(j.lora_b for j in jobs), tuple(j.lora_a for j in jobs),
+        tuple(j.out for j in jobs), tuple(j.weight.shape[0] for j in jobs), tuple(j.weight.shape[1] for j in jobs),
+        tuple(float(j.scaling) for j in jobs), jobs[0].lora_a.shape[0], **meta)
 
 
 def merge_lora_many(jobs: Sequence[MergeJob]) -> None:

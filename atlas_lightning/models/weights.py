@@ -12,7 +12,8 @@ Collective contract: ``adapter_state``, ``merged_weights`` and ``save_adapter`` 
 parameter by parameter in a fixed order; under FSDP2 EVERY rank must call them and drive
 the generators to the end in lockstep, even ranks that throw the tensors away. Peak extra
 memory: ``merged_weights`` about two full parameters (the gathered base weight and its merged
-copy); ``merged_weight_packs`` one bucket plus at most ``GROUP_SLOTS`` gathered weights.
+copy); ``merged_weight_packs`` one bucket plus the gathered weights of at most one bucket
+(``GROUP_SLOTS`` of them at most).
 
 Bitwise equality with a one-process merge: the merge is ``W + (scaling * B).to(W.dtype) @
 A.to(W.dtype)`` accumulated in fp32 and rounded once (transposed for ``fan_in_fan_out``), by a
@@ -263,8 +264,8 @@ def merged_weight_packs(
     Bucketing as ``bucket_weights`` (a tensor over ``bucket_bytes`` gets a buffer of its own).
     A fresh buffer per bucket: views stay valid for as long as the caller holds them.
     Collective under FSDP2, like ``merged_weights``; besides the buffer, at most
-    ``GROUP_SLOTS`` gathered weights are held at once. The work is queued on the device: read
-    the buffer on the same stream (or synchronise) before handing it elsewhere."""
+    ``GROUP_SLOTS`` gathered weights (of one bucket) are held at once. The work is queued on
+    the device: read the buffer on the same stream (or synchronise) before handing it elsewhere."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
     _check_nameable(model, adapter_name)

@@ -46,6 +46,7 @@ def _check_grouped(dtype: torch.dtype) -> None:
     one transposed job, which goes alone) gives each job ``merge_lora``'s bits."""
     g = torch.Generator().manual_seed(1)
     shapes = [(48, 80, 8), (130, 70, 8), (64, 64, 8), (17, 300, 8), (33, 96, 8), (40, 48, 16), (96, 40, 16)]
+    shapes += [(16 + 8 * i, 32 + 16 * (i % 3), 8) for i in range(GROUP_SLOTS)]
     jobs, expected = [], []
     for m, n, r in shapes:
         w = (torch.randn(m, n, generator=g) * 0.05).to(dtype)
