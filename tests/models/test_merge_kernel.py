@@ -3,10 +3,11 @@ wide, tall and transposed weights, ranks below Triton's smallest dot, fp32 and b
 
 The Triton path runs where Triton does: on a CUDA machine, or on CPU under Triton's interpreter
 (``TRITON_INTERPRET=1``, set before Triton is imported, hence the subprocess). Without Triton
-the fallback (``torch.addmm``) is checked alone. The interpreter runs fp32 only (Triton 3.5's
-interpreter misreads bf16 loads: values of 1e9 where the card computes correctly); the H200
-benchmark checks the kernel in bf16 on the real card against the ``torch.addmm`` formula
-(``weight_sync.kernel_check``)."""
+the fallback (``torch.addmm``) is checked alone. The interpreter runs fp32 only (the
+interpreters of Triton 3.5 and 3.6 misread bf16 loads: values of 1e9 where the card computes
+correctly); the H200 benchmark checks the kernel and the grouped launch in bf16 on the card
+against a float64 reference (``bench/sync.kernel_check``). Grouped launches (``merge_lora_many``)
+must give each merge ``merge_lora``'s bits."""
 
 from __future__ import annotations
 
