@@ -86,17 +86,21 @@ class WeightSyncCallback(L.Callback):
             elif getattr(engine, "takes_weight_packs", False):
                 expected, report = self._send_packs(pl_module, engine, cfg.rollout.bucket_mb * 2**20, version)
             else:
-                sent = [0, 0.0]
+                sent = {"count": 0, "sum": 0.0, "finished": False}
 
                 def stream():  # one reload for the whole sync (vllm_engine._reload_weights), bucket by bucket
                     for bucket in pl_module.merged_weight_buckets(cfg.rollout.bucket_mb * 2**20):
                         for name, tensor in bucket:
-                            sent[0] += 1
-                            sent[1] += float(tensor.double().sum())
+                            sent["count"] += 1
+                            sent["sum"] += float(tensor.double().sum())
                             yield name, tensor
+                    sent["finished"] = True
 
                 report = engine.load_weights(stream())
-                expected = (sent[0], sent[1])
+                if not sent["finished"]:  # the engine's own count would match what it did read
+                    raise WeightSyncError(f"weight sync v{version}: the engine stopped reading the merged "
+                                          f"weights after {sent['count']} tensors")
+                expected = (sent["count"], sent["sum"])
             self._check_held(expected, report, version)
             gap = self._probe(pl_module, dm, engine, version)
             dm.weights_version = version  # published under the lock: the next rollout samples it

@@ -175,8 +175,8 @@ def _groupable(job: MergeJob) -> bool:
 
 
 def _launch_group(jobs: Sequence[MergeJob]) -> None:
-    """One launch of ``_merge_group_kernel`` for 1..GROUP_SLOTS row-major jobs of one rank and
-    device (each job's tensors and sizes a slot of the kernel's tuple arguments)."""
+    """One launch of ``_merge_group_kernel`` for 1..GROUP_SLOTS row-major jobs of one rank,
+    device and dtype (each job's tensors and sizes a slot of the kernel's tuple arguments)."""
     meta = _tile_arguments(jobs[0].weight, jobs[0].lora_a.shape[0])
     tiles = sum(triton.cdiv(j.weight.shape[0], meta["BLOCK_M"]) * triton.cdiv(j.weight.shape[1], meta["BLOCK_N"])
                 for j in jobs)
@@ -188,14 +188,14 @@ def _launch_group(jobs: Sequence[MergeJob]) -> None:
 
 def merge_lora_many(jobs: Sequence[MergeJob]) -> None:
     """Every job's merge into its ``out`` (same bits as ``merge_lora`` one by one, the same tile
-    and formula). On CUDA, contiguous jobs of one rank and device share launches, up to
+    and formula). On CUDA, contiguous jobs of one rank, device and dtype share launches, up to
     ``GROUP_SLOTS`` a launch; the rest go one by one. The caller keeps the tensors alive until
     the launches are queued (this returns when they are, not when they finish)."""
     groups: dict[tuple, list[MergeJob]] = {}
     for job in jobs:
         _check_chain(job.weight, job.lora_b, job.lora_a)
         if _groupable(job):
-            groups.setdefault((job.lora_a.shape[0], job.weight.device), []).append(job)
+            groups.setdefault((job.lora_a.shape[0], job.weight.device, job.weight.dtype), []).append(job)
         else:
             merge_lora(*job)
     for same in groups.values():
