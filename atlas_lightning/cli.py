@@ -76,15 +76,15 @@ def _run_data(args: argparse.Namespace) -> int:
     import json
 
     if args.data_verb == "sample":
-        from atlas_lightning.data.sample import build_sample
+        from atlas_lightning.demo.sample import build_sample
 
         summary = build_sample(args.out, seed=args.seed)
     elif args.data_verb == "tiny-model":
-        from atlas_lightning.data.tiny_model import build_tiny_model
+        from atlas_lightning.demo.tiny_model import build_tiny_model
 
         summary = build_tiny_model(args.out, seed=args.seed)
     else:
-        from atlas_lightning.data.tiny_orchestrator import build_tiny_orchestrator
+        from atlas_lightning.demo.tiny_orchestrator import build_tiny_orchestrator
 
         summary = build_tiny_orchestrator(args.out, seed=args.seed, base=args.base)
     print(json.dumps(summary, indent=2, default=str))
@@ -100,7 +100,7 @@ def _run_config_verb(args: argparse.Namespace) -> int:
     if args.print_config:
         print(OmegaConf.to_yaml(cfg), end="")
         return 0
-    from atlas_lightning import verbs
+    from atlas_lightning.run import verbs
 
     runner = {
         "fit": verbs.fit,

@@ -326,6 +326,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"reward.cost_per_usd={cfg.reward.cost_per_usd} must be >= 0")
     if not cfg.data.benchmarks:
         raise ConfigError("data.benchmarks must name at least one benchmark")
+    if cfg.hub.publish_checkpoints and not cfg.hub.repo_id:
+        raise ConfigError("hub.publish_checkpoints=true needs hub.repo_id=<owner>/<name>")
     for name, spec in (cfg.callbacks or {}).items():
         if spec is not None and "_target_" not in spec:
             raise ConfigError(f"callbacks.{name} needs a _target_ (a class path)")

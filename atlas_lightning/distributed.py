@@ -4,7 +4,7 @@ and barriers that are no-ops when not distributed."""
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
@@ -86,3 +86,31 @@ def all_reduce_max(values: list[float]) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.cpu().tolist()
+
+
+T = TypeVar("T")
+
+
+class RankZeroError(RuntimeError):
+    """Raised on the other ranks when rank 0's part failed; names rank 0's error."""
+
+
+def on_rank_zero(work: Callable[[], T], what: str) -> T:
+    """Rank-0 work whose outcome every rank needs: a failure there is a failure everywhere
+    (instead of the other ranks waiting forever at their next collective). Collective.
+
+    ``work()``'s result on every rank (``work`` runs on rank 0 only). If it raises, rank 0
+    re-raises it and every other rank raises ``RankZeroError`` naming ``what`` and the error."""
+    payload, failure = None, None
+    if is_rank_zero():
+        try:
+            payload = ("ok", work())
+        except Exception as err:  # re-raised below, after the others have heard of it
+            failure = err
+            payload = ("error", f"{type(err).__name__}: {err}")
+    payload = broadcast_object(payload)
+    if failure is not None:
+        raise failure
+    if payload[0] == "error":
+        raise RankZeroError(f"{what} failed on rank 0: {payload[1]}")
+    return payload[1]

@@ -37,11 +37,11 @@ from omegaconf import OmegaConf
 
 from atlas_lightning import distributed
 from atlas_lightning.config import run_dirs
-from atlas_lightning.records import FILE_VERSION, utc_now
-from atlas_lightning.callbacks._collective import on_rank_zero
-from atlas_lightning.callbacks._files import atomic_write_json, json_safe
-from atlas_lightning.callbacks._step_dump import gather_step, remove_stale_temporaries, write_step_folder
-from atlas_lightning.callbacks._step_output import read_step_output, run_config
+from atlas_lightning.store.records import FILE_VERSION, utc_now
+from atlas_lightning.distributed import on_rank_zero
+from atlas_lightning.store.files import atomic_write_json, json_safe
+from atlas_lightning.store.step_folder import gather_step, remove_stale_temporaries, write_step_folder
+from atlas_lightning.ppo.step_output import read_step_output, run_config
 
 RUN_JSON = "run.json"
 #: Distributions whose versions ``run.json`` records (the first installed name of each entry).

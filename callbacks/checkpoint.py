@@ -15,7 +15,6 @@ adapters, moves files into place and writes the marker. Non-finite steps are nev
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -25,49 +24,9 @@ from typing import Optional
 from lightning.pytorch.callbacks import Checkpoint
 
 from atlas_lightning import distributed as dist_utils
-from atlas_lightning.atomic import atomic_write_text
+from atlas_lightning.store.atomic import atomic_write_text
 from atlas_lightning.config import run_dirs
-
-MARKER = "checkpoint.json"
-LATEST = "latest_checkpointed_iteration.txt"
-STATE_DIR = "lightning"
-
-
-def step_dir(checkpoints: Path, step: int) -> Path:
-    return Path(checkpoints) / f"global_step_{step}"
-
-
-def is_complete(folder: Path) -> bool:
-    return (Path(folder) / MARKER).is_file()
-
-
-def latest_complete(checkpoints: Path) -> Optional[Path]:
-    """The newest ``global_step_N`` folder that holds a marker, or None."""
-    found = []
-    for folder in Path(checkpoints).glob("global_step_*"):
-        try:
-            step = int(folder.name.rsplit("_", 1)[1])
-        except ValueError:
-            continue
-        if is_complete(folder):
-            found.append((step, folder))
-    return max(found)[1] if found else None
-
-
-def lightning_state_path(folder: Path) -> Path:
-    """What ``trainer.fit(ckpt_path=...)`` takes for a checkpoint folder."""
-    state = Path(folder) / STATE_DIR
-    single = state / "state.ckpt"
-    return single if single.is_file() else state
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
+from atlas_lightning.store.checkpoints import LATEST, MARKER, STATE_DIR, sha256_file, step_dir
 
 class StepCheckpoint(Checkpoint):
     """Save every ``every_n_steps`` RL steps and at the last step."""
@@ -105,7 +64,7 @@ class StepCheckpoint(Checkpoint):
                 shutil.rmtree(final / part, ignore_errors=True)
                 os.replace(tmp / part, final / part)
             shutil.rmtree(tmp, ignore_errors=True)
-            files = {str(p.relative_to(final)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            files = {str(p.relative_to(final)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
                      for p in sorted(final.rglob("*")) if p.is_file() and p.parts[len(final.parts)] != "val_dumps"}
             atomic_write_text(final / MARKER, json.dumps({"global_step": step, "files": files}, indent=1) + "\n")
             atomic_write_text(checkpoints / LATEST, f"{step}\n")

@@ -16,7 +16,7 @@ train end if the last drawn step is not the latest); the validation figures afte
 validation (``on_rl_validation_end``, called by ``ValidationCallback``). Non-finite steps are
 left out (no update happened; the NaN guard owns them).
 
-Each figure is also logged to W&B with ``atlas_lightning.loggers.log_image(trainer, key, path,
+Each figure is also logged to W&B with ``atlas_lightning.loggers.wandb_logger.log_image(trainer, key, path,
 step)`` (key ``train_figures/<stem>`` or ``val_figures/<stem>``) when that function exists. An
 upload that fails is a warning (the W&B service must never end a run); drawing or writing that
 fails is an error, raised on every rank (it is a bug here, found by the tests, not weather).
@@ -40,11 +40,11 @@ from matplotlib.ticker import MaxNLocator
 from atlas_lightning import distributed
 from atlas_lightning.config import run_dirs
 from atlas_lightning.env.terminal import TERMINAL_REASON_CODES
-from atlas_lightning.records import FILE_VERSION, utc_now
-from atlas_lightning.callbacks._collective import on_rank_zero
-from atlas_lightning.callbacks._files import atomic_write, atomic_write_json
-from atlas_lightning.callbacks._step_output import read_step_output, run_config
-from atlas_lightning.callbacks._summary import step_summary, trajectory_row
+from atlas_lightning.store.records import FILE_VERSION, utc_now
+from atlas_lightning.distributed import on_rank_zero
+from atlas_lightning.store.files import atomic_write, atomic_write_json
+from atlas_lightning.ppo.step_output import read_step_output, run_config
+from atlas_lightning.reward.summary import step_summary, trajectory_row
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,9 @@ _BENCH_MARKERS = ("o", "s", "^", "D", "v")
 
 
 def _image_logger() -> Optional[Callable]:
-    """``atlas_lightning.loggers.log_image`` if that module and function exist."""
+    """``atlas_lightning.loggers.wandb_logger.log_image`` if that module and function exist."""
     try:
-        from atlas_lightning import loggers
+        from atlas_lightning.loggers import wandb_logger as loggers
     except ImportError:
         return None
     function = getattr(loggers, "log_image", None)

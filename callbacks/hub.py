@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from atlas_lightning.callbacks.hub_client import HubPublishError, HubUploader, check_repo_id
+from atlas_lightning.hub.client import HubPublishError, HubUploader, check_repo_id
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +64,19 @@ class HubCheckpointCallback(Callback):
         every_n_steps: upload only steps divisible by it (None: every saved step).
         retries, backoff_s: see ``HubUploader``.
         background: upload on a worker thread (default); False uploads inline (tests, debugging).
+        enabled: False (``hub.publish_checkpoints=false``, the default): the callback does nothing.
     """
 
-    def __init__(self, repo_id: str, repo_type: str = "dataset", endpoint: Optional[str] = None,
+    def __init__(self, repo_id: Optional[str] = None, repo_type: str = "dataset", endpoint: Optional[str] = None,
                  private: bool = True, every_n_steps: Optional[int] = None, retries: int = 3,
-                 backoff_s: float = 2.0, background: bool = True):
+                 backoff_s: float = 2.0, background: bool = True, enabled: bool = True):
+        self.enabled = enabled
         if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps <= 0):
             raise ValueError(f"HubCheckpointCallback: every_n_steps={every_n_steps!r} must be a positive int or None")
-        if not repo_id:
+        if enabled and not repo_id:
             raise ValueError("HubCheckpointCallback: repo_id is required (hub.repo_id)")
-        check_repo_id(repo_id, repo_type)
+        if repo_id:
+            check_repo_id(repo_id, repo_type)
         self.repo_id = repo_id
         self.repo_type = repo_type
         self.endpoint = endpoint
@@ -94,7 +97,7 @@ class HubCheckpointCallback(Callback):
     # ------------------------------------------------------------------ the checkpoint callback's hook
 
     def on_checkpoint_saved(self, trainer: Any, step_dir: Any, step: int) -> None:
-        if not getattr(trainer, "is_global_zero", True) or self.disabled_reason:
+        if not self.enabled or not getattr(trainer, "is_global_zero", True) or self.disabled_reason:
             return
         if self.every_n_steps and step % self.every_n_steps:
             return
@@ -189,19 +192,3 @@ class HubCheckpointCallback(Callback):
             with self._lock:
                 self.pending[step] = str(step_dir)
             log.warning("Hub upload of global_step_%d failed; it will be tried again: %s", step, text)
-
-
-def hub_callback_from_config(cfg: Any) -> Optional[HubCheckpointCallback]:
-    """The callback ``cfg.hub`` asks for: None unless ``hub.publish_checkpoints``; a
-    ``ConfigError`` when it is on without ``hub.repo_id``."""
-    from atlas_lightning.config import ConfigError
-
-    if not cfg.hub.publish_checkpoints:
-        return None
-    if not cfg.hub.repo_id:
-        raise ConfigError("hub.publish_checkpoints=true needs hub.repo_id=<owner>/<name>")
-    try:
-        return HubCheckpointCallback(cfg.hub.repo_id, repo_type=cfg.hub.repo_type, endpoint=cfg.hub.endpoint,
-                                     private=cfg.hub.private)
-    except ValueError as err:
-        raise ConfigError(f"hub.{err}") from None

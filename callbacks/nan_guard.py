@@ -45,12 +45,12 @@ import lightning as L
 import numpy as np
 
 from atlas_lightning.config import run_dirs
-from atlas_lightning.records import FILE_VERSION, utc_now
-from atlas_lightning.callbacks._checkpoints import latest_complete_checkpoint
-from atlas_lightning.callbacks._collective import on_rank_zero
-from atlas_lightning.callbacks._files import atomic_write_json, json_safe
-from atlas_lightning.callbacks._step_dump import gather_step, write_step_folder
-from atlas_lightning.callbacks._step_output import read_step_output, run_config
+from atlas_lightning.store.records import FILE_VERSION, utc_now
+from atlas_lightning.store.checkpoints import latest_complete
+from atlas_lightning.distributed import on_rank_zero
+from atlas_lightning.store.files import atomic_write_json, json_safe
+from atlas_lightning.store.step_folder import gather_step, write_step_folder
+from atlas_lightning.ppo.step_output import read_step_output, run_config
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class NaNGuardCallback(L.Callback):
         def decide_and_write() -> tuple:
             # Rank 0 alone looks at the checkpoints (other nodes may not share the file system)
             # and its decision is every rank's.
-            checkpoint = latest_complete_checkpoint(dirs["checkpoints"], before_step=out.step)
+            checkpoint = latest_complete(dirs["checkpoints"], before_step=out.step)
             rollback = self.policy == "rollback" and checkpoint is not None and self.rollbacks < self.max_rollbacks
             action = "rollback" if rollback else "stop"
             merged, diagnostic = self._write_diagnostic(dirs["artifacts"] / "nonfinite", out, gathered, checkpoint,

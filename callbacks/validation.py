@@ -47,11 +47,11 @@ import torch
 
 from atlas_lightning.config import run_dirs
 from atlas_lightning.reward import reward_means
-from atlas_lightning.callbacks._collective import on_rank_zero
-from atlas_lightning.callbacks._files import atomic_write_jsonl
-from atlas_lightning.callbacks._step_dump import gather_step, write_step_folder
-from atlas_lightning.callbacks._step_output import read_step_output, run_config
-from atlas_lightning.callbacks._summary import terminal_counts, trajectory_row, view_metrics
+from atlas_lightning.distributed import on_rank_zero
+from atlas_lightning.store.files import atomic_write_jsonl
+from atlas_lightning.store.step_folder import gather_step, write_step_folder
+from atlas_lightning.ppo.step_output import read_step_output, run_config
+from atlas_lightning.reward.summary import terminal_counts, trajectory_row, view_metrics
 
 log = logging.getLogger(__name__)
 

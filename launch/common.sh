@@ -4,7 +4,7 @@
 #
 # 1. environment: the Python that has atlas_lightning, the GPUs this node shows;
 # 2. the plan (`python -m atlas_lightning.planning`): per-card memory table, outputs/<run>/plan.json;
-# 3. the pre-flight (`python -m atlas_lightning.preflight`): config, model folder, data, starting
+# 3. the pre-flight (`python -m atlas_lightning.run.preflight`): config, model folder, data, starting
 #    adapters, plan, environment -- seconds, nothing loaded; a failure stops the launch (exit 2);
 # 4. the run: `python -m atlas_lightning.cli VERB experiment=RUN ...` (Lightning starts one process
 #    a card itself; in-process vLLM engines start inside them, colocated, asleep during updates).
@@ -67,7 +67,7 @@ atlas_launch() {
     echo "== plan"
     "$py" -m atlas_lightning.planning "${args[@]}" || { echo "launch: the plan refused $run; nothing was started"; exit 2; }
     echo "== pre-flight"
-    "$py" -m atlas_lightning.preflight "${args[@]}" || { echo "launch: pre-flight failed for $run; nothing was started"; exit 2; }
+    "$py" -m atlas_lightning.run.preflight "${args[@]}" || { echo "launch: pre-flight failed for $run; nothing was started"; exit 2; }
     if [ "${ATLAS_PREFLIGHT_ONLY:-0}" != "0" ]; then echo "launch: ATLAS_PREFLIGHT_ONLY set: stopping here"; exit 0; fi
     echo "== $verb"
     exec "$py" -m atlas_lightning.cli "$verb" "${args[@]}"

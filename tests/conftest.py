@@ -21,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from atlas_lightning.data.tiny_model import build_tiny_model
+    from atlas_lightning.demo.tiny_model import build_tiny_model
 
     out = tmp_path_factory.mktemp("tiny") / "tiny-model"
     build_tiny_model(out, seed=0)
@@ -30,7 +30,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sample_data_dir(tmp_path_factory):
-    from atlas_lightning.data.sample import build_sample
+    from atlas_lightning.demo.sample import build_sample
 
     out = tmp_path_factory.mktemp("sample") / "sample-data"
     build_sample(out, seed=0)
@@ -48,7 +48,7 @@ def tiny_tokenizer(tiny_model_dir):
 def vllm_engine(tiny_model_dir):
     """One in-process vLLM engine with LoRA enabled, shared by the tests that need it."""
     pytest.importorskip("vllm")
-    from atlas_lightning.rollout.vllm_engine import VLLMEngine
+    from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(str(tiny_model_dir), dtype="float32", max_model_len=2048, lora_rank=8,
                         enforce_eager=True, seed=0)
@@ -62,7 +62,7 @@ def vllm_engine(tiny_model_dir):
 @pytest.fixture(scope="session")
 def qwen3_base(tmp_path_factory) -> str:
     """Attention-only Qwen3: hidden 64, 2 layers, head_dim 32, vocab 128, untied head."""
-    from atlas_lightning.models.tiny import save_tiny_causal_lm
+    from atlas_lightning.demo.tiny_causal_lm import save_tiny_causal_lm
 
     return str(save_tiny_causal_lm(tmp_path_factory.mktemp("qwen3"), arch="qwen3"))
 
@@ -70,7 +70,7 @@ def qwen3_base(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def qwen3_tied_base(tmp_path_factory) -> str:
     """As ``qwen3_base`` but with the lm_head tied to the embeddings, other weights."""
-    from atlas_lightning.models.tiny import save_tiny_causal_lm
+    from atlas_lightning.demo.tiny_causal_lm import save_tiny_causal_lm
 
     folder = tmp_path_factory.mktemp("qwen3_tied")
     return str(save_tiny_causal_lm(folder, arch="qwen3", tie_word_embeddings=True, seed=1))
@@ -79,7 +79,7 @@ def qwen3_tied_base(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def qwen3_5_base(tmp_path_factory) -> str:
     """Hybrid Qwen3.5 (linear + full attention), saved in the VLM checkpoint layout."""
-    from atlas_lightning.models.tiny import save_tiny_causal_lm
+    from atlas_lightning.demo.tiny_causal_lm import save_tiny_causal_lm
 
     return str(save_tiny_causal_lm(tmp_path_factory.mktemp("qwen3_5"), arch="qwen3_5"))
 
@@ -111,7 +111,7 @@ def run_fsdp_worker(world_size: int, arch: str, dims: dict, tmp_path, timeout: i
     import time
     from pathlib import Path
 
-    from atlas_lightning.models.tiny import save_tiny_causal_lm
+    from atlas_lightning.demo.tiny_causal_lm import save_tiny_causal_lm
 
     worker = Path(__file__).resolve().parent / "models" / "fsdp_worker.py"
     base = save_tiny_causal_lm(tmp_path / "base", arch=arch, **dims)

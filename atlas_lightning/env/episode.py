@@ -57,7 +57,7 @@ import copy
 import math
 from dataclasses import dataclass
 
-from atlas_lightning.data.schema import BENCHMARKS, Question
+from atlas_lightning.questions.schema import BENCHMARKS, Question
 from atlas_lightning.env.grading import RevealedCandidate, grade_gpqa, grade_lcb, read_choice_letter
 from atlas_lightning.env.parsing import MALFORMED, NO_CALL, ParsedTurn, parse_turn
 from atlas_lightning.env.permutation import candidate_fingerprint, choose_permutation

@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from atlas_lightning.data.schema import Candidate
+from atlas_lightning.questions.schema import Candidate
 
 _MARKUP = re.compile(r"[*`$]")
 _WRAPPER = re.compile(r"\\(?:boxed|text|textbf|mathrm)\{([^{}]*)\}")

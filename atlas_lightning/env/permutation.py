@@ -19,7 +19,7 @@ import json
 import operator
 from typing import Sequence
 
-from atlas_lightning.data.schema import Candidate, Question
+from atlas_lightning.questions.schema import Candidate, Question
 
 DERIVED_PERMUTATION_ID = -1
 

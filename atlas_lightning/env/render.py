@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from atlas_lightning.data.schema import Candidate
+from atlas_lightning.questions.schema import Candidate
 
 
 def format_usd(amount: float) -> str:

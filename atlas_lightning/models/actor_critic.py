@@ -241,33 +241,6 @@ class ActorCritic(nn.Module):
             install_lean_activations(layers, tails)
         self.train()
 
-    @classmethod
-    def from_config(cls, model_cfg: Any, init_seed: int = 0, device: str | torch.device | None = None) -> "ActorCritic":
-        """Build from the ``model`` config group (``config.ModelConfig``): base path, dtype, LoRA,
-        checkpointing, chunk size, attention; then start the adapters named by
-        ``actor_adapter`` / ``critic_adapter`` if set (``adapters.load_adapter``, which checks
-        the base and LoRA settings). Unsharded; call ``sharding.shard`` after."""
-        from .adapters import load_adapter
-
-        model = cls(
-            model_cfg.path,
-            model_cfg.lora,
-            dtype=model_cfg.dtype,
-            gradient_checkpointing=model_cfg.gradient_checkpointing,
-            logprob_chunk_tokens=model_cfg.logprob_chunk_tokens,
-            attn_implementation=model_cfg.attn_implementation,
-            sequence_layout=model_cfg.sequence_layout,
-            fused_lora=model_cfg.fused_lora,
-            checkpoint_layers=model_cfg.checkpoint_layers,
-            lean_activations=model_cfg.lean_activations,
-            init_seed=init_seed,
-            device=device,
-        )
-        for adapter, folder in ((ACTOR, model_cfg.actor_adapter), (CRITIC, model_cfg.critic_adapter)):
-            if folder:
-                load_adapter(model, adapter, folder)
-        return model
-
     # ------------------------------------------------------------------ structure
     @property
     def hf_model(self) -> nn.Module:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from atlas_lightning.atomic import atomic_write_text
+from atlas_lightning.store.atomic import atomic_write_text
 
 from .estimate import GIB, Plan
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from atlas_lightning import reward as reward_lib
-from atlas_lightning.records import TrajectoryRecord, build_record
+from atlas_lightning.store.records import TrajectoryRecord, build_record
 from atlas_lightning.rollout.agent_loop import LoopStats, Trajectory
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")

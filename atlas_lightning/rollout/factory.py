@@ -30,7 +30,7 @@ def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size
         return build_separate_engine(cfg, rank, world_size)
     kind = cfg.rollout.engine
     if kind == "vllm":
-        from atlas_lightning.rollout.vllm_engine import VLLMEngine
+        from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
 
         tp = cfg.rollout.tensor_parallel_size
         external = world_size > 1
@@ -56,7 +56,7 @@ def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size
     if kind == "hf":
         from transformers import AutoModelForCausalLM
 
-        from atlas_lightning.rollout.hf_engine import HFEngine
+        from atlas_lightning.rollout.engines.hf_engine import HFEngine
 
         dtype = getattr(torch, cfg.model.dtype)
         model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
@@ -77,7 +77,8 @@ def _build_server_engine(cfg: DictConfig, rank: int, local_rank: int, world_size
     processes and merged-weight sync (both are the separate layout's), one ``server_url`` for
     several engines, and sleep mode on GPUs."""
     from atlas_lightning.config import run_dirs
-    from atlas_lightning.rollout.server_engine import ServerEngine, VLLMServer
+    from atlas_lightning.rollout.engines.server_engine import ServerEngine
+    from atlas_lightning.rollout.engines.server_process import VLLMServer
 
     r = cfg.rollout
     _, engines, _ = engine_world(rank, world_size, r.tensor_parallel_size)

@@ -30,7 +30,8 @@ from omegaconf import DictConfig
 
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.rollout.engine import AdapterVersion, SyncReport
-from atlas_lightning.rollout.server_engine import ServerEngine, VLLMServer
+from atlas_lightning.rollout.engines.server_engine import ServerEngine
+from atlas_lightning.rollout.engines.server_process import VLLMServer
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def _serving_cards(cfg: DictConfig) -> Optional[str]:
 def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> SharedServerEngine:
     """This rank's client of the separate layout's server (collective; see the module doc)."""
     from atlas_lightning.config import run_dirs
-    from atlas_lightning.rollout.weight_transfer import ServerWeightTransfer, bucket_bytes_of, default_backend
+    from atlas_lightning.rollout.engines.weight_transfer import ServerWeightTransfer, bucket_bytes_of, default_backend
 
     from atlas_lightning.planning.checks import separate_refusals
 

@@ -27,9 +27,9 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, IterableDataset
 
 from atlas_lightning.algorithms.ppo import compute_gae_advantage_return
-from atlas_lightning.callbacks.checkpoint import MARKER
+from atlas_lightning.store.checkpoints import MARKER
 from atlas_lightning.config import compose, run_dirs
-from atlas_lightning.data.schema import Candidate, Question
+from atlas_lightning.questions.schema import Candidate, Question
 from atlas_lightning.env.episode import Episode, RuntimeConfig
 from atlas_lightning.rollout.agent_loop import LoopStats, Trajectory
 from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id, trajectory_uid
@@ -39,7 +39,7 @@ from atlas_lightning.rollout.chat import ChatFormat
 
 
 def make_chat() -> ChatFormat:
-    from atlas_lightning.data.tiny_tokenizer import to_transformers, train_tokenizer
+    from atlas_lightning.demo.tiny_tokenizer import to_transformers, train_tokenizer
 
     return ChatFormat(to_transformers(train_tokenizer(0), 4096))
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from atlas_lightning.callbacks._step_dump import gather_step, remove_stale_temporaries, write_step_folder
-from atlas_lightning.callbacks._step_output import read_step_output
+from atlas_lightning.store.step_folder import gather_step, remove_stale_temporaries, write_step_folder
+from atlas_lightning.ppo.step_output import read_step_output
 from atlas_lightning.callbacks.artifacts import ArtifactDumpCallback
 from atlas_lightning.config import run_dirs
-from atlas_lightning.records import (
+from atlas_lightning.store.records import (
     RECORD_FIELDS,
     RecordError,
     read_record,
@@ -197,7 +197,7 @@ def test_a_nonfinite_output_needs_its_diagnostic(tmp_path, h, chat):
 
 
 def test_rank_zero_work_returns_or_raises_its_own_error():
-    from atlas_lightning.callbacks._collective import on_rank_zero
+    from atlas_lightning.distributed import on_rank_zero
 
     assert on_rank_zero(lambda: {"acc": 1.0}, "work") == {"acc": 1.0}
     with pytest.raises(KeyError, match="missing"):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from atlas_lightning.records import read_record, verify_manifest
+from atlas_lightning.store.records import read_record, verify_manifest
 
 pytestmark = pytest.mark.multiprocess
 

@@ -10,13 +10,13 @@ from collections import Counter
 
 import pytest
 
-from atlas_lightning.callbacks._summary import step_summary
+from atlas_lightning.reward.summary import step_summary
 from atlas_lightning.callbacks.artifacts import ArtifactDumpCallback
 from atlas_lightning.callbacks.figures import TRAIN_FIGURES, VAL_FIGURES, FiguresCallback
 from atlas_lightning.callbacks.validation import ValidationCallback
 from atlas_lightning.config import run_dirs
 from atlas_lightning.env.terminal import TERMINAL_REASONS
-from atlas_lightning.records import read_record
+from atlas_lightning.store.records import read_record
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -120,7 +120,7 @@ def test_bad_arguments_are_refused(kwargs):
 
 def test_figures_reach_wandb(tmp_path, h, chat, monkeypatch):
     """With the project's W&B logger (offline here), every figure is logged as an image."""
-    from atlas_lightning.loggers import build_loggers
+    from atlas_lightning.loggers.wandb_logger import build_loggers
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     wandb = pytest.importorskip("wandb")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from atlas_lightning.callbacks._checkpoints import is_complete_checkpoint, latest_complete_checkpoint
+from atlas_lightning.store.checkpoints import is_complete, latest_complete
 from atlas_lightning.callbacks.artifacts import ArtifactDumpCallback
 from atlas_lightning.callbacks.figures import FiguresCallback
 from atlas_lightning.callbacks.nan_guard import (
@@ -20,7 +20,7 @@ from atlas_lightning.callbacks.nan_guard import (
 )
 from atlas_lightning.callbacks.validation import ValidationCallback
 from atlas_lightning.config import run_dirs
-from atlas_lightning.records import read_record, read_step_tensors, verify_manifest
+from atlas_lightning.store.records import read_record, read_step_tensors, verify_manifest
 
 
 def test_stop_ends_the_run_at_the_bad_step_with_the_last_good_checkpoint_intact(tmp_path, h, chat):
@@ -46,7 +46,7 @@ def test_stop_ends_the_run_at_the_bad_step_with_the_last_good_checkpoint_intact(
     # check by itself here), no dump, no validation, no figure history; its update never applied.
     assert checkpoint.saved == [2]
     assert sorted(p.name for p in dirs["checkpoints"].iterdir()) == ["global_step_2"]
-    assert is_complete_checkpoint(good) and h.snapshot(good) == checkpoint.snapshots[2]
+    assert is_complete(good) and h.snapshot(good) == checkpoint.snapshots[2]
     assert module.optimizer_steps == 3
     assert sorted(p.name for p in (dirs["artifacts"] / "train").iterdir()) == ["step_1", "step_2", "step_3"]
     assert dm.val_calls == []
@@ -107,7 +107,7 @@ def test_rollback_stops_without_a_checkpoint_or_past_its_limit(tmp_path, h, chat
     assert [e["action"] for e in guard.events] == ["rollback", "stop"]
 
 
-def test_latest_complete_checkpoint_ignores_validation_only_and_unfinished_folders(tmp_path):
+def test_latest_complete_ignores_validation_only_and_unfinished_folders(tmp_path):
     def folder(name, marker=True):
         path = tmp_path / name
         (path / "actor" / "lora_adapter").mkdir(parents=True)
@@ -122,10 +122,10 @@ def test_latest_complete_checkpoint_ignores_validation_only_and_unfinished_folde
     folder("global_step_10")
     (tmp_path / "global_step_10" / "val_dumps").mkdir()
     folder("global_step_x")
-    assert latest_complete_checkpoint(tmp_path) == tmp_path / "global_step_10"
-    assert latest_complete_checkpoint(tmp_path, before_step=10) == tmp_path / "global_step_2"
-    assert latest_complete_checkpoint(tmp_path, before_step=2) is None
-    assert latest_complete_checkpoint(tmp_path / "missing") is None
+    assert latest_complete(tmp_path) == tmp_path / "global_step_10"
+    assert latest_complete(tmp_path, before_step=10) == tmp_path / "global_step_2"
+    assert latest_complete(tmp_path, before_step=2) is None
+    assert latest_complete(tmp_path / "missing") is None
 
 
 def test_probe_logprobs_must_be_finite():

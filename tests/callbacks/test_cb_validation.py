@@ -10,10 +10,10 @@ import lightning as L
 import pytest
 import torch
 
-from atlas_lightning.callbacks._summary import view_metrics
+from atlas_lightning.reward.summary import view_metrics
 from atlas_lightning.callbacks.validation import DUMP_KEYS, ValidationCallback, dump_rows
 from atlas_lightning.config import run_dirs
-from atlas_lightning.records import read_record, verify_manifest
+from atlas_lightning.store.records import read_record, verify_manifest
 
 # Hand-computed from cb_harness.VAL_SCRIPTS with lambda = 0.1 points a dollar:
 # gv1 acc 1, $0.2, 1 explore; gv2 acc 0; gv3 acc 1, $1.5, 2 explores (physics: gv1, gv2; chemistry: gv3);

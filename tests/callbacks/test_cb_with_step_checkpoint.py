@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from atlas_lightning.callbacks.checkpoint import MARKER, StepCheckpoint, latest_complete, lightning_state_path
+from atlas_lightning.callbacks.checkpoint import StepCheckpoint
+from atlas_lightning.store.checkpoints import MARKER, latest_complete, lightning_state_path
 from atlas_lightning.callbacks.figures import FiguresCallback
 from atlas_lightning.callbacks.nan_guard import NaNGuardCallback, NonFiniteError
 from atlas_lightning.callbacks.validation import ValidationCallback

@@ -79,7 +79,7 @@ def test_help_lists_the_six_verbs():
 
 
 def test_a_users_own_config_dir_and_callback_by_class_path(tmp_path):
-    from atlas_lightning.verbs import build_callbacks
+    from atlas_lightning.run.wiring import build_callbacks
 
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "mine.yaml").write_text(
@@ -96,7 +96,7 @@ def test_a_users_own_config_dir_and_callback_by_class_path(tmp_path):
 
 
 def test_outputs_go_under_paths_root_and_name(tmp_path):
-    from atlas_lightning.verbs import prepare_run
+    from atlas_lightning.run.wiring import prepare_run
 
     cfg = compose(["experiment=tiny-cpu", f"paths.root={tmp_path}", "name=demo"])
     dirs = prepare_run(cfg, "fit")

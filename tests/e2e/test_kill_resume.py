@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from atlas_lightning.records import read_record, read_step_tensors, verify_manifest
+from atlas_lightning.store.records import read_record, read_step_tensors, verify_manifest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from atlas_lightning.records import read_record, verify_manifest
+from atlas_lightning.store.records import read_record, verify_manifest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -90,7 +90,7 @@ def test_sigkill_then_resume_samples_the_prefetched_step_again(tiny_model_dir, s
     ``trainer.resume=auto`` samples step 3 again (its questions, on the step-2 weights) and trains
     it once: no step is lost or counted twice."""
     from atlas_lightning.config import compose
-    from atlas_lightning.data.datamodule import RolloutDataModule
+    from atlas_lightning.rollout.datamodule import RolloutDataModule
 
     env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled")
     command = _command(tiny_model_dir, sample_data_dir, tmp_path, "lora", "trainer.save_every=1")

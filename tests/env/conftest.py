@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from atlas_lightning.data.schema import Candidate, Question
+from atlas_lightning.questions.schema import Candidate, Question
 
 
 def make_question(benchmark="gpqa", costs=(0.12, 0.5, 0.003, 0.0), correct=(False, True, False, False),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from atlas_lightning.data.schema import Candidate
+from atlas_lightning.questions.schema import Candidate
 from atlas_lightning.env.grading import (
     RevealedCandidate,
     grade_gpqa,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from atlas_lightning.callbacks.hub_client import HubPublishError, HubUploader
+from atlas_lightning.hub.client import HubPublishError, HubUploader
 
 REPO = "atlas/honesty"
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from lightning.pytorch import Trainer
 
-from atlas_lightning.callbacks.hub import HubCheckpointCallback, hub_callback_from_config, step_files
+from atlas_lightning.callbacks.hub import HubCheckpointCallback, step_files
 from atlas_lightning.config import ConfigError, compose
 
 REPO = "atlas/r-test-ckpt"
@@ -114,9 +114,15 @@ def test_state_round_trips_and_bad_arguments_are_refused(tmp_path):
 
 
 def test_the_callback_from_config():
-    assert hub_callback_from_config(compose([])) is None
+    from atlas_lightning.run.wiring import build_callbacks
+
+    def hub_callback(cfg):
+        return next(c for c in build_callbacks(cfg) if isinstance(c, HubCheckpointCallback))
+
+    assert not hub_callback(compose([])).enabled
     with pytest.raises(ConfigError, match="hub.repo_id"):
-        hub_callback_from_config(compose(["hub.publish_checkpoints=true"]))
-    callback = hub_callback_from_config(compose(["hub.publish_checkpoints=true", f"hub.repo_id={REPO}",
-                                                 "hub.endpoint=http://localhost:9", "hub.private=false"]))
+        compose(["hub.publish_checkpoints=true"])
+    callback = hub_callback(compose(["hub.publish_checkpoints=true", f"hub.repo_id={REPO}",
+                                     "hub.endpoint=http://localhost:9", "hub.private=false"]))
+    assert callback.enabled
     assert (callback.repo_id, callback.endpoint, callback.private) == (REPO, "http://localhost:9", False)

@@ -9,7 +9,7 @@ import httpx2
 import pytest
 from huggingface_hub.errors import HfHubHTTPError
 
-from atlas_lightning.callbacks.hub_client import (
+from atlas_lightning.hub.client import (
     INLINE_SIZE_LIMIT,
     HubUploader,
     is_transient,

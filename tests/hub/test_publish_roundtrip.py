@@ -8,9 +8,9 @@ import logging
 import pytest
 from huggingface_hub import constants, hf_hub_download, snapshot_download
 
-from atlas_lightning.callbacks.hub_client import HubPublishError
+from atlas_lightning.hub.client import HubPublishError
 from atlas_lightning.config import ConfigError, compose
-from atlas_lightning.publish import publish_data_root, publish_from_config
+from atlas_lightning.hub.publish import publish_data_root, publish_from_config
 
 REPO = "atlas/r-test-data"
 

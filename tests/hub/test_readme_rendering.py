@@ -3,7 +3,7 @@ FILES.txt's self-listing."""
 
 from __future__ import annotations
 
-from atlas_lightning.callbacks.hub_readme import PublishedFile, compact_tree, human_bytes, render_files_txt
+from atlas_lightning.hub.readme import PublishedFile, compact_tree, human_bytes, render_files_txt
 
 
 def test_numbered_step_folders_collapse_into_one_line():

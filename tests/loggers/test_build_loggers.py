@@ -11,9 +11,9 @@ import zlib
 import pytest
 from lightning.pytorch import Trainer
 
-from atlas_lightning.callbacks.run_export import RunExportLogger
+from atlas_lightning.loggers.run_export import RunExportLogger
 from atlas_lightning.config import ConfigError, compose
-from atlas_lightning.loggers import RLStepWandbLogger, build_loggers, log_image, resolve_wandb_mode
+from atlas_lightning.loggers.wandb_logger import RLStepWandbLogger, build_loggers, log_image, resolve_wandb_mode
 
 
 @pytest.mark.parametrize(

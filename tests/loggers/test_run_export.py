@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
-from atlas_lightning.callbacks.run_export import RunExportLogger
+from atlas_lightning.loggers.run_export import RunExportLogger
 
 
 def _read_csv(path):

@@ -164,12 +164,13 @@ def test_gradient_checkpointing_gives_the_same_gradients(base_name, dropout, req
 def test_from_config_builds_and_starts_adapters(qwen3_base, randomize, tmp_path):
     from atlas_lightning.config import ModelConfig
     from atlas_lightning.models.adapters import save_adapter
+    from atlas_lightning.models.build import build_actor_critic
 
     trained = _model(qwen3_base, randomize)
     save_adapter(trained, "actor", tmp_path / "actor")
     cfg = ModelConfig(path=qwen3_base, dtype="float32", lora=LORA, gradient_checkpointing=True,
                       logprob_chunk_tokens=64, actor_adapter=str(tmp_path / "actor"))
-    model = ActorCritic.from_config(cfg)
+    model = build_actor_critic(cfg)
     assert model.logprob_chunk_tokens == 64 and model.decoder_layers()[0].gradient_checkpointing
     for p, q in zip(trained.actor_parameters(), model.actor_parameters()):
         assert torch.equal(p, q)

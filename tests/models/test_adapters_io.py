@@ -15,7 +15,7 @@ from atlas_lightning.models import adapters as adapters_module
 from atlas_lightning.models.actor_critic import ActorCritic
 from atlas_lightning.models.adapters import AdapterMismatchError, load_adapter, save_adapter
 from atlas_lightning.models.packing import pack_sequences
-from atlas_lightning.models.tiny import save_tiny_causal_lm
+from atlas_lightning.demo.tiny_causal_lm import save_tiny_causal_lm
 
 LORA = {"rank": 4, "alpha": 8}
 PROMPTS = (3, 2, 5)

@@ -7,7 +7,7 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from atlas_lightning.data.schema import Candidate, Question
+from atlas_lightning.questions.schema import Candidate, Question
 from atlas_lightning.env import Episode, RuntimeConfig
 from atlas_lightning.reward import score_episode, token_level_rewards, trajectory_invariants
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from atlas_lightning.config import compose
-from atlas_lightning.data.datamodule import RolloutDataModule
+from atlas_lightning.rollout.datamodule import RolloutDataModule
 from atlas_lightning.env.terminal import terminal_reason_code
 
 pytestmark = pytest.mark.vllm
@@ -153,9 +153,9 @@ def test_a_length_less_dataset_would_be_prefetched(tiny_model_dir, sample_data_d
 _DEAD_ENGINE_SCRIPT = """
 import sys
 from atlas_lightning.config import compose
-from atlas_lightning.data.datamodule import RolloutDataModule
+from atlas_lightning.rollout.datamodule import RolloutDataModule
 from atlas_lightning.rollout.engine import EngineError
-from atlas_lightning.rollout.vllm_engine import VLLMEngine
+from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
 
 model, data, root = sys.argv[1:4]
 cfg = compose(["experiment=tiny-cpu", f"model.path={model}", f"data.root={data}", f"paths.root={root}",

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from atlas_lightning.config import compose
-from atlas_lightning.data.datamodule import RolloutDataModule
-from atlas_lightning.rollout.hf_engine import HFEngine
+from atlas_lightning.rollout.datamodule import RolloutDataModule
+from atlas_lightning.rollout.engines.hf_engine import HFEngine
 
 
 def _cfg(tiny_model_dir, sample_data_dir, tmp_path, *extra):

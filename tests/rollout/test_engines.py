@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from atlas_lightning.rollout.engine import AdapterVersion, GenerationRequest, SamplingSpec
-from atlas_lightning.rollout.hf_engine import HFEngine
-from atlas_lightning.rollout.vllm_engine import lora_checksum
+from atlas_lightning.rollout.engines.hf_engine import HFEngine
+from atlas_lightning.rollout.engines.vllm_engine import lora_checksum
 
 pytestmark = pytest.mark.vllm
 

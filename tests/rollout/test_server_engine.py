@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from atlas_lightning.rollout.engine import AdapterVersion, EngineError, GenerationRequest, SamplingSpec
-from atlas_lightning.rollout.hf_engine import HFEngine
-from atlas_lightning.rollout.vllm_engine import lora_checksum
+from atlas_lightning.rollout.engines.hf_engine import HFEngine
+from atlas_lightning.rollout.engines.vllm_engine import lora_checksum
 
 pytestmark = pytest.mark.vllm
 
@@ -58,7 +58,8 @@ def _assert_same(results, reference, tol=TOL):
 @pytest.fixture(scope="module")
 def server_engine(tiny_model_dir, tmp_path_factory, request):
     pytest.importorskip("vllm")
-    from atlas_lightning.rollout.server_engine import ServerEngine, VLLMServer
+    from atlas_lightning.rollout.engines.server_engine import ServerEngine
+    from atlas_lightning.rollout.engines.server_process import VLLMServer
 
     log_path = tmp_path_factory.mktemp("server") / "vllm-server.log"
     server = VLLMServer(str(tiny_model_dir), log_path=log_path, dtype="float32", max_model_len=2048,
@@ -190,7 +191,7 @@ def test_bad_adapter_folder_is_a_clear_error_and_serves_the_base(server_engine, 
 
 
 def test_server_that_never_starts_names_its_log(tiny_model_dir, tmp_path):
-    from atlas_lightning.rollout.server_engine import VLLMServer
+    from atlas_lightning.rollout.engines.server_process import VLLMServer
 
     # an interpreter that cannot start: the exit path without paying for vLLM's import
     with pytest.raises(EngineError, match=r"exited with code .*server\.log") as failed:
@@ -200,7 +201,8 @@ def test_server_that_never_starts_names_its_log(tiny_model_dir, tmp_path):
 
 
 def test_absent_server_raises():
-    from atlas_lightning.rollout.server_engine import ServerEngine, free_port
+    from atlas_lightning.rollout.engines.server_engine import ServerEngine
+    from atlas_lightning.rollout.engines.server_http import free_port
 
     with pytest.raises(EngineError, match="is gone"):
         ServerEngine(f"http://127.0.0.1:{free_port()}")

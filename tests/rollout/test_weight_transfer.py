@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from atlas_lightning.rollout.engine import GenerationRequest, SamplingSpec, tensor_checksum
-from atlas_lightning.rollout.hf_engine import HFEngine
+from atlas_lightning.rollout.engines.hf_engine import HFEngine
 
 pytestmark = pytest.mark.vllm
 
@@ -22,8 +22,9 @@ BUCKET = 96 * 1024  # small, so that the tiny model travels in many buckets
 @pytest.fixture(scope="module")
 def transfer_server(tiny_model_dir, tmp_path_factory):
     pytest.importorskip("vllm")
-    from atlas_lightning.rollout.server_engine import ServerEngine, VLLMServer
-    from atlas_lightning.rollout.weight_transfer import ServerWeightTransfer
+    from atlas_lightning.rollout.engines.server_engine import ServerEngine
+    from atlas_lightning.rollout.engines.server_process import VLLMServer
+    from atlas_lightning.rollout.engines.weight_transfer import ServerWeightTransfer
 
     log_path = tmp_path_factory.mktemp("transfer") / "vllm-server.log"
     server = VLLMServer(str(tiny_model_dir), log_path=log_path, dtype="float32", max_model_len=2048,
@@ -51,7 +52,7 @@ def _greedy(engine, tag):
 def test_merged_weights_reach_the_server_exactly_in_bounded_buckets(transfer_server, tiny_model_dir, randomize):
     from atlas_lightning.models.actor_critic import ActorCritic
     from atlas_lightning.models.weights import merged_weight_packs, merged_weights
-    from atlas_lightning.rollout.server_engine import _http
+    from atlas_lightning.rollout.engines.server_http import http_call
 
     engine, transfer = transfer_server
     model = ActorCritic(str(tiny_model_dir), {"rank": 8, "alpha": 16}, dtype="float32")
@@ -80,7 +81,7 @@ def test_merged_weights_reach_the_server_exactly_in_bounded_buckets(transfer_ser
         assert max(abs(a - b) for a, b in zip(served, base_lp)) > 100 * TOL
         got, want = _greedy(engine, f"g{version}"), _greedy(reference, f"r{version}")
         assert got.token_ids == want.token_ids
-        status, body = _http(engine.url, "GET", "/weight_info")
+        status, body = http_call(engine.url, "GET", "/weight_info")
         assert status == 200 and body["weight_version"] == str(version)
 
 
@@ -90,7 +91,7 @@ def test_the_plan_accounts_the_buffers_vllm_keeps():
     from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_NUM_BUFFERS
 
     from atlas_lightning.planning.estimate import NCCL_NUM_BUFFERS as planned
-    from atlas_lightning.rollout.weight_transfer import NCCL_NUM_BUFFERS
+    from atlas_lightning.rollout.engines.weight_transfer import NCCL_NUM_BUFFERS
 
     assert planned == NCCL_NUM_BUFFERS == DEFAULT_PACKED_NUM_BUFFERS
 
@@ -101,8 +102,8 @@ def test_bucket_info_cuts_a_pack_back_into_its_tensors(qwen3_base, randomize):
     pytest.importorskip("vllm")
     from atlas_lightning.models.actor_critic import ActorCritic
     from atlas_lightning.models.weights import merged_weight_packs
-    from atlas_lightning.rollout.gloo_transfer import GlooUpdateInfo, unpack
-    from atlas_lightning.rollout.weight_transfer import bucket_info
+    from atlas_lightning.rollout.engines.gloo_transfer import GlooUpdateInfo, unpack
+    from atlas_lightning.rollout.engines.weight_transfer import bucket_info
 
     model = ActorCritic(qwen3_base, {"rank": 4, "alpha": 8}, dtype="bfloat16")
     randomize(model)

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from atlas_lightning.config import RootConfig, validate  # noqa: E402
-from atlas_lightning.memory_check import MemoryCheckModule, run_memory_check  # noqa: E402
+from atlas_lightning.run.memory_check import MemoryCheckModule, run_memory_check  # noqa: E402
 from atlas_lightning.planning import estimate, shape_from_config  # noqa: E402
 
 GIB = 2**30

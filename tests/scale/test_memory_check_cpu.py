@@ -12,7 +12,7 @@ import pytest
 from atlas_lightning.algorithms.partition import plan_micro_batches
 from atlas_lightning.cli import main as cli_main
 from atlas_lightning.config import compose
-from atlas_lightning.memory_check import PHASE_NAMES, sequence_lengths, synthetic_batch
+from atlas_lightning.run.memory_check import PHASE_NAMES, sequence_lengths, synthetic_batch
 
 
 def _cfg(tiny_model_dir, sample_data_dir, root, *extra):

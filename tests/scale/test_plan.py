@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from atlas_lightning.cli import main as cli_main
 from atlas_lightning.config import ConfigError, compose
-from atlas_lightning.models.tiny import save_tiny_causal_lm
+from atlas_lightning.demo.tiny_causal_lm import save_tiny_causal_lm
 from atlas_lightning.planning import GIB, ShapeError, estimate, make_plan, read_model_shape, shape_from_config
 from atlas_lightning.planning.checks import MERGED_WEIGHTS_TEST, SEPARATE_LAYOUT_TEST, layout_refusals
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from atlas_lightning.models.tiny import save_tiny_causal_lm
-from atlas_lightning.preflight import main as preflight_main
-from atlas_lightning.preflight import run_preflight
+from atlas_lightning.demo.tiny_causal_lm import save_tiny_causal_lm
+from atlas_lightning.run.preflight import main as preflight_main
+from atlas_lightning.run.preflight import run_preflight
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch"

@@ -1,0 +1,419 @@
+"""``build_tiny_orchestrator``: the tiny model warm-started by SFT on scripted tool-call episodes.
+
+A random tiny model never writes a valid tool call, so PPO would have nothing to learn from. This
+module fine-tunes it (all weights, plain torch, AdamW) on demonstrations rendered by the runtime
+(``demos.py``: varied explore counts 0..8, varied submit choices), with the loss on generated
+tokens only. The result serves the embedded default (``experiment=tiny-cpu``): it emits valid
+Hermes calls, explores a varied number of times and submits a revealed answer, so PPO starts with
+a real decision to learn (when to stop, which answer).
+
+Recipe (``SFTRecipe``; ``DEFAULT_RECIPE``): the bundled sample's train questions (``sample_seed``,
+generated in memory: the same questions ``atlas-lightning data sample`` writes), 4 demonstrations
+each (1,280 in all, different reveal orders), 800 AdamW steps (lr 2e-3) over shuffled batches of
+4 of similar length (2.5 epochs), right-padded (causal attention never lets a real token see a
+pad, so no attention mask is needed), linear warm-up then cosine decay, gradient clipping. Logits
+are computed only where the loss is. Why so many steps: the call format is learnt within ~50
+steps, but copying a revealed candidate's answer into the submit (an induction-like skill: GPQA
+answers are otherwise a constant letter, below chance) appears only after ~500-700 steps. About
+4 minutes of training on two idle CPU cores (0.28 s a step); much longer when the cores are shared.
+
+Determinism: the same ``seed``, base, recipe, library versions and torch thread count give a
+byte-identical ``model.safetensors`` (nothing here draws from an RNG during training: the order
+comes from ``random.Random(seed)`` and the model has no dropout; CPU kernels reduce in a fixed
+order for a fixed thread count). A different thread count may change the last bits.
+
+Output (``out``, the layout of ``tiny_model.build_tiny_model``): ``config.json``,
+``generation_config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
+``chat_template.jinja`` (the tokenizer files copied byte for byte from the base), plus
+``sft_summary.json`` (demonstrations, steps, losses, the quick evaluation, timings). Written in a
+temporary folder beside ``out`` and renamed into place.
+
+Who calls it: the CLI (``atlas-lightning data tiny-orchestrator --out DIR [--seed N]``; ``make
+demo`` builds it into the cache once), tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from atlas_lightning.demo.demos import Demo, build_demos
+from atlas_lightning.demo.sample import SAMPLE_COUNTS, generate_questions
+from atlas_lightning.questions.schema import Question
+from atlas_lightning.demo.tiny_model import MODEL_FILES
+from atlas_lightning.env.episode import Episode, RuntimeConfig
+from atlas_lightning.env.terminal import TERMINAL_REASONS
+from atlas_lightning.rollout.agent_loop import LoopLimits
+
+log = logging.getLogger(__name__)
+
+#: The embedded default's loop limits and runtime (``conf/rollout/vllm_cpu.yaml``; a test keeps
+#: them equal to the composed ``experiment=tiny-cpu``): demonstrations must fit them.
+TINY_CPU_LIMITS = LoopLimits(max_response_length=1024, max_tokens_per_turn=128, max_model_len=2048)
+TINY_CPU_RUNTIME = RuntimeConfig(max_explores=8, max_turns=9)
+#: The reward's lambda of ``experiment=tiny-cpu`` (1.0: spending matters there), for the summary's objective.
+COST_PER_USD = 1.0
+SUMMARY_FILE = "sft_summary.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class SFTRecipe:
+    """How the warm start is trained and checked. ``demos_per_question`` demonstrations of each of
+    the first ``train_questions`` train questions per benchmark (``None``: all); ``steps``
+    optimizer steps of ``batch_size`` demonstrations; ``eval_questions`` validation questions per
+    benchmark in the quick check (0: none)."""
+
+    demos_per_question: int = 4
+    train_questions: int | None = None
+    steps: int = 800
+    batch_size: int = 4
+    lr: float = 2e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_questions: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("demos_per_question", "steps", "batch_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"SFTRecipe.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("warmup_steps", "eval_questions"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"SFTRecipe.{name} must be an int >= 0, got {getattr(self, name)!r}")
+        if self.train_questions is not None and (not isinstance(self.train_questions, int) or self.train_questions < 1):
+            raise ValueError(f"SFTRecipe.train_questions must be None or an int >= 1, got {self.train_questions!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"SFTRecipe.lr must be a finite number > 0, got {self.lr!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"SFTRecipe.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+
+
+DEFAULT_RECIPE = SFTRecipe()
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def batch_order(lengths: Sequence[int], batch_size: int, steps: int, seed: int, window: int = 8) -> list[list[int]]:
+    """Demo indices of each of ``steps`` steps (``batch_size`` each), from the demos' ``lengths``.
+
+    A stream of epochs, each a ``random.Random(seed)`` shuffle of all indices (every index once
+    an epoch), is cut into windows of ``window`` batches; within a window the demos are sorted by
+    length before being cut into batches, and the batches are shuffled. Batches of similar
+    lengths waste less compute on padding; the windows keep the order close to random.
+    """
+    count = len(lengths)
+    if count < 1:
+        raise ValueError("batch_order: no demonstrations to train on")
+    if batch_size < 1 or steps < 1 or window < 1:
+        raise ValueError(f"batch_order: batch_size={batch_size}, steps={steps}, window={window} must be >= 1")
+    rng = random.Random(f"atlas-sft-order/{seed}")
+    span = batch_size * window
+    needed = -(-steps * batch_size // span) * span
+    stream: list[int] = []
+    while len(stream) < needed:
+        epoch = list(range(count))
+        rng.shuffle(epoch)
+        stream.extend(epoch)
+    batches: list[list[int]] = []
+    for begin in range(0, needed, span):
+        chunk = sorted(stream[begin:begin + span], key=lambda i: lengths[i])  # stable: ties keep stream order
+        cut = [chunk[i:i + batch_size] for i in range(0, span, batch_size)]
+        rng.shuffle(cut)
+        batches.extend(cut)
+    return batches[:steps]
+
+
+def collate(demos: Sequence[Demo], pad_id: int):
+    """``(input_ids, targets)``: ``(B, T)`` right-padded with ``pad_id``, and ``(B, T-1)`` next
+    tokens with ``-100`` wherever no loss is taken (prompt, tool responses, padding)."""
+    import torch
+
+    width = max(len(d.input_ids) for d in demos)
+    input_ids = torch.full((len(demos), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(demos), width - 1), -100, dtype=torch.long)
+    for row, demo in enumerate(demos):
+        ids = torch.tensor(demo.input_ids, dtype=torch.long)
+        input_ids[row, : len(ids)] = ids
+        trained = torch.tensor(demo.loss_mask[1:], dtype=torch.bool)
+        targets[row, : len(ids) - 1] = torch.where(trained, ids[1:], torch.full_like(ids[1:], -100))
+    return input_ids, targets
+
+
+def demo_loss(model, input_ids, targets):
+    """Token-mean cross-entropy of the trained tokens (``targets != -100``), in nats. Logits are
+    formed only at those positions (the vocabulary projection of every prompt token is waste)."""
+    import torch
+
+    hidden = model.model(input_ids=input_ids).last_hidden_state[:, :-1]
+    where = targets != -100
+    logits = model.lm_head(hidden[where])
+    return torch.nn.functional.cross_entropy(logits.float(), targets[where])
+
+
+def learning_rate(step: int, recipe: SFTRecipe) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` (step is 0-based)."""
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    span = max(1, recipe.steps - recipe.warmup_steps)
+    progress = min(1.0, (step - recipe.warmup_steps) / span)
+    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_on_demos(model, demos: Sequence[Demo], recipe: SFTRecipe, seed: int, pad_id: int,
+                   on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """Fine-tune ``model`` (a ``Qwen3ForCausalLM``, all weights, in place, on whatever device it
+    is) on ``demos``; returns each step's loss. AdamW; gradients clipped to ``recipe.grad_clip``
+    (global norm). ``on_step(step, loss)`` is called after each step (0-based), e.g. to report."""
+    import torch
+
+    device = next(model.parameters()).device
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    losses = []
+    order = batch_order([len(d.input_ids) for d in demos], recipe.batch_size, recipe.steps, seed)
+    for step, indices in enumerate(order):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, recipe)
+        input_ids, targets = collate([demos[i] for i in indices], pad_id)
+        loss = demo_loss(model, input_ids.to(device), targets.to(device))
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"SFT step {step}: loss is {loss.item()}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if step % 40 == 0 or step == recipe.steps - 1:
+            log.info("SFT step %d/%d loss %.4f", step + 1, recipe.steps, losses[-1])
+        if on_step is not None:
+            on_step(step, losses[-1])
+    model.eval()
+    return losses
+
+
+def mean_demo_loss(model, demos: Sequence[Demo], pad_id: int, batch_size: int = 8) -> float:
+    """Token-mean loss of ``demos`` (teacher-forced, no gradient): the held-out check."""
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(demos), batch_size):
+            input_ids, targets = collate(demos[i:i + batch_size], pad_id)
+            tokens = int((targets != -100).sum())
+            device = next(model.parameters()).device
+            total += float(demo_loss(model, input_ids.to(device), targets.to(device))) * tokens
+            count += tokens
+    return total / max(count, 1)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def summarize_episodes(episodes: Iterable[dict], cost_per_usd: float = COST_PER_USD) -> dict:
+    """Behaviour of ended episodes (``Episode.to_record_episode()`` dicts or records' ``episode``):
+    ``{"episodes", "terminal_reasons": {reason: n}, "explores": {k: n}, "acc", "cost_usd",
+    "objective", "by_benchmark": {bench: {"episodes", "acc", "objective", "mean_explores"}}}``.
+    ``objective`` is the mean of ``acc - cost_per_usd * dollars`` (SPEC 4)."""
+    from atlas_lightning.reward import reward_breakdown
+
+    rows = []
+    for episode in episodes:
+        breakdown = reward_breakdown(episode, cost_per_usd)
+        rows.append((episode["benchmark"], episode["terminal_reason"], breakdown))
+    if not rows:
+        raise ValueError("summarize_episodes: no episodes")
+
+    def means(selected: list) -> dict:
+        n = len(selected)
+        return {
+            "episodes": n,
+            "acc": sum(b["acc"] for _, _, b in selected) / n,
+            "cost_usd": sum(b["cost_total"] for _, _, b in selected) / n,
+            "objective": sum(b["objective"] for _, _, b in selected) / n,
+            "mean_explores": sum(b["num_explores"] for _, _, b in selected) / n,
+        }
+
+    reasons = Counter(reason for _, reason, _ in rows)
+    explores = Counter(int(b["num_explores"]) for _, _, b in rows)
+    return {
+        **means(rows),
+        "terminal_reasons": {r: reasons[r] for r in TERMINAL_REASONS if reasons[r]},
+        "explores": {str(k): explores[k] for k in sorted(explores)},
+        "by_benchmark": {bench: means([r for r in rows if r[0] == bench]) for bench in sorted({r[0] for r in rows})},
+    }
+
+
+def evaluate_policy(model, chat, questions: Sequence[Question], *, temperature: float, seed: int = 0,
+                    limits: LoopLimits = TINY_CPU_LIMITS, runtime: RuntimeConfig = TINY_CPU_RUNTIME,
+                    cost_per_usd: float = COST_PER_USD) -> dict:
+    """Run one episode of each question through the real agent loop on the transformers
+    reference engine (greedy when ``temperature == 0``); ``summarize_episodes`` of the result."""
+    from atlas_lightning.rollout.agent_loop import AgentLoop, Sampling, Trajectory
+    from atlas_lightning.rollout.engines.hf_engine import HFEngine
+
+    trajectories = []
+    for question in questions:
+        episode = Episode(question, 0, runtime, seed=seed)
+        prompt = chat.prompt_ids(episode.messages(), episode.tools())
+        episode.on_prompt_tokens(len(prompt))
+        trajectories.append(Trajectory(uid=question.question_id, session_id="n000", episode=episode, prompt_ids=prompt))
+    AgentLoop(HFEngine(model), chat, limits).run(trajectories, Sampling(temperature=temperature),
+                                                 seed_parts=(seed, "sft-eval"))
+    return summarize_episodes([t.episode.to_record_episode() for t in trajectories], cost_per_usd)
+
+
+# ----------------------------------------------------------------------------- the build
+
+
+def sample_questions(split: str, sample_seed: int = 0, per_benchmark: int | None = None) -> list[Question]:
+    """The bundled sample's ``split`` questions, GPQA then LCB (as ``build_sample`` writes them);
+    the first ``per_benchmark`` of each when given."""
+    return [q for (bench, s), count in SAMPLE_COUNTS.items() if s == split
+            for q in generate_questions(bench, split, count, sample_seed)[:per_benchmark]]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _demo_stats(demos: Sequence[Demo]) -> dict:
+    n = len(demos)
+    return {
+        "count": n,
+        "by_benchmark": dict(sorted(Counter(d.benchmark for d in demos).items())),
+        "explores": {str(k): v for k, v in sorted(Counter(d.explores for d in demos).items())},
+        "strategies": dict(sorted(Counter(d.strategy for d in demos).items())),
+        "acc": sum(d.acc for d in demos) / n,
+        "cost_usd": sum(d.cost_usd for d in demos) / n,
+        "objective": sum(d.acc - COST_PER_USD * d.cost_usd for d in demos) / n,
+        "tokens": sum(len(d.input_ids) for d in demos),
+        "trained_tokens": sum(sum(d.loss_mask) for d in demos),
+        "max_length": max(len(d.input_ids) for d in demos),
+    }
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """Rename ``staging`` to ``out``; an existing ``out`` is moved aside first, then removed, so
+    ``out`` is at every moment either the old folder or the complete new one (or briefly absent)."""
+    if not out.exists():
+        os.rename(staging, out)
+        return
+    if not out.is_dir():
+        raise NotADirectoryError(f"build_tiny_orchestrator: {out} exists and is not a folder")
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+    os.rename(out, old / out.name)
+    os.rename(staging, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, *,
+                            recipe: SFTRecipe = DEFAULT_RECIPE, sample_seed: int = 0) -> dict:
+    """SFT the tiny model on scripted episodes and save it under ``out`` (see the module docstring).
+
+    ``base``: a tiny model folder (``build_tiny_model``'s layout) to start from; ``None`` builds
+    one with ``build_tiny_model(seed=seed)``. ``sample_seed``: the bundled sample whose train
+    questions are demonstrated and whose validation questions are evaluated. The global torch
+    RNG and thread settings are left as they were. Returns the summary also written to
+    ``out/sft_summary.json``.
+    """
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from atlas_lightning.demo.tiny_model import build_tiny_model
+    from atlas_lightning.rollout.chat import ChatFormat
+
+    started = time.monotonic()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        if base is None:
+            base_dir = staging / ".base"
+            build_tiny_model(base_dir, seed=seed)
+        else:
+            base_dir = Path(base)
+            missing = [name for name in MODEL_FILES if not (base_dir / name).is_file()]
+            if missing:
+                raise FileNotFoundError(f"build_tiny_orchestrator: base {base_dir} lacks {', '.join(missing)}")
+        base_weights = _sha256(base_dir / "model.safetensors")
+        chat = ChatFormat(AutoTokenizer.from_pretrained(base_dir))
+        pad_id = chat.tokenizer.pad_token_id
+
+        train_questions = sample_questions("train", sample_seed, recipe.train_questions)
+        demos = build_demos(train_questions, chat, TINY_CPU_LIMITS, TINY_CPU_RUNTIME,
+                            per_question=recipe.demos_per_question, seed=seed)
+        val_questions = sample_questions("val_full", sample_seed)
+        val_demos = build_demos(val_questions, chat, TINY_CPU_LIMITS, TINY_CPU_RUNTIME, per_question=1, seed=seed)
+        built_demos = time.monotonic()
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="sdpa")
+            losses = train_on_demos(model, demos, recipe, seed, pad_id)
+            trained = time.monotonic()
+            model.save_pretrained(staging)
+            for name in _TOKENIZER_FILES:
+                shutil.copyfile(base_dir / name, staging / name)
+
+            evaluation = {"val_demo_loss": mean_demo_loss(model, val_demos, pad_id)}
+            if recipe.eval_questions:
+                picked = [q for bench in ("gpqa", "lcb")
+                          for q in [q for q in val_questions if q.benchmark == bench][: recipe.eval_questions]]
+                evaluation["greedy"] = evaluate_policy(model, chat, picked, temperature=0.0, seed=seed)
+                evaluation["sampled"] = evaluate_policy(model, chat, picked, temperature=1.0, seed=seed)
+        evaluated = time.monotonic()
+        shutil.rmtree(staging / ".base", ignore_errors=True)
+
+        made = sorted(p.name for p in staging.iterdir())
+        if made != sorted(MODEL_FILES):
+            raise RuntimeError(f"tiny orchestrator build wrote {made}, expected {sorted(MODEL_FILES)}")
+        tail = losses[-20:]
+        summary = {
+            "out": str(out),
+            "seed": seed,
+            "sample_seed": sample_seed,
+            "base": str(base) if base is not None else None,
+            "base_weights_sha256": base_weights,
+            "recipe": asdict(recipe),
+            "limits": asdict(TINY_CPU_LIMITS),
+            "demos": _demo_stats(demos),
+            "steps": len(losses),
+            "demos_seen": len(losses) * recipe.batch_size,
+            "first_loss": losses[0],
+            "final_loss": sum(tail) / len(tail),
+            "loss_every_10_steps": [round(v, 5) for v in losses[::10]],
+            "eval": evaluation,
+            "seconds": {"demos": round(built_demos - started, 2), "train": round(trained - built_demos, 2),
+                        "eval": round(evaluated - trained, 2), "total": round(evaluated - started, 2)},
+            "torch_threads": torch.get_num_threads(),
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+            "files": {name: _sha256(staging / name) for name in MODEL_FILES},
+        }
+        (staging / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        for path in staging.iterdir():
+            path.chmod(0o644)  # safetensors' temp file would leave the weights owner-only
+        staging.chmod(0o755)  # mkdtemp makes it owner-only
+        _move_into_place(staging, out)
+        return summary
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,225 @@
+"""The run export: ``runs/<name>/<run id>/{history.csv, config.json, summary.json}`` (seed section 2).
+
+``RunExportLogger`` is a Lightning ``Logger`` that writes the same three files W&B's export
+would, without asking W&B: the files exist for offline and disabled runs too, and no network
+is needed to read a run's curves.
+
+- ``history.csv``: one row per RL step (``_step``), columns ``_step``, ``_runtime`` (seconds since
+  this process's logger started), ``_timestamp`` (Unix seconds of the row's last write), then one
+  column per metric name in first-seen order (names are kept verbatim: ``actor/pg_loss``). Several calls at the same step
+  (training metrics, then validation metrics after the update) fill one row. An empty cell: the
+  metric was not logged at that step. Non-finite values are written ``nan``, ``inf``, ``-inf``.
+- ``summary.json``: every metric's last logged value (by RL step), plus ``_step`` (the largest RL
+  step logged). Non-finite values are the strings ``"nan"``, ``"inf"``, ``"-inf"`` (JSON has no NaN).
+- ``config.json``: the resolved run configuration given at construction.
+
+Every file is rewritten whole and atomically (temporary file in the same folder, then
+``os.replace``) after each ``log_metrics`` call: a reader never sees a torn file, and a run killed
+mid-step keeps every earlier row. A logger pointed at an existing folder (a resumed run with the
+same id) reads ``history.csv`` back and continues it.
+
+Who calls it: ``atlas_lightning.loggers.wandb_logger.build_loggers`` creates it; the module calls
+``log_metrics(metrics, step=rl_step)`` on every logger. Only rank 0 writes (Lightning's
+``rank_zero_only``); elsewhere every method is a no-op.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import time
+from argparse import Namespace
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+from lightning.pytorch.loggers.logger import Logger
+from lightning.pytorch.utilities import rank_zero_only
+
+from atlas_lightning.store.atomic import atomic_write_text
+
+HISTORY_NAME = "history.csv"
+SUMMARY_NAME = "summary.json"
+CONFIG_NAME = "config.json"
+#: Columns that are not metrics, in this order at the front of ``history.csv``.
+RESERVED_COLUMNS = ("_step", "_runtime", "_timestamp")
+
+
+def _as_float(name: str, value: Any) -> float:
+    """A metric value as a float; torch/numpy scalars welcome, anything else is an error."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if not isinstance(value, (int, float)):  # bool is an int: True/False log as 1.0/0.0
+        raise TypeError(f"metric {name!r}: value {value!r} ({type(value).__name__}) is not a number")
+    return float(value)
+
+
+def _csv_cell(value: Optional[float]) -> str:
+    if value is None:
+        return ""
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return repr(value)
+
+
+def _json_value(value: float) -> Union[float, str]:
+    if math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+class RunExportLogger(Logger):
+    """Writes ``<runs_dir>/<run_id>/{history.csv, summary.json, config.json}``.
+
+    Args:
+        runs_dir: ``runs/<name>`` of the run (``atlas_lightning.config.run_dirs(cfg)["runs"]``).
+        run_id: the W&B run id, or a generated ``offline-...`` id when W&B is disabled; a safe
+            file-name component.
+        config: the resolved configuration (a plain JSON-able dict) written to ``config.json``.
+    """
+
+    def __init__(self, runs_dir: Union[str, os.PathLike], run_id: str, config: Optional[Mapping[str, Any]] = None):
+        super().__init__()
+        if not run_id or "/" in run_id or run_id in (".", "..") or run_id.startswith("."):
+            raise ValueError(f"RunExportLogger: run_id={run_id!r} is not a usable folder name")
+        self._runs_dir = Path(runs_dir)
+        self._run_id = run_id
+        self._config = dict(config or {})
+        self._started = time.time()
+        self._columns: list[str] = []
+        self._rows: dict[int, dict[str, Any]] = {}
+        self._loaded = False
+
+    # ------------------------------------------------------------------ Lightning's Logger API
+
+    @property
+    def name(self) -> str:
+        return self._runs_dir.name
+
+    @property
+    def version(self) -> str:
+        return self._run_id
+
+    @property
+    def root_dir(self) -> str:
+        return str(self._runs_dir)
+
+    @property
+    def save_dir(self) -> str:
+        return str(self._runs_dir)
+
+    @property
+    def log_dir(self) -> Path:
+        """``runs/<name>/<run id>``: where the three files live."""
+        return self._runs_dir / self._run_id
+
+    @property
+    def experiment(self) -> "RunExportLogger":
+        return self
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Union[dict[str, Any], Namespace], *args: Any, **kwargs: Any) -> None:
+        """The run's config is the resolved configuration given at construction; module hparams
+        are not exported separately. Writes ``config.json`` if not yet written."""
+        self._write_config()
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        """Record ``metrics`` at RL step ``step`` (required: the export is indexed by it) and
+        rewrite the three files. Raises ``TypeError``/``ValueError`` naming the bad metric."""
+        if step is None or isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"RunExportLogger.log_metrics: step={step!r} must be the RL step (an int >= 0)")
+        self._load_existing()
+        values = {}
+        for name, value in metrics.items():
+            if not isinstance(name, str) or not name or name in RESERVED_COLUMNS:
+                raise ValueError(f"RunExportLogger.log_metrics: metric name {name!r} is empty, not a string or reserved")
+            values[name] = _as_float(name, value)
+        now = time.time()
+        row = self._rows.setdefault(step, {"_step": step})
+        row["_runtime"] = now - self._started
+        row["_timestamp"] = now
+        for name, value in values.items():
+            if name not in self._columns:
+                self._columns.append(name)
+            row[name] = value
+        self._write_all()
+
+    @rank_zero_only
+    def save(self) -> None:
+        """Lightning calls this at fit start and on checkpoints: make sure ``config.json`` exists."""
+        self._write_config()
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        if self._rows:
+            self._write_all()
+        else:
+            self._write_config()
+
+    # ------------------------------------------------------------------ reading back
+
+    def history(self) -> list[dict[str, Any]]:
+        """The rows in RL-step order (what ``history.csv`` holds), as dicts."""
+        self._load_existing()
+        return [dict(self._rows[step]) for step in sorted(self._rows)]
+
+    def summary(self) -> dict[str, Any]:
+        """Each metric's last value by RL step, plus ``_step``."""
+        self._load_existing()
+        out: dict[str, Any] = {}
+        for step in sorted(self._rows):
+            for name, value in self._rows[step].items():
+                if name not in RESERVED_COLUMNS:
+                    out[name] = _json_value(value)
+        if self._rows:
+            out["_step"] = max(self._rows)
+        return out
+
+    # ------------------------------------------------------------------ files
+
+    def _load_existing(self) -> None:
+        """Continue an existing ``history.csv`` (a resumed run logging into the same id)."""
+        if self._loaded:
+            return
+        self._loaded = True
+        path = self.log_dir / HISTORY_NAME
+        if not path.exists():
+            return
+        with open(path, newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            header = reader.fieldnames or []
+            if not header or header[0] != "_step":
+                raise ValueError(f"{path}: not a run export history (first column must be _step, got {header[:1]})")
+            self._columns = [name for name in header if name not in RESERVED_COLUMNS]
+            for line, raw in enumerate(reader, start=2):
+                try:
+                    step = int(raw["_step"])
+                    row = {"_step": step}
+                    for name, cell in raw.items():
+                        if name != "_step" and cell not in ("", None):
+                            row[name] = float(cell)
+                except (TypeError, ValueError) as err:
+                    raise ValueError(f"{path}, line {line}: unreadable value ({err})") from None
+                self._rows.setdefault(step, {}).update(row)
+
+    def _write_config(self) -> None:
+        path = self.log_dir / CONFIG_NAME
+        if not path.exists():
+            atomic_write_text(path, json.dumps(self._config, indent=2, sort_keys=False, default=str) + "\n")
+
+    def _write_all(self) -> None:
+        self._write_config()
+        header = list(RESERVED_COLUMNS) + self._columns
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(header)
+        for step in sorted(self._rows):
+            row = self._rows[step]
+            writer.writerow([str(step)] + [_csv_cell(row.get(name)) for name in header[1:]])
+        atomic_write_text(self.log_dir / HISTORY_NAME, buffer.getvalue())
+        atomic_write_text(self.log_dir / SUMMARY_NAME, json.dumps(self.summary(), indent=2) + "\n")

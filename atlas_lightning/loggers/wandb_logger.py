@@ -1,0 +1,156 @@
+"""The run's loggers: W&B (through Lightning's ``WandbLogger``) and our own run export.
+
+``build_loggers(cfg)`` returns, in this order:
+
+1. ``RLStepWandbLogger`` unless ``logger.mode`` resolves to ``disabled``: project, entity and tags
+   from ``cfg.logger``, run name ``cfg.name``, the resolved config as the W&B run config, files under
+   ``<root>/wandb/`` (W&B itself adds the ``wandb/`` level to the ``dir`` it is given, so it gets
+   ``<root>``).
+2. ``RunExportLogger`` (``atlas_lightning.loggers.run_export``) writing
+   ``runs/<name>/<run id>/{history.csv, config.json, summary.json}``.
+
+Both share one run id: the W&B id (8 characters of ``[a-z0-9]``, W&B's own format) or, with W&B
+disabled, ``offline-<UTC time>-<random>``. The id is ``run_id`` when given, else ``WANDB_RUN_ID``
+from the environment (W&B's own convention for continuing a run), else a new one.
+
+Modes (``logger.mode``): ``online``, ``offline``, ``disabled``, or ``auto``: ``WANDB_MODE`` from
+the environment when it names one of those (``dryrun`` counts as ``offline``), else ``online`` when
+``WANDB_API_KEY`` is set, else ``offline``.
+
+Steps: the module calls every logger's ``log_metrics(metrics, step=rl_step)``. W&B's own ``_step``
+*is* the RL step (``run.log(metrics, step=rl_step)``, as verl does), so the W&B charts, the W&B
+export and ``history.csv`` share one x axis; Lightning's optimizer-step count never reaches a
+logger. W&B drops a row logged at a step below one it already has (a resumed run replaying steps
+it had logged); the run export keeps it.
+
+``log_image(trainer, key, path, step)`` logs a PNG to W&B when the trainer has a W&B logger (the
+figures callback calls it; a no-op otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import string
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+from lightning.fabric.utilities.logger import _add_prefix
+from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from omegaconf import DictConfig, OmegaConf
+
+from atlas_lightning.loggers.run_export import RunExportLogger
+from atlas_lightning.config import ConfigError, run_dirs
+
+WANDB_MODES = ("online", "offline", "disabled")
+_ID_ALPHABET = string.ascii_lowercase + string.digits
+
+
+def resolve_wandb_mode(mode: str, environ: Optional[Mapping[str, str]] = None) -> str:
+    """``logger.mode`` -> ``online``, ``offline`` or ``disabled`` (rules in the module docstring)."""
+    environ = os.environ if environ is None else environ
+    if mode in WANDB_MODES:
+        return mode
+    if mode != "auto":
+        raise ConfigError(f"logger.mode={mode!r} is not one of auto, {', '.join(WANDB_MODES)}")
+    from_env = environ.get("WANDB_MODE", "").strip().lower()
+    if from_env == "dryrun":
+        return "offline"
+    if from_env in WANDB_MODES:
+        return from_env
+    return "online" if environ.get("WANDB_API_KEY") else "offline"
+
+
+def new_run_id(wandb_enabled: bool) -> str:
+    """A W&B-style id (8 of ``[a-z0-9]``) or, without W&B, ``offline-YYYYmmddTHHMMSSZ-<6 random>``."""
+    if wandb_enabled:
+        return "".join(secrets.choice(_ID_ALPHABET) for _ in range(8))
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return f"offline-{stamp}-{''.join(secrets.choice(_ID_ALPHABET) for _ in range(6))}"
+
+
+class RLStepWandbLogger(WandbLogger):
+    """Lightning's ``WandbLogger`` with W&B's ``_step`` equal to the step given to ``log_metrics``
+    (the RL step). Lightning's version logs ``trainer/global_step`` and points every chart at it;
+    here nothing else defines the x axis."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)  # W&B warns about the setting even when unset
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        if self._experiment is None:
+            import wandb
+
+            if wandb.run is not None:
+                # Same policy as Lightning: one W&B run a process; a second logger reuses it.
+                rank_zero_warn(f"A W&B run ({wandb.run.id}) is already active in this process and is reused; "
+                               f"the run export keeps the id {self._id}.")
+                self._experiment = wandb.run
+            else:
+                self._experiment = wandb.init(**self._wandb_init)
+        return self._experiment
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        metrics = _add_prefix(dict(metrics), self._prefix, self.LOGGER_JOIN_CHAR)
+        if step is None:
+            self.experiment.log(metrics)
+        else:
+            self.experiment.log(metrics, step=int(step))
+
+
+def build_loggers(cfg: DictConfig, run_id: Optional[str] = None) -> list[Logger]:
+    """The run's loggers (see the module docstring). Creates nothing on disk and starts no W&B
+    process: W&B starts on the first ``experiment`` access (rank 0), the export on the first write."""
+    mode = resolve_wandb_mode(cfg.logger.mode)
+    wandb_enabled = mode != "disabled"
+    run_id = run_id or os.environ.get("WANDB_RUN_ID") or new_run_id(wandb_enabled)
+    dirs = run_dirs(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    loggers: list[Logger] = []
+    if wandb_enabled:
+        loggers.append(
+            RLStepWandbLogger(
+                name=cfg.name,
+                save_dir=str(dirs["wandb"].parent),
+                id=run_id,
+                project=cfg.logger.project,
+                entity=cfg.logger.entity,
+                tags=list(cfg.logger.tags or []),
+                config=config,
+                mode=mode,
+            )
+        )
+    loggers.append(RunExportLogger(dirs["runs"], run_id, config))
+    return loggers
+
+
+def log_image(trainer: Any, key: str, path: Union[str, os.PathLike], step: int) -> bool:
+    """Log the PNG at ``path`` under ``key`` at RL step ``step`` to the trainer's W&B logger.
+
+    Returns True when logged, False when there is no W&B logger or this is not rank 0.
+    Raises ``FileNotFoundError`` naming the path when there is a logger but no file."""
+    if not getattr(trainer, "is_global_zero", True):
+        return False
+    wandb_loggers = [lg for lg in getattr(trainer, "loggers", []) if isinstance(lg, WandbLogger)]
+    if not wandb_loggers:
+        return False
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"log_image({key!r}): no image file at {path}")
+    import wandb
+
+    for logger in wandb_loggers:
+        if isinstance(logger, RLStepWandbLogger):
+            logger.experiment.log({key: wandb.Image(str(path))}, step=int(step))
+        else:
+            logger.log_image(key=key, images=[str(path)], step=int(step))
+    return True

@@ -1,0 +1,43 @@
+"""The one builder of the trained model: ``build_actor_critic`` (``ActorCritic`` from the
+``model`` config group, then its starting adapters).
+
+Who calls it: ``PPOModule.configure_model`` (which shards the result under FSDP2), tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .actor_critic import ACTOR, CRITIC, ActorCritic
+from .adapters import load_adapter
+
+
+def build_actor_critic(model_cfg: Any, *, seed: int = 0, actor_adapter: Optional[str] = None,
+                       critic_adapter: Optional[str] = None,
+                       device: str | torch.device | None = None) -> ActorCritic:
+    """``ActorCritic`` from ``model_cfg`` (``config.ModelConfig``: base path, dtype, LoRA,
+    checkpointing, chunk size, attention, layout, kernels), adapters initialised from ``seed``;
+    then the starting adapters: ``actor_adapter`` / ``critic_adapter`` (PEFT folders), else
+    ``model_cfg.actor_adapter`` / ``critic_adapter``, each checked against this base and LoRA
+    (``adapters.load_adapter``). Unsharded: the caller shards it (``sharding.shard``)."""
+    model = ActorCritic(
+        model_cfg.path,
+        model_cfg.lora,
+        dtype=model_cfg.dtype,
+        gradient_checkpointing=model_cfg.gradient_checkpointing,
+        logprob_chunk_tokens=model_cfg.logprob_chunk_tokens,
+        attn_implementation=model_cfg.attn_implementation,
+        sequence_layout=model_cfg.sequence_layout,
+        fused_lora=model_cfg.fused_lora,
+        checkpoint_layers=model_cfg.checkpoint_layers,
+        lean_activations=model_cfg.lean_activations,
+        init_seed=seed,
+        device=device,
+    )
+    for role, folder in ((ACTOR, actor_adapter or model_cfg.actor_adapter),
+                         (CRITIC, critic_adapter or model_cfg.critic_adapter)):
+        if folder:
+            load_adapter(model, role, folder)
+    return model

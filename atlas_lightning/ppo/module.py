@@ -1,0 +1,562 @@
+"""``PPOModule``: one RL step of PPO with verl's semantics, under Lightning's manual optimization.
+
+Per RL step (one ``RolloutBatch`` of this rank's trajectories; SPEC section 5):
+
+1. ``old_log_prob``: actor log-probs and entropy of every response token (no grad);
+   ``values``: the critic's values; ``ref``: base log-probs (adapter off) when a KL is on.
+   Forward-only passes pack sequences up to ``algorithm.forward_max_token_len_per_gpu``.
+2. ``adv``: token rewards (minus ``kl_coef * KL`` when the KL is in the reward), GAE over
+   response tokens skipping tool tokens, returns = advantages + values, advantages whitened
+   over the whole batch on all ranks.
+3. ``update_critic`` then ``update_actor`` (verl's order): ``ppo_epochs`` x mini-batches
+   (``train_batch_size / ppo_mini_batch_size`` of them; mini-batch ``j`` is the ``j``-th
+   contiguous chunk of every rank's trajectories, as verl splits each data-parallel shard)
+   x micro-batches packed to ``algorithm.ppo_max_token_len_per_gpu`` tokens, the same number
+   on every rank (FSDP collectives); losses normalised by the mini-batch's token count on all
+   ranks (verl's ``token-mean`` with ``dp_size``), gradient clipping, one optimizer step per
+   mini-batch. A non-finite gradient norm skips that optimizer step and is counted.
+
+Non-finite values (entropy, log-probs, values, losses, gradient norms) are checked before
+any optimizer step that depends on them; when one is found, the step's remaining optimizer
+steps are not taken and the step output says ``finite: False`` with a diagnostic (the
+NaN guard callback decides what happens next; checkpoints skip such steps).
+
+Steps are RL steps: ``rl_step`` is the batch's 1-based step and is what every metric,
+folder and file is named by. Lightning's ``trainer.global_step`` counts optimizer steps and
+is never shown to users.
+
+What is sharded: with ``ModelParallelStrategy`` every decoder layer, the value head and the
+root are FSDP2 units over the data-parallel mesh (``models/sharding.py``). What is saved:
+the two adapters as PEFT folders and, in Lightning's checkpoint, only trainable tensors
+(LoRA factors, value head) and optimizer states, never the frozen base.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from atlas_lightning import distributed as dist_utils
+from atlas_lightning.algorithms import ppo
+from atlas_lightning.algorithms.functional import masked_mean, masked_whiten
+from atlas_lightning.algorithms.kl import apply_kl_penalty, kl_penalty
+from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
+from atlas_lightning.models.packing import PackedBatch, pack_sequences
+from atlas_lightning.rollout.batch import RolloutBatch
+
+
+class PPOModule(L.LightningModule):
+    def __init__(self, cfg: DictConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.automatic_optimization = False
+        # Checkpoints hold trainable tensors only; the frozen base comes from model.path.
+        self.strict_loading = False
+        self.model = None
+        self.rl_step = 0
+        self.skipped_optimizer_steps = {"actor": 0, "critic": 0}
+
+    # -- model and optimizers -------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from atlas_lightning.models.build import build_actor_critic
+
+        actor, critic = self._starting_adapters()
+        self.model = build_actor_critic(self.cfg.model, seed=self.cfg.seed, actor_adapter=actor, critic_adapter=critic)
+        mesh = getattr(self, "device_mesh", None)
+        if mesh is not None:
+            from atlas_lightning.models.sharding import shard
+
+            shard(self.model, mesh["data_parallel"])
+
+    def _starting_adapters(self) -> tuple[Optional[str], Optional[str]]:
+        """(actor, critic) PEFT folders to start from: ``model.actor_adapter`` /
+        ``critic_adapter``, else those of ``trainer.init_from`` (another run's ``global_step_N``;
+        the critic only with ``trainer.init_critic``)."""
+        actor, critic = self.cfg.model.actor_adapter, self.cfg.model.critic_adapter
+        if self.cfg.trainer.init_from:
+            step_dir = Path(self.cfg.trainer.init_from)
+            actor = actor or str(step_dir / "actor" / "lora_adapter")
+            if self.cfg.trainer.init_critic:
+                critic = critic or str(step_dir / "critic" / "lora_adapter")
+        return actor, critic
+
+    def configure_optimizers(self):
+        a = self.cfg.algorithm
+        betas = tuple(a.betas)
+        actor = torch.optim.AdamW(self.model.actor_parameters(), lr=a.actor_lr, betas=betas, weight_decay=a.weight_decay)
+        critic = torch.optim.AdamW(self.model.critic_parameters(), lr=a.critic_lr, betas=betas, weight_decay=a.weight_decay)
+        return [actor, critic]
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        return batch  # tensors are built per micro-batch, on the device, as needed
+
+    # -- checkpoint contents --------------------------------------------------------------
+
+    def _trainable_keys(self) -> set[str]:
+        return {name for name, p in self.named_parameters() if p.requires_grad}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        keep = self._trainable_keys()
+        state = checkpoint.get("state_dict")
+        if isinstance(state, dict):
+            for key in [k for k in state if k not in keep]:
+                del state[key]
+        checkpoint["atlas"] = {"rl_step": self.rl_step, "skipped_optimizer_steps": dict(self.skipped_optimizer_steps)}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        atlas = checkpoint.get("atlas", {})
+        self.rl_step = int(atlas.get("rl_step", 0))
+        self.skipped_optimizer_steps.update(atlas.get("skipped_optimizer_steps", {}))
+
+    def save_adapters(self, step_dir: Path) -> None:
+        """``step_dir/{actor,critic}/lora_adapter`` as PEFT folders. Collective; rank 0 writes."""
+        from atlas_lightning.models.adapters import save_adapter
+
+        for name in ("actor", "critic"):
+            save_adapter(self.model, name, Path(step_dir) / name / "lora_adapter")
+
+    def export_actor_adapter(self, folder: Path) -> tuple[int, float]:
+        """Write the actor adapter to ``folder`` (PEFT layout) for the engines and return what
+        was sent: (tensor count, checksum) as ``vllm_engine.lora_checksum`` counts them.
+        Collective; rank 0 writes."""
+        from atlas_lightning.models.adapters import save_adapter
+        from atlas_lightning.models.weights import adapter_state
+        from atlas_lightning.rollout.engines.vllm_engine import lora_checksum
+
+        state = adapter_state(self.model, "actor")
+        save_adapter(self.model, "actor", folder)
+        scaling = self.cfg.model.lora.alpha / self.cfg.model.lora.rank
+        pairs = [(tensor, state[name.replace("lora_A", "lora_B")], scaling)
+                 for name, tensor in state.items() if ".lora_A." in name]
+        return lora_checksum(pairs)
+
+    def merged_weight_buckets(self, bucket_bytes: int):
+        """The actor merged into the base, HF-named, in buckets of at most ``bucket_bytes``.
+        Collective (full tensors are gathered on every rank)."""
+        from atlas_lightning.models.weights import merged_weight_buckets
+
+        return merged_weight_buckets(self.model, "actor", bucket_bytes)
+
+    def merged_weight_packs(self, bucket_bytes: int):
+        """As ``merged_weight_buckets``, each bucket one contiguous buffer ``(buffer, views)``
+        (``models.weights.merged_weight_packs``), for one-shot transfers. Collective."""
+        from atlas_lightning.models.weights import merged_weight_packs
+
+        return merged_weight_packs(self.model, "actor", bucket_bytes)
+
+    def restore_checkpoint(self, step_dir: Path) -> None:
+        """Trainable tensors (LoRA factors, value head) and optimizer states from a complete
+        ``global_step_M`` folder's Lightning state, in place (the NaN guard's rollback).
+        Collective under FSDP2."""
+        from atlas_lightning.store.checkpoints import lightning_state_path
+
+        strategy = self.trainer.strategy
+        checkpoint = strategy.load_checkpoint(lightning_state_path(step_dir))
+        strategy.load_model_state_dict(checkpoint, strict=False)
+        strategy.load_optimizer_state_dict(checkpoint)
+
+    # -- logging --------------------------------------------------------------------------
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        """Send ``metrics`` to every logger at RL step ``step`` (rank 0 only)."""
+        if self.trainer is None or self.trainer.global_rank != 0:
+            return
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, np.floating, np.integer))}
+        for logger in self.trainer.loggers:
+            logger.log_metrics(clean, step=step)
+
+    # -- packing --------------------------------------------------------------------------
+
+    def _sequences(self, batch: RolloutBatch) -> tuple[list[torch.Tensor], list[int]]:
+        seqs, prompts = [], []
+        for record in batch.records:
+            ids = np.concatenate([record.prompt_ids, record.response_ids]).astype(np.int64)
+            seqs.append(torch.from_numpy(ids))
+            prompts.append(len(record.prompt_ids))
+        return seqs, prompts
+
+    def _pack(self, seqs, prompts, indices, width: int) -> PackedBatch:
+        return pack_sequences([seqs[i] for i in indices], [prompts[i] for i in indices], response_length=width).to(self.device)
+
+    def _dummy_pack(self) -> PackedBatch:
+        """A two-token sequence for a rank with an empty micro-batch (loss weight 0)."""
+        return pack_sequences([torch.tensor([0, 0])], [1], response_length=1).to(self.device)
+
+    def _plan(self, lengths: list[int], budget: int) -> list[list[int]]:
+        """This rank's micro-batches of sequence indices within ``budget`` tokens as the model's
+        layout counts them (packed: the sum; padded: count x longest), as many as the rank
+        needing most (collective: every rank must run the same number of passes under FSDP2)."""
+        planner = plan_padded_micro_batches if self.model.sequence_layout == "padded" else plan_micro_batches
+        local = len(planner(lengths, budget, allow_oversized=True).micro_batches) if lengths else 0
+        count = int(max(dist_utils.all_reduce_max([local])[0], 1))
+        if not lengths:
+            return [[] for _ in range(count)]
+        return [list(mb) for mb in planner(lengths, budget, num_micro_batches=count,
+                                           allow_oversized=True).micro_batches]
+
+    # -- forward-only passes --------------------------------------------------------------
+
+    @torch.no_grad()
+    def _forward_all(self, seqs, prompts, width: int, mode: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(bs, width)`` per-response-token outputs of ``mode`` (actor: log-probs and
+        entropy; critic: values; base: log-probs), zero where there is no token."""
+        bs = len(seqs)
+        main = torch.zeros(bs, width, device=self.device)
+        entropy = torch.zeros(bs, width, device=self.device) if mode == "actor" else None
+        temperature = self.cfg.rollout.temperature
+        for indices in self._plan([len(s) for s in seqs], self.cfg.algorithm.forward_max_token_len_per_gpu):
+            packed = self._pack(seqs, prompts, indices, width) if indices else self._dummy_pack()
+            if mode == "actor":
+                lp, ent = self.model.actor_forward(packed, temperature=temperature, compute_entropy=True)
+            elif mode == "critic":
+                lp, ent = self.model.critic_forward(packed), None
+            else:
+                lp, ent = self.model.base_forward(packed, temperature=temperature), None
+            if not indices:
+                continue
+            rows = torch.as_tensor(indices, device=self.device)[packed.response_row]
+            main[rows, packed.response_col] = lp.float()
+            if ent is not None:
+                entropy[rows, packed.response_col] = ent.float()
+        return main, entropy
+
+    # -- the RL step ----------------------------------------------------------------------
+
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict:
+        self.rl_step = batch.step
+        cfg = self.cfg.algorithm
+        timing = dict(batch.timing)
+        started = time.monotonic()
+        nonfinite: dict[str, Any] = {}
+        self.model.train()
+
+        seqs, prompts = self._sequences(batch)
+        mask = batch.padded("response_mask").to(self.device)
+        width = mask.shape[1]
+        scores = batch.padded("token_rewards").to(self.device)
+
+        with _timed(timing, "old_log_prob"):
+            old_log_prob, entropy = self._forward_all(seqs, prompts, width, "actor")
+        with _timed(timing, "values"):
+            values, _ = self._forward_all(seqs, prompts, width, "critic")
+        ref_log_prob = None
+        if cfg.use_kl_loss or cfg.use_kl_in_reward:
+            with _timed(timing, "ref"):
+                ref_log_prob, _ = self._forward_all(seqs, prompts, width, "base")
+        _check_finite(nonfinite, batch, mask, old_log_prob=old_log_prob, entropy=entropy, values=values,
+                      ref_log_prob=ref_log_prob)
+        _agree_on_nonfinite(nonfinite, "forward")
+
+        metrics: dict[str, float] = {}
+        with _timed(timing, "adv"):
+            rewards = scores
+            if cfg.use_kl_in_reward:
+                rewards, kl_metrics = apply_kl_penalty(scores, old_log_prob, ref_log_prob, mask, cfg.kl_coef, cfg.kl_penalty)
+                metrics.update(kl_metrics)
+            advantages, returns = ppo.compute_gae_advantage_return(rewards, values, mask, cfg.gamma, cfg.lam)
+            raw_advantages = returns - values
+            advantages = _global_whiten(raw_advantages, mask) if cfg.norm_adv else raw_advantages
+
+        if not nonfinite:
+            with _timed(timing, "update_critic"):
+                metrics.update(self._update("critic", seqs, prompts, width, mask, old_log_prob, values, returns,
+                                            advantages, ref_log_prob, batch, nonfinite))
+        if not nonfinite and self.rl_step > cfg.critic_warmup:
+            with _timed(timing, "update_actor"):
+                metrics.update(self._update("actor", seqs, prompts, width, mask, old_log_prob, values, returns,
+                                            advantages, ref_log_prob, batch, nonfinite))
+        # asynchronous: the rollout overlapped the previous update; the step waited only this long
+        timing["step"] = timing.get("wait_rollout", timing.get("gen", 0.0)) + time.monotonic() - started
+
+        metrics.update(self._data_metrics(batch, mask, scores, rewards, values, returns, advantages, entropy,
+                                          old_log_prob, timing))
+        output = {
+            "step": batch.step,
+            "batch": batch,
+            "tensors": _per_trajectory(batch, mask, values=values, returns=returns, advantages=advantages,
+                                       old_log_probs=old_log_prob, token_rewards=rewards, ref_log_probs=ref_log_prob),
+            "metrics": metrics,
+            "finite": not nonfinite,
+        }
+        if nonfinite:
+            output["nonfinite"] = nonfinite
+        self.log_metrics(metrics, step=batch.step)
+        return output
+
+    def _update(self, role, seqs, prompts, width, mask, old_log_prob, values, returns, advantages, ref_log_prob,
+                batch, nonfinite) -> dict[str, float]:
+        """``ppo_epochs`` x mini-batches x micro-batches of one role; metrics averaged verl's way
+        (over micro-batches, then over ranks)."""
+        cfg = self.cfg.algorithm
+        optimizer = self.optimizers()[0 if role == "actor" else 1]
+        params = self.model.actor_parameters() if role == "actor" else self.model.critic_parameters()
+        world = dist_utils.world_size()
+        num_mini = cfg.train_batch_size // cfg.ppo_mini_batch_size
+        chunks = _contiguous_chunks(len(seqs), num_mini)
+        history: dict[str, list[float]] = {}
+        for _ in range(cfg.ppo_epochs):
+            for chunk in chunks:
+                tokens = float(mask[chunk].sum()) if chunk else 0.0
+                total_tokens = dist_utils.all_reduce_sum([tokens])[0]
+                if total_tokens == 0:
+                    continue
+                optimizer.zero_grad(set_to_none=True)
+                plan = self._plan([len(seqs[i]) for i in chunk], cfg.ppo_max_token_len_per_gpu)
+                for local in plan:
+                    indices = [chunk[i] for i in local]
+                    stats = self._micro_step(role, seqs, prompts, width, indices, mask, old_log_prob, values,
+                                             returns, advantages, ref_log_prob, total_tokens, world)
+                    for key, value in stats.items():
+                        history.setdefault(key, []).append(value)
+                grad_norm = _grad_norm(params, cfg.grad_clip)
+                history.setdefault(f"{role}/grad_norm", []).append(grad_norm)
+                losses = [x for key, vals in history.items() if key.endswith("_loss") for x in vals]
+                local_bad = [name for name, bad in ((f"{role}/loss", not all(map(math.isfinite, losses))),
+                                                    (f"{role}/grad_norm", not math.isfinite(grad_norm))) if bad]
+                if local_bad:
+                    nonfinite.setdefault("what", []).extend(local_bad)
+                if _agree_on_nonfinite(nonfinite, f"update_{role}"):
+                    self.skipped_optimizer_steps[role] += 1
+                    optimizer.zero_grad(set_to_none=True)
+                    break
+                optimizer.step()
+            if nonfinite:
+                break
+        keys = list(_ROLE_METRICS[role]) + (["actor/kl_loss"] if role == "actor" and cfg.use_kl_loss else [])
+        out = _mean_over_ranks({key: history.get(key, []) for key in keys})
+        out[f"{role}/skipped_steps"] = float(self.skipped_optimizer_steps[role])
+        out[f"{role}/lr"] = cfg.actor_lr if role == "actor" else cfg.critic_lr
+        return out
+
+    def _micro_step(self, role, seqs, prompts, width, indices, mask, old_log_prob, values, returns, advantages,
+                    ref_log_prob, total_tokens, world) -> dict[str, float]:
+        cfg = self.cfg.algorithm
+        if not indices:  # this rank has nothing here, but the FSDP collectives need it to take part
+            packed = self._dummy_pack()
+            out = self.model.actor_forward(packed, temperature=self.cfg.rollout.temperature, compute_entropy=False)[0] \
+                if role == "actor" else self.model.critic_forward(packed)
+            self.manual_backward(out.sum() * 0.0)
+            return {}
+        packed = self._pack(seqs, prompts, indices, width)
+        rows = torch.as_tensor(indices, device=self.device)
+        m = mask[rows]
+        agg = dict(loss_agg_mode=cfg.loss_agg_mode, dp_size=world, batch_num_tokens=total_tokens)
+        if role == "critic":
+            vpreds = packed.scatter_responses(self.model.critic_forward(packed))
+            vf_loss, vf_clipfrac = ppo.compute_value_loss(vpreds, returns[rows], values[rows], m, cfg.cliprange_value, **agg)
+            self.manual_backward(vf_loss)
+            local_tokens = float(m.sum())
+            return {"critic/vf_loss": float(vf_loss.detach()) * total_tokens / max(local_tokens, 1.0) / world,
+                    "critic/vf_clipfrac": float(vf_clipfrac),
+                    "critic/vpred_mean": float(masked_mean(vpreds.detach(), m))}
+        log_probs, entropy = self.model.actor_forward(packed, temperature=self.cfg.rollout.temperature,
+                                                      compute_entropy=cfg.entropy_coeff != 0)
+        log_prob = packed.scatter_responses(log_probs)
+        pg_loss, stats = ppo.compute_policy_loss_vanilla(
+            old_log_prob[rows], log_prob, advantages[rows], m, loss_agg_mode=cfg.loss_agg_mode, config=cfg,
+            global_batch_info={"dp_size": world, "batch_num_tokens": total_tokens})
+        loss = pg_loss
+        if cfg.entropy_coeff != 0:
+            ent = packed.scatter_responses(entropy)
+            entropy_loss = ppo.agg_loss(ent, m, **agg)
+            loss = loss - cfg.entropy_coeff * entropy_loss
+        if cfg.use_kl_loss:
+            kld = kl_penalty(log_prob, ref_log_prob[rows], cfg.kl_loss_type)
+            kl_loss = ppo.agg_loss(kld, m, **agg)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            stats["actor/kl_loss"] = float(kl_loss.detach())
+        self.manual_backward(loss)
+        local_tokens = float(m.sum())
+        scale = total_tokens / max(local_tokens, 1.0) / world  # back to this micro-batch's token mean
+        stats["actor/pg_loss"] = float(pg_loss.detach()) * scale
+        if "actor/kl_loss" in stats:
+            stats["actor/kl_loss"] *= scale
+        return stats
+
+    # -- metrics --------------------------------------------------------------------------
+
+    def _data_metrics(self, batch, mask, scores, rewards, values, returns, advantages, entropy, old_log_prob,
+                      timing) -> dict[str, float]:
+        """verl's data metrics over the whole batch (all ranks), plus reward fields and timing."""
+        n = float(len(batch))
+        token_sum = float(mask.sum())
+        seq_scores = scores.sum(-1)
+        seq_rewards = rewards.sum(-1)
+        sums = dist_utils.all_reduce_sum([
+            n, token_sum, float(seq_scores.sum()), float(seq_rewards.sum()),
+            float((advantages * mask).sum()), float((returns * mask).sum()), float((values * mask).sum()),
+            float((entropy * mask).sum()) if entropy is not None else 0.0,
+            float(sum(batch.sequence_lengths())),
+            float(((old_log_prob - batch.padded("response_logprobs").to(self.device)).abs() * mask).sum()),
+        ])
+        n_all, tokens_all = max(sums[0], 1.0), max(sums[1], 1.0)
+        world = dist_utils.world_size()
+        out = {
+            "critic/score/mean": sums[2] / n_all,
+            "critic/rewards/mean": sums[3] / n_all,
+            "critic/advantages/mean": sums[4] / tokens_all,
+            "critic/returns/mean": sums[5] / tokens_all,
+            "critic/values/mean": sums[6] / tokens_all,
+            "actor/entropy": sums[7] / tokens_all,
+            "rollout/logprob_diff_mean": sums[9] / tokens_all,
+            "perf/total_num_tokens": sums[8],
+            "perf/throughput": sums[8] / max(timing.get("step", 1e-9), 1e-9) / world,
+            "training/rl_step": float(batch.step),
+        }
+        # Reward means and batch-level metrics: averaged over ranks weighted by trajectories.
+        local = batch.metrics()
+        gathered = dist_utils.gather_objects((len(batch), local, batch.invariants))
+        if gathered is not None:
+            out.update(_combine_batch_metrics(gathered))
+        out = dist_utils.broadcast_object(out)
+        out.update({f"timing_s/{k}": float(v) for k, v in timing.items()})
+        out["rollout/weights_version"] = float(batch.weights_version if batch.weights_version is not None else -1)
+        if batch.staleness is not None:  # versions the rollout lags the trained policy (SPEC 7)
+            out["rollout/staleness"] = float(dist_utils.all_reduce_max([float(batch.staleness)])[0])
+        out["rollout/gen_tokens_per_s"] = batch.stats.tokens_per_second
+        return out
+
+    def validation_step(self, batch, batch_idx):
+        """Nothing: validation rollouts run in ``ValidationCallback`` (the ``validate`` verb
+        drives it from ``on_validation_start``); Lightning needs the hook to exist."""
+        return None
+
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Log-probs (temperature 1) of tokens ``1..`` of ``token_ids`` under the actor, for the
+        weight-sync check. Collective under FSDP2 (every rank calls with the same ids)."""
+        packed = pack_sequences([torch.tensor(token_ids, dtype=torch.int64)], [1]).to(self.device)
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            log_probs, _ = self.model.actor_forward(packed, temperature=1.0, compute_entropy=False)
+        self.model.train(was_training)
+        return log_probs.float().cpu().tolist()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@contextmanager
+def _timed(timing: dict, name: str):
+    start = time.monotonic()
+    yield
+    timing[name] = timing.get(name, 0.0) + time.monotonic() - start
+
+
+def _contiguous_chunks(n: int, parts: int) -> list[list[int]]:
+    """``parts`` contiguous chunks of ``range(n)`` (sizes differ by at most one; may be empty)."""
+    base, extra = divmod(n, parts)
+    chunks, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        chunks.append(list(range(start, start + size)))
+        start += size
+    return chunks
+
+
+def _global_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``masked_whiten`` with mean and unbiased variance over every rank's tokens."""
+    if not dist_utils.is_distributed():
+        return masked_whiten(values, mask)
+    m = mask.to(torch.float64)
+    v = values.to(torch.float64)
+    count, total = dist_utils.all_reduce_sum([float(m.sum()), float((v * m).sum())])
+    if count < 2:
+        raise ValueError("advantage whitening needs at least two response tokens in the batch")
+    mean = total / count
+    sq = dist_utils.all_reduce_sum([float((((v - mean) ** 2) * m).sum())])[0]
+    var = sq / count * (count / (count - 1))
+    return ((values - mean) / math.sqrt(var + 1e-8)).to(values.dtype)
+
+
+def _grad_norm(params, max_norm: float) -> float:
+    """Clip to ``max_norm`` and return the total norm before clipping (DTensor-aware)."""
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(grads, max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def _check_finite(nonfinite: dict, batch: RolloutBatch, mask: torch.Tensor, **tensors) -> None:
+    """Record which of ``tensors`` hold NaN/inf on response tokens, and in which trajectories."""
+    for name, tensor in tensors.items():
+        if tensor is None:
+            continue
+        bad = (~torch.isfinite(tensor)) & mask.bool()
+        if bad.any():
+            rows = bad.any(dim=1).nonzero().flatten().tolist()
+            nonfinite.setdefault("what", []).append(name)
+            nonfinite.setdefault("phase", "forward")
+            nonfinite.setdefault("where", {})[name] = {
+                "count": int(bad.sum()),
+                "trajectories": [f"{batch.records[i].uid}/{batch.records[i].session_id}" for i in rows[:50]],
+            }
+
+
+def _agree_on_nonfinite(nonfinite: dict, phase: str) -> bool:
+    """True on every rank when any rank found a non-finite value (collective): all ranks must
+    then skip the same optimizer steps, or their FSDP collectives would fall out of step."""
+    anywhere = dist_utils.all_reduce_max([1.0 if nonfinite else 0.0])[0] > 0
+    if anywhere and not nonfinite:
+        nonfinite["what"] = ["(found on another rank)"]
+    if anywhere:
+        nonfinite.setdefault("phase", phase)
+    return anywhere
+
+
+def _per_trajectory(batch: RolloutBatch, mask: torch.Tensor, **tensors) -> dict[str, list[np.ndarray]]:
+    out = {}
+    lengths = [len(r.response_ids) for r in batch.records]
+    for name, tensor in tensors.items():
+        if tensor is None:
+            continue
+        cpu = tensor.detach().float().cpu().numpy()
+        out[name] = [cpu[i, :n].astype(np.float32) for i, n in enumerate(lengths)]
+    return out
+
+
+#: The per-micro-batch metrics of each role, in a fixed order (every rank reduces the same list).
+_ROLE_METRICS = {
+    "actor": ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/grad_norm"),
+    "critic": ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"),
+}
+
+
+def _mean_over_ranks(history: dict[str, list[float]]) -> dict[str, float]:
+    """verl's reduction: the mean of every value each rank recorded (micro-batches, optimizer
+    steps), over all ranks. Collective; the keys must be the same on every rank."""
+    keys = list(history)
+    totals = dist_utils.all_reduce_sum([float(sum(history[k])) for k in keys] + [float(len(history[k])) for k in keys])
+    return {k: (totals[i] / totals[len(keys) + i] if totals[len(keys) + i] else 0.0) for i, k in enumerate(keys)}
+
+
+def _combine_batch_metrics(gathered: list) -> dict[str, float]:
+    """Rank-0 merge of every rank's ``RolloutBatch.metrics()``: trajectory-weighted means,
+    maxima where the name says so, invariants recomputed over all trajectories."""
+    from atlas_lightning.reward import batch_invariants
+
+    total = sum(n for n, _, _ in gathered) or 1
+    out: dict[str, float] = {}
+    keys = set().union(*(m.keys() for _, m, _ in gathered))
+    for key in keys:
+        values = [(n, m[key]) for n, m, _ in gathered if key in m]
+        if key.endswith("_max") or key.endswith("/max"):
+            out[key] = max((v for _, v in values), key=abs if key.endswith("events_max") else None)
+        else:
+            out[key] = sum(n * v for n, v in values) / total
+    out.update(batch_invariants([row for _, _, rows in gathered for row in rows]))
+    return out

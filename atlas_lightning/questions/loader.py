@@ -1,0 +1,272 @@
+"""Read and write question parquets: ``<root>/<benchmark>/<split>.parquet`` (SPEC section 10).
+
+The column schema is documented in ``schema.py``. Files named differently are read through a
+column mapping, ``data.columns`` in the config: *our name -> the file's name*. Keys are
+
+- a top-level column: ``question_id``, ``benchmark``, ``problem``, ``ground_truth``,
+  ``candidates``, ``data_source``, ``permutations``, or any of ``data.subset_columns``;
+- a field of the candidate structs, dotted: ``candidates.cost_usd: price_usd`` reads the struct
+  field ``price_usd`` of the (possibly renamed) candidates column as our ``cost_usd``.
+
+Unmapped names are read as they are. Extra columns in a file are ignored. A subset column
+(``data.subset_columns``, default ``[subset]``) that the file lacks is skipped: validation shows
+the subset views of the columns the data has. Every other problem is a ``DataError`` naming the
+file, and for a bad value the row and the field::
+
+    gpqa/train.parquet row 17 (question_id=gpqa-0017) field candidates[3].cost_usd: NaN
+
+Who calls it: the RolloutDataModule (``load_split``), the sample builder and tests
+(``write_questions``), the CLI's ``data`` verbs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from atlas_lightning.questions.rows import DataError, question_from_row, question_to_row
+from atlas_lightning.questions.schema import (
+    BENCHMARKS,
+    CANDIDATE_FIELDS,
+    OPTIONAL_COLUMNS,
+    REQUIRED_COLUMNS,
+    Candidate,
+    Question,
+)
+
+__all__ = ["DataError", "load_questions", "load_split", "write_questions", "question_file"]
+
+_CANDIDATE_TYPE = pa.struct(
+    [
+        ("answer", pa.string()),
+        ("approach", pa.string()),
+        ("confidence", pa.float64()),
+        ("cost_usd", pa.float64()),
+        ("is_correct", pa.bool_()),
+        ("solver_model", pa.string()),
+    ]
+)
+
+
+def question_file(root: str | os.PathLike, benchmark: str, split: str) -> Path:
+    """``<root>/<benchmark>/<split>.parquet``; refuses an unknown benchmark or a split with a path in it."""
+    if benchmark not in BENCHMARKS:
+        raise DataError(f"unknown benchmark {benchmark!r} (known: {', '.join(BENCHMARKS)})")
+    if not split or "/" in split or "\\" in split or split.startswith("."):
+        raise DataError(f"split {split!r} must be a plain file stem such as 'train' or 'val_full'")
+    return Path(root) / benchmark / f"{split}.parquet"
+
+
+def _check_mapping(columns: Mapping[str, str], subset_columns: Sequence[str]) -> dict[str, str]:
+    known = set(REQUIRED_COLUMNS) | set(OPTIONAL_COLUMNS) | set(subset_columns)
+    known |= {f"candidates.{name}" for name in CANDIDATE_FIELDS}
+    mapping = {}
+    for ours, theirs in columns.items():
+        if ours not in known:
+            raise DataError(
+                f"data.columns: unknown column {ours!r}; known: {', '.join(sorted(known))}"
+            )
+        if not isinstance(theirs, str) or not theirs:
+            raise DataError(f"data.columns.{ours}: expected the file's column name, got {theirs!r}")
+        mapping[str(ours)] = theirs
+    return mapping
+
+
+def _read_table(path: Path, label: str) -> pa.Table:
+    if not path.is_file():
+        raise DataError(f"{label}: no such file ({path})")
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{label}: not a readable parquet file ({err})") from None
+
+
+def _rename_candidate_fields(
+    table: pa.Table, column: str, mapping: dict[str, str], label: str
+) -> list[dict[str, Any]] | None:
+    """The candidates column as Python lists of dicts keyed by our field names.
+
+    Missing struct fields are refused here, for the whole file; values are checked per row later.
+    Returns ``None`` when the column is not ``list<struct>`` (the row check then names the row).
+    """
+    kind = table.schema.field(column).type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(kind.value_type):
+        return None
+    present = {kind.value_type.field(i).name for i in range(kind.value_type.num_fields)}
+    for ours in CANDIDATE_FIELDS:
+        theirs = mapping.get(f"candidates.{ours}", ours)
+        if theirs not in present:
+            renamed = f" (mapped to {theirs!r})" if theirs != ours else ""
+            raise DataError(
+                f"{label} field candidates.{ours}{renamed}: missing from the candidate struct, "
+                f"which has {', '.join(sorted(present))}"
+            )
+    rename = {mapping.get(f"candidates.{ours}", ours): ours for ours in CANDIDATE_FIELDS}
+    rows = table.column(column).to_pylist()
+    return [
+        None if cands is None else [
+            None if c is None else {rename[k]: v for k, v in c.items() if k in rename} for c in cands
+        ]
+        for cands in rows
+    ]
+
+
+def load_questions(
+    root: str | os.PathLike,
+    benchmark: str,
+    split: str,
+    columns: Mapping[str, str] | None = None,
+    subset_columns: Sequence[str] = ("subset",),
+) -> list[Question]:
+    """All questions of ``<root>/<benchmark>/<split>.parquet``, in file order, every value checked.
+
+    ``columns``: our name -> the file's column name (see the module docstring).
+    ``subset_columns``: our names of the subset columns; those absent from the file are skipped.
+    Raises ``DataError`` naming the file (and row and field for a bad value): missing file,
+    unreadable or truncated parquet, missing column, wrong type, null, NaN or negative cost,
+    confidence outside [0, 1], empty candidate list, duplicate question id, a row of another or
+    unknown benchmark, a permutation that is not one of ``range(len(candidates))``, an empty file.
+    """
+    path = question_file(root, benchmark, split)
+    label = f"{benchmark}/{split}.parquet"
+    subset_columns = tuple(subset_columns)
+    mapping = _check_mapping(dict(columns or {}), subset_columns)
+    table = _read_table(path, label)
+    names = set(table.column_names)
+
+    def file_name(ours: str) -> str:
+        return mapping.get(ours, ours)
+
+    for ours in REQUIRED_COLUMNS:
+        if file_name(ours) not in names:
+            renamed = f" (mapped to {file_name(ours)!r})" if file_name(ours) != ours else ""
+            raise DataError(
+                f"{label} field {ours}{renamed}: missing column; the file has {', '.join(table.column_names)}"
+            )
+    present_subsets = tuple(name for name in subset_columns if file_name(name) in names)
+    wanted = [name for name in (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS, *present_subsets) if file_name(name) in names]
+    wanted = list(dict.fromkeys(wanted))  # "subset" is both optional and a subset column
+    if table.num_rows == 0:
+        raise DataError(f"{label}: no questions (0 rows)")
+
+    values = {ours: table.column(file_name(ours)).to_pylist() for ours in wanted if ours != "candidates"}
+    candidates = _rename_candidate_fields(table, file_name("candidates"), mapping, label)
+    values["candidates"] = candidates if candidates is not None else table.column(file_name("candidates")).to_pylist()
+
+    questions: list[Question] = []
+    first_row: dict[str, int] = {}
+    for index in range(table.num_rows):
+        row = {ours: column[index] for ours, column in values.items()}
+        question = question_from_row(row, f"{label} row {index}", benchmark, present_subsets)
+        if question.question_id in first_row:
+            raise DataError(
+                f"{label} row {index} (question_id={question.question_id}) field question_id: "
+                f"duplicate of row {first_row[question.question_id]}"
+            )
+        first_row[question.question_id] = index
+        questions.append(question)
+    return questions
+
+
+def load_split(cfg_data: Any, split: str, max_per_benchmark: int | None = None) -> list[Question]:
+    """The questions of ``split`` (a file stem, e.g. ``cfg.data.val_split``) for every benchmark.
+
+    ``cfg_data``: anything with ``root``, ``benchmarks``, ``columns`` and ``subset_columns``
+    (``DataConfig``, its DictConfig, a namespace). Order is stable: benchmarks in configured order,
+    then file order. ``max_per_benchmark`` keeps the first N of each file (e.g.
+    ``data.val_max_questions``); None keeps all. Question ids are unique within a benchmark only:
+    key questions by ``(benchmark, question_id)``.
+    """
+    benchmarks = list(cfg_data.benchmarks)
+    if not benchmarks:
+        raise DataError("data.benchmarks: no benchmark configured")
+    repeated = sorted({b for b in benchmarks if benchmarks.count(b) > 1})
+    if repeated:
+        raise DataError(f"data.benchmarks: {', '.join(repeated)} listed twice")
+    if max_per_benchmark is not None and max_per_benchmark <= 0:
+        raise DataError(f"max_per_benchmark={max_per_benchmark} must be positive (or None for all)")
+    questions: list[Question] = []
+    for benchmark in benchmarks:
+        loaded = load_questions(
+            cfg_data.root,
+            benchmark,
+            split,
+            columns=dict(cfg_data.columns or {}),
+            subset_columns=tuple(cfg_data.subset_columns or ()),
+        )
+        questions.extend(loaded if max_per_benchmark is None else loaded[:max_per_benchmark])
+    return questions
+
+
+def _table(questions: Sequence[Question], where: str) -> pa.Table:
+    subset_names = sorted(questions[0].subsets) if questions else []
+    reserved = set(REQUIRED_COLUMNS) | (set(OPTIONAL_COLUMNS) - {"subset"})
+    for name in subset_names:
+        if name in reserved:
+            raise DataError(f"{where} item 0 field subsets: {name!r} clashes with a column of the schema")
+    rows = []
+    first_item: dict[str, int] = {}
+    for index, question in enumerate(questions):
+        if not isinstance(question, Question):
+            raise DataError(f"{where} item {index}: expected a Question, got {type(question).__name__}")
+        if sorted(question.subsets) != subset_names:
+            raise DataError(
+                f"{where} item {index} (question_id={question.question_id}) field subsets: has "
+                f"{sorted(question.subsets)}, item 0 has {subset_names}; a file has one set of subset columns"
+            )
+        for k, candidate in enumerate(question.candidates):
+            if not isinstance(candidate, Candidate):
+                raise DataError(
+                    f"{where} item {index} (question_id={question.question_id}) field candidates[{k}]: "
+                    f"expected a Candidate, got {type(candidate).__name__}"
+                )
+        row = question_to_row(question)
+        # The same checks as reading, so that every file written here loads.
+        question_from_row(row, f"{where} item {index}", question.benchmark, tuple(subset_names))
+        if question.question_id in first_item:
+            raise DataError(
+                f"{where} item {index} (question_id={question.question_id}) field question_id: "
+                f"duplicate of item {first_item[question.question_id]}"
+            )
+        first_item[question.question_id] = index
+        rows.append(row)
+    schema = pa.schema(
+        [
+            ("question_id", pa.string()),
+            ("benchmark", pa.string()),
+            ("problem", pa.string()),
+            ("ground_truth", pa.string()),
+            ("data_source", pa.string()),
+            *[(name, pa.string()) for name in subset_names],
+            ("candidates", pa.list_(_CANDIDATE_TYPE)),
+            ("permutations", pa.list_(pa.list_(pa.int32()))),
+        ]
+    )
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def write_questions(path: str | os.PathLike, questions: Iterable[Question]) -> None:
+    """Write ``questions`` to the parquet ``path`` atomically (temp file, then ``os.replace``).
+
+    Every question passes the loader's checks first (a ``DataError`` names the item and field),
+    all questions share one set of subset keys, and question ids are unique. Output bytes depend
+    only on the questions (and the pyarrow version): same input, identical file.
+    """
+    path = Path(path)
+    questions = list(questions)
+    table = _table(questions, str(path.name))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A per-process name in the same folder: os.replace is then atomic, and the file gets the
+    # usual permissions (mkstemp's would be 0600).
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,316 @@
+"""``RolloutDataModule``: questions in, one ``RolloutBatch`` per RL step out.
+
+Contract:
+
+- RL steps are 1-based, as verl's: step ``N`` is the N-th rollout batch, sampled with the
+  weights after ``N - 1`` updates; validation "before training" is step 0.
+- Step ``N`` samples the questions ``QuestionSampler.step_indices(N - 1)`` (a pure function
+  of the seed and the step), ``rollout.n`` samples each. With several engines (``world_size / TP``),
+  engine ``g`` serves the ``g``-th share of the questions; the ranks of one TP group feed it
+  identical requests and then keep their own share of its trajectories.
+- Synchronous mode is strictly on-policy: the train dataloader has a length (``total_steps``),
+  which stops Lightning from fetching a batch ahead, and a step's rollout runs only when the
+  loop asks for that step, i.e. after the previous step's update and weight sync. Each batch
+  carries ``weights_version``, the adapter version the engine served while sampling.
+- Asynchronous mode (``layout.mode=separate``): a ``prefetch.RolloutProducer`` thread samples
+  step ``k + 1`` while update ``k`` runs, never more than ``layout.max_staleness`` versions
+  behind the trainer (it waits for the weight sync otherwise). Every batch gets ``staleness``
+  (trainer's version minus the batch's) when it is handed over; after a NaN-guard rollback what
+  was sampled ahead (with the discarded weights) is sampled again on the restored ones. The
+  dataloader stays sized: Lightning itself never fetches ahead, the producer does, within the
+  bound.
+- Every use of the engine (a rollout, a weight sync, validation) holds ``engine_lock``.
+- ``state_dict`` holds the next step to TRAIN (not the next sampled): a resumed run samples
+  exactly what an uninterrupted one would (the sampler and every request seed are functions
+  of the step), and a batch sampled ahead but not trained on is sampled again, never lost or
+  counted twice.
+- The engine is built in ``setup`` (after the process group exists), or attached by a caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Optional
+
+import lightning as L
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, IterableDataset
+
+from atlas_lightning.questions.loader import load_split
+from atlas_lightning.rollout.prefetch import RolloutProducer, WeightsClock
+from atlas_lightning.questions.sampler import QuestionSampler, shard
+from atlas_lightning.questions.schema import Question
+from atlas_lightning.env.episode import Episode, RuntimeConfig
+from atlas_lightning.rollout.agent_loop import AgentLoop, LoopLimits, LoopStats, Sampling, Trajectory
+from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id, trajectory_uid
+from atlas_lightning.rollout.chat import ChatFormat
+from atlas_lightning.rollout.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class _RolloutSteps(IterableDataset):
+    """Yields the datamodule's rollouts for steps ``next_step .. total_steps``: sampled when
+    asked for (synchronous), or by the producer thread ahead of time (asynchronous). Sized, so
+    Lightning does not prefetch."""
+
+    def __init__(self, datamodule: "RolloutDataModule") -> None:
+        self.dm = datamodule
+
+    def __len__(self) -> int:
+        return self.dm.total_steps
+
+    def __iter__(self):
+        if self.dm.asynchronous:
+            yield from self._asynchronous()
+            return
+        while self.dm.next_step <= self.dm.total_steps:
+            step = self.dm.next_step
+            batch = self.dm.handed_over(self.dm.rollout(step), waited_s=None)
+            self.dm.next_step = step + 1
+            yield batch
+
+    def _asynchronous(self):
+        dm = self.dm
+        producer = dm.start_producer(dm.next_step)
+        try:
+            while dm.next_step <= dm.total_steps:
+                step = dm.next_step
+                started = time.monotonic()
+                if producer.rollbacks != dm.clock.rollbacks:
+                    # a NaN-guard rollback restored older weights: what was sampled ahead used the
+                    # discarded ones; sample from here again, on the restored version
+                    log.warning("weights rolled back to v%s: sampling step %d again", dm.weights_version, step)
+                    producer = dm.start_producer(step, base_version=dm.weights_version)
+                batch = producer.take(step)
+                batch = dm.handed_over(batch, waited_s=time.monotonic() - started)
+                dm.next_step = step + 1
+                yield batch
+        finally:
+            producer.stop(timeout_s=0)
+
+
+class RolloutProgress:
+    """A one-line display on rank 0: trajectories done out of the total, tokens a second."""
+
+    def __init__(self, label: str, enabled: bool, every_s: float = 2.0) -> None:
+        self.label, self.enabled, self.every_s = label, enabled, every_s
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int, stats: LoopStats) -> None:
+        now = time.monotonic()
+        if not self.enabled or (done < total and now - self._last < self.every_s):
+            return
+        self._last = now
+        end = "\n" if done == total else "\r"
+        sys.stderr.write(f"{self.label}: {done}/{total} trajectories, {stats.tokens_per_second:,.0f} tok/s{end}")
+        sys.stderr.flush()
+
+
+class RolloutDataModule(L.LightningDataModule):
+    def __init__(self, cfg: DictConfig, engine: Optional[Engine] = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.engine = engine
+        self.next_step = 1
+        self.total_steps = cfg.trainer.total_steps
+        #: The weights version the engine serves (``weights_version``); the weight sync bumps it.
+        self.clock = WeightsClock()
+        #: Held by every use of the engine: a rollout, a weight sync, validation.
+        self.engine_lock = threading.RLock()
+        self.producer: Optional[RolloutProducer] = None
+        self.train_questions: list[Question] = []
+        self.val_questions: list[Question] = []
+        self.chat: Optional[ChatFormat] = None
+        self.rank, self.local_rank, self.world_size = 0, 0, 1
+
+    @property
+    def weights_version(self) -> Optional[int]:
+        """The weights version the engine serves (updates applied; None before the first sync)."""
+        return self.clock.version
+
+    @weights_version.setter
+    def weights_version(self, version: Optional[int]) -> None:
+        self.clock.publish(version)
+
+    @property
+    def asynchronous(self) -> bool:
+        """Rollouts sampled ahead by a producer thread (``layout.mode=separate``)."""
+        return self.cfg.layout.mode == "separate"
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.trainer is not None:
+            self.rank = self.trainer.global_rank
+            self.local_rank = self.trainer.local_rank
+            self.world_size = self.trainer.world_size
+        if self.chat is None:
+            from transformers import AutoTokenizer
+
+            self.chat = ChatFormat(AutoTokenizer.from_pretrained(self.cfg.model.path))
+        if not self.train_questions:
+            self.train_questions = self._fitting(load_split(self.cfg.data, self.cfg.data.train_split), "train")
+            self.val_questions = self._fitting(
+                load_split(self.cfg.data, self.cfg.data.val_split, self.cfg.data.val_max_questions), "val")
+        self.sampler = QuestionSampler(len(self.train_questions), self.cfg.algorithm.train_batch_size,
+                                       seed=self.cfg.data.seed, shuffle=self.cfg.data.shuffle)
+        if self.engine is None:
+            from atlas_lightning.rollout.factory import build_engine
+
+            self.engine = build_engine(self.cfg, self.rank, self.local_rank, self.world_size)
+
+    def _fitting(self, questions: list[Question], split: str) -> list[Question]:
+        """Drop questions whose prompt exceeds ``rollout.max_prompt_length`` (as verl's loader
+        does), saying how many."""
+        limit = self.cfg.rollout.max_prompt_length
+        kept = [q for q in questions if len(self._prompt_ids(Episode(q, 0, self._runtime()))) <= limit]
+        if len(kept) < len(questions):
+            log.warning("%d of %d %s questions have prompts over rollout.max_prompt_length=%d and are skipped",
+                        len(questions) - len(kept), len(questions), split, limit)
+        if not kept:
+            raise ValueError(f"no {split} question fits rollout.max_prompt_length={limit}")
+        return kept
+
+    def _runtime(self) -> RuntimeConfig:
+        return RuntimeConfig(max_explores=self.cfg.rollout.max_explores, max_turns=self.cfg.rollout.max_turns)
+
+    def _prompt_ids(self, episode: Episode) -> list[int]:
+        return self.chat.prompt_ids(episode.messages(), episode.tools())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_RolloutSteps(self), batch_size=None, num_workers=0, collate_fn=_identity)
+
+    def val_dataloader(self) -> DataLoader:
+        """One placeholder batch: the ``validate`` verb runs its rollout from a callback, with the
+        engine and weights Lightning has set up (fit never runs Lightning's validation loop)."""
+        return DataLoader([0], batch_size=None)
+
+    # -- rollouts -------------------------------------------------------------------------
+
+    def _limits(self) -> LoopLimits:
+        r = self.cfg.rollout
+        return LoopLimits(max_response_length=r.max_response_length, max_tokens_per_turn=r.max_tokens_per_turn,
+                          max_model_len=r.max_model_len, max_in_flight=r.max_in_flight,
+                          request_timeout_s=r.request_timeout_s, max_retries=r.max_retries)
+
+    def _engine_world(self) -> tuple[int, int, int]:
+        """(engine index, engines, rank in the engine's TP group) of this rank's requests. In the
+        separate layout each training rank is its own client of the serving engine(s)."""
+        from atlas_lightning.rollout.factory import engine_world
+
+        if self.asynchronous:
+            return self.rank, self.world_size, 0
+        return engine_world(self.rank, self.world_size, self.cfg.rollout.tensor_parallel_size)
+
+    def _trajectories(self, questions: list[Question], samples: int) -> list[Trajectory]:
+        """This rank's trajectories of ``questions``: its engine's share of the questions, then,
+        within a TP group, its own share of the group's trajectories."""
+        engine_index, engines, _ = self._engine_world()
+        trajectories = []
+        for question in shard(questions, engine_index, engines):
+            for sample in range(samples):
+                episode = Episode(question, sample, self._runtime(), seed=self.cfg.seed)
+                prompt = self._prompt_ids(episode)
+                episode.on_prompt_tokens(len(prompt))
+                trajectories.append(Trajectory(uid=trajectory_uid(question.benchmark, question.question_id),
+                                               session_id=session_id(sample), episode=episode, prompt_ids=prompt))
+        return trajectories
+
+    def _run(self, trajectories: list[Trajectory], sampling: Sampling, step: int, partition: str,
+             seed_parts: tuple) -> RolloutBatch:
+        if self.engine is None:
+            raise RuntimeError("RolloutDataModule has no engine: call setup() or pass one")
+        with self.engine_lock:  # one version per batch; no sync under a running rollout
+            started = time.monotonic()
+            version = self.weights_version
+            self.engine.wake_up()
+            progress = RolloutProgress(f"{partition} step {step}", enabled=self.rank == 0)
+            stats = AgentLoop(self.engine, self.chat, self._limits()).run(
+                trajectories, sampling, seed_parts=seed_parts, progress=progress)
+        batch = assemble_batch(
+            self._own_share(trajectories), step=step, partition=partition, run_id=self.cfg.name,
+            cost_per_usd=self.cfg.reward.cost_per_usd, no_submit_reward=self.cfg.reward.no_submit_reward,
+            stats=stats, weights_version=version)
+        batch.timing["gen"] = time.monotonic() - started
+        return batch
+
+    def _own_share(self, trajectories: list[Trajectory]) -> list[Trajectory]:
+        _, _, tp_rank = self._engine_world()
+        tp = 1 if self.asynchronous else self.cfg.rollout.tensor_parallel_size
+        return shard(trajectories, tp_rank, tp)
+
+    # -- hand-over ------------------------------------------------------------------------
+
+    def start_producer(self, first: int, base_version: Optional[int] = None) -> RolloutProducer:
+        """A producer thread sampling steps ``first .. total_steps`` (asynchronous mode); step
+        ``first`` is trained on weights ``base_version`` (default ``first - 1``)."""
+        if self.producer is not None:
+            self.producer.stop(timeout_s=0)
+        self.producer = RolloutProducer(self.rollout, self.clock, first=first, last=self.total_steps,
+                                        max_staleness=int(self.cfg.layout.max_staleness),
+                                        base_version=base_version).start()
+        return self.producer
+
+    def handed_over(self, batch: RolloutBatch, waited_s: Optional[float]) -> RolloutBatch:
+        """``batch`` as the trainer gets it: its ``staleness`` (the trainer's version, i.e. the
+        version the engine serves now, since every update is synced before the next step, minus
+        the batch's), checked against ``layout.max_staleness`` in asynchronous mode; the time
+        the trainer waited for it."""
+        if batch.weights_version is not None and self.weights_version is not None:
+            batch.staleness = self.weights_version - batch.weights_version
+            bound = int(self.cfg.layout.max_staleness)
+            if self.asynchronous and not 0 <= batch.staleness <= bound:
+                raise RuntimeError(f"step {batch.step} was sampled with weights v{batch.weights_version}, the trainer "
+                                   f"holds v{self.weights_version}: staleness {batch.staleness} outside [0, {bound}]")
+        if waited_s is not None:
+            batch.timing["wait_rollout"] = waited_s
+        return batch
+
+    def rollout(self, step: int) -> RolloutBatch:
+        """RL step ``step``'s training rollout on this rank (sampled now, with the weights the
+        engine serves now)."""
+        questions = [self.train_questions[i] for i in self.sampler.step_indices(step - 1)]
+        r = self.cfg.rollout
+        return self._run(self._trajectories(questions, r.n), Sampling(r.temperature, r.top_p, r.top_k), step, "train",
+                         seed_parts=(self.cfg.seed, "train", step))
+
+    def validation_rollout(self, step: int) -> RolloutBatch:
+        """The validation sets through the same agent loop (``rollout.val_temperature``, greedy
+        by default), labelled with the RL step it validates.
+
+        Sampled validation uses the same request seeds at every step (they depend on the run seed,
+        the trajectory and its turn, not on ``step``): common random numbers, so that the change
+        between two validations measures the policy, not a fresh draw of sampling noise."""
+        r = self.cfg.rollout
+        sampling = Sampling(r.val_temperature, 1.0 if r.val_temperature == 0 else r.top_p,
+                            -1 if r.val_temperature == 0 else r.top_k)
+        return self._run(self._trajectories(self.val_questions, r.val_n), sampling, step, "val",
+                         seed_parts=(self.cfg.seed, "val"))
+
+    def probe_token_ids(self) -> list[int]:
+        """The fixed probe sequence of the weight-sync check: the first validation question's
+        prompt (identical on every rank)."""
+        question = (self.val_questions or self.train_questions)[0]
+        return self._prompt_ids(Episode(question, 0, self._runtime()))
+
+    # -- resumable state ------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"next_step": self.next_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_step = int(state["next_step"])
+
+    def teardown(self, stage: Optional[str] = None) -> None:
+        """Stop the producer (what it sampled ahead is dropped)."""
+        if self.producer is not None:
+            self.producer.stop(timeout_s=0)
+            self.producer = None
+
+
+def _identity(batch):
+    return batch

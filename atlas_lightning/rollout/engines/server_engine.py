@@ -1,0 +1,396 @@
+"""vLLM's OpenAI-compatible server as a rollout engine (``rollout.engine=vllm-server``).
+
+``ServerEngine`` is the ``Engine`` the agent loop drives: token IDs in, token IDs and the
+  log-prob of each sampled token out, over ``/v1/completions``; LoRA adapters are swapped with
+  ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+
+The server itself runs as a child process (``server_process.VLLMServer``); this module is its
+client. Who calls it: ``rollout.factory.build_engine`` (one server per engine), the separate
+layout (``separate.py``), tests.
+
+Semantics mirror ``vllm_engine.VLLMEngine`` (same engine arguments, ``processed_logprobs``, a
+seed per request, ``stop_token_ids``, finish reason ``stop``/``length``, a new adapter name on
+every sync). Differences a caller must know:
+
+- The server applies the model's ``generation_config.json`` defaults to every sampling field a
+  request leaves unset, so every request sets them all (penalties neutral, ``min_p`` 0).
+  Its extra EOS ids are applied in both engines alike, so they are left alone.
+- ``set_adapter``'s ``SyncReport`` is computed here, from the adapter folder's safetensors
+  file: the server has no HTTP route to read back what its worker holds. It proves the folder
+  holds what the trainer sent; that the server *serves* it is proven by the weight-sync
+  callback's log-prob probe (``prompt_logprobs`` through the same adapter name), which fails
+  on a stale or missing adapter. ``set_adapter`` also checks that ``/v1/models`` lists the new
+  adapter at that folder and no longer lists the old one.
+- ``load_weights`` (merged-weight sync) is not available here: merged weights reach a server
+  through vLLM's weight-transfer API in the separate layout (``separate.py``,
+  ``weight_transfer.py``); ``sleep``/``wake_up`` are no-ops.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import math
+import queue
+import socket
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+from urllib.parse import urlsplit
+
+import torch
+
+from atlas_lightning.rollout.engine import (
+    AdapterVersion,
+    Engine,
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    SyncReport,
+)
+from atlas_lightning.rollout.engines.server_http import GONE, decode_body, error_message, http_call
+from atlas_lightning.rollout.engines.server_process import VLLMServer, log_tail
+from atlas_lightning.rollout.engines.vllm_engine import lora_checksum
+
+log = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------------------ adapters
+
+
+def adapter_folder_checksum(folder: str | Path) -> tuple[int, float]:
+    """(tensor count, checksum) of a PEFT LoRA folder as ``vllm_engine.lora_checksum`` counts
+    them (each A with its B and scaling ``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA): the
+    numbers ``LightningModule.export_actor_adapter`` returns for the folder it wrote.
+    Raises ``EngineError`` naming the folder when it is not such a folder."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    weights, config_path = folder / "adapter_model.safetensors", folder / "adapter_config.json"
+    if not weights.is_file() or not config_path.is_file():
+        raise EngineError(f"adapter folder {folder}: no adapter_config.json and adapter_model.safetensors there")
+    try:
+        config = json.loads(config_path.read_text())
+        rank, alpha = int(config["r"]), float(config["lora_alpha"])
+        state = load_file(str(weights))
+    except (OSError, ValueError, KeyError) as err:
+        raise EngineError(f"adapter folder {folder}: unreadable ({type(err).__name__}: {err})") from err
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        # per-module scalings would need peft's pattern matching; the trainer never writes them
+        raise EngineError(f"adapter folder {folder}: rank_pattern/alpha_pattern are not supported")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    pairs = []
+    for name, a in state.items():
+        if ".lora_A." in name:
+            b = state.get(name.replace(".lora_A.", ".lora_B."))
+            if b is None:
+                raise EngineError(f"adapter folder {folder}: {name} has no lora_B partner")
+            pairs.append((a, b, scaling))
+    if not pairs:
+        raise EngineError(f"adapter folder {folder}: no LoRA tensors in {weights.name}")
+    return lora_checksum(pairs)
+
+
+# ------------------------------------------------------------------------------ the engine
+
+
+class _Call:
+    """One submission of a request: the worker thread fills ``result`` (always, errors as
+    error results), sets ``gone`` when the server did not answer at all, and publishes the
+    open connection in ``conn`` so that ``abort`` can cut it (vLLM aborts a request whose
+    client disconnects)."""
+
+    __slots__ = ("request", "body", "conn", "cancelled", "gone", "result", "future")
+
+    def __init__(self, request: GenerationRequest, body: bytes) -> None:
+        self.request = request
+        self.body = body
+        self.conn: Optional[http.client.HTTPConnection] = None
+        self.cancelled = False
+        self.gone: Optional[str] = None
+        self.result: Optional[GenerationResult] = None
+        self.future: Optional[Future] = None
+
+
+class ServerEngine(Engine):
+    """An ``Engine`` over a vLLM OpenAI-compatible server at ``url``.
+
+    ``submit`` hands the request to a pool of ``max_in_flight`` threads, each holding one
+    blocking ``/v1/completions`` call (the server batches them continuously); ``poll`` waits
+    at most ``poll_wait_s`` for the first finished call and returns all finished ones. A call
+    that fails at the HTTP level (status, malformed reply, socket timeout after
+    ``request_timeout_s``) becomes a result with ``error`` set, which the agent loop retries;
+    a server that no longer answers (connection refused or reset, and ``/health`` failing, or
+    the owned process exited) makes ``poll`` raise ``EngineError``, now and on every later call.
+
+    ``server``: the ``VLLMServer`` this engine owns and closes in ``close()`` (None when
+    attaching to a server started elsewhere; it must run with runtime LoRA updating on).
+    """
+
+    name = "vllm-server"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        server: Optional[VLLMServer] = None,
+        max_in_flight: int = 64,
+        request_timeout_s: float = 3600.0,
+        poll_wait_s: float = 0.05,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.server = server
+        self.request_timeout_s = request_timeout_s
+        self.poll_wait_s = poll_wait_s
+        self._dead: Optional[str] = None  # final: a gone server does not come back with our adapter
+        self._base = self._base_model_name()
+        self._model = self._base  # what requests name: the served adapter, or the base
+        self._adapter: Optional[str] = None
+        self._syncs = 0
+        self._tag = uuid.uuid4().hex[:6]  # adapter names unique across engines sharing a server
+        self._calls: dict[str, _Call] = {}
+        self._finished: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vllm-server")
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, payload: Optional[dict] = None,
+              timeout: Optional[float] = 300.0) -> tuple[int, dict | str]:
+        """A synchronous exchange; a server that does not answer raises ``EngineError``."""
+        self._raise_if_dead()
+        try:
+            return http_call(self.url, method, path, payload, timeout=timeout)
+        except (OSError, http.client.HTTPException) as err:
+            self._check_alive(f"{method} {path}: {type(err).__name__}: {err}")
+            raise EngineError(f"vllm server {self.url}: {method} {path} failed: {type(err).__name__}: {err}") from err
+
+    def _raise_if_dead(self) -> None:
+        if self._dead is None and self.server is not None and not self.server.alive():
+            try:
+                self.server.check()
+            except EngineError as err:
+                self._dead = str(err)
+        if self._dead is not None:
+            raise EngineError(self._dead)
+
+    def _check_alive(self, why: str) -> None:
+        """After a connection failure: raise ``EngineError`` if the server is gone."""
+        self._raise_if_dead()
+        try:
+            status, _ = http_call(self.url, "GET", "/health", timeout=10.0)
+            if status == 200:
+                return
+            reason = f"/health answered {status}"
+        except (OSError, http.client.HTTPException) as err:
+            reason = f"/health failed: {type(err).__name__}: {err}"
+        where = f"; log {self.server.log_path}:\n{log_tail(self.server.log_path)}" if self.server else ""
+        self._dead = f"vllm server {self.url} is gone ({why}; {reason}){where}"
+        raise EngineError(self._dead)
+
+    def _base_model_name(self) -> str:
+        status, body = self._call("GET", "/v1/models", timeout=30.0)
+        if status != 200 or not isinstance(body, dict):
+            raise EngineError(f"vllm server {self.url}: /v1/models answered {status}: {error_message(body)}")
+        bases = [card["id"] for card in body.get("data", []) if not card.get("parent")]
+        if not bases:
+            raise EngineError(f"vllm server {self.url} serves no base model")
+        return bases[0]
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def _payload(self, request: GenerationRequest) -> dict:
+        spec = request.sampling
+        return {
+            "model": self._model,
+            # int(): numpy integers are not JSON
+            "prompt": [int(t) for t in request.prompt_ids],
+            "max_tokens": int(spec.max_tokens),
+            "temperature": float(spec.temperature),
+            "top_p": float(spec.top_p),
+            "top_k": int(spec.top_k) if spec.top_k > 0 else 0,
+            "seed": None if spec.seed is None else int(spec.seed),
+            "stop_token_ids": [int(t) for t in spec.stop_token_ids],
+            # the sampled token's log-prob, its ID as "token_id:N" (no re-tokenization), and
+            # the IDs once more as a cross-check
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            # neutral values, so that generation_config.json defaults never apply
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "min_p": 0.0,
+            "n": 1,
+            "stream": False,
+        }
+
+    def submit(self, request: GenerationRequest) -> None:
+        old = self._calls.pop(request.request_id, None)
+        if old is not None:  # a resubmission supersedes the earlier call
+            self._cancel(old)
+        call = _Call(request, json.dumps(self._payload(request)).encode())
+        self._calls[request.request_id] = call
+        call.future = self._pool.submit(self._run, call)
+        call.future.add_done_callback(lambda _, c=call: self._finished.put(c))
+
+    def _run(self, call: _Call) -> None:
+        """Worker thread: one blocking completion; never raises."""
+        rid = call.request.request_id
+        if call.cancelled:
+            return
+        parts = urlsplit(self.url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.request_timeout_s)
+        call.conn = conn
+        try:
+            conn.request("POST", "/v1/completions", body=call.body, headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            status, body = response.status, decode_body(response.read())
+        except GONE as err:
+            if not call.cancelled:
+                call.gone = f"{type(err).__name__}: {err}"
+            call.result = GenerationResult(rid, [], [], "error", error=f"no answer from {self.url}: {err!r}")
+            return
+        except (OSError, http.client.HTTPException) as err:
+            call.result = GenerationResult(rid, [], [], "error", error=f"request failed: {type(err).__name__}: {err}")
+            return
+        finally:
+            conn.close()
+        call.result = self._parse(rid, status, body)
+
+    @staticmethod
+    def _parse(rid: str, status: int, body: dict | str) -> GenerationResult:
+        if status != 200 or not isinstance(body, dict):
+            return GenerationResult(rid, [], [], "error", error=f"HTTP {status}: {error_message(body)}")
+        try:
+            choice = body["choices"][0]
+            logprobs = choice.get("logprobs") or {}
+            tokens = logprobs.get("tokens") or []
+            token_ids = [int(t.removeprefix("token_id:")) for t in tokens]
+            values = [float(v) for v in logprobs.get("token_logprobs") or []]
+            reason = choice["finish_reason"]
+        except (KeyError, IndexError, TypeError, ValueError) as err:
+            return GenerationResult(rid, [], [], "error", error=f"malformed completion ({err!r}): {str(body)[:500]}")
+        if len(values) != len(token_ids):
+            return GenerationResult(rid, token_ids, values, "error",
+                                    error=f"{len(token_ids)} tokens but {len(values)} log-probs")
+        if choice.get("token_ids") is not None and list(choice["token_ids"]) != token_ids:
+            return GenerationResult(rid, token_ids, values, "error", error="token_ids disagree with the log-prob tokens")
+        if reason not in ("stop", "length"):
+            return GenerationResult(rid, token_ids, values, "error", error=f"finish_reason={reason!r}")
+        return GenerationResult(rid, token_ids, values, reason)
+
+    def poll(self) -> list[GenerationResult]:
+        self._raise_if_dead()
+        if not self._calls:
+            return []
+        try:
+            finished = [self._finished.get(timeout=self.poll_wait_s)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                finished.append(self._finished.get_nowait())
+            except queue.Empty:
+                break
+        results, gone = [], None
+        for call in finished:
+            rid = call.request.request_id
+            if self._calls.get(rid) is not call or call.result is None:
+                continue  # aborted, superseded, or cancelled before it ran
+            del self._calls[rid]
+            gone = gone or call.gone
+            results.append(call.result)
+        if gone is not None:
+            self._check_alive(gone)  # raises if the server is gone; else they are plain errors
+        return results
+
+    def num_pending(self) -> int:
+        return len(self._calls)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            call = self._calls.pop(rid, None)
+            if call is not None:
+                self._cancel(call)
+
+    @staticmethod
+    def _cancel(call: _Call) -> None:
+        call.cancelled = True
+        if call.future is not None:
+            call.future.cancel()
+        conn = call.conn
+        if conn is not None and conn.sock is not None:
+            try:  # the server sees the disconnect and aborts the request
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Log-probs of tokens ``1..len-1`` under the served adapter, at temperature 1, from
+        vLLM's ``prompt_logprobs`` extension (0: the prompt token's own log-prob only)."""
+        payload = {"model": self._model, "prompt": [int(t) for t in token_ids], "max_tokens": 1, "temperature": 1.0,
+                   "prompt_logprobs": 0, "skip_special_tokens": False}
+        status, body = self._call("POST", "/v1/completions", payload)
+        if status != 200 or not isinstance(body, dict):
+            raise EngineError(f"vllm server {self.url}: prompt log-probs failed, HTTP {status}: {error_message(body)}")
+        entries = body["choices"][0]["prompt_logprobs"]
+        return [float(entries[i][str(token)]["logprob"]) for i, token in enumerate(token_ids) if i > 0]
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def set_adapter(self, adapter: Optional[AdapterVersion]) -> SyncReport:
+        """Unload the served adapter, then load ``adapter.folder`` under a name never used
+        before and name it in every later request (None: serve the bare base). A failure
+        raises ``EngineError`` and leaves the base served, never the previous adapter.
+
+        The report's (count, checksum) are computed from the folder (see the module doc):
+        honest about the folder; the weight-sync probe is what checks the server."""
+        old = self._adapter
+        if old is not None:
+            self._adapter, self._model = None, self._base
+            status, body = self._call("POST", "/v1/unload_lora_adapter", {"lora_name": old})
+            if status != 200:
+                raise EngineError(f"vllm server {self.url} did not unload adapter {old!r}: "
+                                  f"HTTP {status}: {error_message(body)}")
+        if adapter is None:
+            return SyncReport(tensor_count=0, checksum=0.0)
+        count, checksum = adapter_folder_checksum(adapter.folder)
+        self._syncs += 1
+        name = f"{adapter.name}-v{adapter.version}-s{self._syncs}-{self._tag}"
+        path = str(Path(adapter.folder).resolve())
+        status, body = self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        if status != 200:
+            raise EngineError(f"vllm server {self.url} refused the adapter {adapter.folder}: "
+                              f"HTTP {status}: {error_message(body)}")
+        status, body = self._call("GET", "/v1/models", timeout=30.0)
+        cards = {card["id"]: card for card in body.get("data", [])} if isinstance(body, dict) else {}
+        if cards.get(name, {}).get("root") != path or (old is not None and old in cards):
+            raise EngineError(f"vllm server {self.url}: after loading, /v1/models lists {sorted(cards)}; "
+                              f"wanted {name!r} at {path} and not {old!r}")
+        self._adapter = self._model = name
+        return SyncReport(tensor_count=count, checksum=checksum,
+                          extra={"lora_name": name, "checksum_of": "adapter folder (client side)"})
+
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
+        raise NotImplementedError(
+            "vllm-server: merged weights (rollout.weight_sync=merged) reach a server in buckets through vLLM's "
+            "weight-transfer API, in the separate layout (layout.mode=separate, separate.SharedServerEngine); "
+            "use rollout.weight_sync=lora here")
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """A no-op: vLLM's CPU backend has no sleep, and on GPUs the server's ``/sleep`` route
+        exists only in its dev mode; the factory refuses ``enable_sleep_mode`` for servers."""
+
+    def wake_up(self) -> None:
+        """A no-op (see ``sleep``)."""
+
+    def close(self) -> None:
+        """Abort what is pending, stop the threads, and stop the owned server."""
+        self.abort(list(self._calls))
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.server is not None:
+            self.server.close()

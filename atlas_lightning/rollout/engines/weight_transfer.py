@@ -1,0 +1,218 @@
+"""Merged weights to a vLLM server through vLLM 0.32's own weight-transfer API (the trainer side).
+
+One ``ServerWeightTransfer`` per server, held by the training process that sends (rank 0).
+The control plane is vLLM's: its ``HTTPVLLMWeightSyncClient`` on the server's RL routes
+(``/init_weight_transfer_engine`` once, then per sync ``/start_weight_update``, one
+``/update_weights`` per bucket, ``/finish_weight_update`` with the version), which exist when
+the server runs with ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config``. The data
+plane is the backend's:
+
+- ``nccl`` (GPUs): vLLM's ``NCCLWeightTransferEngine`` in the server; here vLLM's trainer
+  endpoint (``nccl_common.trainer_init``) and its packed producer
+  (``packed_nccl_broadcast_producer``), with the packed buffer sized to the bucket
+  (``rollout.bucket_mb``) and ``packed_num_buffers`` of them on each side;
+- ``gloo`` (CPU): ``gloo_transfer.GlooWeightTransferEngine``, registered in the server; each
+  bucket is broadcast as the one contiguous buffer ``merged_weight_packs`` built, and the
+  workers answer with the (count, checksum) of what they received.
+
+The bucket loop is the same for both: for each bucket, ``/update_weights`` (which blocks in
+the server until the bucket has arrived) runs on a side thread while this thread broadcasts.
+After ``finish`` the server's prefix cache is reset (its cached KV was computed with the old
+weights; vLLM's finish does not drop it).
+
+Memory for buckets (``planning``): the sender holds one packed bucket (``merged_weight_packs``)
+plus, with ``nccl``, ``packed_num_buffers`` packed buffers of ``bucket_mb``; each server
+worker holds ``packed_num_buffers`` receive buffers (``nccl``) or one (``gloo``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Optional
+
+import torch
+
+from atlas_lightning.rollout.engine import EngineError, SyncReport, tensor_checksum
+
+log = logging.getLogger(__name__)
+
+#: Buffers each side of the nccl transfer keeps in flight (vLLM's default, double buffering).
+NCCL_NUM_BUFFERS = 2
+BACKENDS = ("gloo", "nccl")
+
+
+def default_backend() -> str:
+    """``nccl`` where there are GPUs, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def bucket_info(views: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> dict:
+    """Names, dtypes, shapes and byte offsets of ``views`` inside ``buffer`` (what the
+    server needs to cut the bucket back into tensors)."""
+    base = buffer.data_ptr()
+    return {
+        "names": [name for name, _ in views],
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in views],
+        "shapes": [list(t.shape) for _, t in views],
+        "offsets": [t.data_ptr() - base for _, t in views],
+        "nbytes": int(buffer.numel() * buffer.element_size()),
+    }
+
+
+class ServerWeightTransfer:
+    """Trainer end of the transfer to the server at ``url`` (``workers`` = its TP x PP ranks).
+
+    ``connect()`` once (collective with the server: both sides join the transfer group);
+    ``send(packs, version)`` per sync, returning what the server received (``gloo``: the
+    workers' own count and checksum; ``nccl``: what was sent, the server has no read-back:
+    the weight-sync probe checks it). Raises ``EngineError`` naming the server on any failure.
+    """
+
+    def __init__(self, url: str, *, backend: str, bucket_bytes: int, workers: int = 1,
+                 timeout_s: float = 600.0, host: str = "127.0.0.1") -> None:
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        if backend not in BACKENDS:
+            raise ValueError(f"weight transfer backend {backend!r} is not one of {BACKENDS}")
+        self.url, self.backend, self.bucket_bytes = url, backend, int(bucket_bytes)
+        self.world_size = 1 + workers
+        self.host = host
+        self.client = HTTPVLLMWeightSyncClient(url, timeout=timeout_s)
+        self.group = None
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _worker_init_info(self, port: int) -> dict:
+        if self.backend == "gloo":
+            return {"master_address": self.host, "master_port": port, "rank_offset": 1,
+                    "world_size": self.world_size}
+        from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+
+        return worker_init_payload(NCCLWeightTransferInitInfo(
+            master_address=self.host, master_port=port, rank_offset=1, world_size=self.world_size, packed=True,
+            packed_buffer_size_bytes=self.bucket_bytes, packed_num_buffers=NCCL_NUM_BUFFERS))
+
+    def _open_endpoint(self, port: int):
+        if self.backend == "gloo":
+            from atlas_lightning.rollout.engines.gloo_transfer import open_group
+
+            return open_group(self.host, port, 0, self.world_size)
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        return trainer_init({"master_address": self.host, "master_port": port, "world_size": self.world_size})
+
+    def connect(self) -> None:
+        """Join the transfer group with the server's workers (they block in
+        ``/init_weight_transfer_engine`` until this side arrives, so that call runs on a side thread)."""
+        from atlas_lightning.rollout.engines.server_http import free_port
+
+        port = free_port(self.host)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(self.client.init_weight_transfer_engine, self._worker_init_info(port))
+            try:
+                self.group = self._open_endpoint(port)
+            finally:
+                self._result(pending, "init_weight_transfer_engine")
+        log.info("weight transfer (%s) connected to %s", self.backend, self.url)
+
+    # -- one sync -------------------------------------------------------------------------
+
+    def send(self, packs: Iterable[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]],
+             version: Optional[int] = None) -> SyncReport:
+        if self.group is None:
+            self.connect()
+        self._call(self.client.start_weight_update, "start_weight_update")
+        count, checksum, buckets, largest = 0, 0.0, 0, 0
+        for buffer, views in packs:
+            held = self._send_bucket(buffer, views)
+            count, checksum = count + held[0], checksum + held[1]
+            buckets += 1
+            largest = max(largest, int(buffer.numel()))
+        self._call(lambda: self.client.finish_weight_update(None if version is None else str(version)),
+                   "finish_weight_update")
+        self._reset_prefix_cache()
+        return SyncReport(tensor_count=count, checksum=checksum,
+                          extra={"buckets": buckets, "largest_bucket_bytes": largest, "backend": self.backend,
+                                 "checksum_of": "received by the server" if self.backend == "gloo" else "sent"})
+
+    def _send_bucket(self, buffer: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> tuple[int, float]:
+        info = bucket_info(views, buffer)
+        if self.backend == "nccl":
+            for key in ("offsets", "nbytes"):
+                info.pop(key)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(self.client.update_weights, info)
+            try:
+                held = self._broadcast(buffer, views)
+            except BaseException:
+                # the server is stuck in the matching collective: never join it (vLLM's nccl
+                # trainer engine does the same); the group is unusable now
+                pool.shutdown(wait=False)
+                self.group = None
+                raise
+            self._result(pending, "update_weights")
+        return held
+
+    def _broadcast(self, buffer: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> tuple[int, float]:
+        if self.backend == "gloo":
+            from atlas_lightning.rollout.engines.gloo_transfer import gather_reports, report_tensor
+
+            self.group.broadcast(buffer.cpu(), 0).wait()
+            reports = gather_reports(self.group, report_tensor(0, 0.0))[1:]
+            first = reports[0]
+            for other in reports[1:]:
+                if not torch.equal(other, first):
+                    raise EngineError(f"weight transfer to {self.url}: the server's workers received different "
+                                      f"buckets ({[r.tolist() for r in reports]})")
+            return int(first[0]), float(first[1])
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        packed_nccl_broadcast_producer(iterator=iter(views), group=self.group, src=0,
+                                       post_iter_func=lambda item: item[1], buffer_size_bytes=self.bucket_bytes,
+                                       num_buffers=NCCL_NUM_BUFFERS)
+        torch.cuda.current_stream().synchronize()
+        return tensor_checksum(t for _, t in views)
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _call(self, fn, what: str) -> None:
+        try:
+            fn()
+        except Exception as err:
+            raise EngineError(f"weight transfer to {self.url}: {what} failed: {type(err).__name__}: {err}") from err
+
+    def _result(self, future, what: str) -> None:
+        try:
+            future.result()
+        except Exception as err:
+            raise EngineError(f"weight transfer to {self.url}: {what} failed: {type(err).__name__}: {err}") from err
+
+    def _reset_prefix_cache(self) -> None:
+        from atlas_lightning.rollout.engines.server_http import error_message, http_call
+
+        status, body = http_call(self.url, "POST", "/reset_prefix_cache", timeout=120.0)
+        if status != 200:
+            raise EngineError(f"vllm server {self.url}: /reset_prefix_cache answered {status}: {error_message(body)}")
+
+    def close(self) -> None:
+        """Leave the transfer group (the server keeps serving)."""
+        group, self.group = self.group, None
+        if group is None:
+            return
+        try:
+            self.client.shutdown_weight_transfer_engine()
+        except Exception as err:  # the server may be gone already
+            log.warning("weight transfer to %s: shutdown failed: %s", self.url, err)
+        if self.backend == "gloo":
+            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+            stateless_destroy_torch_distributed_process_group(group)
+        else:
+            group.destroy()
+
+
+def bucket_bytes_of(bucket_mb: float) -> int:
+    """``rollout.bucket_mb`` in bytes (MiB, as the config documents it)."""
+    return int(math.floor(float(bucket_mb) * 2**20))

@@ -1,0 +1,452 @@
+"""Memory-check mode (SPEC 8): synthetic RL steps with the real model at the full token budget,
+and each card's peak memory for generation, forward-only and backward passes.
+
+    atlas-lightning memory-check experiment=r28-continued-cost-8gpu-t49152-memory
+
+What runs: the real ``PPOModule.training_step`` under a real ``lightning.Trainer`` (one process
+a card; FSDP2 through the same strategy as ``fit``), on ``trainer.memory_check_steps``
+synthetic ``RolloutBatch``es (``synthetic_batch``): every mini-batch of every rank is one
+micro-batch filling ``algorithm.ppo_max_token_len_per_gpu`` exactly, with sequences of a
+~1.5K-token prompt and a response (generated spans and tool-response spans), random token ids,
+a terminal reward. No engine, no data, no runtime is needed for the update phases.
+
+What is measured, per rank and step, phase by phase (``old_log_prob``, ``values``, ``ref`` when
+a KL is on, ``update_critic``, ``update_actor``; the peak counters are reset when each phase
+starts):
+
+* on GPUs: ``torch.cuda.max_memory_allocated`` (torch tensors) and ``max_memory_reserved``
+  (the caching allocator's hold), and the card's used memory (``mem_get_info``) at the end;
+* on CPU: the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``)
+  in GiB: all the process's memory (Python, libraries, tensors), not a GPU figure.
+
+Generation: when vLLM is importable and ``generation`` is on, each rank builds its engine
+(``rollout.factory.build_engine``), generates a burst of requests (``max_in_flight / engines``
+prompts of the synthetic prompt length, ``max_tokens_per_turn`` tokens each) and reports the
+card's used memory (GPU) or the peak resident set (CPU), then puts the engine to sleep where it
+can, so the update phases see what a colocated step sees. Otherwise (and in the separate
+layout, whose training cards never generate) the report says "not measured" and why; nothing
+is ever estimated in its place.
+
+Steady state: before the first step, both optimizers take one step at learning rate 0 with zero
+gradients, so Adam's moments and both adapters' gradients are allocated as they are from the
+second RL step on, and the parameters are unchanged. The first synthetic step therefore
+already shows steady-state peaks.
+
+Output: ``outputs/<name>/memory_check.json`` (rank 0; every rank's phases, the plan's
+prediction for the same config beside each measured peak) and a table on stdout.
+
+Who calls it: ``verbs.memory_check`` (the ``memory-check`` verb; ``fit`` with
+``trainer.memory_check=true`` should dispatch here), ``tests/scale`` (CPU), the device
+script ``tests/scale/device_memory_check.py`` (H200).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import lightning as L
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, IterableDataset
+
+from atlas_lightning import distributed as dist_utils
+from atlas_lightning.ppo.module import PPOModule
+from atlas_lightning.store.records import TrajectoryRecord
+from atlas_lightning.rollout.agent_loop import LoopStats
+from atlas_lightning.rollout.batch import RolloutBatch
+
+GIB = 2**30
+PROMPT_TOKENS = 1536
+TOOL_SPAN = 512
+GENERATED_SPAN = 2048
+PHASE_NAMES = {"actor": "old_log_prob", "critic": "values", "base": "ref"}
+
+
+# ----------------------------------------------------------------------------- synthetic data
+
+
+def sequence_lengths(budget: int, longest: int) -> list[int]:
+    """The fewest equal lengths, none longer than ``longest``, whose sum is ``budget`` less at
+    most one token per sequence: one micro-batch that fills the budget, packed (sum) or padded
+    (``n x max``) alike."""
+    if budget <= 1 or longest <= 1:
+        raise ValueError(f"budget={budget} and longest={longest} must exceed one token")
+    count = math.ceil(budget / longest)
+    return [budget // count] * count
+
+
+def synthetic_batch(cfg: DictConfig, vocab_size: int, *, step: int, rank: int = 0,
+                    sequence_tokens: Optional[int] = None) -> RolloutBatch:
+    """This rank's synthetic rollout for RL step ``step`` (module doc): ``train_batch_size /
+    ppo_mini_batch_size`` mini-batches, each one micro-batch of ``ppo_max_token_len_per_gpu``
+    tokens. ``sequence_tokens`` caps a sequence's length (default: the longest the rollout
+    config allows, ``max_prompt_length + max_response_length``)."""
+    a, r = cfg.algorithm, cfg.rollout
+    longest = sequence_tokens or (r.max_prompt_length + r.max_response_length)
+    lengths = sequence_lengths(a.ppo_max_token_len_per_gpu, min(longest, a.ppo_max_token_len_per_gpu))
+    mini_batches = a.train_batch_size // a.ppo_mini_batch_size
+    rng = np.random.default_rng([int(cfg.seed), step, rank])
+    records, rewards, invariants = [], [], []
+    for index in range(mini_batches * len(lengths)):
+        length = lengths[index % len(lengths)]
+        prompt = max(1, min(PROMPT_TOKENS, r.max_prompt_length, length // 4))
+        response = length - prompt
+        mask = np.ones(response, dtype=np.int8)
+        for start in range(GENERATED_SPAN, response - 1, GENERATED_SPAN + TOOL_SPAN):
+            mask[start:start + TOOL_SPAN] = 0  # a tool response inside the trajectory
+        mask[-1] = 1
+        reward = float(rng.choice([-0.1, 1.0]))
+        dense = np.zeros(response, dtype=np.float32)
+        dense[-1] = reward
+        records.append(TrajectoryRecord(
+            run_id=f"memory-check-{cfg.name}", partition="train", global_steps=step,
+            uid=f"synthetic-r{rank}-q{index:04d}", session_id="n000", attempt_id=0, data_source="synthetic",
+            benchmark="synthetic", question_id=f"q{index:04d}", permutation_id=0, candidate_fingerprint="",
+            ground_truth="", reward_score=reward, num_turns=1, episode={"synthetic": True},
+            reward={"training_reward": reward, "final_reward": reward, "acc": float(reward > 0)},
+            reward_trace={"offsets": [response - 1], "values": [reward]},
+            prompt_ids=rng.integers(0, vocab_size, prompt, dtype=np.int64),
+            response_ids=rng.integers(0, vocab_size, response, dtype=np.int64),
+            response_mask=mask,
+            response_logprobs=-rng.random(response, dtype=np.float32),
+        ))
+        rewards.append(dense)
+        invariants.append({"mapping_sum_error": 0.0, "mapped_slots_minus_events": 0})
+    stats = LoopStats(trajectories=len(records), generated_tokens=int(sum(r.response_mask.sum() for r in records)),
+                      seconds=1.0)
+    return RolloutBatch(step=step, partition="train", records=records, token_rewards=rewards,
+                        invariants=invariants, stats=stats, weights_version=step - 1)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+class PhaseProbe:
+    """Peak memory of a phase on this process's device (module doc for what each backend measures)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.records: list[dict] = []
+        self.cpu_reset = _reset_cpu_peak() if not self.cuda else True
+
+    @property
+    def measures(self) -> str:
+        if self.cuda:
+            return "torch.cuda.max_memory_allocated / max_memory_reserved, reset at each phase"
+        reset = "reset at each phase" if self.cpu_reset else "NOT reset between phases (clear_refs refused)"
+        return f"process peak resident set (VmHWM), {reset}; includes Python and libraries"
+
+    @contextmanager
+    def phase(self, name: str, step: int):
+        started = time.monotonic()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.cpu_reset = _reset_cpu_peak() and self.cpu_reset
+            start = _rss_bytes()
+        yield
+        record = {"phase": name, "step": step, "seconds": time.monotonic() - started, "start_gib": start / GIB}
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            record.update(peak_allocated_gib=torch.cuda.max_memory_allocated(self.device) / GIB,
+                          peak_reserved_gib=torch.cuda.max_memory_reserved(self.device) / GIB,
+                          card_used_gib=(total - free) / GIB)
+        else:
+            record.update(peak_rss_gib=_peak_rss_bytes() / GIB)
+        self.records.append(record)
+
+
+def _reset_cpu_peak() -> bool:
+    """Reset this process's VmHWM (Linux: ``5`` to ``/proc/self/clear_refs``); False if refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_kib(field: str) -> int:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _rss_bytes() -> int:
+    return _status_kib("VmRSS") * 1024
+
+
+def _peak_rss_bytes() -> int:
+    return _status_kib("VmHWM") * 1024
+
+
+# ----------------------------------------------------------------------------- the module
+
+
+class MemoryCheckModule(PPOModule):
+    """``PPOModule`` whose forward-only passes and updates are each wrapped in a ``PhaseProbe``
+    phase; nothing else differs. ``generation``: measure an engine first (module doc)."""
+
+    def __init__(self, cfg: DictConfig, generation: bool = True) -> None:
+        super().__init__(cfg)
+        self.measure_generation = generation
+        self.probe: Optional[PhaseProbe] = None
+        self.generation: dict = {"measured": False, "why": "not requested"}
+        self._engine_box: dict = {}  # the engine stays out of the module's submodules
+
+    def on_train_start(self) -> None:
+        self.probe = PhaseProbe(self.device)
+        self.generation = self._measure_generation() if self.measure_generation else {
+            "measured": False, "why": "not measured (generation=False)"}
+        _prime_optimizers(self.optimizers())
+
+    def _forward_all(self, seqs, prompts, width, mode):
+        with self.probe.phase(PHASE_NAMES[mode], self.rl_step):
+            return super()._forward_all(seqs, prompts, width, mode)
+
+    def _update(self, role, *args, **kwargs):
+        with self.probe.phase(f"update_{role}", self.rl_step):
+            return super()._update(role, *args, **kwargs)
+
+    def _measure_generation(self) -> dict:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            return {"measured": False, "why": "not measured (vllm not installed)"}
+        if self.cfg.layout.mode == "separate":
+            return {"measured": False, "why": "not measured on the training cards: in the separate layout the "
+                                              "engine runs on the serving cards (plan: the generation and "
+                                              "receive_weights phases of the serving cards)"}
+        from atlas_lightning.rollout.engine import GenerationRequest, SamplingSpec
+        from atlas_lightning.rollout.factory import build_engine
+
+        cfg = self.cfg
+        started = time.monotonic()
+        probe = PhaseProbe(self.device)
+        with probe.phase("generation", 0):
+            engine = build_engine(cfg, rank=self.global_rank, local_rank=self.local_rank,
+                                  world_size=self.trainer.world_size)
+            engines = max(1, self.trainer.world_size // cfg.rollout.tensor_parallel_size)
+            count = max(1, min(cfg.rollout.max_in_flight // engines, 256))
+            prompt = min(PROMPT_TOKENS, cfg.rollout.max_prompt_length)
+            vocab = int(self.model.hf_model.get_output_embeddings().weight.shape[0])
+            rng = np.random.default_rng([int(cfg.seed), self.global_rank])
+            requests = [GenerationRequest(f"memory-check-{i}", tuple(int(t) for t in rng.integers(0, vocab, prompt)),
+                                          SamplingSpec(max_tokens=cfg.rollout.max_tokens_per_turn, temperature=1.0))
+                        for i in range(count)]
+            results = engine.generate(requests)
+        record = probe.records[-1]
+        if self.device.type == "cuda":
+            record["measures"] = "card used memory (mem_get_info) after the burst, trainer included"
+        else:
+            record["measures"] = probe.measures
+        engine.sleep()
+        self._engine_box["engine"] = engine
+        return {"measured": True, "requests": count, "prompt_tokens": prompt,
+                "generated_tokens": int(sum(len(r.token_ids) for r in results)),
+                "seconds": time.monotonic() - started, **record}
+
+    def on_train_end(self) -> None:
+        engine = self._engine_box.pop("engine", None)
+        if engine is not None:
+            engine.close()
+
+
+def _prime_optimizers(optimizers) -> None:
+    """One step at learning rate 0 on zero gradients: Adam's moments and the gradients of every
+    parameter exist afterwards, as from the second RL step on; the parameters do not change."""
+    if not isinstance(optimizers, (list, tuple)):
+        optimizers = [optimizers]
+    for wrapped in optimizers:
+        optimizer = getattr(wrapped, "optimizer", wrapped)
+        saved = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+            for param in group["params"]:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+        optimizer.step()
+        for group, lr in zip(optimizer.param_groups, saved):
+            group["lr"] = lr
+
+
+class _SyntheticSteps(IterableDataset):
+    def __init__(self, data: "SyntheticData") -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return self.data.steps
+
+    def __iter__(self):
+        for step in range(1, self.data.steps + 1):
+            yield self.data.batch(step)
+
+
+class SyntheticData(L.LightningDataModule):
+    """``steps`` synthetic batches, each rank its own (``synthetic_batch``)."""
+
+    def __init__(self, cfg: DictConfig, steps: int, vocab_size: int, sequence_tokens: Optional[int] = None) -> None:
+        super().__init__()
+        self.cfg, self.steps, self.vocab_size, self.sequence_tokens = cfg, steps, vocab_size, sequence_tokens
+
+    def batch(self, step: int) -> RolloutBatch:
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        return synthetic_batch(self.cfg, self.vocab_size, step=step, rank=rank, sequence_tokens=self.sequence_tokens)
+
+    def train_dataloader(self):
+        return DataLoader(_SyntheticSteps(self), batch_size=None, collate_fn=lambda batch: batch)
+
+
+class _Collect(L.Callback):
+    """Gathers every rank's phase records after the last step (collective), for rank 0."""
+
+    def __init__(self) -> None:
+        self.gathered: Optional[list] = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        mine = {"rank": trainer.global_rank, "device": str(pl_module.device), "phases": pl_module.probe.records,
+                "measures": pl_module.probe.measures, "generation": pl_module.generation}
+        self.gathered = dist_utils.gather_objects(mine)
+
+
+# ----------------------------------------------------------------------------- the verb
+
+
+def vocab_size_of(cfg: DictConfig) -> int:
+    from atlas_lightning.planning import read_model_shape
+
+    return read_model_shape(cfg.model.path).vocab_size
+
+
+def run_memory_check(cfg: DictConfig, *, generation: bool = True, module: Optional[MemoryCheckModule] = None,
+                     vocab_size: Optional[int] = None, sequence_tokens: Optional[int] = None,
+                     write: bool = True, plan: Any = None) -> Optional[dict]:
+    """Run the synthetic steps (module doc); on rank 0 return the report (also written to
+    ``outputs/<name>/memory_check.json`` and printed), elsewhere None. ``module`` replaces the
+    default ``MemoryCheckModule(cfg)`` (the device script builds its base in place); ``plan``
+    replaces the plan made from ``cfg.model.path`` for the comparison."""
+    from atlas_lightning.config import run_dirs
+    from atlas_lightning.run.wiring import build_strategy
+
+    t = cfg.trainer
+    collect = _Collect()
+    trainer = L.Trainer(accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
+                        strategy=build_strategy(cfg), precision=t.precision, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[collect],
+                        default_root_dir=str(run_dirs(cfg)["outputs"]))
+    module = module or MemoryCheckModule(cfg, generation=generation)
+    data = SyntheticData(cfg, int(t.memory_check_steps), vocab_size or vocab_size_of(cfg), sequence_tokens)
+    started = time.monotonic()
+    trainer.fit(module, datamodule=data)
+    if trainer.global_rank != 0:
+        return None
+    report = build_report(cfg, collect.gathered or [], seconds=time.monotonic() - started, plan=plan)
+    print(format_report(report))
+    if write:
+        from atlas_lightning.store.atomic import atomic_write_text
+
+        path = run_dirs(cfg)["outputs"] / "memory_check.json"
+        atomic_write_text(path, json.dumps(report, indent=1) + "\n")
+        print(f"written: {path}")
+    return report
+
+
+def _peak_key(record: dict) -> str:
+    return "peak_allocated_gib" if "peak_allocated_gib" in record else "peak_rss_gib"
+
+
+def build_report(cfg: DictConfig, ranks: list[dict], *, seconds: float = 0.0, plan: Any = None) -> dict:
+    """The report: per rank and phase the largest peak over the steps, with the plan's
+    prediction (tensors, GiB) and its error against the measured allocation where the measure
+    is the GPU allocator's (the CPU's resident set is not comparable)."""
+    if plan is None:
+        plan = _plan_for(cfg)
+    predicted = {p.name: p for p in plan.phases} if plan is not None else {}
+    summary = []
+    for rank in ranks:
+        by_phase: dict[str, dict] = {}
+        for record in rank["phases"]:
+            key = _peak_key(record)
+            best = by_phase.get(record["phase"])
+            if best is None or record[key] > best[key]:
+                by_phase[record["phase"]] = record
+        for name, record in by_phase.items():
+            row = {"rank": rank["rank"], "phase": name, "peak_gib": record[_peak_key(record)],
+                   "reserved_gib": record.get("peak_reserved_gib"), "step": record["step"]}
+            if name in predicted:
+                row["plan_tensors_gib"] = predicted[name].tensors / GIB
+                if "peak_allocated_gib" in record:
+                    row["plan_error"] = row["plan_tensors_gib"] / record["peak_allocated_gib"] - 1.0
+            summary.append(row)
+    return {
+        "name": cfg.name, "steps": int(cfg.trainer.memory_check_steps), "seconds": seconds,
+        "budgets": {"ppo_max_token_len_per_gpu": int(cfg.algorithm.ppo_max_token_len_per_gpu),
+                    "forward_max_token_len_per_gpu": int(cfg.algorithm.forward_max_token_len_per_gpu)},
+        "measures": ranks[0]["measures"] if ranks else "",
+        "summary": summary, "generation": [r["generation"] for r in ranks], "ranks": ranks,
+        "plan": plan.to_dict() if plan is not None else None,
+    }
+
+
+def _plan_for(cfg: DictConfig):
+    """The plan of ``cfg`` on this machine's card (None when the model folder has no readable shape)."""
+    from atlas_lightning.planning import ShapeError, make_plan
+
+    card = None
+    if torch.cuda.is_available():
+        card = torch.cuda.get_device_properties(0).total_memory / GIB
+    try:
+        return make_plan(cfg, card_gib=card)
+    except (ShapeError, ValueError, OSError):
+        return None
+
+
+def format_report(report: dict) -> str:
+    lines = [f"memory check {report['name']}: {report['steps']} synthetic step(s) at "
+             f"{report['budgets']['ppo_max_token_len_per_gpu']:,} tokens a micro-batch "
+             f"(forward-only {report['budgets']['forward_max_token_len_per_gpu']:,}), {report['seconds']:.0f} s",
+             f"measured: {report['measures']}", "",
+             f"{'rank':>4}  {'phase':<14}{'peak GiB':>10}{'reserved':>10}{'plan GiB':>10}{'plan err':>10}"]
+    for row in report["summary"]:
+        reserved = f"{row['reserved_gib']:.2f}" if row.get("reserved_gib") is not None else "-"
+        planned = f"{row['plan_tensors_gib']:.2f}" if "plan_tensors_gib" in row else "-"
+        error = f"{row['plan_error']:+.1%}" if "plan_error" in row else "-"
+        lines.append(f"{row['rank']:>4}  {row['phase']:<14}{row['peak_gib']:>10.2f}{reserved:>10}{planned:>10}{error:>10}")
+    for rank, gen in enumerate(report["generation"]):
+        if gen.get("measured"):
+            peak = gen.get("card_used_gib", gen.get("peak_rss_gib", float("nan")))
+            lines.append(f"{rank:>4}  generation: {peak:.2f} GiB ({gen.get('measures', '')}), "
+                         f"{gen['requests']} requests, {gen['generated_tokens']} tokens")
+        else:
+            lines.append(f"{rank:>4}  generation: {gen.get('why')}")
+    return "\n".join(lines)
+
+
+def main_verb(cfg: DictConfig) -> int:
+    """``atlas-lightning memory-check``: prepare the run folders, run, exit 0."""
+    from atlas_lightning.run.wiring import prepare_run
+
+    prepare_run(cfg, "memory-check")
+    run_memory_check(cfg, generation=os.environ.get("ATLAS_MEMORY_CHECK_GENERATION", "1") != "0")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - the CLI is atlas-lightning memory-check
+    sys.exit("use: atlas-lightning memory-check experiment=<run>")

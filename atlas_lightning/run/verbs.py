@@ -1,0 +1,121 @@
+"""What each config verb does, once its config has composed and validated (``cli.py``).
+
+``fit`` builds the Lightning pieces from the config: the ``RolloutDataModule`` (questions,
+engines, rollouts), the ``PPOModule`` (the PPO step), the strategy (one device, or FSDP2
+through ``ModelParallelStrategy``), the loggers and the callbacks (weight sync first, the
+configured ones, checkpoints last), then runs ``Trainer.fit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from atlas_lightning import distributed as dist_utils
+from atlas_lightning.run.wiring import build_trainer, prepare_run, resume_path
+
+log = logging.getLogger("atlas_lightning")
+
+
+def fit(cfg: DictConfig) -> int:
+    from atlas_lightning.rollout.datamodule import RolloutDataModule
+    from atlas_lightning.ppo.module import PPOModule
+
+    if cfg.trainer.memory_check:  # the report's memory-check runs: synthetic steps, no rollouts
+        return memory_check(cfg)
+    dirs = prepare_run(cfg, "fit")
+    ckpt = resume_path(cfg)
+    trainer = build_trainer(cfg)
+    module = PPOModule(cfg)
+    datamodule = RolloutDataModule(cfg)
+    started = time.time()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+    if trainer.global_rank == 0:
+        _closing_summary(cfg, dirs, time.time() - started)
+    dist_utils.shut_down()
+    return 0
+
+
+def _closing_summary(cfg: DictConfig, dirs: dict[str, Path], seconds: float) -> None:
+    from atlas_lightning.store.checkpoints import latest_complete
+
+    latest = latest_complete(dirs["checkpoints"])
+    lines = [
+        f"atlas-lightning fit {cfg.name}: done in {seconds / 60:.1f} min",
+        f"  model        {cfg.model.path} (LoRA r{cfg.model.lora.rank}, actor + critic)",
+        f"  config       {dirs['outputs'] / 'config.yaml'}",
+        f"  log          {dirs['outputs'] / 'main.log'}",
+        f"  artifacts    {dirs['artifacts']}",
+        f"  checkpoints  {latest if latest else dirs['checkpoints']}",
+        f"  W&B export   {dirs['runs']}",
+    ]
+    figures = dirs["artifacts"] / "val_figures"
+    if figures.is_dir():
+        lines.append(f"  figures      {figures}")
+    print("\n".join(lines), file=sys.stderr)
+
+
+def _step_of(path: Optional[str]) -> int:
+    """N of a ``.../global_step_N[/...]`` path, else 0."""
+    for part in reversed(Path(path).parts if path else ()):
+        if part.startswith("global_step_") and part[len("global_step_"):].isdigit():
+            return int(part[len("global_step_"):])
+    return 0
+
+
+def validate(cfg: DictConfig) -> int:
+    """The validation sets through the agent loop with the configured weights: a run's
+    checkpoint (``trainer.resume``), another run's step (``trainer.init_from``) or explicit
+    adapters (``model.actor_adapter``), else the fresh adapters. Metrics, the dump
+    ``val_dumps/N.jsonl`` and records are written as in training, N being the step validated."""
+    import lightning as L
+
+    from atlas_lightning.callbacks.validation import ValidationCallback
+    from atlas_lightning.callbacks.weight_sync import WeightSyncCallback
+    from atlas_lightning.rollout.datamodule import RolloutDataModule
+    from atlas_lightning.ppo.module import PPOModule
+
+    prepare_run(cfg, "validate")
+    ckpt = resume_path(cfg)
+    step = _step_of(ckpt or cfg.trainer.init_from or cfg.model.actor_adapter)
+    results: dict = {}
+
+    class _ValidateOnce(L.Callback):
+        def on_validation_start(self, trainer, pl_module):
+            pl_module.rl_step = step
+            WeightSyncCallback().sync(trainer, pl_module, version=step)
+            results.update(ValidationCallback(val_every=1).run_validation(trainer, pl_module, step))
+
+    trainer = build_trainer(cfg, callbacks=[_ValidateOnce()], limit_val_batches=1)
+    trainer.validate(PPOModule(cfg), datamodule=RolloutDataModule(cfg), ckpt_path=ckpt)
+    if trainer.global_rank == 0:
+        shown = {k: v for k, v in sorted(results.items()) if k.endswith(("/acc", "/objective"))}
+        print("\n".join(f"{k:40s} {v:.4f}" for k, v in shown.items()), file=sys.stderr)
+    dist_utils.shut_down()
+    return 0
+
+
+def memory_check(cfg: DictConfig) -> int:
+    """Synthetic steps at the full token budget; each card's peak per phase (``memory_check.py``)."""
+    from atlas_lightning.run.memory_check import main_verb
+
+    return main_verb(cfg)
+
+
+def plan(cfg: DictConfig) -> int:
+    """Per-card memory of each phase, refusals before launch (``planning``); exit 2 when refused.
+    The card's memory comes from ``ATLAS_CARD_GIB`` (default 80)."""
+    from atlas_lightning.planning.cli import run_plan
+
+    return run_plan(cfg)
+
+
+def publish(cfg: DictConfig, weights: bool = False) -> int:
+    from atlas_lightning.hub.publish import publish_from_config
+
+    return publish_from_config(cfg, weights)

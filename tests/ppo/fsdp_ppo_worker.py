@@ -1,0 +1,77 @@
+"""One PPO step of ``PPOModule`` under Lightning at a given world size, on CPU (gloo).
+
+Run as a script (Lightning's launcher re-runs it once per extra rank):
+
+    python tests/ppo/fsdp_ppo_worker.py BATCH.pkl CONFIG.yaml OUT_DIR WORLD_SIZE
+
+``BATCH.pkl`` is a pickled ``RolloutBatch`` of the whole step; each rank trains on its share
+(contiguous, sizes differing by at most one: ``data.sampler.shard``), as the datamodule gives
+each rank its own trajectories. World size 1 uses the single-device strategy, more use FSDP2
+through ``ModelParallelStrategy``. Rank 0 writes ``OUT_DIR/metrics.json`` and the adapters
+(``OUT_DIR/actor``, ``OUT_DIR/critic``) after the step.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+from pathlib import Path
+
+import lightning as L
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader, IterableDataset
+
+from atlas_lightning.questions.sampler import shard
+from atlas_lightning.ppo.module import PPOModule
+from atlas_lightning.run.wiring import build_strategy
+
+
+class _OneStep(IterableDataset):
+    def __init__(self, dm):
+        self.dm = dm
+
+    def __len__(self):
+        return 1
+
+    def __iter__(self):
+        yield self.dm.local_batch()
+
+
+class _FixedBatch(L.LightningDataModule):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def local_batch(self):
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        return self.batch.subset(shard(list(range(len(self.batch))), rank, world))
+
+    def train_dataloader(self):
+        return DataLoader(_OneStep(self), batch_size=None, collate_fn=lambda b: b)
+
+
+class _Capture(L.Callback):
+    def __init__(self, out: Path):
+        self.out = out
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pl_module.save_adapters(self.out)
+        if trainer.global_rank == 0:
+            (self.out / "metrics.json").write_text(json.dumps({"finite": outputs["finite"], **outputs["metrics"]}))
+
+
+def main() -> None:
+    batch_path, config_path, out, world = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+    cfg = OmegaConf.load(config_path)
+    cfg.trainer.devices = world
+    with open(batch_path, "rb") as handle:
+        batch = pickle.load(handle)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=build_strategy(cfg), max_epochs=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[_Capture(out)])
+    trainer.fit(PPOModule(cfg), datamodule=_FixedBatch(batch))
+
+
+if __name__ == "__main__":
+    main()
