@@ -1,15 +1,30 @@
-"""The two reward invariants logged every step (SPEC section 4), per trajectory and per batch.
+"""The two reward invariants logged every step (SPEC section 4), per trajectory and per batch,
+measured on what PPO actually receives: the float32 per-token reward array of the trajectory
+(``placement.token_level_rewards``; ``RolloutBatch.padded("token_rewards")`` copies it into
+the step's ``(bs, response_length)`` float32 tensor unchanged).
 
-Per trajectory (definitions of *reward event* and *mapped slot* in ``placement.py``):
+Per trajectory, with ``r`` that float32 array and the reward events of the event log
+(``placement.designated_slots``; each event's expected value ``v_e`` is its slot's value,
+``placement.slot_value``):
 
-- ``mapping_sum_error`` = | sum of the placed values - ``final_reward`` |;
-- ``mapped_slots_minus_events`` = (number of mapped slots) - (number of reward events).
+- ``mapping_sum_error`` = | sum_t r[t] - sum_e f32(v_e) |, both sums exact (``math.fsum`` over
+  the float32 values). ``sum_e f32(v_e)`` is ``final_reward`` as PPO can receive it: each
+  event's value rounded once to float32, the pieces that could not be placed (a terminal reward
+  with no generated token, ``unplaced``) included, so such a piece shows here. It differs from
+  the float64 ``final_reward`` by the float32 rounding of the pieces alone (at most half a
+  float32 ulp of each, ~1e-8 for these rewards), which is a property of the dtype, not of the
+  mapping; that is why the error is 0 exactly on every clean episode.
+- ``mapped_slots_minus_events`` = (positions of ``r`` holding a non-zero value) - (reward events
+  whose expected float32 value is non-zero). A reward event of value exactly 0 (a $0.00
+  candidate's explore, a wrong submit with no shaping) puts nothing PPO can see on its token:
+  a dense array cannot tell a zero that was placed from one that was not, so such events are
+  counted on neither side (the record's ``reward_trace`` still lists them: ``place_rewards``
+  puts one entry on every event's slot, values 0 included).
 
-Both are 0 for every episode whose trace came from ``place_rewards``. They are worth logging
-because they recompute the expectation from the event log and compare it with what was actually
-placed: pass the dense per-token rewards PPO trains on (``token_rewards``) and a dropped or
-doubled reward, or a stray nonzero value, shows up. A reward moved onto another free token
-changes neither number: these are sanity checks, not proofs.
+A non-zero reward dropped on its way to the tokens moves BOTH numbers (one slot fewer, the sum
+short by its value); a stray non-zero value moves both the other way; a value altered in place
+moves the sum; a reward moved onto another free token changes neither (these are sanity
+checks, not proofs).
 
 Per batch (``batch_invariants``): ``reward/mapping_sum_error_max`` is the largest error;
 ``reward/mapped_slots_minus_events_max`` is the per-trajectory value of largest magnitude with its
@@ -24,33 +39,28 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from atlas_lightning.reward.events import read_event_log
-from atlas_lightning.reward.placement import designated_slots
+from atlas_lightning.reward.placement import designated_slots, slot_value
 
 
 def trajectory_invariants(
     episode: Mapping[str, Any],
     breakdown: Mapping[str, float],
-    trace: Mapping[str, Any],
-    token_rewards: np.ndarray | None = None,
+    token_rewards: np.ndarray,
 ) -> dict:
-    """``{"mapping_sum_error": float, "mapped_slots_minus_events": int}`` for one trajectory.
-
-    ``token_rewards``: optional ``(response_length,)`` dense rewards; when given, the mapped slots
-    are the trace offsets plus every nonzero position of it, and the sum is taken over it.
-    """
-    slots, _ = designated_slots(read_event_log(episode))
-    mapped = set(int(o) for o in trace["offsets"])
-    if token_rewards is None:
-        placed_sum = math.fsum(float(v) for v in trace["values"])
-    else:
-        dense = np.asarray(token_rewards, dtype=np.float64)
-        if dense.ndim != 1:
-            raise ValueError(f"token_rewards must be 1-D (response_length,), got shape {dense.shape}")
-        mapped |= set(np.flatnonzero(dense).tolist())
-        placed_sum = math.fsum(dense.tolist())
+    """``{"mapping_sum_error": float, "mapped_slots_minus_events": int}`` for one trajectory
+    (module doc), from ``token_rewards``: the ``(response_length,)`` float32 array PPO receives.
+    ``ValueError`` for an array that is not 1-D float32 (a float64 array is not what PPO sees)."""
+    dense = np.asarray(token_rewards)
+    if dense.ndim != 1 or dense.dtype != np.float32:
+        raise ValueError(f"token_rewards must be the 1-D float32 array PPO receives, got {dense.dtype} "
+                         f"of shape {dense.shape}")
+    slots, unplaced = designated_slots(read_event_log(episode))
+    expected = [float(np.float32(slot_value(pieces, breakdown))) for _, pieces in slots]
+    missing = [float(np.float32(breakdown[name])) for name in unplaced]
+    placed_sum = math.fsum(dense.astype(np.float64).tolist())
     return {
-        "mapping_sum_error": abs(placed_sum - float(breakdown["final_reward"])),
-        "mapped_slots_minus_events": len(mapped) - len(slots),
+        "mapping_sum_error": abs(placed_sum - math.fsum(expected + missing)),
+        "mapped_slots_minus_events": int(np.count_nonzero(dense)) - sum(1 for value in expected if value != 0.0),
     }
 
 

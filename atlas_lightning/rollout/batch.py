@@ -49,6 +49,7 @@ class RolloutBatch:
     records: list[TrajectoryRecord]
     #: float32 ``(len(response_ids),)`` per trajectory, the reward on each response token.
     token_rewards: list[np.ndarray]
+    #: ``reward.trajectory_invariants`` of each trajectory, taken on its ``token_rewards`` array.
     invariants: list[dict]
     stats: LoopStats
     weights_version: Optional[int] = None
@@ -115,8 +116,10 @@ def assemble_batch(
             raise RuntimeError(f"trajectory {traj.uid}/{traj.session_id} did not finish; the step is not recorded")
         episode = traj.episode.to_record_episode()
         scored = reward_lib.score_episode(episode, cost_per_usd, no_submit_reward)
+        # float32: the very array PPO receives (``padded`` copies it), and the invariants are
+        # taken on it, not on a float64 twin
         dense = reward_lib.token_level_rewards(scored["reward_trace"], len(traj.response_ids))
-        invariants.append(reward_lib.trajectory_invariants(episode, scored["reward"], scored["reward_trace"], dense))
+        invariants.append(reward_lib.trajectory_invariants(episode, scored["reward"], dense))
         question = traj.episode.question
         records.append(build_record(
             episode, scored, run_id=run_id, partition=partition, global_steps=step,
@@ -128,6 +131,6 @@ def assemble_batch(
             response_mask=np.asarray(traj.response_mask, dtype=np.int8),
             response_logprobs=np.asarray(traj.response_logprobs, dtype=np.float32),
         ))
-        rewards.append(dense.astype(np.float32))
+        rewards.append(dense)
     return RolloutBatch(step=step, partition=partition, records=records, token_rewards=rewards,
                         invariants=invariants, stats=stats, weights_version=weights_version)
