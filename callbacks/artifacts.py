@@ -8,8 +8,8 @@ On disk (seed section 2), under ``artifacts/<name>/``:
   (``model.actor_adapter``, ``model.critic_adapter``, ``trainer.init_from``) and ``launches``:
   one entry per launch of this run name, the earlier ones kept from the previous ``run.json``
   (a resumed run adds one).
-- ``train/step_N/`` after each training step whose output is finite: one record a trajectory,
-  ``tensors.npz`` (the records' token ids, response mask and rollout log-probs plus the step
+- ``train/step_N/`` after each training step whose output is finite: one record a trajectory
+  (its JSON carries the four per-token arrays, ``store/records.py``), ``tensors.npz`` (the records' token ids, response mask and rollout log-probs plus the step
   output's ``tensors``: values, returns, advantages, old log-probs, token rewards, ...) and
   ``manifest.json``; the folder appears only when complete (``_step_dump``). A non-finite step
   is left to ``NaNGuardCallback`` (its update was skipped; it is not a training step of record).

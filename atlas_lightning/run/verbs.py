@@ -17,7 +17,7 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from atlas_lightning import distributed as dist_utils
-from atlas_lightning.run.wiring import build_trainer, prepare_run, resume_path
+from atlas_lightning.run.wiring import RUN_LOG, build_trainer, prepare_run, resume_path
 
 log = logging.getLogger("atlas_lightning")
 
@@ -49,7 +49,7 @@ def _closing_summary(cfg: DictConfig, dirs: dict[str, Path], seconds: float) -> 
         f"atlas-lightning fit {cfg.name}: done in {seconds / 60:.1f} min",
         f"  model        {cfg.model.path} (LoRA r{cfg.model.lora.rank}, actor + critic)",
         f"  config       {dirs['outputs'] / 'config.yaml'}",
-        f"  log          {dirs['outputs'] / 'main.log'}",
+        f"  log          {dirs['outputs'] / RUN_LOG}",
         f"  artifacts    {dirs['artifacts']}",
         f"  checkpoints  {latest if latest else dirs['checkpoints']}",
         f"  W&B export   {dirs['runs']}",
