@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 
 class ConfigError(ValueError):
@@ -47,13 +47,20 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    """The base model (frozen) and the two LoRA adapters on it."""
+    """The base model (frozen) and the two LoRA adapters on it. An adapter that starts from a
+    PEFT folder (``actor_adapter``/``critic_adapter`` or ``trainer.init_from``) trains the LoRA
+    shape that folder's ``adapter_config.json`` gives, whatever ``lora`` says
+    (``store/lora_shapes.py``); ``lora`` and ``critic_lora`` shape the adapters that start fresh."""
 
     #: A local folder in Hugging Face layout (config.json, weights, tokenizer). Never a hub id:
     #: nothing is downloaded at run time.
     path: str = "${paths.cache}/tiny-model"
     dtype: str = "bfloat16"
     lora: LoraConfig = field(default_factory=LoraConfig)
+    #: The critic's LoRA when it starts fresh (null: ``lora``, the actor's), e.g.
+    #: ``model.critic_lora={rank: 32, alpha: 64, target_modules: [q_proj, v_proj]}``; a field
+    #: not given is ``lora``'s.
+    critic_lora: Optional[LoraConfig] = None
     gradient_checkpointing: bool = True
     #: Tokens a chunk when computing log-probs/entropy/values from hidden states, so that
     #: full-vocabulary logits never exist for a whole micro-batch.
@@ -298,6 +305,10 @@ def validate(cfg: DictConfig) -> None:
         value = _get(cfg, key)
         if value is None or value <= 0:
             raise ConfigError(f"{key}={value!r} must be a positive number")
+    if cfg.model.critic_lora is not None:
+        for key in ("model.critic_lora.rank", "model.critic_lora.alpha"):
+            if _get(cfg, key) is None or _get(cfg, key) <= 0:
+                raise ConfigError(f"{key}={_get(cfg, key)!r} must be a positive number")
     if not 0 <= cfg.rollout.max_explores <= 64:
         raise ConfigError(f"rollout.max_explores={cfg.rollout.max_explores} must be within 0..64")
     for key in ("algorithm.gamma", "algorithm.lam"):
@@ -390,6 +401,7 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="atlas-lightning"):
             raw = hydra_compose(config_name="config", overrides=overrides)
+        _critic_lora_over_lora(raw)
         schema = OmegaConf.structured(RootConfig)
         cfg = OmegaConf.merge(schema, raw)
         if cfg.paths.root == ".":
@@ -402,6 +414,16 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
     validate(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _critic_lora_over_lora(raw: DictConfig) -> None:
+    """``model.critic_lora``'s fields over ``model.lora``'s: a field the critic's does not give is
+    the actor's (``{rank: 32}`` keeps ``model.lora``'s alpha and targets), in place."""
+    model = raw.get("model")
+    if model is None or model.get("critic_lora") is None:
+        return
+    with open_dict(raw):
+        raw.model.critic_lora = OmegaConf.merge(model.get("lora") or {}, model.critic_lora)
 
 
 def _explain(err: Exception) -> str:

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from .actor_critic import ACTOR, CRITIC, ActorCritic
-from .adapters import load_adapter
+from .adapters import adapter_lora_config, load_adapter
 
 
 def build_actor_critic(model_cfg: Any, *, seed: int = 0, actor_adapter: Optional[str] = None,
@@ -20,11 +20,20 @@ def build_actor_critic(model_cfg: Any, *, seed: int = 0, actor_adapter: Optional
     """``ActorCritic`` from ``model_cfg`` (``config.ModelConfig``: base path, dtype, LoRA,
     checkpointing, chunk size, attention, layout, kernels), adapters initialised from ``seed``;
     then the starting adapters: ``actor_adapter`` / ``critic_adapter`` (PEFT folders), else
-    ``model_cfg.actor_adapter`` / ``critic_adapter``, each checked against this base and LoRA
-    (``adapters.load_adapter``). Unsharded: the caller shards it (``sharding.shard``)."""
+    ``model_cfg.actor_adapter`` / ``critic_adapter``.
+
+    Each adapter has its own LoRA shape: an adapter that starts from a folder is built with the
+    LoRA that folder's ``adapter_config.json`` describes (rank, alpha, target modules, per-module
+    patterns: ``adapter_lora_config``), whatever ``model_cfg.lora`` says; a fresh one with
+    ``model_cfg.lora`` (actor) or ``model_cfg.critic_lora`` (critic; None: ``lora``). The
+    folders' tensors are then checked against this base and loaded (``adapters.load_adapter``).
+    Unsharded: the caller shards it (``sharding.shard``)."""
+    folders = {ACTOR: actor_adapter or model_cfg.actor_adapter, CRITIC: critic_adapter or model_cfg.critic_adapter}
+    fresh_critic = getattr(model_cfg, "critic_lora", None)
     model = ActorCritic(
         model_cfg.path,
-        model_cfg.lora,
+        adapter_lora_config(folders[ACTOR]) if folders[ACTOR] else model_cfg.lora,
+        critic_lora=adapter_lora_config(folders[CRITIC]) if folders[CRITIC] else fresh_critic,
         dtype=model_cfg.dtype,
         gradient_checkpointing=model_cfg.gradient_checkpointing,
         logprob_chunk_tokens=model_cfg.logprob_chunk_tokens,
@@ -36,8 +45,7 @@ def build_actor_critic(model_cfg: Any, *, seed: int = 0, actor_adapter: Optional
         init_seed=seed,
         device=device,
     )
-    for role, folder in ((ACTOR, actor_adapter or model_cfg.actor_adapter),
-                         (CRITIC, critic_adapter or model_cfg.critic_adapter)):
+    for role, folder in folders.items():
         if folder:
             load_adapter(model, role, folder)
     return model

@@ -82,14 +82,12 @@ class PPOModule(L.LightningModule):
     def _starting_adapters(self) -> tuple[Optional[str], Optional[str]]:
         """(actor, critic) PEFT folders to start from: ``model.actor_adapter`` /
         ``critic_adapter``, else those of ``trainer.init_from`` (another run's ``global_step_N``;
-        the critic only with ``trainer.init_critic``)."""
-        actor, critic = self.cfg.model.actor_adapter, self.cfg.model.critic_adapter
-        if self.cfg.trainer.init_from:
-            step_dir = Path(self.cfg.trainer.init_from)
-            actor = actor or str(step_dir / "actor" / "lora_adapter")
-            if self.cfg.trainer.init_critic:
-                critic = critic or str(step_dir / "critic" / "lora_adapter")
-        return actor, critic
+        the critic only with ``trainer.init_critic``); each brings its own LoRA shape
+        (``store/lora_shapes.py``, the one place this is resolved)."""
+        from atlas_lightning.store.lora_shapes import starting_adapters
+
+        folders = starting_adapters(self.cfg)
+        return folders.get("actor"), folders.get("critic")
 
     def configure_optimizers(self):
         a = self.cfg.algorithm
@@ -131,13 +129,14 @@ class PPOModule(L.LightningModule):
         was sent: (tensor count, checksum) as ``vllm_engine.lora_checksum`` counts them.
         Collective; rank 0 writes."""
         from atlas_lightning.models.adapters import save_adapter
-        from atlas_lightning.models.weights import adapter_state
+        from atlas_lightning.models.weights import adapter_scalings, adapter_state
         from atlas_lightning.rollout.engines.vllm_engine import lora_checksum
 
         state = adapter_state(self.model, "actor")
         save_adapter(self.model, "actor", folder)
-        scaling = self.cfg.model.lora.alpha / self.cfg.model.lora.rank
-        pairs = [(tensor, state[name.replace("lora_A", "lora_B")], scaling)
+        # the adapter's own scaling (its starting folder's alpha / r may differ from model.lora's)
+        scalings = adapter_scalings(self.model, "actor")
+        pairs = [(tensor, state[name.replace("lora_A", "lora_B")], scalings[name.split(".lora_A.")[0]])
                  for name, tensor in state.items() if ".lora_A." in name]
         return lora_checksum(pairs)
 

@@ -21,6 +21,15 @@ def engine_world(rank: int, world_size: int, tp: int) -> tuple[int, int, int]:
     return rank // tp, world_size // tp, rank % tp
 
 
+def actor_lora_rank(cfg: DictConfig) -> int:
+    """The LoRA rank the engines must serve (their ``max_lora_rank``): the actor's, from its
+    starting adapter's ``adapter_config.json`` when it has one, else ``model.lora.rank``
+    (``store/lora_shapes.py``; the critic never reaches an engine)."""
+    from atlas_lightning.store.lora_shapes import lora_shapes
+
+    return lora_shapes(cfg)["actor"].max_rank
+
+
 def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size: int = 1) -> Engine:
     """The engine of ``cfg.rollout.engine`` serving ``cfg.model.path`` (the separate layout:
     this rank's client of the shared server, ``separate.py``; collective)."""
@@ -43,7 +52,7 @@ def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size
             cfg.model.path,
             dtype=cfg.model.dtype,
             max_model_len=cfg.rollout.max_model_len,
-            lora_rank=cfg.model.lora.rank if cfg.rollout.weight_sync == "lora" else None,
+            lora_rank=actor_lora_rank(cfg) if cfg.rollout.weight_sync == "lora" else None,
             tensor_parallel_size=tp,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             enable_sleep_mode=cfg.rollout.enable_sleep_mode,
@@ -112,7 +121,7 @@ def _build_server_engine(cfg: DictConfig, rank: int, local_rank: int, world_size
         log_path=run_dirs(cfg)["logs"] / f"vllm-server-{cfg.name}-rank{rank}.log",
         dtype=cfg.model.dtype,
         max_model_len=r.max_model_len,
-        lora_rank=cfg.model.lora.rank,
+        lora_rank=actor_lora_rank(cfg),
         tensor_parallel_size=r.tensor_parallel_size,
         gpu_memory_utilization=r.gpu_memory_utilization,
         enforce_eager=r.enforce_eager,

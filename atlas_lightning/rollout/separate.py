@@ -98,6 +98,8 @@ def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> Shared
 
     from atlas_lightning.planning.checks import separate_refusals
 
+    from atlas_lightning.rollout.factory import actor_lora_rank
+
     problems = separate_refusals(cfg)
     if problems:
         raise NotImplementedError("; ".join(problems))
@@ -114,7 +116,7 @@ def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> Shared
                 server = VLLMServer(
                     cfg.model.path, log_path=run_dirs(cfg)["logs"] / f"vllm-server-{cfg.name}-separate.log",
                     dtype=cfg.model.dtype, max_model_len=r.max_model_len,
-                    lora_rank=None if merged else cfg.model.lora.rank, tensor_parallel_size=cfg.layout.engine_tp,
+                    lora_rank=None if merged else actor_lora_rank(cfg), tensor_parallel_size=cfg.layout.engine_tp,
                     gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager, seed=cfg.seed,
                     cpu_kvcache_gib=r.cpu_kvcache_gib, max_num_seqs=min(r.max_in_flight * world_size, 1024),
                     start_timeout_s=r.get("server_start_timeout_s", 600.0),

@@ -44,10 +44,14 @@ def fit(cfg: DictConfig) -> int:
 def _closing_summary(cfg: DictConfig, dirs: dict[str, Path], seconds: float) -> None:
     from atlas_lightning.store.checkpoints import latest_complete
 
+    from atlas_lightning.store.lora_shapes import lora_shapes
+
     latest = latest_complete(dirs["checkpoints"])
+    shapes = lora_shapes(cfg)
     lines = [
         f"atlas-lightning fit {cfg.name}: done in {seconds / 60:.1f} min",
-        f"  model        {cfg.model.path} (LoRA r{cfg.model.lora.rank}, actor + critic)",
+        f"  model        {cfg.model.path} (LoRA actor {shapes['actor'].describe()}; "
+        f"critic {shapes['critic'].describe()})",
         f"  config       {dirs['outputs'] / 'config.yaml'}",
         f"  log          {dirs['outputs'] / RUN_LOG}",
         f"  artifacts    {dirs['artifacts']}",

@@ -128,6 +128,9 @@ def test_run_json_names_code_packages_hosts_and_starting_adapters(tmp_path, h, c
     assert run["starting_adapters"]["actor_adapter"] == "/runs/r25/global_step_29/actor/lora_adapter"
     assert run["starting_adapters"]["critic_adapter"] is None
     assert run["starting_adapters"]["init_from"] == "/runs/r25/global_step_29"
+    # (the folders do not exist here: the shapes recorded are the config's, named as such)
+    assert run["starting_adapters"]["lora"]["critic"]["source"] == "model.lora"
+    assert run["starting_adapters"]["lora"]["actor"]["shape"].startswith(f"r{cfg.model.lora.rank} ")
     assert run["config"]["name"] == cfg.name and run["config"]["trainer"]["total_steps"] == 1
     assert run["start_time"].endswith("Z") and len(run["launches"]) == 1
 
