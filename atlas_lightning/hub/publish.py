@@ -6,7 +6,7 @@ the root is sent. Never sent: symbolic links (W&B's ``latest-run`` and ``debug*.
 at folders that are sent anyway) and hidden files and folders (names starting with ``.``: the
 temporary files of atomic writes, half-written ``.tmp-step_N-*`` folders).
 
-Without ``weights`` the publish is the reading copy (seed section 5); these are left out too
+Without ``weights`` the publish is the reading copy (README, "On-disk layout"); these are left out too
 (and counted in the README's section 5):
 
 - inside ``checkpoints/<name>/global_step_N/``, every folder except ``val_dumps/``: the actor and

@@ -1,4 +1,4 @@
-"""The two reward invariants logged every step (SPEC section 4), per trajectory and per batch,
+"""The two reward invariants logged every step (README, "How one RL step runs"), per trajectory and per batch,
 measured on what PPO actually receives: the float32 per-token reward array of the trajectory
 (``placement.token_level_rewards``; ``RolloutBatch.padded("token_rewards")`` copies it into
 the step's ``(bs, response_length)`` float32 tensor unchanged).

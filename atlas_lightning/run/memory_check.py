@@ -32,7 +32,8 @@ to it after every step through ``fit``'s own weight sync (merged weights in buck
 ``rollout.bucket_mb`` through vLLM's weight-transfer API: ``gloo`` on CPU, ``nccl`` on GPUs),
 verified, and a generation burst runs on it. The training ranks add the ``update_weights``
 phase (the send side); the report's ``serving`` section gives the serving side's memory during
-generation and during each receive, and each transfer's buckets.
+generation and during each receive, and each transfer's buckets. With ``generation`` off
+(``ATLAS_MEMORY_CHECK_GENERATION=0``) no server is started and only the update phases run.
 
 Steady state: before the first step, both optimizers take one step at learning rate 0 with zero
 gradients, so Adam's moments and both adapters' gradients are allocated as they are from the

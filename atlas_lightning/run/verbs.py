@@ -44,10 +44,10 @@ def fit(cfg: DictConfig) -> int:
 def _closing_summary(cfg: DictConfig, dirs: dict[str, Path], seconds: float) -> None:
     from atlas_lightning.store.checkpoints import latest_complete
 
-    from atlas_lightning.store.lora_shapes import lora_shapes
+    from atlas_lightning.store.lora_shapes import lora_shapes_or_config
 
     latest = latest_complete(dirs["checkpoints"])
-    shapes = lora_shapes(cfg)
+    shapes, _ = lora_shapes_or_config(cfg)
     lines = [
         f"atlas-lightning fit {cfg.name}: done in {seconds / 60:.1f} min",
         f"  model        {cfg.model.path} (LoRA actor {shapes['actor'].describe()}; "

@@ -35,13 +35,13 @@ def _launch_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0")) if node == 0 else 1
 
 
-#: The run's log under ``outputs/<name>/`` (seed section 2), appended to by every launch.
+#: The run's log under ``outputs/<name>/`` (README, "On-disk layout"), appended to by every launch.
 RUN_LOG = "main_ppo.log"
 
 
 def prepare_run(cfg: DictConfig, verb: str) -> dict[str, Path]:
     """Folders of seed section 2, the resolved config (``outputs/<name>/config.yaml``) and the
-    logs (``outputs/<name>/main_ppo.log``, the seed's name, across launches;
+    logs (``outputs/<name>/main_ppo.log``, the name report 28's runs wrote, across launches;
     ``logs/<name>-<time>-<verb>.log`` for this launch). Rank 0 writes; other ranks only get the paths."""
     dirs = run_dirs(cfg)
     if _launch_rank() != 0:

@@ -10,7 +10,7 @@ On disk (seed section 2)::
         manifest.json             every file of the folder with its size and sha256, counts
 
 A record's JSON holds every field of ``RECORD_FIELDS``, then the four per-token arrays
-``TOKEN_ARRAY_FIELDS`` (seed section 4: ``prompt_ids``, ``response_ids``, ``response_mask``,
+``TOKEN_ARRAY_FIELDS`` (``prompt_ids``, ``response_ids``, ``response_mask``,
 ``response_logprobs``) when the record carries them (every record the trainer writes does; the
 reading copy that ``publish`` sends without ``--weights`` strips them, ``strip_token_arrays``),
 and may hold ``extra`` (a dict for additions that do not need a new version). Each array is one
@@ -57,7 +57,7 @@ RECORD_FIELDS = (
     "data_source", "benchmark", "question_id", "permutation_id", "candidate_fingerprint",
     "ground_truth", "reward_score", "num_turns", "written_at", "episode", "reward", "reward_trace",
 )
-#: Per-token arrays (seed section 4): on the record object, in its JSON (after ``reward_trace``)
+#: Per-token arrays: on the record object, in its JSON (after ``reward_trace``)
 #: and in the step's tensors.npz; stripped from the reading copy.
 TOKEN_ARRAY_FIELDS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs")
 OPTIONAL_FIELDS = ("extra",) + TOKEN_ARRAY_FIELDS
@@ -338,7 +338,7 @@ def record_json_text(data: Mapping[str, Any], where: str = "record") -> str:
 
 def strip_token_arrays(text: str, where: str = "record") -> str:
     """The reading copy of a record's JSON text: the same record without its per-token arrays
-    (what ``publish`` without ``--weights`` sends; seed section 5). ``RecordError`` if it is not
+    (what ``publish`` without ``--weights`` sends). ``RecordError`` if it is not
     a JSON object."""
     try:
         data = json.loads(text)

@@ -95,7 +95,7 @@ def test_train_steps_are_dumped_as_the_seed_lays_them_out(tmp_path, h, chat):
 
 
 def _assert_token_arrays(record, original=None) -> None:
-    """The record read back carries the four per-token arrays (seed section 4), of the lengths
+    """The record read back carries the four per-token arrays, of the lengths
     the episode's token counts give; ``original``: the in-memory record they must equal."""
     counts = record.episode["token_counts"]
     assert set(record.token_arrays()) == {"prompt_ids", "response_ids", "response_mask", "response_logprobs"}

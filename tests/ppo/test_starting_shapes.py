@@ -93,8 +93,8 @@ def test_a_critic_of_another_shape_trains_a_step_and_exports(start, tiny_model_d
         expected = ACTOR if role == "actor" else CRITIC
         assert (saved["r"], saved["lora_alpha"]) == (expected["rank"], expected["alpha"])
 
-    # PEFT reloads each folder with its own shape, and gives the trainer's outputs
-    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(3))
+    # PEFT reloads each folder with its own shape and the trained values
+    peft_actor = None
     for role in ("actor", "critic"):
         base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         peft = PeftModel.from_pretrained(base, str(out / role / "lora_adapter"))
@@ -103,6 +103,8 @@ def test_a_critic_of_another_shape_trains_a_step_and_exports(start, tiny_model_d
         for name, param in loaded.items():
             key = name.replace(".default", "")
             assert torch.equal(param.detach(), after[role][key]), name
+        if role == "actor":
+            peft_actor = peft.eval()
 
     # ...and so does our loader, whatever model.lora says (r8 here), into the trained values
     model = build_actor_critic(cfg.model, actor_adapter=str(out / "actor" / "lora_adapter"),
@@ -117,6 +119,16 @@ def test_a_critic_of_another_shape_trains_a_step_and_exports(start, tiny_model_d
         state = adapter_state(model, role)
         assert state.keys() == after[role].keys()
         assert all(torch.equal(state[k], after[role][k]) for k in state)
+    # the actor as our loader rebuilt it scores tokens as PEFT's reload does
+    from atlas_lightning.models.packing import pack_sequences
+
+    ids = torch.randint(0, 100, (12,), generator=torch.Generator().manual_seed(3))
+    model.eval()
+    with torch.no_grad():
+        ours, _ = model.actor_forward(pack_sequences([ids], [4]), compute_entropy=False)
+        logits = peft_actor(input_ids=ids[None]).logits[0].float()
+    theirs = torch.log_softmax(logits[3:11], -1).gather(-1, ids[4:12, None])[:, 0]
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
     head = load_file(str(out / "critic" / "lora_adapter" / "value_head.safetensors"))
     assert torch.equal(model.value_head.weight.detach(), head["weight"])
     # the trained module's engine-facing checksum uses the actor's own scaling (12 / 4), not model.lora's (16 / 8)

@@ -1,6 +1,5 @@
 """Placement of reward pieces on response tokens, and the two invariants."""
 
-import copy
 import math
 
 import numpy as np
