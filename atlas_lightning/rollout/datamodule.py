@@ -48,6 +48,7 @@ from atlas_lightning.rollout.agent_loop import AgentLoop, LoopLimits, LoopStats,
 from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id, trajectory_uid
 from atlas_lightning.rollout.chat import ChatFormat
 from atlas_lightning.rollout.engine import Engine
+from atlas_lightning.rollout.engines.args import client_in_flight
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class RolloutDataModule(L.LightningDataModule):
     def _limits(self) -> LoopLimits:
         r = self.cfg.rollout
         return LoopLimits(max_response_length=r.max_response_length, max_tokens_per_turn=r.max_tokens_per_turn,
-                          max_model_len=r.max_model_len, max_in_flight=r.max_in_flight,
+                          max_model_len=r.max_model_len, max_in_flight=client_in_flight(self.cfg, self.world_size),
                           request_timeout_s=r.request_timeout_s, max_retries=r.max_retries)
 
     def _engine_world(self) -> tuple[int, int, int]:
@@ -204,7 +205,7 @@ class RolloutDataModule(L.LightningDataModule):
 
         if self.asynchronous:
             return self.rank, self.world_size, 0
-        return engine_world(self.rank, self.world_size, self.cfg.rollout.tensor_parallel_size)
+        return engine_world(self.rank, self.world_size, self.cfg.layout.engine_tp)
 
     def _trajectories(self, questions: list[Question], samples: int) -> list[Trajectory]:
         """This rank's trajectories of ``questions``: its engine's share of the questions, then,
@@ -240,7 +241,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _own_share(self, trajectories: list[Trajectory]) -> list[Trajectory]:
         _, _, tp_rank = self._engine_world()
-        tp = 1 if self.asynchronous else self.cfg.rollout.tensor_parallel_size
+        tp = 1 if self.asynchronous else self.cfg.layout.engine_tp
         return shard(trajectories, tp_rank, tp)
 
     # -- hand-over ------------------------------------------------------------------------

@@ -12,18 +12,20 @@ import torch
 from omegaconf import DictConfig
 
 from atlas_lightning.rollout.engine import Engine
+from atlas_lightning.rollout.engines.args import EngineArgs
 
 
 def engine_world(rank: int, world_size: int, tp: int) -> tuple[int, int, int]:
     """(engine index, number of engines, rank within the engine's TP group) for ``rank``."""
     if tp <= 0 or world_size % tp:
-        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the {world_size} training processes")
+        raise ValueError(f"layout.engine_tp={tp} must divide the {world_size} training processes")
     return rank // tp, world_size // tp, rank % tp
 
 
 def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size: int = 1) -> Engine:
     """The engine of ``cfg.rollout.engine`` serving ``cfg.model.path`` (the separate layout:
-    this rank's client of the shared server, ``separate.py``; collective)."""
+    this rank's client of the shared server, ``separate.py``; collective). vLLM engines and
+    servers get ``EngineArgs.from_config(cfg)`` (``engines/args.py``)."""
     if cfg.layout.mode == "separate":
         from atlas_lightning.rollout.separate import build_separate_engine
 
@@ -32,27 +34,13 @@ def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size
     if kind == "vllm":
         from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
 
-        tp = cfg.rollout.tensor_parallel_size
         external = world_size > 1
         if external:
             # vLLM's external launcher reads torchrun's variables; Lightning's launcher sets none.
             os.environ["RANK"] = str(rank)
             os.environ["LOCAL_RANK"] = str(local_rank)
             os.environ["WORLD_SIZE"] = str(world_size)
-        return VLLMEngine(
-            cfg.model.path,
-            dtype=cfg.model.dtype,
-            max_model_len=cfg.rollout.max_model_len,
-            lora_rank=cfg.model.lora.rank if cfg.rollout.weight_sync == "lora" else None,
-            tensor_parallel_size=tp,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            enable_sleep_mode=cfg.rollout.enable_sleep_mode,
-            enforce_eager=cfg.rollout.enforce_eager,
-            seed=cfg.seed,
-            external_launcher=external,
-            cpu_kvcache_gib=cfg.rollout.cpu_kvcache_gib,
-            max_num_seqs=min(cfg.rollout.max_in_flight, 1024),
-        )
+        return VLLMEngine(EngineArgs.from_config(cfg), external_launcher=external)
     if kind == "hf":
         from transformers import AutoModelForCausalLM
 
@@ -71,7 +59,7 @@ def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size
 def _build_server_engine(cfg: DictConfig, rank: int, local_rank: int, world_size: int) -> Engine:
     """A ``ServerEngine`` on a server this rank starts (or on ``rollout.server_url``).
 
-    Supported: one process (the server runs TP ``rollout.tensor_parallel_size``), or several
+    Supported: one process (the server runs TP ``layout.engine_tp``), or several
     processes at TP 1 (each rank is its engine's only member and starts its own server, on its
     own card where there are cards). Refused, with the reason: TP groups over several training
     processes and merged-weight sync (both are the separate layout's), one ``server_url`` for
@@ -80,14 +68,14 @@ def _build_server_engine(cfg: DictConfig, rank: int, local_rank: int, world_size
     from atlas_lightning.rollout.engines.server_engine import ServerEngine
     from atlas_lightning.rollout.engines.server_process import VLLMServer
 
-    r = cfg.rollout
-    _, engines, _ = engine_world(rank, world_size, r.tensor_parallel_size)
-    if world_size > 1 and r.tensor_parallel_size > 1:
+    r, tp = cfg.rollout, cfg.layout.engine_tp
+    _, engines, _ = engine_world(rank, world_size, tp)
+    if world_size > 1 and tp > 1:
         # the group's ranks would each send the group's identical requests to one server
         raise NotImplementedError(
-            f"rollout.engine=vllm-server with rollout.tensor_parallel_size={r.tensor_parallel_size} over "
+            f"rollout.engine=vllm-server with layout.engine_tp={tp} over "
             f"{world_size} training processes: a server on cards of its own is the separate layout "
-            f"(layout.mode=separate); use tensor_parallel_size=1 or rollout.engine=vllm")
+            f"(layout.mode=separate); use layout.engine_tp=1 or rollout.engine=vllm")
     if r.weight_sync != "lora":
         raise NotImplementedError(
             f"rollout.engine=vllm-server with rollout.weight_sync={r.weight_sync!r} in a colocated layout: merged "
@@ -108,18 +96,9 @@ def _build_server_engine(cfg: DictConfig, rank: int, local_rank: int, world_size
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[local_rank] if visible else str(local_rank)
     server = VLLMServer(
-        cfg.model.path,
+        EngineArgs.from_config(cfg),
         log_path=run_dirs(cfg)["logs"] / f"vllm-server-{cfg.name}-rank{rank}.log",
-        dtype=cfg.model.dtype,
-        max_model_len=r.max_model_len,
-        lora_rank=cfg.model.lora.rank,
-        tensor_parallel_size=r.tensor_parallel_size,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        enforce_eager=r.enforce_eager,
-        seed=cfg.seed,
-        cpu_kvcache_gib=r.cpu_kvcache_gib,
-        max_num_seqs=min(r.max_in_flight, 1024),
-        start_timeout_s=r.get("server_start_timeout_s", 600.0),
+        start_timeout_s=r.server_start_timeout_s,
         env=env,
     )
     try:

@@ -19,9 +19,10 @@ starts):
 * on CPU: the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``)
   in GiB: all the process's memory (Python, libraries, tensors), not a GPU figure.
 
-Generation: when vLLM is importable and ``generation`` is on, each rank builds its engine
-(``rollout.factory.build_engine``), generates a burst of requests (``max_in_flight / engines``
-prompts of the synthetic prompt length, ``max_tokens_per_turn`` tokens each) and reports the
+Generation: when vLLM is importable and ``generation`` is on (``trainer.memory_check_generation``,
+default true), each rank builds its engine (``rollout.factory.build_engine``), generates a
+burst of requests (``max_in_flight / engines`` prompts of the synthetic prompt length, up to
+256, ``max_tokens_per_turn`` tokens each) and reports the
 card's used memory (GPU) or the peak resident set (CPU), then puts the engine to sleep where it
 can, so the update phases see what a colocated step sees. Otherwise (and in the separate
 layout, whose training cards never generate) the report says "not measured" and why; nothing
@@ -44,7 +45,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from contextlib import contextmanager
@@ -242,7 +242,7 @@ class MemoryCheckModule(PPOModule):
         with probe.phase("generation", 0):
             engine = build_engine(cfg, rank=self.global_rank, local_rank=self.local_rank,
                                   world_size=self.trainer.world_size)
-            engines = max(1, self.trainer.world_size // cfg.rollout.tensor_parallel_size)
+            engines = max(1, self.trainer.world_size // cfg.layout.engine_tp)
             count = max(1, min(cfg.rollout.max_in_flight // engines, 256))
             prompt = min(PROMPT_TOKENS, cfg.rollout.max_prompt_length)
             vocab = int(self.model.hf_model.get_output_embeddings().weight.shape[0])
@@ -444,7 +444,7 @@ def main_verb(cfg: DictConfig) -> int:
     from atlas_lightning.run.wiring import prepare_run
 
     prepare_run(cfg, "memory-check")
-    run_memory_check(cfg, generation=os.environ.get("ATLAS_MEMORY_CHECK_GENERATION", "1") != "0")
+    run_memory_check(cfg, generation=cfg.trainer.memory_check_generation)
     return 0
 
 
