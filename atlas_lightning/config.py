@@ -99,7 +99,8 @@ class RolloutConfig:
     """The engines and the agent loop."""
 
     #: ``vllm`` (in-process vllm.LLM), ``vllm-server`` (OpenAI-compatible server we start),
-    #: ``hf`` (transformers reference engine, tests only).
+    #: ``hf`` (transformers reference engine, tests only), or the path of a class or factory
+    #: of your own (``my_pkg.MyEngine``; ``rollout/factory.py`` says how it is called).
     engine: str = "vllm"
     n: int = 32
     temperature: float = 1.0
@@ -180,8 +181,12 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardConfig:
-    """SPEC section 4: lambda and optional shaping."""
+    """The reward scorer (``reward/scorer.py``): ``_target_`` is its class or factory path, built
+    with the other keys; lambda and the no-submit shaping are typed here, a scorer's own keys
+    are added beside them (``+reward.my_key=...``)."""
 
+    _target_: str = "atlas_lightning.reward.CostReward"
+    #: lambda: reward points per dollar of each revealed candidate (SPEC section 4).
     cost_per_usd: float = 0.1
     #: Added to ``terminal_reward`` when the episode ends without a submit (default 0).
     no_submit_reward: float = 0.0
@@ -260,8 +265,14 @@ class RootConfig:
 
 # ----------------------------------------------------------------------------- checks
 
+#: The package's engines by short name -> their factories; any other engine by its own path.
+ENGINE_ALIASES = {
+    "vllm": "atlas_lightning.rollout.factory.vllm_engine",
+    "vllm-server": "atlas_lightning.rollout.factory.server_engine",
+    "hf": "atlas_lightning.rollout.factory.hf_engine",
+}
+
 _CHOICES = {
-    "rollout.engine": ("vllm", "vllm-server", "hf"),
     "rollout.weight_sync": ("lora", "merged"),
     "algorithm.adv_estimator": ("gae",),
     "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
@@ -294,6 +305,9 @@ def validate(cfg: DictConfig) -> None:
         value = _get(cfg, key)
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
+    if cfg.rollout.engine not in ENGINE_ALIASES:
+        _check_target("rollout.engine", cfg.rollout.engine, f"one of {', '.join(ENGINE_ALIASES)}, nor ")
+    _check_target("reward._target_", cfg.reward._target_)
     for key in _POSITIVE:
         value = _get(cfg, key)
         if value is None or value <= 0:
@@ -331,6 +345,24 @@ def validate(cfg: DictConfig) -> None:
     for name, spec in (cfg.callbacks or {}).items():
         if spec is not None and "_target_" not in spec:
             raise ConfigError(f"callbacks.{name} needs a _target_ (a class path)")
+
+
+def _check_target(key: str, path: Any, alternatives: str = "") -> None:
+    """``path`` must be a dotted ``package.module.Name`` whose module can be found (it is not
+    imported here: that happens where the object is built)."""
+    from importlib.util import find_spec
+
+    parts = str(path).split(".") if isinstance(path, str) else []
+    if len(parts) < 2 or not all(part.isidentifier() for part in parts):
+        raise ConfigError(f"{key}={path!r} is neither {alternatives}a class or factory path (package.module.Name)")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest importable prefix (Class.method paths)
+        try:
+            if find_spec(".".join(parts[:cut])) is not None:
+                return
+        except (ImportError, ValueError):
+            continue
+    raise ConfigError(f"{key}={path!r}: no module {'.'.join(parts[:-1])} can be found (is its package installed "
+                      f"or on PYTHONPATH?)")
 
 
 def _validate_layout(cfg: DictConfig) -> None:
@@ -391,6 +423,7 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="atlas-lightning"):
             raw = hydra_compose(config_name="config", overrides=overrides)
         schema = OmegaConf.structured(RootConfig)
+        OmegaConf.set_struct(schema.reward, False)  # a scorer's own keys beside the typed ones
         cfg = OmegaConf.merge(schema, raw)
         if cfg.paths.root == ".":
             cfg.paths.root = os.getcwd()
