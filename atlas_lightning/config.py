@@ -186,7 +186,7 @@ class RewardConfig:
     are added beside them (``+reward.my_key=...``)."""
 
     _target_: str = "atlas_lightning.reward.CostReward"
-    #: lambda: reward points per dollar of each revealed candidate (SPEC section 4).
+    #: lambda: reward points per dollar of each revealed candidate (``reward/breakdown.py``).
     cost_per_usd: float = 0.1
     #: Added to ``terminal_reward`` when the episode ends without a submit (default 0).
     no_submit_reward: float = 0.0
@@ -306,7 +306,7 @@ def validate(cfg: DictConfig) -> None:
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
     if cfg.rollout.engine not in ENGINE_ALIASES:
-        _check_target("rollout.engine", cfg.rollout.engine, f"one of {', '.join(ENGINE_ALIASES)}, nor ")
+        _check_target("rollout.engine", cfg.rollout.engine, f"one of {', '.join(ENGINE_ALIASES)}")
     _check_target("reward._target_", cfg.reward._target_)
     for key in _POSITIVE:
         value = _get(cfg, key)
@@ -347,15 +347,17 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"callbacks.{name} needs a _target_ (a class path)")
 
 
-def _check_target(key: str, path: Any, alternatives: str = "") -> None:
+def _check_target(key: str, path: Any, alternative: str = "") -> None:
     """``path`` must be a dotted ``package.module.Name`` whose module can be found (it is not
-    imported here: that happens where the object is built)."""
+    imported here: that happens where the object is built); ``alternative``: what else the
+    key may hold, for the message."""
     from importlib.util import find_spec
 
     parts = str(path).split(".") if isinstance(path, str) else []
     if len(parts) < 2 or not all(part.isidentifier() for part in parts):
-        raise ConfigError(f"{key}={path!r} is neither {alternatives}a class or factory path (package.module.Name)")
-    for cut in range(len(parts) - 1, 0, -1):  # the longest importable prefix (Class.method paths)
+        what = f"neither {alternative} nor" if alternative else "not"
+        raise ConfigError(f"{key}={path!r} is {what} a class or factory path (package.module.Name)")
+    for cut in range(len(parts) - 1, max(len(parts) - 3, 0), -1):  # module.Name or module.Class.method
         try:
             if find_spec(".".join(parts[:cut])) is not None:
                 return

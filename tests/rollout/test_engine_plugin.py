@@ -106,5 +106,5 @@ def test_an_engine_target_that_is_not_an_engine_or_not_there_is_named(plugin, ti
         build_engine(cfg)
     with pytest.raises(ConfigError, match=r"rollout\.engine='no_such_pkg\.Engine': no module no_such_pkg"):
         compose(["experiment=tiny-cpu", "rollout.engine=no_such_pkg.Engine"])
-    with pytest.raises(ConfigError, match=r"rollout\.engine='tgi' is neither one of vllm, vllm-server, hf, nor"):
+    with pytest.raises(ConfigError, match=r"rollout\.engine='tgi' is neither one of vllm, vllm-server, hf nor a class or factory path"):
         compose(["experiment=tiny-cpu", "rollout.engine=tgi"])
