@@ -31,7 +31,6 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-
 from atlas_lightning.callbacks.base import RLCallback
 from atlas_lightning.hub.client import HubPublishError, HubUploader, check_repo_id
 

@@ -20,8 +20,9 @@ The module has already refused to step the optimizers for such a step and says s
    - ``rollback``: calls ``pl_module.restore_checkpoint(step_dir)`` with that checkpoint (all
      ranks: it is collective; the module must be ``Checkpointable``, ``base.py``), then
      ``on_rl_weights_restored(trainer, pl_module, step, step_dir)`` on every ``RLCallback``
-     (the weight sync must push the restored actor to the engines before the next rollout), logs ``nan_guard/rollbacks`` (the run's count) at
-     step N and lets training go on with the next batch (the data cursor is not rewound).
+     (the weight sync must push the restored actor to the engines before the next rollout),
+     logs ``nan_guard/rollbacks`` (the run's count) at step N and lets training go on with the
+     next batch (the data cursor is not rewound).
      Without a checkpoint, or after ``max_rollbacks`` rollbacks, it stops as ``stop`` does.
 
 Every rank must see the same ``finite`` (the module decides it across ranks: the callbacks'
