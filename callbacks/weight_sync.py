@@ -34,8 +34,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import lightning as L
-
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.callbacks.base import RLCallback
 from atlas_lightning.config import run_dirs
