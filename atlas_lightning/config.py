@@ -103,7 +103,8 @@ class RolloutConfig:
     """The engines and the agent loop."""
 
     #: ``vllm`` (in-process vllm.LLM), ``vllm-server`` (OpenAI-compatible server we start),
-    #: ``hf`` (transformers reference engine, tests only).
+    #: ``hf`` (transformers reference engine, tests only), or the path of a class or factory
+    #: of your own (``my_pkg.MyEngine``; ``rollout/factory.py`` says how it is called).
     engine: str = "vllm"
     n: int = 32
     temperature: float = 1.0
@@ -183,8 +184,12 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardConfig:
-    """SPEC section 4: lambda and optional shaping."""
+    """The reward scorer (``reward/scorer.py``): ``_target_`` is its class or factory path, built
+    with the other keys; lambda and the no-submit shaping are typed here, a scorer's own keys
+    are added beside them (``+reward.my_key=...``)."""
 
+    _target_: str = "atlas_lightning.reward.CostReward"
+    #: lambda: reward points per dollar of each revealed candidate (``reward/breakdown.py``).
     cost_per_usd: float = 0.1
     #: Added to ``terminal_reward`` when the episode ends without a submit (default 0).
     no_submit_reward: float = 0.0
@@ -279,8 +284,14 @@ class RootConfig:
 
 # ----------------------------------------------------------------------------- checks
 
+#: The package's engines by short name -> their factories; any other engine by its own path.
+ENGINE_ALIASES = {
+    "vllm": "atlas_lightning.rollout.factory.vllm_engine",
+    "vllm-server": "atlas_lightning.rollout.factory.server_engine",
+    "hf": "atlas_lightning.rollout.factory.hf_engine",
+}
+
 _CHOICES = {
-    "rollout.engine": ("vllm", "vllm-server", "hf"),
     "rollout.weight_sync": ("lora", "merged"),
     "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "algorithm.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
@@ -313,6 +324,9 @@ def validate(cfg: DictConfig) -> None:
         value = _get(cfg, key)
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
+    if cfg.rollout.engine not in ENGINE_ALIASES:
+        _check_target("rollout.engine", cfg.rollout.engine, f"one of {', '.join(ENGINE_ALIASES)}")
+    _check_target("reward._target_", cfg.reward._target_)
     for key in _POSITIVE:
         value = _get(cfg, key)
         if value is None or value <= 0:
@@ -350,6 +364,26 @@ def validate(cfg: DictConfig) -> None:
     for name, spec in (cfg.callbacks or {}).items():
         if spec is not None and "_target_" not in spec:
             raise ConfigError(f"callbacks.{name} needs a _target_ (a class path)")
+
+
+def _check_target(key: str, path: Any, alternative: str = "") -> None:
+    """``path`` must be a dotted ``package.module.Name`` whose module can be found (it is not
+    imported here: that happens where the object is built); ``alternative``: what else the
+    key may hold, for the message."""
+    from importlib.util import find_spec
+
+    parts = str(path).split(".") if isinstance(path, str) else []
+    if len(parts) < 2 or not all(part.isidentifier() for part in parts):
+        what = f"neither {alternative} nor" if alternative else "not"
+        raise ConfigError(f"{key}={path!r} is {what} a class or factory path (package.module.Name)")
+    for cut in range(len(parts) - 1, max(len(parts) - 3, 0), -1):  # module.Name or module.Class.method
+        try:
+            if find_spec(".".join(parts[:cut])) is not None:
+                return
+        except (ImportError, ValueError):
+            continue
+    raise ConfigError(f"{key}={path!r}: no module {'.'.join(parts[:-1])} can be found (is its package installed "
+                      f"or on PYTHONPATH?)")
 
 
 def _validate_layout(cfg: DictConfig) -> None:
@@ -418,6 +452,7 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="atlas-lightning"):
             raw = hydra_compose(config_name="config", overrides=overrides)
         schema = OmegaConf.structured(RootConfig)
+        OmegaConf.set_struct(schema.reward, False)  # a scorer's own keys beside the typed ones
         # merged as plain data: a key outside the schema (``+model.typo=1``, which hydra's ``+``
         # adds even to a typed node) fails here, naming it
         cfg = OmegaConf.merge(schema, OmegaConf.to_container(raw))

@@ -24,7 +24,9 @@ Contract:
   exactly what an uninterrupted one would (the sampler and every request seed are functions
   of the step), and a batch sampled ahead but not trained on is sampled again, never lost or
   counted twice.
-- The engine is built in ``setup`` (after the process group exists), or attached by a caller.
+- The engine is built in ``setup`` (after the process group exists; ``rollout.engine``,
+  ``factory.py``), or attached by a caller. The reward scorer (``reward._target_``) is built
+  at construction and scores every ended episode (``batch.assemble_batch``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from atlas_lightning.env.episode import Episode, RuntimeConfig
 from atlas_lightning.rollout.agent_loop import AgentLoop, LoopLimits, LoopStats, Sampling, Trajectory
 from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id, trajectory_uid
 from atlas_lightning.rollout.chat import ChatFormat
+from atlas_lightning.reward.scorer import build_scorer
 from atlas_lightning.rollout.engine import Engine
 from atlas_lightning.rollout.engines.args import client_in_flight
 
@@ -127,6 +130,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.val_questions: list[Question] = []
         self.chat: Optional[ChatFormat] = None
         self.rank, self.local_rank, self.world_size = 0, 0, 1
+        #: The run's reward (``reward._target_``), applied to every ended episode.
+        self.scorer = build_scorer(cfg.reward)
 
     @property
     def weights_version(self) -> Optional[int]:
@@ -234,8 +239,7 @@ class RolloutDataModule(L.LightningDataModule):
                 trajectories, sampling, seed_parts=seed_parts, progress=progress)
         batch = assemble_batch(
             self._own_share(trajectories), step=step, partition=partition, run_id=self.cfg.name,
-            cost_per_usd=self.cfg.reward.cost_per_usd, no_submit_reward=self.cfg.reward.no_submit_reward,
-            stats=stats, weights_version=version)
+            scorer=self.scorer, stats=stats, weights_version=version)
         batch.timing["gen"] = time.monotonic() - started
         return batch
 

@@ -1,5 +1,14 @@
 """Build the configured rollout engine for this process, after the process group exists.
 
+``rollout.engine`` names the engine: a short name of the package's own (``config.ENGINE_ALIASES``:
+``vllm`` -> ``vllm_engine``, ``vllm-server`` -> ``server_engine``, ``hf`` -> ``hf_engine``, the
+factories below) or the dotted path of any class or function, e.g.
+``rollout.engine=my_pkg.engines.MyEngine``. It is called as ``target(cfg, rank=, local_rank=,
+world_size=)`` with the run's whole config and must return an ``Engine`` (``engine.py``); it
+runs on every training process at the same point, so construction may be collective. The
+separate layout is built apart (``separate.py``: one shared server; it serves ``vllm-server``
+only).
+
 Who calls it: ``RolloutDataModule.setup`` (Lightning calls ``setup`` after the strategy has made
 its process group, which in-process vLLM engines need: construction is collective).
 """
@@ -11,6 +20,7 @@ import os
 import torch
 from omegaconf import DictConfig
 
+from atlas_lightning.config import ENGINE_ALIASES
 from atlas_lightning.rollout.engine import Engine
 from atlas_lightning.rollout.engines.args import EngineArgs
 
@@ -23,41 +33,60 @@ def engine_world(rank: int, world_size: int, tp: int) -> tuple[int, int, int]:
 
 
 def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size: int = 1) -> Engine:
-    """The engine of ``cfg.rollout.engine`` serving ``cfg.model.path`` (the separate layout:
-    this rank's client of the shared server, ``separate.py``; collective). vLLM engines and
+    """The engine of ``cfg.rollout.engine`` (module doc) serving ``cfg.model.path`` (the separate
+    layout: this rank's client of the shared server, ``separate.py``; collective). ``TypeError``
+    naming ``rollout.engine`` when the target does not return an ``Engine``. vLLM engines and
     servers get ``EngineArgs.from_config(cfg)`` (``engines/args.py``)."""
     if cfg.layout.mode == "separate":
         from atlas_lightning.rollout.separate import build_separate_engine
 
         return build_separate_engine(cfg, rank, world_size)
-    kind = cfg.rollout.engine
-    if kind == "vllm":
-        from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
+    from hydra.utils import get_object
 
-        external = world_size > 1
-        if external:
-            # vLLM's external launcher reads torchrun's variables; Lightning's launcher sets none.
-            os.environ["RANK"] = str(rank)
-            os.environ["LOCAL_RANK"] = str(local_rank)
-            os.environ["WORLD_SIZE"] = str(world_size)
-        return VLLMEngine(EngineArgs.from_config(cfg), external_launcher=external)
-    if kind == "hf":
-        from transformers import AutoModelForCausalLM
-
-        from atlas_lightning.rollout.engines.hf_engine import HFEngine
-
-        dtype = getattr(torch, cfg.model.dtype)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
-        if torch.cuda.is_available():
-            model = model.to(f"cuda:{local_rank}")
-        return HFEngine(model)
-    if kind == "vllm-server":
-        return _build_server_engine(cfg, rank, local_rank, world_size)
-    raise NotImplementedError(f"rollout.engine={kind!r} is not an engine this build knows")
+    name = cfg.rollout.engine
+    target = ENGINE_ALIASES.get(name, name)
+    try:
+        factory = get_object(target)
+    except Exception as err:  # a path that config validation could not check to the end
+        raise ImportError(f"rollout.engine={name!r}: cannot import {target}: {err}") from err
+    engine = factory(cfg, rank=rank, local_rank=local_rank, world_size=world_size)
+    if not isinstance(engine, Engine):
+        raise TypeError(f"rollout.engine={name!r}: {target} returned a {type(engine).__name__}, not an "
+                        f"atlas_lightning.rollout.engine.Engine")
+    return engine
 
 
-def _build_server_engine(cfg: DictConfig, rank: int, local_rank: int, world_size: int) -> Engine:
-    """A ``ServerEngine`` on a server this rank starts (or on ``rollout.server_url``).
+def vllm_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int) -> Engine:
+    """``rollout.engine=vllm``: in-process ``vllm.LLM`` (``engines/vllm_engine.py``); the ranks
+    of a TP group form one engine through vLLM's external launcher."""
+    from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
+
+    external = world_size > 1
+    if external:
+        # vLLM's external launcher reads torchrun's variables; Lightning's launcher sets none.
+        os.environ["RANK"] = str(rank)
+        os.environ["LOCAL_RANK"] = str(local_rank)
+        os.environ["WORLD_SIZE"] = str(world_size)
+    return VLLMEngine(EngineArgs.from_config(cfg), external_launcher=external)
+
+
+def hf_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int) -> Engine:
+    """``rollout.engine=hf``: the transformers reference engine (``engines/hf_engine.py``), on
+    this process's card when there are cards."""
+    from transformers import AutoModelForCausalLM
+
+    from atlas_lightning.rollout.engines.hf_engine import HFEngine
+
+    dtype = getattr(torch, cfg.model.dtype)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
+    if torch.cuda.is_available():
+        model = model.to(f"cuda:{local_rank}")
+    return HFEngine(model)
+
+
+def server_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int) -> Engine:
+    """``rollout.engine=vllm-server``: a ``ServerEngine`` on a server this rank starts (or on
+    ``rollout.server_url``).
 
     Supported: one process (the server runs TP ``layout.engine_tp``), or several
     processes at TP 1 (each rank is its engine's only member and starts its own server, on its

@@ -4,7 +4,8 @@ and each card's peak memory for generation, forward-only and backward passes.
     atlas-lightning memory-check experiment=r28-continued-cost-8gpu-t49152-memory
 
 What runs: the real ``PPOModule.training_step`` under a real ``lightning.Trainer`` (one process
-a card; FSDP2 through the same strategy as ``fit``), on ``trainer.memory_check_steps``
+a card; FSDP2 through the same strategy as ``fit``), measured through the step's own phase
+hook (``PPOModule.phase_hook``: the same step, nothing overridden), on ``trainer.memory_check_steps``
 synthetic ``RolloutBatch``es (``synthetic_batch``): every mini-batch of every rank is one
 micro-batch filling ``algorithm.ppo_max_token_len_per_gpu`` exactly, with sequences of a
 ~1.5K-token prompt and a response (generated spans and tool-response spans), random token ids,
@@ -43,6 +44,7 @@ script ``tests/scale/device_memory_check.py`` (H200).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -67,6 +69,8 @@ PROMPT_TOKENS = 1536
 TOOL_SPAN = 512
 GENERATED_SPAN = 2048
 PHASE_NAMES = {"actor": "old_log_prob", "critic": "values", "base": "ref"}
+#: The step's phases that are measured (``adv``, a few element-wise ops, is not).
+MEASURED_PHASES = (*PHASE_NAMES.values(), "update_critic", "update_actor")
 
 
 # ----------------------------------------------------------------------------- synthetic data
@@ -200,11 +204,13 @@ def _peak_rss_bytes() -> int:
 
 
 class MemoryCheckModule(PPOModule):
-    """``PPOModule`` whose forward-only passes and updates are each wrapped in a ``PhaseProbe``
-    phase; nothing else differs. ``generation``: measure an engine first (module doc)."""
+    """``PPOModule`` in memory-check mode: its phase hook puts each measured phase (forward-only
+    passes, updates) in a ``PhaseProbe`` phase; the step is the same. At train start it makes
+    the probe, measures an engine first when ``generation`` (module doc) and primes the
+    optimizers; at train end it closes that engine."""
 
     def __init__(self, cfg: DictConfig, generation: bool = True) -> None:
-        super().__init__(cfg)
+        super().__init__(cfg, phase_hook=self.measure_phase)
         self.measure_generation = generation
         self.probe: Optional[PhaseProbe] = None
         self.generation: dict = {"measured": False, "why": "not requested"}
@@ -216,13 +222,11 @@ class MemoryCheckModule(PPOModule):
             "measured": False, "why": "not measured (generation=False)"}
         _prime_optimizers(self.optimizers())
 
-    def _forward_all(self, seqs, prompts, width, mode):
-        with self.probe.phase(PHASE_NAMES[mode], self.rl_step):
-            return super()._forward_all(seqs, prompts, width, mode)
-
-    def _update(self, role, *args, **kwargs):
-        with self.probe.phase(f"update_{role}", self.rl_step):
-            return super()._update(role, *args, **kwargs)
+    def measure_phase(self, name: str, step: int):
+        """The phase hook: the probe's context for a measured phase, else nothing."""
+        if name not in MEASURED_PHASES:
+            return contextlib.nullcontext()
+        return self.probe.phase(name, step)
 
     def _measure_generation(self) -> dict:
         import importlib.util

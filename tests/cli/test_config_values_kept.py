@@ -12,7 +12,8 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
   nowhere: gone;
 * ``plan.card_gib`` and ``trainer.memory_check_generation`` were environment variables
   (``ATLAS_CARD_GIB``, ``ATLAS_MEMORY_CHECK_GENERATION``): now keys, with those variables' defaults;
-  ``hub.description`` was read by ``publish`` but was no key, so nothing could set it: now one.
+  ``hub.description`` was read by ``publish`` but was no key, so nothing could set it: now one;
+* ``reward._target_`` names the reward scorer (``CostReward``, the reward every snapshot had).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ SNAPSHOT = json.loads((Path(__file__).parent / "composed_configs_9a2a50e.json").
 FIXED = ["paths.root=/ROOT", "paths.cache=/CACHE"]
 MOVED = {"rollout.tensor_parallel_size": "layout.engine_tp"}
 REMOVED = {"algorithm.adv_estimator", "algorithm.shuffle_minibatches", "trainer.log_every"}
-ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.description": None}
+ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.description": None,
+         "reward._target_": "atlas_lightning.reward.CostReward"}
 
 
 def _flat(node, prefix: str = "") -> dict:
