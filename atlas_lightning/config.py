@@ -5,6 +5,10 @@ layout, reward, callbacks, logger, experiment); the result is merged onto the da
 below, so an unknown key or a value of the wrong type fails before any work with the key's
 full name (``model.lora.rnak``). Range and cross-field checks live in ``validate``.
 
+The dataclasses are the only place a default lives: a group file under ``conf/`` holds only
+what its choice changes (with the reason), an experiment file only its run's settings. Code
+reads the composed config and restates no default (``planning`` included).
+
 Who calls it: ``cli.py`` (every verb), tests (compose the real configs), launchers'
 pre-flight. Nothing here imports torch.
 """
@@ -17,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import II, DictConfig, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -46,6 +50,17 @@ class LoraConfig:
 
 
 @dataclass
+class CriticLoraConfig:
+    """The critic's LoRA when it starts fresh: a field left null is ``model.lora``'s
+    (``store.lora_shapes.fresh_lora_spec`` resolves it)."""
+
+    rank: Optional[int] = None
+    alpha: Optional[int] = None
+    dropout: Optional[float] = None
+    target_modules: Any = None
+
+
+@dataclass
 class ModelConfig:
     """The base model (frozen) and the two LoRA adapters on it. An adapter that starts from a
     PEFT folder (``actor_adapter``/``critic_adapter`` or ``trainer.init_from``) trains the LoRA
@@ -58,9 +73,8 @@ class ModelConfig:
     dtype: str = "bfloat16"
     lora: LoraConfig = field(default_factory=LoraConfig)
     #: The critic's LoRA when it starts fresh (null: ``lora``, the actor's), e.g.
-    #: ``model.critic_lora={rank: 32, alpha: 64, target_modules: [q_proj, v_proj]}``; a field
-    #: not given is ``lora``'s.
-    critic_lora: Optional[LoraConfig] = None
+    #: ``model.critic_lora={rank: 32, target_modules: [q_proj, v_proj]}``; a field not given is ``lora``'s.
+    critic_lora: Optional[CriticLoraConfig] = None
     gradient_checkpointing: bool = True
     #: Tokens a chunk when computing log-probs/entropy/values from hidden states, so that
     #: full-vocabulary logits never exist for a whole micro-batch.
@@ -106,7 +120,8 @@ class RolloutConfig:
     """The engines and the agent loop."""
 
     #: ``vllm`` (in-process vllm.LLM), ``vllm-server`` (OpenAI-compatible server we start),
-    #: ``hf`` (transformers reference engine, tests only).
+    #: ``hf`` (transformers reference engine, tests only), or the path of a class or factory
+    #: of your own (``my_pkg.MyEngine``; ``rollout/factory.py`` says how it is called).
     engine: str = "vllm"
     n: int = 32
     temperature: float = 1.0
@@ -123,9 +138,10 @@ class RolloutConfig:
     max_model_len: int = 16384
     max_turns: int = 9
     max_explores: int = 8
-    #: Requests in flight across the engines.
+    #: Requests in flight at one engine (vLLM's ``max_num_seqs``, up to 1,024). In the separate
+    #: layout the training ranks share the one server: each keeps ``max_in_flight // ranks``
+    #: (``rollout/engines/args.py``). The engine's tensor parallelism is ``layout.engine_tp``.
     max_in_flight: int = 640
-    tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.6
     enable_sleep_mode: bool = True
     #: ``lora``: the adapter goes to the engines; ``merged``: merged into the base, in buckets.
@@ -153,7 +169,6 @@ class RolloutConfig:
 class AlgorithmConfig:
     """PPO with verl's semantics (SPEC section 5)."""
 
-    adv_estimator: str = "gae"
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv: bool = True
@@ -177,7 +192,6 @@ class AlgorithmConfig:
     train_batch_size: int = 32
     ppo_mini_batch_size: int = 8
     ppo_epochs: int = 2
-    shuffle_minibatches: bool = False
     #: Per-card token budget of a backward micro-batch (packed sequences).
     ppo_max_token_len_per_gpu: int = 49152
     #: Per-card token budget of forward-only passes (old/base log-probs, values).
@@ -187,8 +201,12 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardConfig:
-    """SPEC section 4: lambda and optional shaping."""
+    """The reward scorer (``reward/scorer.py``): ``_target_`` is its class or factory path, built
+    with the other keys; lambda and the no-submit shaping are typed here, a scorer's own keys
+    are added beside them (``+reward.my_key=...``)."""
 
+    _target_: str = "atlas_lightning.reward.CostReward"
+    #: lambda: reward points per dollar of each revealed candidate (``reward/breakdown.py``).
     cost_per_usd: float = 0.1
     #: Added to ``terminal_reward`` when the episode ends without a submit (default 0).
     no_submit_reward: float = 0.0
@@ -201,7 +219,8 @@ class TrainerConfig:
     val_before_train: bool = True
     save_every: int = 5
     accelerator: str = "auto"
-    devices: int = 1
+    #: Training processes on this node: the layout's training cards.
+    devices: int = II("layout.train_gpus")
     num_nodes: int = 1
     precision: str = "32-true"
     #: ``None``: fresh; a checkpoint folder; or ``auto`` (the run's latest complete step).
@@ -212,7 +231,9 @@ class TrainerConfig:
     #: Memory-check mode (SPEC 8): synthetic steps at the full token budget.
     memory_check: bool = False
     memory_check_steps: int = 2
-    log_every: int = 1
+    #: Memory-check mode: also build the engine and measure a burst of generation (colocated
+    #: layouts with vLLM installed); false measures the update phases only.
+    memory_check_generation: bool = True
 
 
 @dataclass
@@ -224,6 +245,8 @@ class LayoutConfig:
     gpus: int = 1
     train_gpus: int = 1
     serve_gpus: int = 0
+    #: Tensor parallelism of each engine (vLLM's ``tensor_parallel_size``): colocated, the training
+    #: cards form ``gpus / engine_tp`` engines; separate, the one server spans ``serve_gpus``.
     engine_tp: int = 1
     #: Bound on how many updates a rollout may lag behind (separate mode).
     max_staleness: int = 1
@@ -245,11 +268,21 @@ class HubConfig:
     private: bool = True
     endpoint: Optional[str] = None
     publish_checkpoints: bool = False
+    #: The published README's "Question." paragraph (``publish``; None: no such paragraph).
+    description: Optional[str] = None
+
+
+@dataclass
+class PlanConfig:
+    """What ``atlas-lightning plan`` (and pre-flight) assume about the machine."""
+
+    #: Memory of one card in GiB (80: the report's A100 80GB); ``--card-gib`` overrides it.
+    card_gib: float = 80.0
 
 
 @dataclass
 class RootConfig:
-    name: str = "tiny-cpu"
+    name: str = "default"
     seed: int = 0
     paths: PathsConfig = field(default_factory=PathsConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -261,16 +294,22 @@ class RootConfig:
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     hub: HubConfig = field(default_factory=HubConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     #: name -> ``{_target_: class.path, ...kwargs}``; a user's own callbacks by class path.
     callbacks: dict[str, Any] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- checks
 
+#: The package's engines by short name -> their factories; any other engine by its own path.
+ENGINE_ALIASES = {
+    "vllm": "atlas_lightning.rollout.factory.vllm_engine",
+    "vllm-server": "atlas_lightning.rollout.factory.server_engine",
+    "hf": "atlas_lightning.rollout.factory.hf_engine",
+}
+
 _CHOICES = {
-    "rollout.engine": ("vllm", "vllm-server", "hf"),
     "rollout.weight_sync": ("lora", "merged"),
-    "algorithm.adv_estimator": ("gae",),
     "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "algorithm.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
     "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
@@ -284,10 +323,11 @@ _POSITIVE = (
     "model.lora.rank", "model.lora.alpha", "model.logprob_chunk_tokens",
     "rollout.n", "rollout.max_prompt_length", "rollout.max_response_length",
     "rollout.max_tokens_per_turn", "rollout.max_model_len", "rollout.max_turns",
-    "rollout.max_in_flight", "rollout.tensor_parallel_size", "rollout.bucket_mb", "rollout.val_n",
+    "rollout.max_in_flight", "rollout.bucket_mb", "rollout.val_n",
     "algorithm.train_batch_size", "algorithm.ppo_mini_batch_size", "algorithm.ppo_epochs",
     "algorithm.ppo_max_token_len_per_gpu", "algorithm.forward_max_token_len_per_gpu",
     "trainer.total_steps", "trainer.devices", "trainer.num_nodes", "layout.gpus", "layout.engine_tp",
+    "plan.card_gib",
 )
 
 
@@ -301,14 +341,17 @@ def validate(cfg: DictConfig) -> None:
         value = _get(cfg, key)
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
+    if cfg.rollout.engine not in ENGINE_ALIASES:
+        _check_target("rollout.engine", cfg.rollout.engine, f"one of {', '.join(ENGINE_ALIASES)}")
+    _check_target("reward._target_", cfg.reward._target_)
     for key in _POSITIVE:
         value = _get(cfg, key)
         if value is None or value <= 0:
             raise ConfigError(f"{key}={value!r} must be a positive number")
     if cfg.model.critic_lora is not None:
         for key in ("model.critic_lora.rank", "model.critic_lora.alpha"):
-            if _get(cfg, key) is None or _get(cfg, key) <= 0:
-                raise ConfigError(f"{key}={_get(cfg, key)!r} must be a positive number")
+            if _get(cfg, key) is not None and _get(cfg, key) <= 0:
+                raise ConfigError(f"{key}={_get(cfg, key)!r} must be a positive number (or null: model.lora's)")
     if not 0 <= cfg.rollout.max_explores <= 64:
         raise ConfigError(f"rollout.max_explores={cfg.rollout.max_explores} must be within 0..64")
     for key in ("algorithm.gamma", "algorithm.lam"):
@@ -344,11 +387,31 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"callbacks.{name} needs a _target_ (a class path)")
 
 
+def _check_target(key: str, path: Any, alternative: str = "") -> None:
+    """``path`` must be a dotted ``package.module.Name`` whose module can be found (it is not
+    imported here: that happens where the object is built); ``alternative``: what else the
+    key may hold, for the message."""
+    from importlib.util import find_spec
+
+    parts = str(path).split(".") if isinstance(path, str) else []
+    if len(parts) < 2 or not all(part.isidentifier() for part in parts):
+        what = f"neither {alternative} nor" if alternative else "not"
+        raise ConfigError(f"{key}={path!r} is {what} a class or factory path (package.module.Name)")
+    for cut in range(len(parts) - 1, max(len(parts) - 3, 0), -1):  # module.Name or module.Class.method
+        try:
+            if find_spec(".".join(parts[:cut])) is not None:
+                return
+        except (ImportError, ValueError):
+            continue
+    raise ConfigError(f"{key}={path!r}: no module {'.'.join(parts[:-1])} can be found (is its package installed "
+                      f"or on PYTHONPATH?)")
+
+
 def _validate_layout(cfg: DictConfig) -> None:
     """Cards, training processes and engines must agree (memory is ``plan``'s business)."""
     layout, trainer = cfg.layout, cfg.trainer
     processes = trainer.devices * trainer.num_nodes
-    tp = cfg.rollout.tensor_parallel_size
+    tp = layout.engine_tp
     if layout.mode == "colocated":
         if layout.train_gpus != layout.gpus:
             raise ConfigError(f"layout.train_gpus={layout.train_gpus} must equal layout.gpus={layout.gpus} "
@@ -357,7 +420,7 @@ def _validate_layout(cfg: DictConfig) -> None:
             raise ConfigError(f"layout.gpus={layout.gpus} but trainer.devices x trainer.num_nodes = {processes}: "
                               f"a colocated layout trains on every card")
         if layout.gpus % tp:
-            raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide layout.gpus={layout.gpus}")
+            raise ConfigError(f"layout.engine_tp={tp} does not divide layout.gpus={layout.gpus}")
     else:
         if layout.train_gpus + layout.serve_gpus != layout.gpus:
             raise ConfigError(f"layout.train_gpus ({layout.train_gpus}) + layout.serve_gpus ({layout.serve_gpus}) "
@@ -365,12 +428,16 @@ def _validate_layout(cfg: DictConfig) -> None:
         if processes != layout.train_gpus:
             raise ConfigError(f"trainer.devices x trainer.num_nodes = {processes} but layout.train_gpus={layout.train_gpus}")
         if layout.serve_gpus <= 0 or layout.serve_gpus % tp:
-            raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide layout.serve_gpus={layout.serve_gpus}")
+            raise ConfigError(f"layout.engine_tp={tp} does not divide layout.serve_gpus={layout.serve_gpus}")
         if layout.max_staleness < 0:
             raise ConfigError(f"layout.max_staleness={layout.max_staleness} must be >= 0")
 
 
 # ----------------------------------------------------------------------------- composition
+
+
+#: The schema's name in hydra's config store (``config.yaml`` lists it first among its defaults).
+SCHEMA_NAME = "atlas_schema"
 
 
 def config_dir() -> str:
@@ -387,6 +454,7 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -397,13 +465,18 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
         if not path.is_dir():
             raise ConfigError(f"--config-dir {user_config_dir}: no such folder")
         overrides.append(f"hydra.searchpath=[file://{path}]")
+    # config.yaml's first default: hydra composes onto the schema, so every schema key can be
+    # overridden (``plan.card_gib=139``) although no group file states it
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=RootConfig)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="atlas-lightning"):
             raw = hydra_compose(config_name="config", overrides=overrides)
-        _critic_lora_over_lora(raw)
         schema = OmegaConf.structured(RootConfig)
-        cfg = OmegaConf.merge(schema, raw)
+        OmegaConf.set_struct(schema.reward, False)  # a scorer's own keys beside the typed ones
+        # merged as plain data: a key outside the schema (``+model.typo=1``, which hydra's ``+``
+        # adds even to a typed node) fails here, naming it
+        cfg = OmegaConf.merge(schema, OmegaConf.to_container(raw))
         if cfg.paths.root == ".":
             cfg.paths.root = os.getcwd()
         OmegaConf.resolve(cfg)
@@ -416,18 +489,13 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
     return cfg
 
 
-def _critic_lora_over_lora(raw: DictConfig) -> None:
-    """``model.critic_lora``'s fields over ``model.lora``'s: a field the critic's does not give is
-    the actor's (``{rank: 32}`` keeps ``model.lora``'s alpha and targets), in place."""
-    model = raw.get("model")
-    if model is None or model.get("critic_lora") is None:
-        return
-    with open_dict(raw):
-        raw.model.critic_lora = OmegaConf.merge(model.get("lora") or {}, model.critic_lora)
-
-
 def _explain(err: Exception) -> str:
-    """Hydra's and OmegaConf's message, without their internals; names the full key."""
+    """Hydra's and OmegaConf's message, without their internals; names the full key. Where
+    hydra's message wraps OmegaConf's (an override it could not merge), OmegaConf's says why."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    while isinstance(err.__cause__, OmegaConfBaseException):
+        err = err.__cause__
     lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
     kept = [line for line in lines if not line.startswith(("object_type", "full_key", "reference_type"))]
     full_key = getattr(err, "full_key", None)

@@ -42,7 +42,7 @@ from atlas_lightning.store.records import FILE_VERSION, utc_now
 from atlas_lightning.distributed import on_rank_zero
 from atlas_lightning.store.files import atomic_write_json, json_safe
 from atlas_lightning.store.step_folder import gather_step, remove_stale_temporaries, write_step_folder
-from atlas_lightning.ppo.step_output import read_step_output, run_config
+from atlas_lightning.ppo.step_output import read_step_output
 
 RUN_JSON = "run.json"
 #: Distributions whose versions ``run.json`` records (the first installed name of each entry).
@@ -119,7 +119,7 @@ class ArtifactDumpCallback(L.Callback):
     module docstring). Takes no arguments: everything comes from ``pl_module.cfg``."""
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        cfg = run_config(pl_module, "ArtifactDumpCallback.on_fit_start")
+        cfg = pl_module.cfg
         hosts = distributed.gather_objects(host_description(trainer, pl_module))
 
         def write() -> None:
@@ -168,7 +168,7 @@ class ArtifactDumpCallback(L.Callback):
         out = read_step_output(outputs, "ArtifactDumpCallback.on_train_batch_end")
         if not out.finite:
             return
-        cfg = run_config(pl_module, "ArtifactDumpCallback.on_train_batch_end")
+        cfg = pl_module.cfg
         gathered = gather_step(out.step, out.records, out.tensors, extra=getattr(out.batch, "weights_version", None))
 
         def write() -> None:

@@ -11,6 +11,8 @@ left. ``latest_checkpointed_iteration.txt`` beside the folders names the newest 
 
 Collective: every rank takes part in the gathers and in Lightning's save; rank 0 writes the
 adapters, moves files into place and writes the marker. Non-finite steps are never saved.
+Once a folder is complete, every ``RLCallback`` hears ``on_checkpoint_saved`` (``base.py``).
+The module must be ``Checkpointable`` (``save_adapters``), as ``PPOModule`` is.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from atlas_lightning import distributed as dist_utils
 from atlas_lightning.store.atomic import atomic_write_text
 from atlas_lightning.config import run_dirs
 from atlas_lightning.store.checkpoints import LATEST, MARKER, STATE_DIR, sha256_file, step_dir
+from atlas_lightning.callbacks.base import rl_callbacks
+from atlas_lightning.ppo.step_output import read_step_output
+
 
 class StepCheckpoint(Checkpoint):
     """Save every ``every_n_steps`` RL steps and at the last step."""
@@ -37,7 +42,7 @@ class StepCheckpoint(Checkpoint):
         self.last_saved: Optional[int] = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if outputs is not None and not outputs.get("finite", True):
+        if outputs is not None and not read_step_output(outputs, "StepCheckpoint.on_train_batch_end").finite:
             return
         step = batch.step
         last = step == pl_module.cfg.trainer.total_steps
@@ -70,10 +75,8 @@ class StepCheckpoint(Checkpoint):
             atomic_write_text(checkpoints / LATEST, f"{step}\n")
         dist_utils.barrier()
         self.last_saved = step
-        for callback in trainer.callbacks:
-            hook = getattr(callback, "on_checkpoint_saved", None)
-            if hook is not None and callback is not self:
-                hook(trainer, final, step)
+        for callback in rl_callbacks(trainer, besides=self):
+            callback.on_checkpoint_saved(trainer, final, step)
         return final
 
     def state_dict(self) -> dict:

@@ -43,7 +43,8 @@ from atlas_lightning.env.terminal import TERMINAL_REASON_CODES
 from atlas_lightning.store.records import FILE_VERSION, utc_now
 from atlas_lightning.distributed import on_rank_zero
 from atlas_lightning.store.files import atomic_write, atomic_write_json
-from atlas_lightning.ppo.step_output import read_step_output, run_config
+from atlas_lightning.callbacks.base import RLCallback
+from atlas_lightning.ppo.step_output import read_step_output
 from atlas_lightning.reward.summary import step_summary, trajectory_row
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ def terminal_reason_history(history: Sequence[Mapping], partition: str) -> dict:
 # ----------------------------------------------------------------------------- the callback
 
 
-class FiguresCallback(L.Callback):
+class FiguresCallback(RLCallback):
     """Training figures every ``every_n_steps`` finite steps, validation figures after every
     validation; ``dpi`` of the PNGs. See the module docstring."""
 
@@ -221,7 +222,7 @@ class FiguresCallback(L.Callback):
         out = read_step_output(outputs, "FiguresCallback.on_train_batch_end")
         if not out.finite:
             return
-        cfg = run_config(pl_module, "FiguresCallback")
+        cfg = pl_module.cfg
         gathered = distributed.gather_objects([trajectory_row(r) for r in out.records])
 
         def record_and_draw() -> None:
@@ -236,7 +237,7 @@ class FiguresCallback(L.Callback):
     def on_rl_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int,
                              metrics: Mapping[str, float], rows: Optional[list]) -> None:
         """Called by ``ValidationCallback`` on every rank (collective); ``rows`` only on rank 0."""
-        cfg = run_config(pl_module, "FiguresCallback")
+        cfg = pl_module.cfg
 
         def record_and_draw() -> None:
             summary = step_summary(step, rows or [])
@@ -248,7 +249,7 @@ class FiguresCallback(L.Callback):
         on_rank_zero(record_and_draw, f"the validation figures of step {step}")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        cfg = run_config(pl_module, "FiguresCallback")
+        cfg = pl_module.cfg
 
         def draw_latest() -> None:
             train = self.history["train"]

@@ -1,7 +1,7 @@
 """Uploading each saved checkpoint's adapters and validation dumps to the Hub during training.
 
 ``HubCheckpointCallback`` implements ``on_checkpoint_saved(trainer, step_dir, step)``, which the
-checkpoint callback calls on every callback that has it once ``checkpoints/<name>/global_step_N/``
+checkpoint callback calls on every ``RLCallback`` (``base.py``) once ``checkpoints/<name>/global_step_N/``
 is complete. It sends ``actor/lora_adapter/``, ``critic/lora_adapter/`` and ``val_dumps/`` of that
 folder to the same paths in the repo (``checkpoints/<name>/global_step_N/...``), in one commit.
 Rank 0 only; the other ranks return at once (nothing here is collective).
@@ -31,8 +31,7 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning.pytorch.callbacks import Callback
-
+from atlas_lightning.callbacks.base import RLCallback
 from atlas_lightning.hub.client import HubPublishError, HubUploader, check_repo_id
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ def step_files(step_dir: Path) -> list[tuple[str, Path]]:
     return out
 
 
-class HubCheckpointCallback(Callback):
+class HubCheckpointCallback(RLCallback):
     """Args:
         repo_id, repo_type, endpoint, private: the repository (``cfg.hub``).
         every_n_steps: upload only steps divisible by it (None: every saved step).

@@ -18,10 +18,11 @@ The module has already refused to step the optimizers for such a step and says s
      checkpoint callbacks (``Checkpoint`` subclasses) after all others, so nothing of step N is
      checkpointed;
    - ``rollback``: calls ``pl_module.restore_checkpoint(step_dir)`` with that checkpoint (all
-     ranks: it is collective), then ``on_rl_weights_restored(trainer, pl_module, step,
-     step_dir)`` on every callback that has it (the weight sync must push the restored actor to
-     the engines before the next rollout), logs ``nan_guard/rollbacks`` (the run's count) at
-     step N and lets training go on with the next batch (the data cursor is not rewound).
+     ranks: it is collective; the module must be ``Checkpointable``, ``base.py``), then
+     ``on_rl_weights_restored(trainer, pl_module, step, step_dir)`` on every ``RLCallback``
+     (the weight sync must push the restored actor to the engines before the next rollout),
+     logs ``nan_guard/rollbacks`` (the run's count) at step N and lets training go on with the
+     next batch (the data cursor is not rewound).
      Without a checkpoint, or after ``max_rollbacks`` rollbacks, it stops as ``stop`` does.
 
 Every rank must see the same ``finite`` (the module decides it across ranks: the callbacks'
@@ -50,7 +51,8 @@ from atlas_lightning.store.checkpoints import latest_complete
 from atlas_lightning.distributed import on_rank_zero
 from atlas_lightning.store.files import atomic_write_json, json_safe
 from atlas_lightning.store.step_folder import gather_step, write_step_folder
-from atlas_lightning.ppo.step_output import read_step_output, run_config
+from atlas_lightning.callbacks.base import Checkpointable, rl_callbacks
+from atlas_lightning.ppo.step_output import read_step_output
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +155,7 @@ class NaNGuardCallback(L.Callback):
         out = read_step_output(outputs, "NaNGuardCallback.on_train_batch_end")
         if out.finite:
             return
-        cfg = run_config(pl_module, "NaNGuardCallback")
+        cfg = pl_module.cfg
         dirs = run_dirs(cfg)
         gathered = gather_step(out.step, out.records, out.tensors, extra=dict(out.nonfinite or {}))
 
@@ -228,18 +230,15 @@ class NaNGuardCallback(L.Callback):
 
     def _rollback(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, merged: dict,
                   checkpoint: Path) -> None:
-        restore = getattr(pl_module, "restore_checkpoint", None)
-        if not callable(restore):
+        if not isinstance(pl_module, Checkpointable):
             raise NonFiniteError(
-                f"step {step}: policy rollback needs pl_module.restore_checkpoint(step_dir), which "
-                f"{type(pl_module).__name__} lacks; the last good checkpoint is {checkpoint}",
+                f"step {step}: policy rollback needs pl_module.restore_checkpoint(step_dir) (Checkpointable), "
+                f"which {type(pl_module).__name__} lacks; the last good checkpoint is {checkpoint}",
                 step=step, what=merged["what"], last_good_checkpoint=checkpoint)
         log.warning("step %d: non-finite %s; rolling back to %s", step, ", ".join(merged["what"]), checkpoint)
-        restore(checkpoint)
-        for callback in trainer.callbacks:
-            hook = getattr(callback, "on_rl_weights_restored", None)
-            if callable(hook):
-                hook(trainer, pl_module, step, checkpoint)
+        pl_module.restore_checkpoint(checkpoint)
+        for callback in rl_callbacks(trainer):
+            callback.on_rl_weights_restored(trainer, pl_module, step, checkpoint)
         self.rollbacks += 1
         pl_module.log_metrics({"nan_guard/rollbacks": float(self.rollbacks)}, step=step)
 

@@ -24,8 +24,8 @@ seeds. Then, with every rank's records gathered on rank 0:
 - ``artifacts/<name>/val/step_N/``: the records (with their four per-token arrays), tensors.npz
   and manifest (``_step_dump``).
 
-Other callbacks hear of it: every callback with a method ``on_rl_validation_end(trainer,
-pl_module, step, metrics, rows)`` is called on every rank (``rows``: the per-trajectory rows of
+Other callbacks hear of it: every ``RLCallback`` (``base.py``) gets ``on_rl_validation_end(trainer,
+pl_module, step, metrics, rows)`` on every rank (``rows``: the per-trajectory rows of
 ``_summary.trajectory_row`` on rank 0, None elsewhere); the figures callback draws from it.
 
 Ordering: the weights the engines serve at step N must be the updated ones, so the weight-sync
@@ -51,7 +51,8 @@ from atlas_lightning.reward import reward_means
 from atlas_lightning.distributed import on_rank_zero
 from atlas_lightning.store.files import atomic_write_jsonl
 from atlas_lightning.store.step_folder import gather_step, write_step_folder
-from atlas_lightning.ppo.step_output import read_step_output, run_config
+from atlas_lightning.callbacks.base import rl_callbacks
+from atlas_lightning.ppo.step_output import read_step_output
 from atlas_lightning.reward.summary import terminal_counts, trajectory_row, view_metrics
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ class ValidationCallback(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         out = read_step_output(outputs, "ValidationCallback.on_train_batch_end")
-        total_steps = run_config(pl_module, "ValidationCallback").trainer.total_steps
+        total_steps = pl_module.cfg.trainer.total_steps
         if out.finite and self.should_validate(out.step, total_steps):
             self.run_validation(trainer, pl_module, out.step)
 
@@ -152,7 +153,7 @@ class ValidationCallback(L.Callback):
 
     def run_validation(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> dict[str, float]:
         """Validate as RL step ``step`` on every rank (collective); returns the metrics."""
-        cfg = run_config(pl_module, "ValidationCallback")
+        cfg = pl_module.cfg
         datamodule = trainer.datamodule
         if datamodule is None or not hasattr(datamodule, "validation_rollout"):
             raise ValueError("ValidationCallback: trainer.datamodule must be a RolloutDataModule (validation_rollout)")
@@ -181,10 +182,8 @@ class ValidationCallback(L.Callback):
         metrics = on_rank_zero(summarize_and_write, f"validation step {step}")
         pl_module.log_metrics(metrics, step=step)
         self.validated.append(step)
-        for callback in trainer.callbacks:
-            hook = getattr(callback, "on_rl_validation_end", None)
-            if callable(hook):
-                hook(trainer, pl_module, step, metrics, rows)
+        for callback in rl_callbacks(trainer):
+            callback.on_rl_validation_end(trainer, pl_module, step, metrics, rows)
         return metrics
 
     # -- resumable state ----------------------------------------------------------------------

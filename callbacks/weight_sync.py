@@ -2,11 +2,13 @@
 
 Order of work, all ranks together (FSDP gathers are collective):
 
-1. export: the actor adapter as a PEFT folder under ``outputs/<name>/.engine_adapters/syncK``
-   (hidden: never published)
-   (``rollout.weight_sync: lora``), rank 0 writes; or the adapter merged into the base and
-   sent in buckets of at most ``rollout.bucket_mb`` (``merged``; to a server through vLLM's
-   weight-transfer API, ``rollout/weight_transfer.py``);
+1. export, from ``pl_module.model`` through the model-level functions of ``models/``: the actor
+   adapter as a PEFT folder under ``outputs/<name>/.engine_adapters/syncK`` (hidden: never
+   published) (``rollout.weight_sync: lora``), rank 0 writes; or the adapter merged into the
+   base and sent in buckets of at most ``rollout.bucket_mb`` (``merged``): streamed to
+   ``Engine.load_weights``, or packed to ``Engine.load_weight_packs`` for an engine that
+   ``takes_weight_packs`` (a server, through vLLM's weight-transfer API,
+   ``rollout/engines/weight_transfer.py``);
 2. load: each engine serves version ``K`` (a new LoRA id, never a reused one);
 3. verify: the engine reports the tensor count and checksum of what it holds, compared with
    what was sent; then the trainer's and the engine's log-probs of a probe sequence are
@@ -16,7 +18,7 @@ Order of work, all ranks together (FSDP gathers are collective):
    no rollout ever runs on weights that are not the trained ones.
 
 The weights version served is the number of updates applied (0 before training; after a NaN
-guard rollback to step M, M again); it is published to the datamodule (``weights_version``)
+guard rollback to step M, M again: ``on_rl_weights_restored``, ``base.py``); it is published to the datamodule (``weights_version``)
 while the sync still holds ``engine_lock``, so that a rollout records the version it really
 sampled with (the asynchronous layout's producer waits on it). Every sync also gets a new engine-side id (``sync_id``,
 never reused) so that no engine serves a stale adapter. It runs first among the callbacks
@@ -32,18 +34,35 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import lightning as L
-
 from atlas_lightning import distributed as dist_utils
+from atlas_lightning.callbacks.base import RLCallback
 from atlas_lightning.config import run_dirs
-from atlas_lightning.rollout.engine import AdapterVersion
+from atlas_lightning.ppo.step_output import read_step_output
+from atlas_lightning.rollout.engine import AdapterVersion, tensor_checksum
 
 
 class WeightSyncError(RuntimeError):
     """The engines do not hold the weights the trainer sent."""
 
 
-class WeightSyncCallback(L.Callback):
+def export_actor_adapter(model, folder: Path) -> tuple[int, float]:
+    """Write ``model``'s actor adapter to ``folder`` (PEFT layout) for the engines and return
+    what was sent: (tensor count, checksum) as ``vllm_engine.lora_checksum`` counts them, each B
+    scaled by its own layer's scaling (the actor's ``lora_alpha / r``, which a starting adapter's
+    folder may set apart from ``model.lora``). Collective; rank 0 writes."""
+    from atlas_lightning.models.adapters import save_adapter
+    from atlas_lightning.models.weights import adapter_scalings, adapter_state
+    from atlas_lightning.rollout.engines.vllm_engine import lora_checksum
+
+    state = adapter_state(model, "actor")
+    save_adapter(model, "actor", folder)
+    scalings = adapter_scalings(model, "actor")
+    pairs = [(tensor, state[name.replace("lora_A", "lora_B")], scalings[name.split(".lora_A.")[0]])
+             for name, tensor in state.items() if ".lora_A." in name]
+    return lora_checksum(pairs)
+
+
+class WeightSyncCallback(RLCallback):
     def __init__(self, keep_versions: int = 2) -> None:
         self.keep_versions = keep_versions
         self.version: Optional[int] = None
@@ -56,7 +75,7 @@ class WeightSyncCallback(L.Callback):
         self.sync(trainer, pl_module, version=pl_module.rl_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if outputs is not None and not outputs.get("finite", True):
+        if outputs is not None and not read_step_output(outputs, "WeightSyncCallback.on_train_batch_end").finite:
             return  # the NaN guard decides; never ship non-finite weights
         self.sync(trainer, pl_module, version=batch.step)
 
@@ -79,17 +98,19 @@ class WeightSyncCallback(L.Callback):
                 dist_utils.barrier()  # every rank's producer is idle before the shared server changes
             if cfg.rollout.weight_sync == "lora":
                 folder = run_dirs(cfg)["outputs"] / ".engine_adapters" / f"sync{self.sync_id}"
-                expected = pl_module.export_actor_adapter(folder)
+                expected = export_actor_adapter(pl_module.model, folder)
                 dist_utils.barrier()
                 report = engine.set_adapter(AdapterVersion(str(folder), version=self.sync_id))
                 self._prune(folder.parent)
-            elif getattr(engine, "takes_weight_packs", False):
-                expected, report = self._send_packs(pl_module, engine, cfg.rollout.bucket_mb * 2**20, version)
+            elif engine.takes_weight_packs:
+                expected, report = self._send_packs(pl_module.model, engine, cfg.rollout.bucket_mb * 2**20, version)
             else:
+                from atlas_lightning.models.weights import merged_weight_buckets
+
                 sent = {"count": 0, "sum": 0.0, "finished": False}
 
                 def stream():  # one reload for the whole sync (vllm_engine._reload_weights), bucket by bucket
-                    for bucket in pl_module.merged_weight_buckets(cfg.rollout.bucket_mb * 2**20):
+                    for bucket in merged_weight_buckets(pl_module.model, "actor", cfg.rollout.bucket_mb * 2**20):
                         for name, tensor in bucket:
                             sent["count"] += 1
                             sent["sum"] += float(tensor.double().sum())
@@ -112,15 +133,16 @@ class WeightSyncCallback(L.Callback):
         return metrics
 
     @staticmethod
-    def _send_packs(pl_module, engine, bucket_bytes: int, version: int):
-        """Merged weights in packed buckets through the engine's weight-transfer path (a
-        server's): (what was sent, what the engine reports), both as ``tensor_checksum``."""
-        from atlas_lightning.rollout.engine import tensor_checksum
+    def _send_packs(model, engine, bucket_bytes: int, version: int):
+        """The actor merged into ``model``'s base, in packed buckets, through the engine's
+        ``load_weight_packs`` (a server's weight transfer): (what was sent, what the engine
+        reports), both as ``tensor_checksum``."""
+        from atlas_lightning.models.weights import merged_weight_packs
 
         sent = [0, 0.0]
 
         def packs():
-            for buffer, views in pl_module.merged_weight_packs(bucket_bytes):
+            for buffer, views in merged_weight_packs(model, "actor", bucket_bytes):
                 count, checksum = tensor_checksum(t for _, t in views)
                 sent[0], sent[1] = sent[0] + count, sent[1] + checksum
                 yield buffer, views
@@ -143,12 +165,13 @@ class WeightSyncCallback(L.Callback):
         """Max |trainer - engine| log-prob over a fixed probe sequence (a validation prompt).
         Non-finite engine log-probs raise the NaN guard's ``NonFiniteError``."""
         from atlas_lightning.callbacks.nan_guard import check_probe_logprobs
+        from atlas_lightning.models.probe import probe_logprobs
 
         cfg = pl_module.cfg
         probe = dm.probe_token_ids()
         engine_lp = engine.prompt_logprobs(probe)
         check_probe_logprobs(engine_lp, version)
-        trainer_lp = pl_module.probe_logprobs(probe)
+        trainer_lp = probe_logprobs(pl_module.model, probe, pl_module.device)
         if len(engine_lp) != len(trainer_lp):
             raise WeightSyncError(f"weight sync: probe lengths differ ({len(engine_lp)} vs {len(trainer_lp)})")
         gap = max(abs(a - b) for a, b in zip(engine_lp, trainer_lp))

@@ -7,7 +7,7 @@
 # through vLLM's weight-transfer API (nccl); rollout k+1 overlaps update k (layout.max_staleness=1).
 # Plan and pre-flight first (seconds; nothing starts if they fail), then
 # `atlas-lightning memory-check experiment=r28-continued-cost-8gpu-t49152-n16-separate4-4-memory`; the log goes to logs/r28-continued-cost-8gpu-t49152-n16-separate4-4-memory-<UTC time>.log.
-# launch/common.sh lists the environment variables; launch/slurm.sbatch runs it on several nodes.
+# launch/common.sh lists the launcher variables; launch/slurm.sbatch runs it on several nodes.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 ATLAS_GPUS_WANTED=8 atlas_launch r28-continued-cost-8gpu-t49152-n16-separate4-4-memory memory-check "$@"

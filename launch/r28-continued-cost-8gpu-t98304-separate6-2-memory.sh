@@ -9,7 +9,7 @@
 # 98,304 tokens a card need H200s (plan refuses them on 80 GB cards).
 # Plan and pre-flight first (seconds; nothing starts if they fail), then
 # `atlas-lightning memory-check experiment=r28-continued-cost-8gpu-t98304-separate6-2-memory`; the log goes to logs/r28-continued-cost-8gpu-t98304-separate6-2-memory-<UTC time>.log.
-# launch/common.sh lists the environment variables; launch/slurm.sbatch runs it on several nodes.
+# launch/common.sh lists the launcher variables; launch/slurm.sbatch runs it on several nodes.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 ATLAS_GPUS_WANTED=8 atlas_launch r28-continued-cost-8gpu-t98304-separate6-2-memory memory-check "$@"

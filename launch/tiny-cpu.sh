@@ -6,7 +6,7 @@
 # Needs the tiny model and the sample (make assets, or atlas-lightning data tiny-model/sample).
 # Plan and pre-flight first (seconds; nothing starts if they fail), then
 # `atlas-lightning fit experiment=tiny-cpu`; the log goes to logs/tiny-cpu-<UTC time>.log.
-# launch/common.sh lists the environment variables; launch/slurm.sbatch runs it on several nodes.
+# launch/common.sh lists the launcher variables; launch/slurm.sbatch runs it on several nodes.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 ATLAS_GPUS_WANTED=0 atlas_launch tiny-cpu fit "$@"

@@ -45,13 +45,26 @@ def tiny_tokenizer(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
-def vllm_engine(tiny_model_dir):
+def tiny_engine_args(tiny_model_dir):
+    """``EngineArgs`` of the embedded default's engine (``experiment=tiny-cpu``: float32, 2,048
+    tokens, eager, LoRA rank 8, seed 0) on the tiny model; keyword changes replace fields:
+    ``tiny_engine_args(lora_rank=None)``."""
+    from dataclasses import replace
+
+    from atlas_lightning.config import compose
+    from atlas_lightning.rollout.engines.args import EngineArgs
+
+    base = EngineArgs.from_config(compose(["experiment=tiny-cpu", f"model.path={tiny_model_dir}"]))
+    return lambda **changes: replace(base, **changes)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_engine_args):
     """One in-process vLLM engine with LoRA enabled, shared by the tests that need it."""
     pytest.importorskip("vllm")
     from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(str(tiny_model_dir), dtype="float32", max_model_len=2048, lora_rank=8,
-                        enforce_eager=True, seed=0)
+    engine = VLLMEngine(tiny_engine_args())
     yield engine
     engine.close()
 

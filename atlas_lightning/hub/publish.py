@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from atlas_lightning.hub.client import HubPublishError, HubUploader, check_repo_id
 from atlas_lightning.hub.readme import (
@@ -305,7 +305,7 @@ def publish_from_config(cfg: DictConfig, weights: bool = False) -> int:
         result = publish_data_root(
             run_dirs(cfg)["root"], repo_id, repo_type=cfg.hub.repo_type, weights=weights,
             endpoint=cfg.hub.endpoint, private=cfg.hub.private, name=cfg.name,
-            question=OmegaConf.select(cfg, "hub.description", default=None),
+            question=cfg.hub.description,
         )
     except HubPublishError as err:
         print(f"atlas-lightning publish: {err}", file=sys.stderr)

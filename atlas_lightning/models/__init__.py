@@ -9,7 +9,8 @@ Modules (one responsibility each):
 * ``adapter_switch``: per-forward adapter selection that never flips ``requires_grad``.
 * ``sharding``: ``shard`` (FSDP2 ``fully_shard`` per decoder layer, value head, root).
 * ``weights``: ``adapter_state``, ``merged_weights``, ``bucket_weights``, ``merged_weight_buckets``.
-* ``adapters``: ``save_adapter``, ``load_adapter`` (PEFT folders, base identity checks).
+* ``adapters``: ``save_adapter``, ``save_adapters``, ``load_adapter`` (PEFT folders, base identity checks).
+* ``probe``: ``probe_logprobs`` (the actor's log-probs of one sequence, the weight-sync check).
 * ``identity``, ``checkpoint_names``: what identifies a base; checkpoint parameter names.
 * ``tiny``: ``save_tiny_causal_lm`` (random tiny Qwen3 / Qwen3.5 folders for tests).
 

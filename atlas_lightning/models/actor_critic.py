@@ -215,7 +215,7 @@ class ActorCritic(nn.Module):
         self._tuner_layers = tuner_layers(peft_model)
         # peft left only the first adapter trainable; both are trained, each by its own loss.
         for name in ADAPTERS:
-            for param in self._adapter_parameters(name):
+            for param in self.adapter_parameters(name):
                 param.requires_grad_(True)
 
         if fused_lora:
@@ -254,7 +254,8 @@ class ActorCritic(nn.Module):
             raise TypeError(f"{type(self.hf_model).__name__}: cannot find the decoder's `layers` list")
         return layers
 
-    def _adapter_parameters(self, adapter: str) -> list[nn.Parameter]:
+    def adapter_parameters(self, adapter: str) -> list[nn.Parameter]:
+        """The LoRA parameters of ``adapter`` (``actor`` or ``critic``), in layer order."""
         params = []
         for layer in self._tuner_layers:
             for attr in layer.adapter_layer_names:
@@ -268,11 +269,11 @@ class ActorCritic(nn.Module):
 
     def actor_parameters(self) -> list[nn.Parameter]:
         """The actor adapter's LoRA parameters (what the actor optimizer steps)."""
-        return self._adapter_parameters(ACTOR)
+        return self.adapter_parameters(ACTOR)
 
     def critic_parameters(self) -> list[nn.Parameter]:
         """The critic adapter's LoRA parameters and the value head's."""
-        return self._adapter_parameters(CRITIC) + list(self.value_head.parameters())
+        return self.adapter_parameters(CRITIC) + list(self.value_head.parameters())
 
     @staticmethod
     def _choose_layout(base: nn.Module, requested: str) -> str:

@@ -31,7 +31,8 @@ shape fields, then the weights fingerprint; folders from elsewhere without
 alpha or other LoRA hyper-parameters differ from the adapter it starts, or whose set of
 adapted modules differs.
 
-Who calls it: checkpointing (save), run start from another run's step (load).
+Who calls it: checkpointing (save), the weight sync (the actor for the engines), run start
+from another run's step (load).
 """
 
 from __future__ import annotations
@@ -101,6 +102,13 @@ def save_adapter(model: ActorCritic, adapter_name: str, folder: str | Path) -> P
     if message[0] is not None:
         raise RuntimeError(f"save_adapter({adapter_name!r}, {folder}) failed on rank 0: {message[0]}")
     return folder
+
+
+def save_adapters(model: ActorCritic, step_dir: str | Path) -> None:
+    """Both adapters as ``step_dir/{actor,critic}/lora_adapter`` (``save_adapter`` each): a
+    checkpoint's adapters. Collective under FSDP2 (all ranks call; rank 0 writes)."""
+    for name in ADAPTERS:
+        save_adapter(model, name, Path(step_dir) / name / "lora_adapter")
 
 
 def _write_folder(model: ActorCritic, adapter_name: str, folder: Path, state, value_head, save_file) -> None:
@@ -317,7 +325,7 @@ def _peft_named_parameters(model: ActorCritic, adapter_name: str) -> dict[str, T
     """PEFT file key -> the live (possibly sharded) parameter, without gathering anything."""
     from peft import get_peft_model_state_dict
 
-    wanted = {id(p) for p in model._adapter_parameters(adapter_name)}
+    wanted = {id(p) for p in model.adapter_parameters(adapter_name)}
     live = {name: p for name, p in model.peft_model.named_parameters() if id(p) in wanted}
     return get_peft_model_state_dict(
         model.peft_model, state_dict=live, adapter_name=adapter_name, save_embedding_layers=False

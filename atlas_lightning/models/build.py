@@ -25,15 +25,19 @@ def build_actor_critic(model_cfg: Any, *, seed: int = 0, actor_adapter: Optional
     Each adapter has its own LoRA shape: an adapter that starts from a folder is built with the
     LoRA that folder's ``adapter_config.json`` describes (rank, alpha, target modules, per-module
     patterns: ``adapter_lora_config``), whatever ``model_cfg.lora`` says; a fresh one with
-    ``model_cfg.lora`` (actor) or ``model_cfg.critic_lora`` (critic; None: ``lora``). The
-    folders' tensors are then checked against this base and loaded (``adapters.load_adapter``).
+    ``model_cfg.lora`` (actor) or ``model_cfg.critic_lora``'s fields over it (critic;
+    ``store.lora_shapes.fresh_lora_spec``). The folders' tensors are then checked against this
+    base and loaded (``adapters.load_adapter``).
     Unsharded: the caller shards it (``sharding.shard``)."""
+    from atlas_lightning.store.lora_shapes import fresh_lora_spec
+
     folders = {ACTOR: actor_adapter or model_cfg.actor_adapter, CRITIC: critic_adapter or model_cfg.critic_adapter}
-    fresh_critic = getattr(model_cfg, "critic_lora", None)
+    lora = {role: adapter_lora_config(folder) if folder else fresh_lora_spec(model_cfg, role)
+            for role, folder in folders.items()}
     model = ActorCritic(
         model_cfg.path,
-        adapter_lora_config(folders[ACTOR]) if folders[ACTOR] else model_cfg.lora,
-        critic_lora=adapter_lora_config(folders[CRITIC]) if folders[CRITIC] else fresh_critic,
+        lora[ACTOR],
+        critic_lora=lora[CRITIC],
         dtype=model_cfg.dtype,
         gradient_checkpointing=model_cfg.gradient_checkpointing,
         logprob_chunk_tokens=model_cfg.logprob_chunk_tokens,

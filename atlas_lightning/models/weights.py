@@ -58,7 +58,7 @@ def adapter_state(model: ActorCritic, adapter_name: str) -> dict[str, Tensor]:
     from peft import get_peft_model_state_dict
 
     _check_adapter(model, adapter_name)
-    wanted = {id(p) for p in model._adapter_parameters(adapter_name)}
+    wanted = {id(p) for p in model.adapter_parameters(adapter_name)}
     gathered = {}
     with torch.no_grad():
         for name, param in model.peft_model.named_parameters():

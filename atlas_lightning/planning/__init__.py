@@ -1,7 +1,7 @@
 """``plan``: predict each card's memory for a run and refuse what cannot run, before launch.
 
     atlas-lightning plan experiment=r28-continued-cost-8gpu-t73728-memory        # 80 GiB cards
-    ATLAS_CARD_GIB=139 atlas-lightning plan experiment=...                         # H200
+    atlas-lightning plan experiment=... plan.card_gib=139                          # H200
     python -m atlas_lightning.planning --card-gib 139 --json experiment=...
 
 Pieces: ``shapes`` (the base's shape from its ``config.json``), ``estimate`` (the per-phase,
@@ -9,7 +9,8 @@ per-card memory model; its docstring gives every term), ``checks`` (layouts refu
 ``report`` (the table and ``outputs/<name>/plan.json``). ``make_plan`` joins them; the exit
 code of the verb is 0 when the plan passes and 2 when it refuses (the reasons are printed).
 
-Card memory: ``card_gib`` argument, else ``ATLAS_CARD_GIB``, else 80 (the report's A100 80GB).
+Card memory: the ``card_gib`` argument (``--card-gib``), else ``plan.card_gib`` (default 80: the
+report's A100 80GB).
 Hybrid models' linear-attention kernel: ``ATLAS_LINEAR_ATTENTION_KERNEL`` (``fla`` or
 ``torch``), else ``fla`` when flash-linear-attention and causal-conv1d are importable on this
 machine, else ``torch`` (transformers' fallback, far hungrier).
@@ -27,22 +28,15 @@ from .shapes import ModelShape, ShapeError, read_model_shape, shape_from_config
 
 DEFAULT_CARD_GIB = 80.0
 
-__all__ = ["GIB", "ModelShape", "Phase", "Plan", "ShapeError", "card_gib_from_env", "estimate", "linear_kernel_from_env",
+__all__ = ["GIB", "ModelShape", "Phase", "Plan", "ShapeError", "card_gib_of", "estimate", "linear_kernel_from_env",
            "make_plan", "read_model_shape", "shape_from_config"]
 
 
-def card_gib_from_env(card_gib: Optional[float] = None) -> float:
-    """``card_gib`` if given, else ``ATLAS_CARD_GIB``, else 80."""
-    if card_gib is not None:
-        value = float(card_gib)
-    else:
-        raw = os.environ.get("ATLAS_CARD_GIB", "")
-        try:
-            value = float(raw) if raw else DEFAULT_CARD_GIB
-        except ValueError:
-            raise ValueError(f"ATLAS_CARD_GIB={raw!r} is not a number of GiB") from None
-    if value <= 0:
-        raise ValueError(f"card memory {value} GiB must be positive")
+def card_gib_of(cfg: Any, card_gib: Optional[float] = None) -> float:
+    """``card_gib`` if given (``--card-gib``), else ``cfg.plan.card_gib``; ``ValueError`` unless positive."""
+    value = float(cfg.plan.card_gib if card_gib is None else card_gib)
+    if not value > 0:
+        raise ValueError(f"card memory {value} GiB must be positive (plan.card_gib / --card-gib)")
     return value
 
 
@@ -62,7 +56,7 @@ def make_plan(cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: Opti
     """The plan of ``cfg``: the shape of ``cfg.model.path`` (or ``shape``), the estimate, and every
     refusal (layout first, then memory). Raises ``ShapeError`` when the model folder is unreadable."""
     shape = shape or read_model_shape(cfg.model.path)
-    plan = estimate(shape, cfg, card_gib=card_gib_from_env(card_gib), linear_kernel=linear_kernel_from_env(linear_kernel))
+    plan = estimate(shape, cfg, card_gib=card_gib_of(cfg, card_gib), linear_kernel=linear_kernel_from_env(linear_kernel))
     plan.refusals[:0] = layout_refusals(cfg, shape)
     if shape.recurrent and plan.model.get("linear_attention_kernel") == "torch" and plan.device == "gpu":
         plan.notes.append("linear attention runs transformers' torch fallback here (flash-linear-attention or "

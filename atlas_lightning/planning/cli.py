@@ -41,7 +41,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m atlas_lightning.planning", description=__doc__.split("\n")[0])
     parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. experiment=r28-continued-cost-8gpu-n32")
-    parser.add_argument("--card-gib", type=float, default=None, help="memory of one card (default: $ATLAS_CARD_GIB or 80)")
+    parser.add_argument("--card-gib", type=float, default=None, help="memory of one card in GiB (default: plan.card_gib, 80)")
     parser.add_argument("--linear-kernel", choices=("fla", "torch", "auto"), default=None,
                         help="Gated DeltaNet kernel path for hybrid models (default: $ATLAS_LINEAR_ATTENTION_KERNEL or auto)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")

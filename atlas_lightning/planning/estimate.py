@@ -1,8 +1,10 @@
 """The per-card memory estimate of a run: ``estimate(model_shape, cfg) -> Plan``.
 
-Pure Python (no torch): it reads the config (``config.RootConfig`` or its DictConfig) and the
-shape of the base (``shapes.ModelShape``, from ``config.json``) and predicts, for every phase
-of an RL step, the peak bytes a card holds. Notation (bytes unless said):
+Pure Python (no torch): it reads a composed config (``config.compose``'s DictConfig or a
+``config.RootConfig``; every key is read, none is defaulted here), the engines' arguments as
+they will be started (``rollout.engines.args.EngineArgs``), and the shape of the base
+(``shapes.ModelShape``, from ``config.json``), and predicts, for every phase of an RL step,
+the peak bytes a card holds. Notation (bytes unless said):
 
 * ``W`` training processes (FSDP2 ranks) = ``trainer.devices x trainer.num_nodes``;
 * ``b`` base dtype bytes (``model.dtype``); ``c`` compute dtype bytes (bf16 -> 2, fp32 -> 4);
@@ -75,6 +77,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from atlas_lightning.rollout.engines.args import EngineArgs
 from atlas_lightning.store.lora_shapes import lora_shapes_or_config
 
 from .activations import forward_bytes_per_token, saved_bytes_per_token
@@ -168,22 +171,6 @@ class Plan:
 # ----------------------------------------------------------------------------- inputs
 
 
-def _select(cfg: Any, key: str, default: Any = None) -> Any:
-    """``cfg.a.b`` for a DictConfig, a dataclass or nested dicts; ``default`` when absent."""
-    node = cfg
-    for part in key.split("."):
-        if node is None:
-            return default
-        if isinstance(node, dict):
-            node = node.get(part, None)
-        else:
-            try:
-                node = node[part] if hasattr(node, "keys") and part in node.keys() else getattr(node, part, None)
-            except Exception:  # an OmegaConf missing value
-                return default
-    return default if node is None else node
-
-
 @dataclass(frozen=True)
 class Inputs:
     """The config values the estimate reads, named (``from_config``)."""
@@ -203,48 +190,61 @@ class Inputs:
     forward_tokens: int
     max_sequence: int
     use_ref: bool
-    engine_tp: int
     serve_cards: int
-    gpu_memory_utilization: float
-    sleep_mode: bool
-    max_model_len: int
-    max_num_seqs: int
     weight_sync: str
     bucket_bytes: int
-    cpu_kvcache_gib: float
+    #: The engines' arguments, as ``rollout.factory`` and ``rollout.separate`` start them.
+    engine: EngineArgs
+
+    @property
+    def engine_tp(self) -> int:
+        return self.engine.tensor_parallel_size
+
+    @property
+    def gpu_memory_utilization(self) -> float:
+        return self.engine.gpu_memory_utilization
+
+    @property
+    def sleep_mode(self) -> bool:
+        return self.engine.enable_sleep_mode
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.max_num_seqs
+
+    @property
+    def cpu_kvcache_gib(self) -> float:
+        return float(self.engine.cpu_kvcache_gib)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Inputs":
-        dtype = str(_select(cfg, "model.dtype", "bfloat16"))
-        world = int(_select(cfg, "trainer.devices", 1)) * int(_select(cfg, "trainer.num_nodes", 1))
-        accelerator = str(_select(cfg, "trainer.accelerator", "auto"))
-        mode = str(_select(cfg, "layout.mode", "colocated"))
-        layers = _select(cfg, "model.checkpoint_layers", None)
+        """From a composed config (every key present: the schema holds the defaults)."""
+        model, algorithm, rollout = cfg.model, cfg.algorithm, cfg.rollout
+        dtype = str(model.dtype)
+        layers = model.checkpoint_layers
         return cls(
-            world=world,
-            device="cpu" if accelerator == "cpu" else "gpu",
-            colocated=mode == "colocated",
-            dtype_bytes=DTYPE_BYTES.get(dtype, 2),
-            compute_bytes=DTYPE_BYTES.get(dtype, 2),
+            world=int(cfg.trainer.devices) * int(cfg.trainer.num_nodes),
+            device="cpu" if cfg.trainer.accelerator == "cpu" else "gpu",
+            colocated=cfg.layout.mode == "colocated",
+            dtype_bytes=DTYPE_BYTES[dtype],
+            compute_bytes=DTYPE_BYTES[dtype],
             lora=lora_shapes_or_config(cfg)[0],
-            checkpointing=bool(_select(cfg, "model.gradient_checkpointing", True)),
+            checkpointing=bool(model.gradient_checkpointing),
             checkpoint_layers=None if layers is None else int(layers),
-            chunk_tokens=int(_select(cfg, "model.logprob_chunk_tokens", 4096)),
-            attn=str(_select(cfg, "model.attn_implementation", "sdpa")),
-            update_tokens=int(_select(cfg, "algorithm.ppo_max_token_len_per_gpu", 49152)),
-            forward_tokens=int(_select(cfg, "algorithm.forward_max_token_len_per_gpu", 98304)),
-            max_sequence=int(_select(cfg, "rollout.max_prompt_length", 2048))
-            + int(_select(cfg, "rollout.max_response_length", 8192)),
-            use_ref=bool(_select(cfg, "algorithm.use_kl_loss", False) or _select(cfg, "algorithm.use_kl_in_reward", False)),
-            engine_tp=int(_select(cfg, "rollout.tensor_parallel_size", 1)),
-            serve_cards=int(_select(cfg, "layout.serve_gpus", 0)),
-            gpu_memory_utilization=float(_select(cfg, "rollout.gpu_memory_utilization", 0.6)),
-            sleep_mode=bool(_select(cfg, "rollout.enable_sleep_mode", True)),
-            max_model_len=int(_select(cfg, "rollout.max_model_len", 16384)),
-            max_num_seqs=min(int(_select(cfg, "rollout.max_in_flight", 640)), 1024),
-            weight_sync=str(_select(cfg, "rollout.weight_sync", "lora")),
-            bucket_bytes=int(_select(cfg, "rollout.bucket_mb", 512)) * 2**20,
-            cpu_kvcache_gib=float(_select(cfg, "rollout.cpu_kvcache_gib", 1)),
+            chunk_tokens=int(model.logprob_chunk_tokens),
+            attn=str(model.attn_implementation),
+            update_tokens=int(algorithm.ppo_max_token_len_per_gpu),
+            forward_tokens=int(algorithm.forward_max_token_len_per_gpu),
+            max_sequence=int(rollout.max_prompt_length) + int(rollout.max_response_length),
+            use_ref=bool(algorithm.use_kl_loss or algorithm.use_kl_in_reward),
+            serve_cards=int(cfg.layout.serve_gpus),
+            weight_sync=str(rollout.weight_sync),
+            bucket_bytes=int(rollout.bucket_mb) * 2**20,
+            engine=EngineArgs.from_config(cfg),
         )
 
 
@@ -345,6 +345,7 @@ def _engine(shape: ModelShape, inputs: Inputs, card_bytes: float) -> dict:
     kv = budget - weights - reserve if inputs.device == "gpu" else budget
     per_sequence = inputs.max_model_len * per_token + per_sequence_state
     return {
+        "tensor_parallel_size": tp, "max_num_seqs": inputs.max_num_seqs,
         "budget_gib": budget / GIB, "weights_gib": weights / GIB, "reserve_gib": reserve / GIB,
         "kv_cache_gib": kv / GIB, "kv_bytes_per_token": per_token,
         "state_bytes_per_sequence": per_sequence_state,
@@ -352,10 +353,11 @@ def _engine(shape: ModelShape, inputs: Inputs, card_bytes: float) -> dict:
     }
 
 
-def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: float = 80.0, linear_kernel: str = "fla",
+def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: str = "fla",
              name: Optional[str] = None) -> Plan:
-    """Predict every phase's per-card peak for ``cfg`` on cards of ``card_gib`` GiB (module
-    doc for each term's formula) and refuse what cannot fit (``Plan.refusals``).
+    """Predict every phase's per-card peak for ``cfg`` on cards of ``card_gib`` GiB (None:
+    ``plan.card_gib``; module doc for each term's formula) and refuse what cannot fit
+    (``Plan.refusals``).
 
     ``linear_kernel``: which Gated DeltaNet path the trainer will run on a hybrid model,
     ``fla`` (flash-linear-attention installed) or ``torch`` (transformers' fallback).
@@ -363,11 +365,11 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: float = 80.0, linea
     business; this function only sizes memory.
     """
     inputs = Inputs.from_config(cfg)
-    card = card_gib * GIB
+    card = float(cfg.plan.card_gib if card_gib is None else card_gib) * GIB
     model = _Model(model_shape, inputs, linear_kernel)
     s = model_shape
     plan = Plan(
-        name=name or str(_select(cfg, "name", "run")),
+        name=name or str(cfg.name),
         device=inputs.device,
         card_bytes=card,
         model={"model_type": s.model_type, "base_params": s.base_params, "lora_params": dict(model.lora),

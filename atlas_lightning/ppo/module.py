@@ -25,6 +25,19 @@ Steps are RL steps: ``rl_step`` is the batch's 1-based step and is what every me
 folder and file is named by. Lightning's ``trainer.global_step`` counts optimizer steps and
 is never shown to users.
 
+Output: a ``StepOutput`` (``ppo/step_output.py``), read by every callback.
+
+Measuring a phase (``phase_hook``): the step enters ``phase_hook(name, rl_step)`` (a context
+manager) around each of its phases, in order ``old_log_prob``, ``values``, ``ref`` (when a KL is
+on), ``adv``, ``update_critic``, ``update_actor`` (the updates only when they run), on every
+rank; ``timing_s/<name>`` includes the hook. The hook must not change what a phase computes:
+memory-check mode (``run/memory_check.py``) measures each phase's peak memory through it.
+
+Besides the step, the module holds only its checkpoint contract: what Lightning's checkpoint
+keeps (``on_save_checkpoint``), the adapters as PEFT folders (``save_adapters``) and the
+rollback (``restore_checkpoint``), which the step checkpoint and the NaN guard call. Moving
+weights to the engines is the weight-sync callback's, on ``self.model``.
+
 What is sharded: with ``ModelParallelStrategy`` every decoder layer, the value head and the
 root are FSDP2 units over the data-parallel mesh (``models/sharding.py``). What is saved:
 the two adapters as PEFT folders and, in Lightning's checkpoint, only trainable tensors
@@ -35,9 +48,10 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import lightning as L
 import numpy as np
@@ -50,11 +64,42 @@ from atlas_lightning.algorithms.functional import masked_mean, masked_whiten
 from atlas_lightning.algorithms.kl import apply_kl_penalty, kl_penalty
 from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
+from atlas_lightning.ppo.step_output import StepOutput
 from atlas_lightning.rollout.batch import RolloutBatch
+
+#: ``phase_hook(name, rl_step)``: a context manager the step enters around each phase.
+PhaseHook = Callable[[str, int], ContextManager[Any]]
+
+
+@dataclass
+class StepTensors:
+    """What the updates of one step read, for this rank's ``bs`` trajectories.
+
+    ``seqs``: each trajectory's prompt + response token ids (CPU int64); ``prompts``: each
+    prompt's length. The rest are ``(bs, width)`` tensors on the module's device, ``width``
+    being the batch's longest response, zero past a trajectory's response: ``mask`` (1 on
+    generated tokens), ``old_log_prob`` (actor, before the update), ``values`` (critic),
+    ``returns``, ``advantages`` (whitened when ``algorithm.norm_adv``) and ``ref_log_prob``
+    (the base's; None when no KL is on)."""
+
+    seqs: list[torch.Tensor]
+    prompts: list[int]
+    mask: torch.Tensor
+    old_log_prob: torch.Tensor
+    values: torch.Tensor
+    returns: torch.Tensor
+    advantages: torch.Tensor
+    ref_log_prob: Optional[torch.Tensor]
+
+    @property
+    def width(self) -> int:
+        return int(self.mask.shape[1])
 
 
 class PPOModule(L.LightningModule):
-    def __init__(self, cfg: DictConfig) -> None:
+    """One RL step of PPO (module doc). ``phase_hook``: see "Measuring a phase" there."""
+
+    def __init__(self, cfg: DictConfig, phase_hook: Optional[PhaseHook] = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.automatic_optimization = False
@@ -63,6 +108,7 @@ class PPOModule(L.LightningModule):
         self.model = None
         self.rl_step = 0
         self.skipped_optimizer_steps = {"actor": 0, "critic": 0}
+        self.phase_hook = phase_hook
 
     # -- model and optimizers -------------------------------------------------------------
 
@@ -119,40 +165,9 @@ class PPOModule(L.LightningModule):
 
     def save_adapters(self, step_dir: Path) -> None:
         """``step_dir/{actor,critic}/lora_adapter`` as PEFT folders. Collective; rank 0 writes."""
-        from atlas_lightning.models.adapters import save_adapter
+        from atlas_lightning.models.adapters import save_adapters
 
-        for name in ("actor", "critic"):
-            save_adapter(self.model, name, Path(step_dir) / name / "lora_adapter")
-
-    def export_actor_adapter(self, folder: Path) -> tuple[int, float]:
-        """Write the actor adapter to ``folder`` (PEFT layout) for the engines and return what
-        was sent: (tensor count, checksum) as ``vllm_engine.lora_checksum`` counts them.
-        Collective; rank 0 writes."""
-        from atlas_lightning.models.adapters import save_adapter
-        from atlas_lightning.models.weights import adapter_scalings, adapter_state
-        from atlas_lightning.rollout.engines.vllm_engine import lora_checksum
-
-        state = adapter_state(self.model, "actor")
-        save_adapter(self.model, "actor", folder)
-        # the adapter's own scaling (its starting folder's alpha / r may differ from model.lora's)
-        scalings = adapter_scalings(self.model, "actor")
-        pairs = [(tensor, state[name.replace("lora_A", "lora_B")], scalings[name.split(".lora_A.")[0]])
-                 for name, tensor in state.items() if ".lora_A." in name]
-        return lora_checksum(pairs)
-
-    def merged_weight_buckets(self, bucket_bytes: int):
-        """The actor merged into the base, HF-named, in buckets of at most ``bucket_bytes``.
-        Collective (full tensors are gathered on every rank)."""
-        from atlas_lightning.models.weights import merged_weight_buckets
-
-        return merged_weight_buckets(self.model, "actor", bucket_bytes)
-
-    def merged_weight_packs(self, bucket_bytes: int):
-        """As ``merged_weight_buckets``, each bucket one contiguous buffer ``(buffer, views)``
-        (``models.weights.merged_weight_packs``), for one-shot transfers. Collective."""
-        from atlas_lightning.models.weights import merged_weight_packs
-
-        return merged_weight_packs(self.model, "actor", bucket_bytes)
+        save_adapters(self.model, step_dir)
 
     def restore_checkpoint(self, step_dir: Path) -> None:
         """Trainable tensors (LoRA factors, value head) and optimizer states from a complete
@@ -232,7 +247,7 @@ class PPOModule(L.LightningModule):
 
     # -- the RL step ----------------------------------------------------------------------
 
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict:
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> StepOutput:
         self.rl_step = batch.step
         cfg = self.cfg.algorithm
         timing = dict(batch.timing)
@@ -245,20 +260,20 @@ class PPOModule(L.LightningModule):
         width = mask.shape[1]
         scores = batch.padded("token_rewards").to(self.device)
 
-        with _timed(timing, "old_log_prob"):
+        with self._phase(timing, "old_log_prob"):
             old_log_prob, entropy = self._forward_all(seqs, prompts, width, "actor")
-        with _timed(timing, "values"):
+        with self._phase(timing, "values"):
             values, _ = self._forward_all(seqs, prompts, width, "critic")
         ref_log_prob = None
         if cfg.use_kl_loss or cfg.use_kl_in_reward:
-            with _timed(timing, "ref"):
+            with self._phase(timing, "ref"):
                 ref_log_prob, _ = self._forward_all(seqs, prompts, width, "base")
         _check_finite(nonfinite, batch, mask, old_log_prob=old_log_prob, entropy=entropy, values=values,
                       ref_log_prob=ref_log_prob)
         _agree_on_nonfinite(nonfinite, "forward")
 
         metrics: dict[str, float] = {}
-        with _timed(timing, "adv"):
+        with self._phase(timing, "adv"):
             rewards = scores
             if cfg.use_kl_in_reward:
                 rewards, kl_metrics = apply_kl_penalty(scores, old_log_prob, ref_log_prob, mask, cfg.kl_coef, cfg.kl_penalty)
@@ -266,35 +281,39 @@ class PPOModule(L.LightningModule):
             advantages, returns = ppo.compute_gae_advantage_return(rewards, values, mask, cfg.gamma, cfg.lam)
             raw_advantages = returns - values
             advantages = _global_whiten(raw_advantages, mask) if cfg.norm_adv else raw_advantages
+        data = StepTensors(seqs=seqs, prompts=prompts, mask=mask, old_log_prob=old_log_prob, values=values,
+                           returns=returns, advantages=advantages, ref_log_prob=ref_log_prob)
 
         if not nonfinite:
-            with _timed(timing, "update_critic"):
-                metrics.update(self._update("critic", seqs, prompts, width, mask, old_log_prob, values, returns,
-                                            advantages, ref_log_prob, batch, nonfinite))
+            with self._phase(timing, "update_critic"):
+                metrics.update(self._update("critic", data, nonfinite))
         if not nonfinite and self.rl_step > cfg.critic_warmup:
-            with _timed(timing, "update_actor"):
-                metrics.update(self._update("actor", seqs, prompts, width, mask, old_log_prob, values, returns,
-                                            advantages, ref_log_prob, batch, nonfinite))
+            with self._phase(timing, "update_actor"):
+                metrics.update(self._update("actor", data, nonfinite))
         # asynchronous: the rollout overlapped the previous update; the step waited only this long
         timing["step"] = timing.get("wait_rollout", timing.get("gen", 0.0)) + time.monotonic() - started
 
-        metrics.update(self._data_metrics(batch, mask, scores, rewards, values, returns, advantages, entropy,
-                                          old_log_prob, timing))
-        output = {
-            "step": batch.step,
-            "batch": batch,
-            "tensors": _per_trajectory(batch, mask, values=values, returns=returns, advantages=advantages,
-                                       old_log_probs=old_log_prob, token_rewards=rewards, ref_log_probs=ref_log_prob),
-            "metrics": metrics,
-            "finite": not nonfinite,
-        }
-        if nonfinite:
-            output["nonfinite"] = nonfinite
+        metrics.update(self._data_metrics(batch, data, scores, rewards, entropy, timing))
+        output = StepOutput(
+            step=batch.step,
+            batch=batch,
+            tensors=_per_trajectory(batch, mask, values=values, returns=returns, advantages=advantages,
+                                    old_log_probs=old_log_prob, token_rewards=rewards, ref_log_probs=ref_log_prob),
+            metrics=metrics,
+            finite=not nonfinite,
+            nonfinite=nonfinite or None,
+        )
         self.log_metrics(metrics, step=batch.step)
         return output
 
-    def _update(self, role, seqs, prompts, width, mask, old_log_prob, values, returns, advantages, ref_log_prob,
-                batch, nonfinite) -> dict[str, float]:
+    @contextmanager
+    def _phase(self, timing: dict, name: str):
+        """Time phase ``name`` into ``timing`` and run it inside ``phase_hook`` (module doc)."""
+        with _timed(timing, name):
+            with self.phase_hook(name, self.rl_step) if self.phase_hook is not None else nullcontext():
+                yield
+
+    def _update(self, role: str, data: StepTensors, nonfinite: dict) -> dict[str, float]:
         """``ppo_epochs`` x mini-batches x micro-batches of one role; metrics averaged verl's way
         (over micro-batches, then over ranks)."""
         cfg = self.cfg.algorithm
@@ -302,20 +321,19 @@ class PPOModule(L.LightningModule):
         params = self.model.actor_parameters() if role == "actor" else self.model.critic_parameters()
         world = dist_utils.world_size()
         num_mini = cfg.train_batch_size // cfg.ppo_mini_batch_size
-        chunks = _contiguous_chunks(len(seqs), num_mini)
+        chunks = _contiguous_chunks(len(data.seqs), num_mini)
         history: dict[str, list[float]] = {}
         for _ in range(cfg.ppo_epochs):
             for chunk in chunks:
-                tokens = float(mask[chunk].sum()) if chunk else 0.0
+                tokens = float(data.mask[chunk].sum()) if chunk else 0.0
                 total_tokens = dist_utils.all_reduce_sum([tokens])[0]
                 if total_tokens == 0:
                     continue
                 optimizer.zero_grad(set_to_none=True)
-                plan = self._plan([len(seqs[i]) for i in chunk], cfg.ppo_max_token_len_per_gpu)
+                plan = self._plan([len(data.seqs[i]) for i in chunk], cfg.ppo_max_token_len_per_gpu)
                 for local in plan:
                     indices = [chunk[i] for i in local]
-                    stats = self._micro_step(role, seqs, prompts, width, indices, mask, old_log_prob, values,
-                                             returns, advantages, ref_log_prob, total_tokens, world)
+                    stats = self._micro_step(role, data, indices, total_tokens, world)
                     for key, value in stats.items():
                         history.setdefault(key, []).append(value)
                 grad_norm = _grad_norm(params, cfg.grad_clip)
@@ -338,8 +356,10 @@ class PPOModule(L.LightningModule):
         out[f"{role}/lr"] = cfg.actor_lr if role == "actor" else cfg.critic_lr
         return out
 
-    def _micro_step(self, role, seqs, prompts, width, indices, mask, old_log_prob, values, returns, advantages,
-                    ref_log_prob, total_tokens, world) -> dict[str, float]:
+    def _micro_step(self, role: str, data: StepTensors, indices: list[int], total_tokens: float,
+                    world: int) -> dict[str, float]:
+        """One micro-batch (trajectories ``indices``) of ``role``: forward, loss, backward.
+        ``total_tokens``: the mini-batch's response tokens over all ranks (the loss divisor)."""
         cfg = self.cfg.algorithm
         if not indices:  # this rank has nothing here, but the FSDP collectives need it to take part
             packed = self._dummy_pack()
@@ -347,13 +367,14 @@ class PPOModule(L.LightningModule):
                 if role == "actor" else self.model.critic_forward(packed)
             self.manual_backward(out.sum() * 0.0)
             return {}
-        packed = self._pack(seqs, prompts, indices, width)
+        packed = self._pack(data.seqs, data.prompts, indices, data.width)
         rows = torch.as_tensor(indices, device=self.device)
-        m = mask[rows]
+        m = data.mask[rows]
         agg = dict(loss_agg_mode=cfg.loss_agg_mode, dp_size=world, batch_num_tokens=total_tokens)
         if role == "critic":
             vpreds = packed.scatter_responses(self.model.critic_forward(packed))
-            vf_loss, vf_clipfrac = ppo.compute_value_loss(vpreds, returns[rows], values[rows], m, cfg.cliprange_value, **agg)
+            vf_loss, vf_clipfrac = ppo.compute_value_loss(vpreds, data.returns[rows], data.values[rows], m,
+                                                          cfg.cliprange_value, **agg)
             self.manual_backward(vf_loss)
             local_tokens = float(m.sum())
             return {"critic/vf_loss": float(vf_loss.detach()) * total_tokens / max(local_tokens, 1.0) / world,
@@ -363,7 +384,7 @@ class PPOModule(L.LightningModule):
                                                       compute_entropy=cfg.entropy_coeff != 0)
         log_prob = packed.scatter_responses(log_probs)
         pg_loss, stats = ppo.compute_policy_loss_vanilla(
-            old_log_prob[rows], log_prob, advantages[rows], m, loss_agg_mode=cfg.loss_agg_mode, config=cfg,
+            data.old_log_prob[rows], log_prob, data.advantages[rows], m, loss_agg_mode=cfg.loss_agg_mode, config=cfg,
             global_batch_info={"dp_size": world, "batch_num_tokens": total_tokens})
         loss = pg_loss
         if cfg.entropy_coeff != 0:
@@ -371,7 +392,7 @@ class PPOModule(L.LightningModule):
             entropy_loss = ppo.agg_loss(ent, m, **agg)
             loss = loss - cfg.entropy_coeff * entropy_loss
         if cfg.use_kl_loss:
-            kld = kl_penalty(log_prob, ref_log_prob[rows], cfg.kl_loss_type)
+            kld = kl_penalty(log_prob, data.ref_log_prob[rows], cfg.kl_loss_type)
             kl_loss = ppo.agg_loss(kld, m, **agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
             stats["actor/kl_loss"] = float(kl_loss.detach())
@@ -385,9 +406,12 @@ class PPOModule(L.LightningModule):
 
     # -- metrics --------------------------------------------------------------------------
 
-    def _data_metrics(self, batch, mask, scores, rewards, values, returns, advantages, entropy, old_log_prob,
-                      timing) -> dict[str, float]:
-        """verl's data metrics over the whole batch (all ranks), plus reward fields and timing."""
+    def _data_metrics(self, batch: RolloutBatch, data: StepTensors, scores: torch.Tensor, rewards: torch.Tensor,
+                      entropy: Optional[torch.Tensor], timing: dict) -> dict[str, float]:
+        """verl's data metrics over the whole batch (all ranks), plus reward fields and timing.
+        ``scores``: the token rewards; ``rewards``: as GAE saw them (KL penalty in when on)."""
+        mask, values, returns, advantages = data.mask, data.values, data.returns, data.advantages
+        old_log_prob = data.old_log_prob
         n = float(len(batch))
         token_sum = float(mask.sum())
         seq_scores = scores.sum(-1)
@@ -430,17 +454,6 @@ class PPOModule(L.LightningModule):
         """Nothing: validation rollouts run in ``ValidationCallback`` (the ``validate`` verb
         drives it from ``on_validation_start``); Lightning needs the hook to exist."""
         return None
-
-    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
-        """Log-probs (temperature 1) of tokens ``1..`` of ``token_ids`` under the actor, for the
-        weight-sync check. Collective under FSDP2 (every rank calls with the same ids)."""
-        packed = pack_sequences([torch.tensor(token_ids, dtype=torch.int64)], [1]).to(self.device)
-        was_training = self.model.training
-        self.model.eval()
-        with torch.no_grad():
-            log_probs, _ = self.model.actor_forward(packed, temperature=1.0, compute_entropy=False)
-        self.model.train(was_training)
-        return log_probs.float().cpu().tolist()
 
 
 # ----------------------------------------------------------------------------- helpers

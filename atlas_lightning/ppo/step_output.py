@@ -1,24 +1,37 @@
-"""Reading the step output that ``PPOModule.training_step`` returns (``interfaces.md``).
+"""``StepOutput``: what ``PPOModule.training_step`` returns, and what every callback reads.
 
-Lightning hands it to every callback's ``on_train_batch_end`` as ``outputs`` (a shallow copy of
-the returned dict under manual optimization). ``read_step_output`` checks the contract once and
-gives a typed view, so that a module returning something else fails with the missing or broken
-key named instead of a ``KeyError`` deep inside a callback.
+Lightning hands a training step's output to each callback's ``on_train_batch_end`` as
+``outputs``. Under manual optimization Lightning accepts only a mapping (or a tensor, or None)
+and passes on ``output.copy()``, so ``StepOutput`` is a read-only mapping of its own fields whose
+``copy()`` is itself: the callbacks receive the very object the step built.
+
+The fields are checked when a ``StepOutput`` is made, so a broken one fails where it is built.
+``read_step_output`` is the callbacks' side: a ``StepOutput`` passes as is; a plain dict with
+the same keys (a stand-in module's) is checked and converted; anything else is refused with
+the hook and the broken key named, instead of a ``KeyError`` deep inside a callback.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Iterator, Optional
 
 REQUIRED_KEYS = ("step", "batch", "tensors", "metrics", "finite")
 
 
-@dataclass(frozen=True)
-class StepOutput:
-    """One RL step's output. ``tensors``: name -> one 1-D float32 array per trajectory of
-    ``batch.records`` (this rank's); ``nonfinite``: the module's diagnostic when ``finite`` is False
-    (``{"what": [names], "where": {name: {"count", "trajectories"}}, "phase": str}``)."""
+@dataclass(frozen=True, eq=False)
+class StepOutput(Mapping):
+    """One RL step's output on this rank.
+
+    ``step``: the 1-based RL step (``batch.step``); ``batch``: this rank's ``RolloutBatch``;
+    ``tensors``: name -> one 1-D float32 array per trajectory of ``batch.records`` (``values``,
+    ``returns``, ``advantages``, ``old_log_probs``, ``token_rewards``, ``ref_log_probs`` when a
+    KL is on), each as long as that trajectory's response; ``metrics``: name -> float, the same
+    on every rank; ``finite``: False when a non-finite value stopped the step's optimizer
+    steps (the same on every rank); ``nonfinite``: then the diagnostic
+    ``{"what": [names], "where": {name: {"count", "trajectories"}}, "phase": str}``.
+    ``ValueError`` naming the field when one breaks this contract."""
 
     step: int
     batch: Any  # atlas_lightning.rollout.batch.RolloutBatch
@@ -27,45 +40,59 @@ class StepOutput:
     finite: bool
     nonfinite: Optional[Mapping[str, Any]] = None
 
+    def __post_init__(self) -> None:
+        step = self.step
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ValueError(f"'step' must be the 1-based RL step (an int >= 1), got {step!r}")
+        if not isinstance(self.finite, bool):
+            raise ValueError(f"'finite' must be a bool, got {self.finite!r}")
+        if not hasattr(self.batch, "records"):
+            raise ValueError(f"'batch' must be a RolloutBatch (with .records), got {type(self.batch).__name__}")
+        if getattr(self.batch, "step", step) != step:
+            raise ValueError(f"'step' is {step} but its batch is of step {self.batch.step}")
+        if not isinstance(self.tensors, Mapping):
+            raise ValueError(f"'tensors' must be a dict name -> list of arrays, got {type(self.tensors).__name__}")
+        if not isinstance(self.metrics, Mapping):
+            raise ValueError(f"'metrics' must be a dict of floats, got {type(self.metrics).__name__}")
+        if not self.finite and not isinstance(self.nonfinite, Mapping):
+            raise ValueError(f"'finite' is False but 'nonfinite' is {self.nonfinite!r}, not the diagnostic dict")
+
     @property
     def records(self) -> list:
         return list(self.batch.records)
 
+    # -- the mapping Lightning needs ----------------------------------------------------------
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in _FIELDS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_FIELDS)
+
+    def __len__(self) -> int:
+        return len(_FIELDS)
+
+    def copy(self) -> "StepOutput":
+        """Itself: it is immutable (Lightning copies a step's output before handing it on)."""
+        return self
+
+
+_FIELDS = tuple(f.name for f in fields(StepOutput))
+
 
 def read_step_output(outputs: Any, hook: str = "on_train_batch_end") -> StepOutput:
     """The typed step output; ``ValueError`` naming the hook and the broken key otherwise."""
+    if isinstance(outputs, StepOutput):
+        return outputs
     where = f"{hook}: the training_step output"
     if not isinstance(outputs, Mapping):
-        raise ValueError(f"{where} must be the step-output dict of interfaces.md, got {type(outputs).__name__}")
+        raise ValueError(f"{where} must be the step-output dict (a StepOutput), got {type(outputs).__name__}")
     missing = [key for key in REQUIRED_KEYS if key not in outputs]
     if missing:
         raise ValueError(f"{where} lacks key(s) {', '.join(missing)} (has: {', '.join(sorted(map(str, outputs)))})")
-    step = outputs["step"]
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        raise ValueError(f"{where}: 'step' must be the 1-based RL step (an int >= 1), got {step!r}")
-    finite = outputs["finite"]
-    if not isinstance(finite, bool):
-        raise ValueError(f"{where}: 'finite' must be a bool, got {finite!r}")
-    batch = outputs["batch"]
-    if not hasattr(batch, "records"):
-        raise ValueError(f"{where}: 'batch' must be a RolloutBatch (with .records), got {type(batch).__name__}")
-    if getattr(batch, "step", step) != step:
-        raise ValueError(f"{where}: 'step' is {step} but its batch is of step {batch.step}")
-    tensors = outputs["tensors"]
-    if not isinstance(tensors, Mapping):
-        raise ValueError(f"{where}: 'tensors' must be a dict name -> list of arrays, got {type(tensors).__name__}")
-    metrics = outputs["metrics"]
-    if not isinstance(metrics, Mapping):
-        raise ValueError(f"{where}: 'metrics' must be a dict of floats, got {type(metrics).__name__}")
-    nonfinite = outputs.get("nonfinite")
-    if not finite and not isinstance(nonfinite, Mapping):
-        raise ValueError(f"{where}: 'finite' is False but 'nonfinite' is {nonfinite!r}, not the diagnostic dict")
-    return StepOutput(step=step, batch=batch, tensors=tensors, metrics=metrics, finite=finite, nonfinite=nonfinite)
-
-
-def run_config(pl_module: Any, hook: str) -> Any:
-    """``pl_module.cfg`` (the run's config), or a ``ValueError`` naming the hook."""
-    cfg = getattr(pl_module, "cfg", None)
-    if cfg is None:
-        raise ValueError(f"{hook}: the LightningModule has no .cfg (the run's config); these callbacks need it")
-    return cfg
+    try:
+        return StepOutput(**{key: outputs[key] for key in _FIELDS if key in outputs})
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None

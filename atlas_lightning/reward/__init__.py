@@ -3,7 +3,9 @@
 Pure Python + numpy. Everything is computed from a runtime event log (the record's ``episode``
 field, ``Episode.to_record_episode()``), never from the model's text.
 
-``score_episode`` is what the rollout layer calls once per ended episode; ``batch_invariants`` and
+The rollout layer scores each ended episode with the run's scorer (``reward._target_``; the
+package's is ``CostReward``; the contract in ``scorer.py``) through ``score_trajectory``;
+``score_episode`` is ``CostReward``'s output with its invariants; ``batch_invariants`` and
 ``reward_means`` give the step's ``reward/...`` metrics.
 """
 
@@ -15,6 +17,7 @@ from typing import Any, Iterable, Mapping
 from atlas_lightning.reward.breakdown import reward_breakdown
 from atlas_lightning.reward.invariants import batch_invariants, trajectory_invariants
 from atlas_lightning.reward.placement import place_rewards, token_level_rewards
+from atlas_lightning.reward.scorer import CostReward, RewardScorer, ScoredTrajectory, build_scorer, score_trajectory
 
 
 def score_episode(episode: Mapping[str, Any], cost_per_usd: float, no_submit_reward: float = 0.0) -> dict:
@@ -30,7 +33,7 @@ def score_episode(episode: Mapping[str, Any], cost_per_usd: float, no_submit_rew
     return {
         "reward": breakdown,
         "reward_trace": trace,
-        "invariants": trajectory_invariants(episode, breakdown, token_level_rewards(trace, length)),
+        "invariants": trajectory_invariants(episode, breakdown, trace, token_level_rewards(trace, length)),
     }
 
 
@@ -45,6 +48,7 @@ def reward_means(breakdowns: Iterable[Mapping[str, float]], prefix: str = "rewar
 
 
 __all__ = [
-    "score_episode", "reward_breakdown", "place_rewards", "token_level_rewards",
+    "CostReward", "RewardScorer", "ScoredTrajectory", "build_scorer", "score_trajectory", "score_episode",
+    "reward_breakdown", "place_rewards", "token_level_rewards",
     "trajectory_invariants", "batch_invariants", "reward_means",
 ]

@@ -103,26 +103,27 @@ def assemble_batch(
     step: int,
     partition: str,
     run_id: str,
-    cost_per_usd: float,
-    no_submit_reward: float,
+    scorer: reward_lib.RewardScorer,
     stats: LoopStats,
     weights_version: Optional[int],
 ) -> RolloutBatch:
-    """Score every ended episode and build its record. Refuses an unfinished trajectory: a
-    step with missing trajectories is never recorded as complete."""
+    """Score every ended episode with ``scorer`` (the run's reward, ``reward/scorer.py``: its
+    contract, and the token rewards and invariants derived here) and build its record. Refuses
+    an unfinished trajectory: a step with missing trajectories is never recorded as complete."""
     records, rewards, invariants = [], [], []
     for traj in trajectories:
         if not traj.done:
             raise RuntimeError(f"trajectory {traj.uid}/{traj.session_id} did not finish; the step is not recorded")
         episode = traj.episode.to_record_episode()
-        scored = reward_lib.score_episode(episode, cost_per_usd, no_submit_reward)
-        # float32: the very array PPO receives (``padded`` copies it), and the invariants are
-        # taken on it, not on a float64 twin
-        dense = reward_lib.token_level_rewards(scored["reward_trace"], len(traj.response_ids))
-        invariants.append(reward_lib.trajectory_invariants(episode, scored["reward"], dense))
+        scored = reward_lib.score_trajectory(scorer, episode, len(traj.response_ids),
+                                             where=f"trajectory {traj.uid}/{traj.session_id} of step {step}")
+        # float32: the very array PPO receives (``padded`` copies it); the invariants were taken on it
+        dense = scored.token_rewards
+        invariants.append(scored.invariants)
         question = traj.episode.question
         records.append(build_record(
-            episode, scored, run_id=run_id, partition=partition, global_steps=step,
+            episode, {"reward": scored.reward, "reward_trace": scored.reward_trace},
+            run_id=run_id, partition=partition, global_steps=step,
             uid=traj.uid, session_id=traj.session_id, ground_truth=question.ground_truth,
             data_source=question.data_source, attempt_id=traj.attempt_id,
             extra={"subsets": dict(question.subsets)} if question.subsets else None,

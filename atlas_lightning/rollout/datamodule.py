@@ -24,7 +24,9 @@ Contract:
   exactly what an uninterrupted one would (the sampler and every request seed are functions
   of the step), and a batch sampled ahead but not trained on is sampled again, never lost or
   counted twice.
-- The engine is built in ``setup`` (after the process group exists), or attached by a caller.
+- The engine is built in ``setup`` (after the process group exists; ``rollout.engine``,
+  ``factory.py``), or attached by a caller. The reward scorer (``reward._target_``) is built
+  at construction and scores every ended episode (``batch.assemble_batch``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ from atlas_lightning.env.episode import Episode, RuntimeConfig
 from atlas_lightning.rollout.agent_loop import AgentLoop, LoopLimits, LoopStats, Sampling, Trajectory
 from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id, trajectory_uid
 from atlas_lightning.rollout.chat import ChatFormat
+from atlas_lightning.reward.scorer import build_scorer
 from atlas_lightning.rollout.engine import Engine
+from atlas_lightning.rollout.engines.args import client_in_flight
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +130,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.val_questions: list[Question] = []
         self.chat: Optional[ChatFormat] = None
         self.rank, self.local_rank, self.world_size = 0, 0, 1
+        #: The run's reward (``reward._target_``), applied to every ended episode.
+        self.scorer = build_scorer(cfg.reward)
 
     @property
     def weights_version(self) -> Optional[int]:
@@ -194,7 +200,7 @@ class RolloutDataModule(L.LightningDataModule):
     def _limits(self) -> LoopLimits:
         r = self.cfg.rollout
         return LoopLimits(max_response_length=r.max_response_length, max_tokens_per_turn=r.max_tokens_per_turn,
-                          max_model_len=r.max_model_len, max_in_flight=r.max_in_flight,
+                          max_model_len=r.max_model_len, max_in_flight=client_in_flight(self.cfg, self.world_size),
                           request_timeout_s=r.request_timeout_s, max_retries=r.max_retries)
 
     def _engine_world(self) -> tuple[int, int, int]:
@@ -204,7 +210,7 @@ class RolloutDataModule(L.LightningDataModule):
 
         if self.asynchronous:
             return self.rank, self.world_size, 0
-        return engine_world(self.rank, self.world_size, self.cfg.rollout.tensor_parallel_size)
+        return engine_world(self.rank, self.world_size, self.cfg.layout.engine_tp)
 
     def _trajectories(self, questions: list[Question], samples: int) -> list[Trajectory]:
         """This rank's trajectories of ``questions``: its engine's share of the questions, then,
@@ -233,14 +239,13 @@ class RolloutDataModule(L.LightningDataModule):
                 trajectories, sampling, seed_parts=seed_parts, progress=progress)
         batch = assemble_batch(
             self._own_share(trajectories), step=step, partition=partition, run_id=self.cfg.name,
-            cost_per_usd=self.cfg.reward.cost_per_usd, no_submit_reward=self.cfg.reward.no_submit_reward,
-            stats=stats, weights_version=version)
+            scorer=self.scorer, stats=stats, weights_version=version)
         batch.timing["gen"] = time.monotonic() - started
         return batch
 
     def _own_share(self, trajectories: list[Trajectory]) -> list[Trajectory]:
         _, _, tp_rank = self._engine_world()
-        tp = 1 if self.asynchronous else self.cfg.rollout.tensor_parallel_size
+        tp = 1 if self.asynchronous else self.cfg.layout.engine_tp
         return shard(trajectories, tp_rank, tp)
 
     # -- hand-over ------------------------------------------------------------------------

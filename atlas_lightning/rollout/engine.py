@@ -8,7 +8,9 @@ Every request carries its own sampling seed, which makes a trajectory's tokens a
 
 Implementations: ``vllm_engine.VLLMEngine`` (in-process ``vllm.LLM``), ``server_engine``
 (vLLM's OpenAI-compatible server, separate layouts), ``hf_engine.HFEngine`` (transformers,
-the reference the tests check the others against).
+the reference the tests check the others against). Which one a run uses is
+``rollout.engine``: a short name or the path of any class or factory that builds one
+(``rollout/factory.py``).
 """
 
 from __future__ import annotations
@@ -139,6 +141,19 @@ class Engine(ABC):
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
         """Replace the base weights (HF names) in place; report what is held."""
         raise NotImplementedError(f"{self.name} cannot reload weights")
+
+    #: True when merged weights reach this engine as packed buckets (``load_weight_packs``)
+    #: rather than as a stream of named tensors (``load_weights``); the weight sync picks the
+    #: path by it.
+    takes_weight_packs: bool = False
+
+    def load_weight_packs(self, packs: Iterable[tuple[torch.Tensor, list]], version: Optional[int] = None) -> SyncReport:
+        """Replace the base weights from packed buckets: each ``(buffer, views)`` of
+        ``models.weights.merged_weight_packs`` (one contiguous buffer, ``views`` its HF-named
+        tensors), served as weights version ``version``; report what is held, counted as
+        ``tensor_checksum`` counts the views. Collective where the engine is shared by the
+        training ranks. Engines that set ``takes_weight_packs`` implement it."""
+        raise NotImplementedError(f"{self.name} cannot take packed weight buckets (takes_weight_packs is False)")
 
     @abstractmethod
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:

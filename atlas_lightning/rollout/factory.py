@@ -1,5 +1,14 @@
 """Build the configured rollout engine for this process, after the process group exists.
 
+``rollout.engine`` names the engine: a short name of the package's own (``config.ENGINE_ALIASES``:
+``vllm`` -> ``vllm_engine``, ``vllm-server`` -> ``server_engine``, ``hf`` -> ``hf_engine``, the
+factories below) or the dotted path of any class or function, e.g.
+``rollout.engine=my_pkg.engines.MyEngine``. It is called as ``target(cfg, rank=, local_rank=,
+world_size=)`` with the run's whole config and must return an ``Engine`` (``engine.py``); it
+runs on every training process at the same point, so construction may be collective. The
+separate layout is built apart (``separate.py``: one shared server; it serves ``vllm-server``
+only).
+
 Who calls it: ``RolloutDataModule.setup`` (Lightning calls ``setup`` after the strategy has made
 its process group, which in-process vLLM engines need: construction is collective).
 """
@@ -11,76 +20,75 @@ import os
 import torch
 from omegaconf import DictConfig
 
+from atlas_lightning.config import ENGINE_ALIASES
 from atlas_lightning.rollout.engine import Engine
+from atlas_lightning.rollout.engines.args import EngineArgs
 
 
 def engine_world(rank: int, world_size: int, tp: int) -> tuple[int, int, int]:
     """(engine index, number of engines, rank within the engine's TP group) for ``rank``."""
     if tp <= 0 or world_size % tp:
-        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the {world_size} training processes")
+        raise ValueError(f"layout.engine_tp={tp} must divide the {world_size} training processes")
     return rank // tp, world_size // tp, rank % tp
 
 
-def actor_lora_rank(cfg: DictConfig) -> int:
-    """The LoRA rank the engines must serve (their ``max_lora_rank``): the actor's, from its
-    starting adapter's ``adapter_config.json`` when it has one, else ``model.lora.rank``
-    (``store/lora_shapes.py``; the critic never reaches an engine)."""
-    from atlas_lightning.store.lora_shapes import lora_shapes
-
-    return lora_shapes(cfg)["actor"].max_rank
-
-
 def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size: int = 1) -> Engine:
-    """The engine of ``cfg.rollout.engine`` serving ``cfg.model.path`` (the separate layout:
-    this rank's client of the shared server, ``separate.py``; collective)."""
+    """The engine of ``cfg.rollout.engine`` (module doc) serving ``cfg.model.path`` (the separate
+    layout: this rank's client of the shared server, ``separate.py``; collective). ``TypeError``
+    naming ``rollout.engine`` when the target does not return an ``Engine``. vLLM engines and
+    servers get ``EngineArgs.from_config(cfg)`` (``engines/args.py``)."""
     if cfg.layout.mode == "separate":
         from atlas_lightning.rollout.separate import build_separate_engine
 
         return build_separate_engine(cfg, rank, world_size)
-    kind = cfg.rollout.engine
-    if kind == "vllm":
-        from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
+    from hydra.utils import get_object
 
-        tp = cfg.rollout.tensor_parallel_size
-        external = world_size > 1
-        if external:
-            # vLLM's external launcher reads torchrun's variables; Lightning's launcher sets none.
-            os.environ["RANK"] = str(rank)
-            os.environ["LOCAL_RANK"] = str(local_rank)
-            os.environ["WORLD_SIZE"] = str(world_size)
-        return VLLMEngine(
-            cfg.model.path,
-            dtype=cfg.model.dtype,
-            max_model_len=cfg.rollout.max_model_len,
-            lora_rank=actor_lora_rank(cfg) if cfg.rollout.weight_sync == "lora" else None,
-            tensor_parallel_size=tp,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            enable_sleep_mode=cfg.rollout.enable_sleep_mode,
-            enforce_eager=cfg.rollout.enforce_eager,
-            seed=cfg.seed,
-            external_launcher=external,
-            cpu_kvcache_gib=cfg.rollout.cpu_kvcache_gib,
-            max_num_seqs=min(cfg.rollout.max_in_flight, 1024),
-        )
-    if kind == "hf":
-        from transformers import AutoModelForCausalLM
-
-        from atlas_lightning.rollout.engines.hf_engine import HFEngine
-
-        dtype = getattr(torch, cfg.model.dtype)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
-        if torch.cuda.is_available():
-            model = model.to(f"cuda:{local_rank}")
-        return HFEngine(model)
-    if kind == "vllm-server":
-        return _build_server_engine(cfg, rank, local_rank, world_size)
-    raise NotImplementedError(f"rollout.engine={kind!r} is not an engine this build knows")
+    name = cfg.rollout.engine
+    target = ENGINE_ALIASES.get(name, name)
+    try:
+        factory = get_object(target)
+    except Exception as err:  # a path that config validation could not check to the end
+        raise ImportError(f"rollout.engine={name!r}: cannot import {target}: {err}") from err
+    engine = factory(cfg, rank=rank, local_rank=local_rank, world_size=world_size)
+    if not isinstance(engine, Engine):
+        raise TypeError(f"rollout.engine={name!r}: {target} returned a {type(engine).__name__}, not an "
+                        f"atlas_lightning.rollout.engine.Engine")
+    return engine
 
 
-def _build_server_engine(cfg: DictConfig, rank: int, local_rank: int, world_size: int) -> Engine:
-    """A ``ServerEngine`` on a server this rank starts (or on ``rollout.server_url``).
+def vllm_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int) -> Engine:
+    """``rollout.engine=vllm``: in-process ``vllm.LLM`` (``engines/vllm_engine.py``); the ranks
+    of a TP group form one engine through vLLM's external launcher."""
+    from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
 
-    Supported: one process (the server runs TP ``rollout.tensor_parallel_size``), or several
+    external = world_size > 1
+    if external:
+        # vLLM's external launcher reads torchrun's variables; Lightning's launcher sets none.
+        os.environ["RANK"] = str(rank)
+        os.environ["LOCAL_RANK"] = str(local_rank)
+        os.environ["WORLD_SIZE"] = str(world_size)
+    return VLLMEngine(EngineArgs.from_config(cfg), external_launcher=external)
+
+
+def hf_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int) -> Engine:
+    """``rollout.engine=hf``: the transformers reference engine (``engines/hf_engine.py``), on
+    this process's card when there are cards."""
+    from transformers import AutoModelForCausalLM
+
+    from atlas_lightning.rollout.engines.hf_engine import HFEngine
+
+    dtype = getattr(torch, cfg.model.dtype)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
+    if torch.cuda.is_available():
+        model = model.to(f"cuda:{local_rank}")
+    return HFEngine(model)
+
+
+def server_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int) -> Engine:
+    """``rollout.engine=vllm-server``: a ``ServerEngine`` on a server this rank starts (or on
+    ``rollout.server_url``).
+
+    Supported: one process (the server runs TP ``layout.engine_tp``), or several
     processes at TP 1 (each rank is its engine's only member and starts its own server, on its
     own card where there are cards). Refused, with the reason: TP groups over several training
     processes and merged-weight sync (both are the separate layout's), one ``server_url`` for
@@ -89,14 +97,14 @@ def _build_server_engine(cfg: DictConfig, rank: int, local_rank: int, world_size
     from atlas_lightning.rollout.engines.server_engine import ServerEngine
     from atlas_lightning.rollout.engines.server_process import VLLMServer
 
-    r = cfg.rollout
-    _, engines, _ = engine_world(rank, world_size, r.tensor_parallel_size)
-    if world_size > 1 and r.tensor_parallel_size > 1:
+    r, tp = cfg.rollout, cfg.layout.engine_tp
+    _, engines, _ = engine_world(rank, world_size, tp)
+    if world_size > 1 and tp > 1:
         # the group's ranks would each send the group's identical requests to one server
         raise NotImplementedError(
-            f"rollout.engine=vllm-server with rollout.tensor_parallel_size={r.tensor_parallel_size} over "
+            f"rollout.engine=vllm-server with layout.engine_tp={tp} over "
             f"{world_size} training processes: a server on cards of its own is the separate layout "
-            f"(layout.mode=separate); use tensor_parallel_size=1 or rollout.engine=vllm")
+            f"(layout.mode=separate); use layout.engine_tp=1 or rollout.engine=vllm")
     if r.weight_sync != "lora":
         raise NotImplementedError(
             f"rollout.engine=vllm-server with rollout.weight_sync={r.weight_sync!r} in a colocated layout: merged "
@@ -117,18 +125,9 @@ def _build_server_engine(cfg: DictConfig, rank: int, local_rank: int, world_size
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[local_rank] if visible else str(local_rank)
     server = VLLMServer(
-        cfg.model.path,
+        EngineArgs.from_config(cfg),
         log_path=run_dirs(cfg)["logs"] / f"vllm-server-{cfg.name}-rank{rank}.log",
-        dtype=cfg.model.dtype,
-        max_model_len=r.max_model_len,
-        lora_rank=actor_lora_rank(cfg),
-        tensor_parallel_size=r.tensor_parallel_size,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        enforce_eager=r.enforce_eager,
-        seed=cfg.seed,
-        cpu_kvcache_gib=r.cpu_kvcache_gib,
-        max_num_seqs=min(r.max_in_flight, 1024),
-        start_timeout_s=r.get("server_start_timeout_s", 600.0),
+        start_timeout_s=r.server_start_timeout_s,
         env=env,
     )
     try:

@@ -5,7 +5,11 @@ every training process.
   server (TP ``layout.engine_tp`` on cards ``train_gpus .. gpus - 1``; on CPU a CPU server) or
   attaches to ``rollout.server_url``, and every rank gets a ``SharedServerEngine`` on its URL.
   Each rank sends its own share of the step's requests (``RolloutDataModule`` treats each
-  training rank as its own client); the server batches them all.
+  training rank as its own client); the server batches them all. The server is started with
+  the colocated engines' arguments (``engines/args.EngineArgs``: ``max_num_seqs`` is
+  ``min(rollout.max_in_flight, 1024)``, what ``plan`` sizes it for), and each of the W training
+  ranks keeps ``rollout.max_in_flight // W`` requests in flight (``args.client_in_flight``), so
+  the server never holds more than ``rollout.max_in_flight``.
 - Weight movement is collective and driven by rank 0, the only rank that changes the server:
   ``set_adapter`` (LoRA sync: rank 0 loads the adapter under a new name, every rank then names
   it in its requests) and ``load_weight_packs`` (merged sync through vLLM's weight-transfer
@@ -30,6 +34,7 @@ from omegaconf import DictConfig
 
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.rollout.engine import AdapterVersion, SyncReport
+from atlas_lightning.rollout.engines.args import EngineArgs, client_in_flight
 from atlas_lightning.rollout.engines.server_engine import ServerEngine
 from atlas_lightning.rollout.engines.server_process import VLLMServer
 
@@ -96,9 +101,7 @@ def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> Shared
     from atlas_lightning.config import run_dirs
     from atlas_lightning.rollout.engines.weight_transfer import ServerWeightTransfer, bucket_bytes_of, default_backend
 
-    from atlas_lightning.planning.checks import separate_refusals
-
-    from atlas_lightning.rollout.factory import actor_lora_rank
+    from atlas_lightning.rollout.layout_checks import separate_refusals
 
     problems = separate_refusals(cfg)
     if problems:
@@ -114,12 +117,8 @@ def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> Shared
             else:
                 cards = _serving_cards(cfg)
                 server = VLLMServer(
-                    cfg.model.path, log_path=run_dirs(cfg)["logs"] / f"vllm-server-{cfg.name}-separate.log",
-                    dtype=cfg.model.dtype, max_model_len=r.max_model_len,
-                    lora_rank=None if merged else actor_lora_rank(cfg), tensor_parallel_size=cfg.layout.engine_tp,
-                    gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager, seed=cfg.seed,
-                    cpu_kvcache_gib=r.cpu_kvcache_gib, max_num_seqs=min(r.max_in_flight * world_size, 1024),
-                    start_timeout_s=r.get("server_start_timeout_s", 600.0),
+                    EngineArgs.from_config(cfg), log_path=run_dirs(cfg)["logs"] / f"vllm-server-{cfg.name}-separate.log",
+                    start_timeout_s=r.server_start_timeout_s,
                     env={"CUDA_VISIBLE_DEVICES": cards} if cards is not None else None, weight_transfer=backend)
                 url = server.url
         except Exception as err:  # every rank must hear of it, not wait for a URL forever
@@ -132,7 +131,8 @@ def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> Shared
         if rank == 0 and merged:
             transfer = ServerWeightTransfer(url, backend=backend, bucket_bytes=bucket_bytes_of(r.bucket_mb),
                                             workers=cfg.layout.engine_tp, timeout_s=r.request_timeout_s + 60)
-        return SharedServerEngine(url, rank=rank, transfer=transfer, server=server, max_in_flight=r.max_in_flight,
+        return SharedServerEngine(url, rank=rank, transfer=transfer, server=server,
+                                  max_in_flight=client_in_flight(cfg, world_size),
                                   request_timeout_s=r.request_timeout_s + 60)
     except BaseException:
         if server is not None:

@@ -4,7 +4,8 @@ and each card's peak memory for generation, forward-only and backward passes.
     atlas-lightning memory-check experiment=r28-continued-cost-8gpu-t49152-memory
 
 What runs: the real ``PPOModule.training_step`` under a real ``lightning.Trainer`` (one process
-a card; FSDP2 through the same strategy as ``fit``), on ``trainer.memory_check_steps``
+a card; FSDP2 through the same strategy as ``fit``), measured through the step's own phase
+hook (``PPOModule.phase_hook``: the same step, nothing overridden), on ``trainer.memory_check_steps``
 synthetic ``RolloutBatch``es (``synthetic_batch``): every mini-batch of every rank is one
 micro-batch filling ``algorithm.ppo_max_token_len_per_gpu`` exactly, with sequences of a
 ~1.5K-token prompt and a response (generated spans and tool-response spans), random token ids,
@@ -19,9 +20,10 @@ starts):
 * on CPU: the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``)
   in GiB: all the process's memory (Python, libraries, tensors), not a GPU figure.
 
-Generation: when vLLM is importable and ``generation`` is on, each rank builds its engine
-(``rollout.factory.build_engine``), generates a burst of requests (``max_in_flight / engines``
-prompts of the synthetic prompt length, ``max_tokens_per_turn`` tokens each) and reports the
+Generation: when vLLM is importable and ``generation`` is on (``trainer.memory_check_generation``,
+default true), each rank builds its engine (``rollout.factory.build_engine``), generates a
+burst of requests (``max_in_flight / engines`` prompts of the synthetic prompt length, up to
+256, ``max_tokens_per_turn`` tokens each) and reports the
 card's used memory (GPU) or the peak resident set (CPU), then puts the engine to sleep where it
 can, so the update phases see what a colocated step sees. Otherwise the report says "not
 measured" and why; nothing is ever estimated in its place.
@@ -33,7 +35,7 @@ to it after every step through ``fit``'s own weight sync (merged weights in buck
 verified, and a generation burst runs on it. The training ranks add the ``update_weights``
 phase (the send side); the report's ``serving`` section gives the serving side's memory during
 generation and during each receive, and each transfer's buckets. With ``generation`` off
-(``ATLAS_MEMORY_CHECK_GENERATION=0``) no server is started and only the update phases run.
+(``trainer.memory_check_generation=false``) no server is started and only the update phases run.
 
 Steady state: before the first step, both optimizers take one step at learning rate 0 with zero
 gradients, so Adam's moments and both adapters' gradients are allocated as they are from the
@@ -50,9 +52,9 @@ script ``tests/scale/device_memory_check.py`` (H200).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import os
 import sys
 import time
 from contextlib import contextmanager
@@ -75,6 +77,8 @@ PROMPT_TOKENS = 1536
 TOOL_SPAN = 512
 GENERATED_SPAN = 2048
 PHASE_NAMES = {"actor": "old_log_prob", "critic": "values", "base": "ref"}
+#: The step's phases that are measured (``adv``, a few element-wise ops, is not).
+MEASURED_PHASES = (*PHASE_NAMES.values(), "update_critic", "update_actor")
 PROBE_TEXT = ("Which of the following is closest to the boiling point of water at sea level? (A) 50 C (B) 100 C "
               "(C) 150 C (D) 200 C. Explore a candidate answer, then submit the letter you trust most.")
 
@@ -210,12 +214,14 @@ def _peak_rss_bytes() -> int:
 
 
 class MemoryCheckModule(PPOModule):
-    """``PPOModule`` whose forward-only passes and updates are each wrapped in a ``PhaseProbe``
-    phase; nothing else differs. ``generation``: measure an engine first (module doc); in the
-    separate layout, run the serving side (server, weight syncs, generation burst: module doc)."""
+    """``PPOModule`` in memory-check mode: its phase hook puts each measured phase (forward-only
+    passes, updates) in a ``PhaseProbe`` phase; the step is the same. At train start it makes
+    the probe, measures an engine first when ``generation`` (module doc) and primes the
+    optimizers; in the separate layout it then runs the serving side (server, weight syncs,
+    generation burst: module doc); at train end it closes the engines."""
 
     def __init__(self, cfg: DictConfig, generation: bool = True) -> None:
-        super().__init__(cfg)
+        super().__init__(cfg, phase_hook=self.measure_phase)
         self.measure_generation = generation
         self.probe: Optional[PhaseProbe] = None
         self.generation: dict = {"measured": False, "why": "not requested"}
@@ -242,13 +248,11 @@ class MemoryCheckModule(PPOModule):
         """The separate layout's ``ServingSide`` (None elsewhere)."""
         return self._engine_box.get("serving")
 
-    def _forward_all(self, seqs, prompts, width, mode):
-        with self.probe.phase(PHASE_NAMES[mode], self.rl_step):
-            return super()._forward_all(seqs, prompts, width, mode)
-
-    def _update(self, role, *args, **kwargs):
-        with self.probe.phase(f"update_{role}", self.rl_step):
-            return super()._update(role, *args, **kwargs)
+    def measure_phase(self, name: str, step: int):
+        """The phase hook: the probe's context for a measured phase, else nothing."""
+        if name not in MEASURED_PHASES:
+            return contextlib.nullcontext()
+        return self.probe.phase(name, step)
 
     def _measure_generation(self) -> dict:
         import importlib.util
@@ -268,7 +272,7 @@ class MemoryCheckModule(PPOModule):
         with probe.phase("generation", 0):
             engine = build_engine(cfg, rank=self.global_rank, local_rank=self.local_rank,
                                   world_size=self.trainer.world_size)
-            engines = max(1, self.trainer.world_size // cfg.rollout.tensor_parallel_size)
+            engines = max(1, self.trainer.world_size // cfg.layout.engine_tp)
             count = max(1, min(cfg.rollout.max_in_flight // engines, 256))
             prompt = min(PROMPT_TOKENS, cfg.rollout.max_prompt_length)
             vocab = int(self.model.hf_model.get_output_embeddings().weight.shape[0])
@@ -520,7 +524,7 @@ def main_verb(cfg: DictConfig) -> int:
     from atlas_lightning.run.wiring import prepare_run
 
     prepare_run(cfg, "memory-check")
-    run_memory_check(cfg, generation=os.environ.get("ATLAS_MEMORY_CHECK_GENERATION", "1") != "0")
+    run_memory_check(cfg, generation=cfg.trainer.memory_check_generation)
     return 0
 
 

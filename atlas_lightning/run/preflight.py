@@ -19,13 +19,14 @@ Checks, in order (each prints one line; the exit code is 0 when all pass, 2 othe
    when the config's differs. Fresh adapters print the shape the config gives them. The
    weights fingerprint needs the weights and is checked when the trainer loads them
    (``models/adapters.py``);
-5. ``plan``: ``planning.make_plan`` passes (layouts and memory; ``ATLAS_CARD_GIB`` or
-   ``--card-gib``, default 80);
+5. ``plan``: ``planning.make_plan`` passes (layouts and memory; cards of ``plan.card_gib``
+   GiB, default 80, or ``--card-gib``);
 6. ``environment``: enough GPUs on this node for ``trainer.devices``, vLLM importable when the
    engine is vLLM (found, not imported), the output root writable, a W&B key when logging online.
 
-``--cpu-preflight`` (or ``ATLAS_CPU_PREFLIGHT=1``) relaxes only the GPU count, and says so: it
-lets a GPU run's real config be checked on a CPU machine (tests swap in the tiny model).
+``--cpu-preflight`` relaxes only the GPU count, and says so: it lets a GPU run's real config be
+checked on a CPU machine (tests swap in the tiny model; the launchers pass it when their
+``ATLAS_CPU_PREFLIGHT=1`` is set).
 
 Who calls it: every ``launch/*.sh`` before its run, tests.
 """
@@ -44,8 +45,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from atlas_lightning.config import ConfigError, compose
-
-CPU_ENV = "ATLAS_CPU_PREFLIGHT"
 
 
 @dataclass
@@ -258,7 +257,7 @@ def check_environment(cfg, cpu: bool) -> str:
     t = cfg.trainer
     if t.accelerator in ("gpu", "cuda"):
         if cpu:
-            notes.append(f"GPU count NOT checked ({CPU_ENV}=1 / --cpu-preflight: {t.devices} wanted a node)")
+            notes.append(f"GPU count NOT checked (--cpu-preflight: {t.devices} wanted a node)")
         else:
             found = _gpu_count()
             if found < t.devices:
@@ -329,11 +328,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m atlas_lightning.run.preflight", description=__doc__.split("\n")[0])
     parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. experiment=r28-continued-cost-8gpu-n32")
     parser.add_argument("--cpu-preflight", action="store_true",
-                        help=f"check a GPU run on a CPU machine: the GPU count is not checked (also {CPU_ENV}=1)")
-    parser.add_argument("--card-gib", type=float, default=None, help="memory of one card (default $ATLAS_CARD_GIB or 80)")
+                        help="check a GPU run on a CPU machine: the GPU count is not checked")
+    parser.add_argument("--card-gib", type=float, default=None, help="memory of one card in GiB (default: plan.card_gib, 80)")
     parser.add_argument("--config-dir", default=None)
     args = parser.parse_args(argv)
-    cpu = args.cpu_preflight or os.environ.get(CPU_ENV, "") not in ("", "0")
+    cpu = args.cpu_preflight
     started = time.monotonic()
     results = run_preflight(args.overrides, cpu=cpu, config_dir=args.config_dir, card_gib=args.card_gib)
     failed = [c.name for c in results if not c.ok]

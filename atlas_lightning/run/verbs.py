@@ -113,7 +113,7 @@ def memory_check(cfg: DictConfig) -> int:
 
 def plan(cfg: DictConfig) -> int:
     """Per-card memory of each phase, refusals before launch (``planning``); exit 2 when refused.
-    The card's memory comes from ``ATLAS_CARD_GIB`` (default 80)."""
+    The card's memory is ``plan.card_gib`` (default 80)."""
     from atlas_lightning.planning.cli import run_plan
 
     return run_plan(cfg)

@@ -137,16 +137,32 @@ def read_lora_shape(folder: str | Path) -> LoraShape:
     return LoraShape(**{**shape.__dict__, "folder": str(folder)})
 
 
+LORA_FIELDS = ("rank", "alpha", "dropout", "target_modules")
+
+
+def fresh_lora_spec(model_cfg: Any, role: str) -> dict:
+    """``{"rank", "alpha", "dropout", "target_modules"}`` a fresh ``role`` adapter is built with
+    (the model builder's LoRA spec): ``model.lora``'s; for the critic, ``model.critic_lora``'s
+    fields that are not null over it."""
+    spec = {key: _get(model_cfg, f"lora.{key}") for key in LORA_FIELDS}
+    critic = _get(model_cfg, "critic_lora") if role == "critic" else None
+    if critic is not None:
+        spec.update({key: _get(critic, key) for key in LORA_FIELDS if _get(critic, key) is not None})
+    targets = spec["target_modules"]
+    spec["target_modules"] = "all-linear" if targets is None else targets if isinstance(targets, str) else list(targets)
+    spec["dropout"] = float(spec["dropout"] or 0.0)
+    return spec
+
+
 def config_lora_shape(cfg: Any, role: str) -> LoraShape:
     """The shape a fresh ``role`` adapter takes from the config (module doc)."""
-    key = "model.lora"
-    if role == "critic" and _get(cfg, "model.critic_lora") is not None:
-        key = "model.critic_lora"
-    spec = _get(cfg, key)
-    targets = _get(spec, "target_modules", "all-linear")
+    model = _get(cfg, "model")
+    spec = fresh_lora_spec(model, role)
+    source = "model.critic_lora" if role == "critic" and _get(model, "critic_lora") is not None else "model.lora"
+    targets = spec["target_modules"]
     if not isinstance(targets, str):
         targets = tuple(sorted(str(t) for t in targets))
-    return LoraShape(rank=int(_get(spec, "rank")), alpha=float(_get(spec, "alpha")), target_modules=targets, source=key)
+    return LoraShape(rank=int(spec["rank"]), alpha=float(spec["alpha"]), target_modules=targets, source=source)
 
 
 def lora_shapes(cfg: Any) -> dict[str, LoraShape]:

@@ -1,5 +1,5 @@
 """A small real trainer for the callback tests: a LightningModule and a DataModule that honour
-``/work/notes/interfaces.md`` without any engine.
+the step-output contract (``ppo/step_output.py``) without any engine.
 
 Rollouts are real ``Episode``s of real questions driven by scripted assistant turns (encoded
 with the tiny tokenizer, ChatML stop token, tool responses from ``ChatFormat``), scored and
@@ -27,9 +27,11 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, IterableDataset
 
 from atlas_lightning.algorithms.ppo import compute_gae_advantage_return
+from atlas_lightning.callbacks.base import RLCallback
 from atlas_lightning.store.checkpoints import MARKER
 from atlas_lightning.config import compose, run_dirs
 from atlas_lightning.questions.schema import Candidate, Question
+from atlas_lightning.reward import CostReward
 from atlas_lightning.env.episode import Episode, RuntimeConfig
 from atlas_lightning.rollout.agent_loop import LoopStats, Trajectory
 from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id, trajectory_uid
@@ -174,7 +176,7 @@ class ScriptedDataModule(L.LightningDataModule):
 
     def _batch(self, trajectories, step, partition) -> RolloutBatch:
         return assemble_batch(trajectories, step=step, partition=partition, run_id=self.cfg.name,
-                              cost_per_usd=self.cfg.reward.cost_per_usd, no_submit_reward=0.0,
+                              scorer=CostReward(cost_per_usd=self.cfg.reward.cost_per_usd, no_submit_reward=0.0),
                               stats=LoopStats(trajectories=len(trajectories)), weights_version=self.weights_version)
 
     def rollout(self, step: int) -> RolloutBatch:
@@ -308,7 +310,7 @@ class FolderCheckpoint(L.pytorch.callbacks.Checkpoint):
         self.snapshots[step] = snapshot(folder)
 
 
-class RestoreListener(L.Callback):
+class RestoreListener(RLCallback):
     """Records ``on_rl_weights_restored`` calls (what the weight-sync callback would act on)."""
 
     def __init__(self) -> None:

@@ -39,7 +39,7 @@ def test_experiment_composes_and_is_named_after_its_run(experiment, tmp_path):
 
 def test_training_of_record_settings():
     cfg = compose(["experiment=r28-continued-cost-8gpu-n32"])
-    assert (cfg.trainer.devices, cfg.rollout.tensor_parallel_size, cfg.rollout.n) == (8, 4, 32)
+    assert (cfg.trainer.devices, cfg.layout.engine_tp, cfg.rollout.n) == (8, 4, 32)
     assert (cfg.algorithm.train_batch_size, cfg.algorithm.ppo_mini_batch_size, cfg.algorithm.ppo_epochs) == (32, 8, 2)
     assert (cfg.rollout.max_in_flight, cfg.trainer.val_every, cfg.trainer.total_steps) == (640, 5, 40)
     assert cfg.algorithm.ppo_max_token_len_per_gpu == 49152 and cfg.reward.cost_per_usd == 0.1
@@ -52,7 +52,7 @@ def test_training_of_record_settings():
     ("rollout.engine=tgi", "rollout.engine"),
     ("algorithm.ppo_mini_batch_size=5", "algorithm.ppo_mini_batch_size"),
     ("algorithm.gamma=1.5", "algorithm.gamma"),
-    ("layout.engine_tp=3", "rollout.tensor_parallel_size"),
+    ("layout.engine_tp=3", "layout.engine_tp"),
     ("experiment=no-such-run", "experiment/no-such-run"),
 ])
 def test_bad_input_fails_naming_the_key(override, named):

@@ -70,11 +70,11 @@ def _rollout(cfg_overrides: list[str], engine) -> dict:
     return summary
 
 
-def test_warm_started_model_submits_valid_calls_with_varied_explores(orchestrator_dir, sample_data_dir, tmp_path):
+def test_warm_started_model_submits_valid_calls_with_varied_explores(orchestrator_dir, sample_data_dir, tmp_path,
+                                                                     tiny_engine_args):
     from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(str(orchestrator_dir), dtype="float32", max_model_len=2048, enforce_eager=True,
-                        lora_rank=8, seed=0)
+    engine = VLLMEngine(tiny_engine_args(model=str(orchestrator_dir)))
     try:
         base = ["experiment=tiny-cpu", f"model.path={orchestrator_dir}", f"data.root={sample_data_dir}",
                 f"paths.cache={tmp_path}", f"paths.root={tmp_path}", "data.val_max_questions=16", "rollout.val_n=1"]

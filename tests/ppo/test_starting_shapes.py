@@ -134,7 +134,9 @@ def test_a_critic_of_another_shape_trains_a_step_and_exports(start, tiny_model_d
     # the trained module's engine-facing checksum uses the actor's own scaling (12 / 4), not model.lora's (16 / 8)
     from atlas_lightning.rollout.engines.vllm_engine import lora_checksum
 
-    count, checksum = module.export_actor_adapter(tmp_path / "export")
+    from atlas_lightning.callbacks.weight_sync import export_actor_adapter
+
+    count, checksum = export_actor_adapter(module.model, tmp_path / "export")
     a = after["actor"]
     expected = lora_checksum((a[k], a[k.replace("lora_A", "lora_B")], ACTOR["alpha"] / ACTOR["rank"])
                              for k in a if ".lora_A." in k)

@@ -152,16 +152,18 @@ def test_a_length_less_dataset_would_be_prefetched(tiny_model_dir, sample_data_d
 
 _DEAD_ENGINE_SCRIPT = """
 import sys
+from dataclasses import replace
 from atlas_lightning.config import compose
 from atlas_lightning.rollout.datamodule import RolloutDataModule
 from atlas_lightning.rollout.engine import EngineError
+from atlas_lightning.rollout.engines.args import EngineArgs
 from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
 
 model, data, root = sys.argv[1:4]
 cfg = compose(["experiment=tiny-cpu", f"model.path={model}", f"data.root={data}", f"paths.root={root}",
                "rollout.n=2", "algorithm.train_batch_size=2", "algorithm.ppo_mini_batch_size=1",
                "rollout.max_tokens_per_turn=16", "rollout.max_retries=1"])
-engine = VLLMEngine(model, dtype="float32", max_model_len=2048, enforce_eager=True, seed=0)
+engine = VLLMEngine(replace(EngineArgs.from_config(cfg), lora_rank=None))
 dm = RolloutDataModule(cfg, engine=engine)
 dm.setup("fit")
 engine._engine.engine_core.shutdown()  # the engine core is gone mid-run

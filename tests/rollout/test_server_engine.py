@@ -56,14 +56,13 @@ def _assert_same(results, reference, tol=TOL):
 
 
 @pytest.fixture(scope="module")
-def server_engine(tiny_model_dir, tmp_path_factory, request):
+def server_engine(tiny_engine_args, tmp_path_factory, request):
     pytest.importorskip("vllm")
     from atlas_lightning.rollout.engines.server_engine import ServerEngine
     from atlas_lightning.rollout.engines.server_process import VLLMServer
 
     log_path = tmp_path_factory.mktemp("server") / "vllm-server.log"
-    server = VLLMServer(str(tiny_model_dir), log_path=log_path, dtype="float32", max_model_len=2048,
-                        lora_rank=8, enforce_eager=True, seed=0, start_timeout_s=300, wait=False)
+    server = VLLMServer(tiny_engine_args(), log_path=log_path, start_timeout_s=300, wait=False)
     try:
         request.getfixturevalue("vllm_engine")  # the in-process engine starts while the server does
     except BaseException:
@@ -190,12 +189,12 @@ def test_bad_adapter_folder_is_a_clear_error_and_serves_the_base(server_engine, 
     _assert_same(_greedy(server_engine, PROMPTS[:1], tag="br"), base, tol=1e-6)
 
 
-def test_server_that_never_starts_names_its_log(tiny_model_dir, tmp_path):
+def test_server_that_never_starts_names_its_log(tiny_engine_args, tmp_path):
     from atlas_lightning.rollout.engines.server_process import VLLMServer
 
     # an interpreter that cannot start: the exit path without paying for vLLM's import
     with pytest.raises(EngineError, match=r"exited with code .*server\.log") as failed:
-        VLLMServer(str(tiny_model_dir), log_path=tmp_path / "server.log", env={"PYTHONHOME": "/nonexistent"},
+        VLLMServer(tiny_engine_args(), log_path=tmp_path / "server.log", env={"PYTHONHOME": "/nonexistent"},
                    start_timeout_s=60)
     assert "Fatal Python error" in str(failed.value)  # the log's last lines are quoted
 
@@ -229,7 +228,7 @@ def test_factory_attaches_to_server_url_and_refuses_what_it_cannot_serve(server_
                      rank=0, world_size=2)
     with pytest.raises(NotImplementedError, match="each needs its own server"):
         build_engine(compose(["rollout=vllm_server_cpu", "rollout.server_url=http://127.0.0.1:1",
-                              "layout=colocated_2gpu", "rollout.tensor_parallel_size=1", "trainer.devices=2"]),
+                              "layout=colocated_2gpu", "layout.engine_tp=1", "trainer.devices=2"]),
                      rank=0, world_size=2)
 
 

@@ -20,15 +20,15 @@ BUCKET = 96 * 1024  # small, so that the tiny model travels in many buckets
 
 
 @pytest.fixture(scope="module")
-def transfer_server(tiny_model_dir, tmp_path_factory):
+def transfer_server(tiny_engine_args, tmp_path_factory):
     pytest.importorskip("vllm")
     from atlas_lightning.rollout.engines.server_engine import ServerEngine
     from atlas_lightning.rollout.engines.server_process import VLLMServer
     from atlas_lightning.rollout.engines.weight_transfer import ServerWeightTransfer
 
     log_path = tmp_path_factory.mktemp("transfer") / "vllm-server.log"
-    server = VLLMServer(str(tiny_model_dir), log_path=log_path, dtype="float32", max_model_len=2048,
-                        enforce_eager=True, seed=0, start_timeout_s=300, weight_transfer="gloo")
+    server = VLLMServer(tiny_engine_args(lora_rank=None), log_path=log_path, start_timeout_s=300,
+                        weight_transfer="gloo")
     engine = ServerEngine(server.url, server=server, max_in_flight=4)
     transfer = ServerWeightTransfer(server.url, backend="gloo", bucket_bytes=BUCKET)
     yield engine, transfer

@@ -49,10 +49,10 @@ def test_synthetic_batch_is_one_full_micro_batch_per_mini_batch(tiny_model_dir, 
     assert batch.metrics()["reward/mapping_sum_error_max"] == 0.0
 
 
-def test_memory_check_verb_on_cpu_writes_each_phase(tiny_model_dir, sample_data_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("ATLAS_MEMORY_CHECK_GENERATION", "0")
+def test_memory_check_verb_on_cpu_writes_each_phase(tiny_model_dir, sample_data_dir, tmp_path, capsys):
     code = cli_main(["memory-check", "experiment=tiny-cpu", f"model.path={tiny_model_dir}",
                      f"data.root={sample_data_dir}", f"paths.root={tmp_path}", "trainer.memory_check_steps=1",
+                     "trainer.memory_check_generation=false",
                      "algorithm.ppo_max_token_len_per_gpu=1024", "algorithm.forward_max_token_len_per_gpu=2048",
                      "algorithm.train_batch_size=4", "algorithm.ppo_mini_batch_size=4", "algorithm.ppo_epochs=1"])
     assert code == 0

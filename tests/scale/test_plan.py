@@ -212,20 +212,20 @@ def _refusals(base: dict, shape, **changes) -> str:
     for key, value in changes.items():
         group, name = key.split("__")
         cfg[group][name] = value
-    return " | ".join(layout_refusals(cfg, shape))
+    return " | ".join(layout_refusals(OmegaConf.create(cfg), shape))
 
 
 def test_separate_layouts_the_build_cannot_run_are_refused(qwen27b_dir, tmp_path):
     shape = read_model_shape(qwen27b_dir)
     base = OmegaConf.to_container(_cfg("r28-continued-cost-8gpu-t49152-n16-separate4-4-memory", qwen27b_dir, tmp_path),
                                   resolve=True)
-    assert layout_refusals(base, shape) == []
+    assert layout_refusals(OmegaConf.create(base), shape) == []
 
     def refused(**changes):
         return _refusals(base, shape, **changes)
 
     assert "set rollout.engine=vllm-server" in refused(rollout__engine="vllm")
-    assert "would make 2 servers" in refused(layout__engine_tp=2, rollout__tensor_parallel_size=2)
+    assert "would make 2 servers" in refused(layout__engine_tp=2)
     assert "set rollout.enable_sleep_mode=false" in refused(rollout__enable_sleep_mode=True)
     assert "layout.train_gpus (4) + layout.serve_gpus (4) != layout.gpus (6)" in refused(layout__gpus=6)
     assert "but layout.train_gpus=4" in refused(trainer__devices=2)
@@ -234,20 +234,35 @@ def test_separate_layouts_the_build_cannot_run_are_refused(qwen27b_dir, tmp_path
 def test_impossible_layouts_are_refused(qwen27b_dir, tmp_path):
     shape = read_model_shape(qwen27b_dir)
     base = OmegaConf.to_container(_cfg("r28-continued-cost-8gpu-n32", qwen27b_dir, tmp_path), resolve=True)
-    assert layout_refusals(base, shape) == []
+    assert layout_refusals(OmegaConf.create(base), shape) == []
 
     def refused(**changes):
         return _refusals(base, shape, **changes)
 
-    assert "engine TP 3 does not divide the 8 cards" in refused(rollout__tensor_parallel_size=3, layout__engine_tp=3)
-    assert "24 attention heads" in refused(rollout__tensor_parallel_size=16, layout__engine_tp=16, layout__gpus=16,
-                                           layout__train_gpus=16, trainer__devices=16)
+    assert "engine TP 3 does not divide the 8 cards" in refused(layout__engine_tp=3)
+    assert "24 attention heads" in refused(layout__engine_tp=16, layout__gpus=16, layout__train_gpus=16,
+                                           trainer__devices=16)
     assert "must all be equal" in refused(trainer__devices=4)
-    assert "differs from layout.engine_tp" in refused(layout__engine_tp=8)
     assert "longer than algorithm.ppo_max_token_len_per_gpu=16,384" in refused(algorithm__ppo_max_token_len_per_gpu=16384)
     # the composed route refuses the TP mismatch before the plan, naming the key
-    with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not divide layout.gpus=8"):
+    with pytest.raises(ConfigError, match="layout.engine_tp=3 does not divide layout.gpus=8"):
         _cfg("r28-continued-cost-8gpu-n32", qwen27b_dir, tmp_path, "layout.engine_tp=3")
+
+
+@pytest.mark.parametrize("run", ["r28-continued-cost-8gpu-n32", "r28-continued-cost-8gpu-t49152-n16-separate4-4-memory"])
+def test_the_plan_sizes_the_engine_the_factory_starts(run, qwen27b_dir, tmp_path):
+    """One set of engine arguments: the plan's engine is ``EngineArgs.from_config`` of the same
+    config (TP, sequences in flight, budget), the separate layout's shared server included."""
+    from atlas_lightning.planning.estimate import ENGINE_RESERVE_GIB
+    from atlas_lightning.rollout.engines.args import EngineArgs
+
+    cfg = _cfg(run, qwen27b_dir, tmp_path, "rollout.max_in_flight=300")
+    args = EngineArgs.from_config(cfg)
+    plan = make_plan(cfg, card_gib=80, linear_kernel="fla")
+    vocab = read_model_shape(qwen27b_dir).vocab_size
+    assert (plan.engine["tensor_parallel_size"], plan.engine["max_num_seqs"]) == (args.tensor_parallel_size, 300) == (4, 300)
+    assert plan.engine["reserve_gib"] == pytest.approx(ENGINE_RESERVE_GIB + 300 * vocab * 4 / GIB)
+    assert plan.engine["budget_gib"] == pytest.approx(args.gpu_memory_utilization * 80)
 
 
 def test_engine_budget_refusals(qwen27b_dir, tmp_path):
@@ -261,8 +276,7 @@ def test_engine_budget_refusals(qwen27b_dir, tmp_path):
 
 def test_plan_verb_exit_codes_and_plan_json(qwen27b_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ATLAS_LINEAR_ATTENTION_KERNEL", "fla")
-    args = [f"model.path={qwen27b_dir}", f"data.root={tmp_path}", f"paths.root={tmp_path}"]
-    monkeypatch.setenv("ATLAS_CARD_GIB", "80")
+    args = [f"model.path={qwen27b_dir}", f"data.root={tmp_path}", f"paths.root={tmp_path}", "plan.card_gib=80"]
     assert cli_main(["plan", "experiment=r28-continued-cost-8gpu-t49152-memory", *args]) == 0
     assert "PLAN OK" in capsys.readouterr().out
     assert cli_main(["plan", "experiment=r28-continued-cost-8gpu-t73728-memory", *args]) == 2
@@ -272,8 +286,7 @@ def test_plan_verb_exit_codes_and_plan_json(qwen27b_dir, tmp_path, monkeypatch, 
     assert saved["ok"] is False and saved["card_gib"] == 80
     assert {p["name"] for p in saved["phases"]} >= {"generation", "old_log_prob", "values", "update_critic",
                                                     "update_actor", "update_weights"}
-    monkeypatch.setenv("ATLAS_CARD_GIB", "139")  # an H200 holds 73,728 tokens a card
-    assert cli_main(["plan", "experiment=r28-continued-cost-8gpu-t73728-memory", *args]) == 0
-    monkeypatch.setenv("ATLAS_CARD_GIB", "lots")
-    assert cli_main(["plan", "experiment=r28-continued-cost-8gpu-t73728-memory", *args]) == 2
-    assert "ATLAS_CARD_GIB='lots'" in capsys.readouterr().err
+    # an H200 holds 73,728 tokens a card
+    assert cli_main(["plan", "experiment=r28-continued-cost-8gpu-t73728-memory", *args, "plan.card_gib=139"]) == 0
+    assert cli_main(["plan", "experiment=r28-continued-cost-8gpu-t73728-memory", *args, "plan.card_gib=lots"]) == 2
+    assert "plan.card_gib: Value 'lots'" in capsys.readouterr().err

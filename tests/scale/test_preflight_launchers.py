@@ -87,6 +87,24 @@ def test_launcher_preflight_on_cpu_with_the_tiny_model(run, tiny8, tiny_model_di
     assert (tmp_path / "outputs" / run / "plan.json").is_file()
 
 
+def test_launcher_variables_become_overrides(tiny8, sample_data_dir, step29, tmp_path):
+    """The training of record's launcher with its inputs and the card size given as launcher
+    variables (no overrides): they reach the plan, the pre-flight and the run as overrides."""
+    env = {**os.environ, "ATLAS_PREFLIGHT_ONLY": "1", "ATLAS_CPU_PREFLIGHT": "1", "ATLAS_ROOT": str(tmp_path),
+           "ATLAS_BASE_MODEL": str(tiny8), "ATLAS_DATA_ROOT": str(sample_data_dir), "ATLAS_INIT_FROM": str(step29),
+           "ATLAS_CARD_GIB": "139",
+           "ATLAS_PYTHON": str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv").is_dir() else "python3"}
+    result = subprocess.run(["bash", str(LAUNCH / "r28-continued-cost-8gpu-n32.sh")], env=env, capture_output=True,
+                            text=True, timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert (f"overrides: experiment=r28-continued-cost-8gpu-n32 paths.root={tmp_path} plan.card_gib=139 "
+            f"model.path={tiny8} data.root={sample_data_dir} trainer.init_from={step29}") in out
+    assert "GPU count NOT checked" in out and "r64" in out  # --cpu-preflight; the adapters of step29
+    plan = json.loads((tmp_path / "outputs" / "r28-continued-cost-8gpu-n32" / "plan.json").read_text())
+    assert plan["card_gib"] == 139
+
+
 def _gpu_run(tiny8, sample_data_dir, tmp_path, *extra):
     return ["experiment=r28-continued-cost-8gpu-n32", f"model.path={tiny8}", f"data.root={sample_data_dir}",
             f"paths.root={tmp_path}", *extra]
@@ -175,7 +193,7 @@ def test_an_adapter_of_another_base_is_caught(tiny8, tiny_model_dir, sample_data
 
 
 def test_preflight_main_exit_code_and_gpu_count(tiny8, sample_data_dir, step29, tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv("ATLAS_CPU_PREFLIGHT", raising=False)
+    monkeypatch.setenv("ATLAS_CPU_PREFLIGHT", "1")  # a launcher variable: the pre-flight itself never reads it
     args = _gpu_run(tiny8, sample_data_dir, tmp_path, f"trainer.init_from={step29}")
     assert preflight_main(args) == 2  # no 8 GPUs here, and the check is not relaxed
     out = capsys.readouterr().out

@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 def adapter_folder_checksum(folder: str | Path) -> tuple[int, float]:
     """(tensor count, checksum) of a PEFT LoRA folder as ``vllm_engine.lora_checksum`` counts
     them (each A with its B and scaling ``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA): the
-    numbers ``LightningModule.export_actor_adapter`` returns for the folder it wrote.
+    numbers the weight sync's ``export_actor_adapter`` returns for the folder it wrote.
     Raises ``EngineError`` naming the folder when it is not such a folder."""
     from safetensors.torch import load_file
 

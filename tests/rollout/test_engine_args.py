@@ -1,0 +1,90 @@
+"""The engine arguments are built once from the config (``rollout/engines/args.py``): the report's
+runs get the report's engines, the server's flags are vLLM's own engine arguments (parsed back
+by vLLM's CLI parser into what the in-process engine passes to ``vllm.LLM``), and the separate
+layout's training ranks never put more requests in the server than it was sized for."""
+
+from __future__ import annotations
+
+import pytest
+
+from atlas_lightning.config import compose
+from atlas_lightning.rollout.engines.args import MAX_NUM_SEQS, EngineArgs, client_in_flight, lora_rank_slot
+
+
+@pytest.mark.parametrize("run, tp, lora", [
+    ("r28-continued-cost-8gpu-n32", 4, 64),                              # two TP4 engines, LoRA sync
+    ("r28-continued-cost-8gpu-t49152-tp8-memory", 8, 64),                # one TP8 engine
+    ("r28-base-cost-2gpu", 2, 64),
+    ("r28-continued-cost-8gpu-t49152-n16-separate4-4-memory", 4, None),  # one TP4 server, merged weights
+    ("r28-continued-cost-8gpu-t98304-separate6-2-memory", 2, None),
+])
+def test_the_report_runs_engines(run, tp, lora):
+    args = EngineArgs.from_config(compose([f"experiment={run}"]))
+    # 640 requests in flight an engine, the 27B's bf16, 32K tokens, sleeping between rollouts
+    # where the engine shares the training cards
+    assert (args.tensor_parallel_size, args.max_num_seqs, args.lora_rank) == (tp, 640, lora)
+    assert (args.dtype, args.max_model_len, args.gpu_memory_utilization) == ("bfloat16", 32768, 0.55)
+    assert args.enable_sleep_mode == ("separate" not in run) and args.model == "/models/Qwen3.6-27B"
+
+
+def test_the_embedded_defaults_engine():
+    args = EngineArgs.from_config(compose(["experiment=tiny-cpu", "model.path=/m"]))
+    assert args == EngineArgs(model="/m", dtype="float32", max_model_len=2048, tensor_parallel_size=1, max_num_seqs=64,
+                              seed=0, gpu_memory_utilization=0.6, enable_sleep_mode=False, enforce_eager=True,
+                              cpu_kvcache_gib=1, lora_rank=8)
+    assert EngineArgs.from_config(compose(["experiment=tiny-cpu", "rollout.weight_sync=merged"])).lora_rank is None
+    assert EngineArgs.from_config(compose(["experiment=tiny-cpu", "rollout.max_in_flight=5000"])).max_num_seqs == 1024
+    assert MAX_NUM_SEQS == 1024
+
+
+def test_cpu_and_gpu_arguments():
+    args = EngineArgs.from_config(compose(["experiment=r28-continued-cost-8gpu-n32"]))
+    gpu = args.vllm_kwargs(on_cpu=False)
+    assert (gpu["gpu_memory_utilization"], gpu["enable_sleep_mode"]) == (0.55, True)
+    assert "enable_chunked_prefill" not in gpu
+    assert (gpu["enable_lora"], gpu["max_lora_rank"], gpu["max_loras"]) == (True, 64, 1)
+    cpu = args.vllm_kwargs(on_cpu=True)
+    # seeded sampling with chunked prefill fails on CPU: whole prompts, a batch as long as a sequence
+    assert (cpu["enable_chunked_prefill"], cpu["max_num_batched_tokens"]) == (False, 32768)
+    assert "gpu_memory_utilization" not in cpu and "enable_sleep_mode" not in cpu
+    assert gpu["logprobs_mode"] == cpu["logprobs_mode"] == "processed_logprobs"
+    assert [lora_rank_slot(r) for r in (1, 8, 9, 64, 65, 320)] == [1, 8, 16, 64, 128, 320]
+    with pytest.raises(ValueError, match="LoRA rank 600"):
+        lora_rank_slot(600)
+
+
+@pytest.mark.parametrize("overrides, ranks, each", [
+    (["experiment=r28-continued-cost-8gpu-n32"], 8, 640),                              # each engine its own
+    (["experiment=r28-continued-cost-8gpu-t49152-n16-separate4-4-memory"], 4, 160),    # one server, 4 clients
+    (["experiment=r28-continued-cost-8gpu-t98304-separate6-2-memory"], 6, 106),
+    (["experiment=tiny-cpu", "layout=separate_cpu", "rollout=vllm_server_cpu", "rollout.max_in_flight=3",
+      "layout.gpus=5", "layout.train_gpus=4"], 4, 1),                                  # never 0
+])
+def test_requests_in_flight_a_training_rank(overrides, ranks, each):
+    cfg = compose(overrides)
+    assert client_in_flight(cfg, ranks) == each
+    if cfg.layout.mode == "separate" and each > 1:
+        assert ranks * each <= EngineArgs.from_config(cfg).max_num_seqs  # the server holds them all at once
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("on_cpu", [True, False], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("lora_rank", [8, None], ids=["lora", "merged"])
+def test_server_flags_are_the_in_process_engines_arguments(on_cpu, lora_rank):
+    """``vllm serve``'s own parser turns the server's flags into vLLM's engine arguments: each
+    equals what ``VLLMEngine`` passes to ``vllm.LLM`` (as the server's entry point parses them)."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from atlas_lightning.rollout.engines.server_process import engine_flags
+
+    args = EngineArgs(model="/models/m", dtype="float32", max_model_len=3072, tensor_parallel_size=2, max_num_seqs=48,
+                      seed=7, gpu_memory_utilization=0.45, enable_sleep_mode=False, enforce_eager=True,
+                      cpu_kvcache_gib=1, lora_rank=lora_rank)
+    parsed = AsyncEngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).parse_args(
+        engine_flags(args, on_cpu=on_cpu)))
+    wanted = args.vllm_kwargs(on_cpu=on_cpu)
+    assert {name: getattr(parsed, name) for name in wanted} == wanted
+    assert bool(parsed.enable_lora) == (lora_rank is not None)  # vLLM's default is None
