@@ -51,8 +51,8 @@ class LoraConfig:
 
 @dataclass
 class CriticLoraConfig:
-    """The critic's LoRA when it starts fresh: a field left null is ``model.lora``'s
-    (``store.lora_shapes.fresh_lora_spec`` resolves it)."""
+    """The critic's LoRA when it starts fresh: a field left null is ``model.lora``'s (all are by
+    default: the critic takes ``model.lora``; ``store.lora_shapes.fresh_lora_spec`` resolves it)."""
 
     rank: Optional[int] = None
     alpha: Optional[int] = None
@@ -72,9 +72,9 @@ class ModelConfig:
     path: str = "${paths.cache}/tiny-model"
     dtype: str = "bfloat16"
     lora: LoraConfig = field(default_factory=LoraConfig)
-    #: The critic's LoRA when it starts fresh (null: ``lora``, the actor's), e.g.
-    #: ``model.critic_lora={rank: 32, target_modules: [q_proj, v_proj]}``; a field not given is ``lora``'s.
-    critic_lora: Optional[CriticLoraConfig] = None
+    #: The critic's LoRA when it starts fresh, e.g. ``model.critic_lora.rank=32`` or
+    #: ``model.critic_lora={rank: 32, target_modules: [q_proj, v_proj]}``; a field left null is ``lora``'s.
+    critic_lora: CriticLoraConfig = field(default_factory=CriticLoraConfig)
     gradient_checkpointing: bool = True
     #: Tokens a chunk when computing log-probs/entropy/values from hidden states, so that
     #: full-vocabulary logits never exist for a whole micro-batch.
@@ -348,10 +348,9 @@ def validate(cfg: DictConfig) -> None:
         value = _get(cfg, key)
         if value is None or value <= 0:
             raise ConfigError(f"{key}={value!r} must be a positive number")
-    if cfg.model.critic_lora is not None:
-        for key in ("model.critic_lora.rank", "model.critic_lora.alpha"):
-            if _get(cfg, key) is not None and _get(cfg, key) <= 0:
-                raise ConfigError(f"{key}={_get(cfg, key)!r} must be a positive number (or null: model.lora's)")
+    for key in ("model.critic_lora.rank", "model.critic_lora.alpha"):
+        if _get(cfg, key) is not None and _get(cfg, key) <= 0:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} must be a positive number (or null: model.lora's)")
     if not 0 <= cfg.rollout.max_explores <= 64:
         raise ConfigError(f"rollout.max_explores={cfg.rollout.max_explores} must be within 0..64")
     for key in ("algorithm.gamma", "algorithm.lam"):

@@ -7,9 +7,10 @@ Per trajectory, with ``r`` that float32 array, the scorer's ``reward_trace`` (of
 values ``v_i``) and the runtime's reward events (``placement.designated_slots``: each charged
 explore's turn end and the last generated token, from the event log alone):
 
-- ``mapping_sum_error`` = | (sum_t r[t] - sum_i f32(v_i)) + (sum_i v_i - final_reward) |, every
-  sum exact (one ``math.fsum``): what PPO receives against the trace rounded once to float32
-  (the dtype PPO trains on), plus the trace against ``final_reward``. The float32 rounding of
+- ``mapping_sum_error`` = | (sum_t r[t] - sum_i f32(v_i)) + (sum_i v_i - final_reward) |: what
+  PPO receives against the trace rounded once to float32 (the dtype PPO trains on; an exact
+  ``math.fsum``), plus the trace against ``final_reward`` (the values' correctly rounded sum,
+  which is how ``breakdown.py`` defines ``final_reward``). The float32 rounding of
   the values themselves (at most half a float32 ulp each, ~1e-8 for these rewards) is a
   property of the dtype, not of the mapping, and is not counted: the error is 0 exactly on
   every clean episode. A reward piece the trace could not place (a terminal reward with no
@@ -60,7 +61,7 @@ def trajectory_invariants(
     values = [float(v) for v in trace["values"]]
     rounded = [float(np.float32(v)) for v in values]
     received = dense.astype(np.float64).tolist()
-    error = math.fsum(received + [-v for v in rounded] + values + [-float(breakdown["final_reward"])])
+    error = math.fsum(received + [-v for v in rounded]) + (math.fsum(values) - float(breakdown["final_reward"]))
     mapped = set(np.flatnonzero(dense).tolist())
     mapped |= {int(o) for o, v in zip(trace["offsets"], rounded) if v == 0.0}
     return {"mapping_sum_error": abs(error), "mapped_slots_minus_events": len(mapped) - len(slots)}

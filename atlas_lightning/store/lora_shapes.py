@@ -5,7 +5,8 @@ A run trains two adapters on one base, ``actor`` and ``critic``; each may have i
 ``global_step_N/{actor,critic}/lora_adapter``) its shape is the folder's own, read from its
 ``adapter_config.json``: the trainer takes the folder as it is, whatever ``model.lora`` says.
 An adapter that starts fresh takes the config's: ``model.lora`` for the actor,
-``model.critic_lora`` (null: ``model.lora``) for the critic.
+``model.critic_lora``'s fields over ``model.lora``'s for the critic (a null field is
+``model.lora``'s; all are by default).
 
 Which folders: ``model.actor_adapter`` / ``model.critic_adapter``, else those of
 ``trainer.init_from`` (the critic only with ``trainer.init_critic``): ``starting_adapters``,
@@ -158,7 +159,9 @@ def config_lora_shape(cfg: Any, role: str) -> LoraShape:
     """The shape a fresh ``role`` adapter takes from the config (module doc)."""
     model = _get(cfg, "model")
     spec = fresh_lora_spec(model, role)
-    source = "model.critic_lora" if role == "critic" and _get(model, "critic_lora") is not None else "model.lora"
+    critic = _get(model, "critic_lora") if role == "critic" else None
+    given = critic is not None and any(_get(critic, key) is not None for key in LORA_FIELDS)
+    source = "model.critic_lora" if given else "model.lora"
     targets = spec["target_modules"]
     if not isinstance(targets, str):
         targets = tuple(sorted(str(t) for t in targets))

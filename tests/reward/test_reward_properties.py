@@ -121,7 +121,7 @@ def test_invariants_and_breakdown_for_any_turn_sequence(question, max_explores, 
 
     assert scored["invariants"] == {"mapping_sum_error": 0.0, "mapped_slots_minus_events": 0}
     dense = token_level_rewards(trace, cursor)
-    assert trajectory_invariants(record, reward, dense) == {"mapping_sum_error": 0.0, "mapped_slots_minus_events": 0}
+    assert trajectory_invariants(record, reward, trace, dense) == {"mapping_sum_error": 0.0, "mapped_slots_minus_events": 0}
     assert math.fsum(trace["values"]) == reward["final_reward"]
     # float32, what PPO receives: the final reward to the rounding of its pieces
     assert abs(math.fsum(dense.astype(np.float64).tolist()) - reward["final_reward"]) <= \

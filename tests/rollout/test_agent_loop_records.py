@@ -14,6 +14,7 @@ import pytest
 from atlas_lightning.env.episode import Episode, RuntimeConfig
 from atlas_lightning.rollout.agent_loop import AgentLoop, LoopLimits, Sampling, Trajectory
 from atlas_lightning.rollout.batch import assemble_batch, session_id, trajectory_uid
+from atlas_lightning.reward import CostReward
 from atlas_lightning.rollout.engine import Engine, GenerationResult
 from atlas_lightning.store.records import read_record, write_record
 
@@ -85,8 +86,8 @@ def _run(chat, scripts: dict[str, list[str]], max_response_length: int):
     engine = ScriptedEngine(chat, {f"{t.uid}/{t.session_id}": scripts[t.uid] for t in trajectories})
     limits = LoopLimits(max_response_length=max_response_length, max_tokens_per_turn=64, max_model_len=4096)
     stats = AgentLoop(engine, chat, limits).run(trajectories, Sampling())
-    return assemble_batch(trajectories, step=1, partition="train", run_id="r", cost_per_usd=0.1,
-                          no_submit_reward=0.0, stats=stats, weights_version=0)
+    return assemble_batch(trajectories, step=1, partition="train", run_id="r",
+                          scorer=CostReward(cost_per_usd=0.1), stats=stats, weights_version=0)
 
 
 def test_records_carry_arrays_consistent_with_token_counts(chat, tmp_path):
