@@ -72,6 +72,9 @@ def test_a_critic_of_another_shape_trains_a_step_and_exports(start, tiny_model_d
     assert (shapes["actor"].rank, shapes["actor"].alpha) == (4, 12.0)
     assert (shapes["critic"].rank, shapes["critic"].alpha, shapes["critic"].target_modules) == (2, 6.0, ("q_proj", "v_proj"))
     assert shapes["critic"].source.endswith("critic/lora_adapter/adapter_config.json")
+    from atlas_lightning.rollout.engines.args import EngineArgs
+
+    assert EngineArgs.from_config(cfg).lora_rank == 4  # the engines serve the actor's rank, not model.lora's 8
 
     out = tmp_path / "after"
     capture = _Capture(out)
