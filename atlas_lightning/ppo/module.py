@@ -54,9 +54,13 @@ from atlas_lightning.rollout.batch import RolloutBatch
 
 
 class PPOModule(L.LightningModule):
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: DictConfig, resume_from: Optional[Path] = None) -> None:
+        """``resume_from``: the verified ``global_step_N`` folder Lightning will resume from
+        (``run.wiring.check_inputs``); its adapters are checked against the built model before
+        Lightning loads the state (``_check_resume``)."""
         super().__init__()
         self.cfg = cfg
+        self.resume_from = Path(resume_from) if resume_from else None
         self.automatic_optimization = False
         # Checkpoints hold trainable tensors only; the frozen base comes from model.path.
         self.strict_loading = False
@@ -73,11 +77,27 @@ class PPOModule(L.LightningModule):
 
         actor, critic = self._starting_adapters()
         self.model = build_actor_critic(self.cfg.model, seed=self.cfg.seed, actor_adapter=actor, critic_adapter=critic)
+        if self.resume_from is not None:
+            self._check_resume(self.resume_from)
         mesh = getattr(self, "device_mesh", None)
         if mesh is not None:
             from atlas_lightning.models.sharding import shard
 
             shard(self.model, mesh["data_parallel"])
+
+    def _check_resume(self, step_dir: Path) -> None:
+        """The checkpoint's two adapters against this model (base identity and fingerprint, LoRA
+        settings, adapted modules, shapes, finite weights, roles): Lightning's own load keeps
+        matching tensors only (``strict_loading=False``) and would drop the rest in silence."""
+        from atlas_lightning.config import ConfigError
+        from atlas_lightning.models.adapters import AdapterError, check_adapter_fits, read_adapter_folder
+
+        for role in ("actor", "critic"):
+            try:
+                data = read_adapter_folder(step_dir / role / "lora_adapter", role)
+                check_adapter_fits(self.model, role, data)
+            except (AdapterError, FileNotFoundError) as err:
+                raise ConfigError(f"trainer.resume={step_dir}: cannot resume this run's model from it: {err}") from None
 
     def _starting_adapters(self) -> tuple[Optional[str], Optional[str]]:
         """(actor, critic) PEFT folders to start from: ``model.actor_adapter`` /

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Mapping
 
-from atlas_lightning.reward.breakdown import reward_breakdown
+from atlas_lightning.reward.breakdown import RewardError, reward_breakdown
 from atlas_lightning.reward.invariants import batch_invariants, trajectory_invariants
 from atlas_lightning.reward.placement import place_rewards, token_level_rewards
 
@@ -39,6 +39,6 @@ def reward_means(breakdowns: Iterable[Mapping[str, float]], prefix: str = "rewar
 
 
 __all__ = [
-    "score_episode", "reward_breakdown", "place_rewards", "token_level_rewards",
+    "RewardError", "score_episode", "reward_breakdown", "place_rewards", "token_level_rewards",
     "trajectory_invariants", "batch_invariants", "reward_means",
 ]

@@ -32,7 +32,8 @@ from atlas_lightning.config import compose, run_dirs
 from atlas_lightning.questions.schema import Candidate, Question
 from atlas_lightning.env.episode import Episode, RuntimeConfig
 from atlas_lightning.rollout.agent_loop import LoopStats, Trajectory
-from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id, trajectory_uid
+from atlas_lightning.questions.uid import trajectory_uid
+from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id
 from atlas_lightning.rollout.chat import ChatFormat
 
 # ----------------------------------------------------------------------------- data
