@@ -67,6 +67,8 @@ class PPOModule(L.LightningModule):
         self.model = None
         self.rl_step = 0
         self.skipped_optimizer_steps = {"actor": 0, "critic": 0}
+        #: Optimizer steps taken in the current RL step, by role (a non-finite step reports them).
+        self.steps_applied = {"critic": 0, "actor": 0}
 
     # -- model and optimizers -------------------------------------------------------------
 
@@ -259,6 +261,7 @@ class PPOModule(L.LightningModule):
         timing = dict(batch.timing)
         started = time.monotonic()
         nonfinite: dict[str, Any] = {}
+        self.steps_applied = {"critic": 0, "actor": 0}
         self.model.train()
 
         seqs, prompts = self._sequences(batch)
@@ -310,6 +313,8 @@ class PPOModule(L.LightningModule):
             "finite": not nonfinite,
         }
         if nonfinite:
+            # the diagnostic says what this step already changed: the weights moved by these steps
+            nonfinite["optimizer_steps_applied"] = dict(self.steps_applied)
             output["nonfinite"] = nonfinite
         self.log_metrics(metrics, step=batch.step)
         return output
@@ -325,8 +330,9 @@ class PPOModule(L.LightningModule):
         num_mini = cfg.train_batch_size // cfg.ppo_mini_batch_size
         chunks = _contiguous_chunks(len(seqs), num_mini)
         history: dict[str, list[float]] = {}
-        for _ in range(cfg.ppo_epochs):
-            for chunk in chunks:
+        applied = self.steps_applied  # optimizer steps of this RL step, by role (training_step resets it)
+        for epoch in range(cfg.ppo_epochs):
+            for mini_batch, chunk in enumerate(chunks):
                 tokens = float(mask[chunk].sum()) if chunk else 0.0
                 total_tokens = dist_utils.all_reduce_sum([tokens])[0]
                 if total_tokens == 0:
@@ -349,9 +355,13 @@ class PPOModule(L.LightningModule):
                 if _agree_on_nonfinite(nonfinite, f"update_{role}"):
                     self.skipped_optimizer_steps[role] += 1
                     optimizer.zero_grad(set_to_none=True)
+                    # where it stopped, and what of this step was already applied (the weights moved)
+                    nonfinite["stopped_at"] = {"role": role, "epoch": epoch, "mini_batch": mini_batch,
+                                               "mini_batches_per_epoch": len(chunks), "epochs": cfg.ppo_epochs}
                     break
                 optimizer.step()
-            if nonfinite:
+                applied[role] += 1
+            if "stopped_at" in nonfinite:
                 break
         keys = list(_ROLE_METRICS[role]) + (["actor/kl_loss"] if role == "actor" and cfg.use_kl_loss else [])
         out = _mean_over_ranks({key: history.get(key, []) for key in keys})

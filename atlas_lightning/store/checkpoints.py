@@ -30,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
 
+from atlas_lightning.store.atomic import atomic_write_text
+
 MARKER = "checkpoint.json"
 LATEST = "latest_checkpointed_iteration.txt"
 STATE_DIR = "lightning"
@@ -91,6 +93,20 @@ def sha256_file(path: str | Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def write_marker(folder: str | Path, step: int) -> dict:
+    """Write ``folder/checkpoint.json`` last, atomically: the step and, for every file under
+    ``PARTS``, its size and sha256 (what ``verify_checkpoint`` checks). Returns the marker."""
+    folder = Path(folder)
+    paths = sorted(p for part in PARTS for p in (folder / part).rglob("*") if p.is_file())
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(paths)))) as pool:
+        digests = list(pool.map(sha256_file, paths))
+    files = {str(p.relative_to(folder)).replace(os.sep, "/"): {"bytes": p.stat().st_size, "sha256": digest}
+             for p, digest in zip(paths, digests)}
+    marker = {"global_step": step, "files": files}
+    atomic_write_text(folder / MARKER, json.dumps(marker, indent=1) + "\n")
+    return marker
 
 
 def _marker(folder: Path) -> dict:

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, IterableDataset
 
 from atlas_lightning.algorithms.ppo import compute_gae_advantage_return
-from atlas_lightning.store.checkpoints import MARKER
+from atlas_lightning.store.checkpoints import write_marker
 from atlas_lightning.config import compose, run_dirs
 from atlas_lightning.questions.schema import Candidate, Question
 from atlas_lightning.env.episode import Episode, RuntimeConfig
@@ -260,7 +260,8 @@ class ScriptedModule(L.LightningModule):
             metrics["actor/entropy"] = float("nan")
             output["nonfinite"] = {"what": ["actor/entropy"], "phase": "update_actor",
                                    "where": {"actor/entropy": {"count": 3,
-                                                               "trajectories": [f"{first.uid}/{first.session_id}"]}}}
+                                                               "trajectories": [f"{first.uid}/{first.session_id}"]}},
+                                   "optimizer_steps_applied": {"critic": 0, "actor": 0}}
         self.outputs[batch.step] = output
         return output
 
@@ -304,7 +305,9 @@ class FolderCheckpoint(L.pytorch.callbacks.Checkpoint):
             return
         folder = run_dirs(pl_module.cfg)["checkpoints"] / f"global_step_{step}"
         write_adapters(folder, pl_module.critic.weight)
-        (folder / MARKER).write_text(json.dumps({"global_step": step}))
+        (folder / "lightning").mkdir(exist_ok=True)
+        torch.save({"critic": pl_module.critic.weight.detach().clone()}, folder / "lightning" / "state.ckpt")
+        write_marker(folder, step)
         self.saved.append(step)
         self.snapshots[step] = snapshot(folder)
 
