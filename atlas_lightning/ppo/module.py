@@ -148,20 +148,19 @@ class PPOModule(L.LightningModule):
         for name in ("actor", "critic"):
             save_adapter(self.model, name, Path(step_dir) / name / "lora_adapter")
 
-    def export_actor_adapter(self, folder: Path) -> tuple[int, float]:
+    def export_actor_adapter(self, folder: Path) -> dict:
         """Write the actor adapter to ``folder`` (PEFT layout) for the engines and return what
-        was sent: (tensor count, checksum) as ``vllm_engine.lora_checksum`` counts them.
-        Collective; rank 0 writes."""
+        was sent: ``{PEFT module name: (A, B, scaling)}``, full tensors on every rank (the weight
+        sync digests them, ``rollout.digest.lora_digest``). Collective; rank 0 writes."""
         from atlas_lightning.models.adapters import save_adapter
         from atlas_lightning.models.weights import adapter_state
-        from atlas_lightning.rollout.engines.vllm_engine import lora_checksum
+        from atlas_lightning.rollout.digest import lora_modules
 
         state = adapter_state(self.model, "actor")
         save_adapter(self.model, "actor", folder)
-        scaling = self.cfg.model.lora.alpha / self.cfg.model.lora.rank
-        pairs = [(tensor, state[name.replace("lora_A", "lora_B")], scaling)
-                 for name, tensor in state.items() if ".lora_A." in name]
-        return lora_checksum(pairs)
+        config = self.model.peft_model.peft_config["actor"]
+        scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
+        return lora_modules(state, scaling)
 
     def merged_weight_buckets(self, bucket_bytes: int):
         """The actor merged into the base, HF-named, in buckets of at most ``bucket_bytes``.
