@@ -20,7 +20,12 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Something the user named that cannot be used (a config value, a question file, an adapter
+    or checkpoint folder); the message names it and what is wrong. The CLI exits 2 with it."""
+
+
+class ConfigError(InputError):
     """A configuration that cannot run; the message names the key and what is wrong."""
 
 

@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from atlas_lightning.config import InputError
+
 from .actor_critic import ADAPTERS, CRITIC, ActorCritic
 from .identity import identity_mismatch
 from .weights import adapter_state, full_tensor
@@ -64,7 +66,7 @@ COMPARED_FIELDS = (
 )
 
 
-class AdapterError(ValueError):
+class AdapterError(InputError):
     """A damaged adapter folder (unreadable or truncated file, bad config or identity file,
     non-finite weights); the message names the folder and the file."""
 
@@ -176,7 +178,9 @@ def _safetensors(folder: Path, name: str) -> dict[str, Tensor]:
     if not tensors:
         raise AdapterError(f"{folder}: {name} holds no tensors")
     for key, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if not tensor.is_floating_point():
+            raise AdapterError(f"{folder}: {name} tensor {key} is {tensor.dtype}, not a floating-point weight")
+        if not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
             raise AdapterError(f"{folder}: {name} tensor {key} holds {bad} non-finite value(s) of "
                                f"{tensor.numel()} (NaN or inf); refusing to start from it")

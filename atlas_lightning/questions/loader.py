@@ -204,6 +204,10 @@ def load_questions(
     mapping = _check_mapping(dict(columns or {}), subset_columns)
     table = _read_table(path, label)
     names = set(table.column_names)
+    if len(names) != len(table.column_names):
+        twice = sorted({n for n in table.column_names if table.column_names.count(n) > 1})
+        raise DataError(f"{label} field {twice[0]}: the file has {len(table.column_names) - len(names) + 1} columns "
+                        f"of that name")
 
     def file_name(ours: str) -> str:
         return mapping.get(ours, ours)

@@ -16,10 +16,11 @@ import math
 import re
 from typing import Any
 
+from atlas_lightning.config import InputError
 from atlas_lightning.questions.schema import BENCHMARKS, CANDIDATE_FIELDS, MAX_COST_USD, Candidate, Question
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """A question file or row that cannot be used; the message names file, row and field."""
 
 

@@ -443,7 +443,7 @@ def main_verb(cfg: DictConfig) -> int:
     """``atlas-lightning memory-check``: prepare the run folders, run, exit 0."""
     from atlas_lightning.run.wiring import check_inputs, prepare_run
 
-    check_inputs(cfg)  # before anything is written: a bad model folder exits 2
+    check_inputs(cfg, data=False)  # before anything is written: a bad model folder exits 2 (no questions read)
     prepare_run(cfg, "memory-check")
     run_memory_check(cfg, generation=os.environ.get("ATLAS_MEMORY_CHECK_GENERATION", "1") != "0")
     return 0

@@ -100,15 +100,23 @@ class StartingPoint:
     notes: list[str] = field(default_factory=list)
 
 
-def check_inputs(cfg: DictConfig) -> StartingPoint:
+def check_inputs(cfg: DictConfig, *, data: bool = True) -> StartingPoint:
     """Verify what the run reads before anything is written (every verb that loads the model
-    calls it first): ``model.path`` (``planning.model_folder``), ``trainer.init_from`` (a complete
-    checkpoint whose adapters verify against ``checkpoint.json``) and ``trainer.resume``
-    (``resume_path``). ``ConfigError`` naming the key otherwise (the CLI exits 2)."""
+    calls it first): ``paths.root`` (a folder, or creatable), ``model.path``
+    (``planning.model_folder``), the question splits (``data``: every file of the train and
+    validation splits loads, ``questions.loader``), ``trainer.init_from`` (a complete checkpoint
+    whose adapters verify against ``checkpoint.json``) and ``trainer.resume`` (``resume_path``).
+    ``ConfigError`` / ``DataError`` naming the key or file otherwise (the CLI exits 2)."""
     from atlas_lightning.planning.model_folder import check_model_folder
     from atlas_lightning.store.checkpoints import CheckpointError, verify_checkpoint
 
+    _check_root(Path(cfg.paths.root))
     check_model_folder(cfg.model.path)
+    if data:
+        from atlas_lightning.questions.loader import load_split
+
+        for split in (cfg.data.train_split, cfg.data.val_split):
+            load_split(cfg.data, split)
     if cfg.trainer.init_from:
         parts = ("actor", "critic") if cfg.trainer.init_critic else ("actor",)
         try:
@@ -120,6 +128,17 @@ def check_inputs(cfg: DictConfig) -> StartingPoint:
         if folder and not Path(folder).is_dir():
             raise ConfigError(f"model.{role}_adapter={folder}: no such folder")
     return resume_path(cfg)
+
+
+def _check_root(root: Path) -> None:
+    """``paths.root`` is a writable folder, or the nearest existing folder above it is."""
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"paths.root={root}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"paths.root={root}: {existing} is not writable")
 
 
 def resume_path(cfg: DictConfig) -> StartingPoint:

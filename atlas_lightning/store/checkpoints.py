@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
 
+from atlas_lightning.config import InputError
 from atlas_lightning.store.atomic import atomic_write_text
 
 MARKER = "checkpoint.json"
@@ -40,7 +41,7 @@ PARTS = ("actor", "critic", STATE_DIR)
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint folder that does not verify; the message names the folder and the file."""
 
 
@@ -122,6 +123,9 @@ def _marker(folder: Path) -> dict:
             isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
             for v in files.values()):
         raise CheckpointError(f"{folder}: {MARKER} is damaged (its 'files' must map each file to bytes and sha256)")
+    for rel in files:
+        if rel.startswith("/") or ".." in rel.split("/") or "\\" in rel:
+            raise CheckpointError(f"{folder}: {MARKER} lists {rel!r}, which is not a path inside the folder")
     step = checkpoint_step(folder)
     if marker.get("global_step") != step:
         raise CheckpointError(f"{folder}: {MARKER} says global_step={marker.get('global_step')!r}, "

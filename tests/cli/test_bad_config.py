@@ -164,3 +164,28 @@ def test_every_verb_refuses_a_bad_model_folder_before_writing(verb, damage, mess
     assert code == 2, err
     assert "model.path=" in err and message in err
     assert not root.exists() or not any(root.rglob("*"))  # no config, no log
+
+
+def test_a_bad_question_file_exits_2_before_anything_is_written(tmp_path, sample_data_dir, capsys):
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "data"
+    shutil.copytree(sample_data_dir, data)
+    table = pq.read_table(data / "gpqa" / "val_full.parquet").to_pylist()
+    table[5]["ground_truth"] = "H"
+    pq.write_table(__import__("pyarrow").Table.from_pylist(table), data / "gpqa" / "val_full.parquet")
+    root = tmp_path / "root"
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}", f"model.path={_model_folder(tmp_path)}",
+                 f"data.root={data}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "gpqa/val_full.parquet row 5 " in err and "field ground_truth: 'H' is not one of" in err
+    assert not root.exists()
+
+
+def test_a_paths_root_that_is_a_file_exits_2(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path / 'afile' / 'below'}",
+                 f"model.path={_model_folder(tmp_path)}"])
+    assert code == 2 and "is not a folder" in capsys.readouterr().err

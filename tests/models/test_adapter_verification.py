@@ -149,3 +149,12 @@ def test_an_intact_folder_still_loads_and_reads(model, saved):
     data = read_adapter_folder(saved["critic"], "critic")
     assert data.identity["adapter_name"] == "critic" and data.value_head is not None
     load_adapter(model, "critic", saved["critic"])
+
+
+def test_a_weight_that_is_not_floating_point_is_refused(model, saved):
+    path = saved["actor"] / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, str(path))
+    assert f"tensor {name} is torch.int32, not a floating-point weight" in _refused(model, "actor", saved["actor"])

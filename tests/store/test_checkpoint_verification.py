@@ -62,6 +62,7 @@ def test_an_intact_checkpoint_verifies(tmp_path):
     ("state_flipped", "lightning/state.ckpt does not match its sha256 in checkpoint.json (damaged)"),
     ("adapter_flipped", "critic/lora_adapter/adapter_model.safetensors does not match its sha256"),
     ("extra_file", "actor/lora_adapter/stray.bin is not listed in checkpoint.json"),
+    ("marker_escapes", "checkpoint.json lists '../../outside', which is not a path inside the folder"),
 ])
 def test_damage_is_refused_naming_folder_and_file(tmp_path, damage, message):
     folder = _checkpoint(tmp_path, 3)
@@ -88,6 +89,9 @@ def test_damage_is_refused_naming_folder_and_file(tmp_path, damage, message):
         data = bytearray(path.read_bytes())
         data[-1] ^= 0x80
         path.write_bytes(bytes(data))
+    elif damage == "marker_escapes":
+        marker["files"]["../../outside"] = {"bytes": 1, "sha256": "0" * 64}
+        (folder / MARKER).write_text(json.dumps(marker))
     else:
         (folder / "actor" / "lora_adapter" / "stray.bin").write_bytes(b"x")
     with pytest.raises(CheckpointError) as info:
@@ -130,20 +134,23 @@ def _model_folder(tmp_path):
     return folder
 
 
-def _cfg(tmp_path, *overrides):
-    return compose(["experiment=tiny-cpu", f"paths.root={tmp_path}", "name=run",
-                    f"model.path={_model_folder(tmp_path) if not (tmp_path / 'model').exists() else tmp_path / 'model'}",
-                    *overrides])
+@pytest.fixture
+def cfg_of(tmp_path, sample_data_dir):
+    def make(*overrides):
+        model = tmp_path / "model" if (tmp_path / "model").exists() else _model_folder(tmp_path)
+        return compose(["experiment=tiny-cpu", f"paths.root={tmp_path}", "name=run", f"model.path={model}",
+                        f"data.root={sample_data_dir}", *overrides])
+    return make
 
 
-def test_resume_auto_falls_back_to_the_newest_checkpoint_that_verifies_and_says_so(tmp_path):
+def test_resume_auto_falls_back_to_the_newest_checkpoint_that_verifies_and_says_so(tmp_path, cfg_of):
     from atlas_lightning.run.wiring import check_inputs
 
     checkpoints = tmp_path / "checkpoints" / "run"
     for step in (5, 10):
         _checkpoint(checkpoints, step)
     (checkpoints / "global_step_10" / "lightning" / "state.ckpt").unlink()
-    start = check_inputs(_cfg(tmp_path, "trainer.resume=auto"))
+    start = check_inputs(cfg_of("trainer.resume=auto"))
     assert start.resume == checkpoints / "global_step_5"
     assert start.state == str(checkpoints / "global_step_5" / "lightning" / "state.ckpt")
     assert start.notes[0].startswith(f"trainer.resume=auto: skipped {checkpoints / 'global_step_10'}: "
@@ -151,44 +158,44 @@ def test_resume_auto_falls_back_to_the_newest_checkpoint_that_verifies_and_says_
     assert start.notes[-1] == f"trainer.resume=auto: resuming from {checkpoints / 'global_step_5'} (verified)"
 
 
-def test_resume_auto_refuses_when_no_checkpoint_verifies(tmp_path):
+def test_resume_auto_refuses_when_no_checkpoint_verifies(tmp_path, cfg_of):
     from atlas_lightning.run.wiring import check_inputs
 
     checkpoints = tmp_path / "checkpoints" / "run"
     (_checkpoint(checkpoints, 5) / "lightning" / "state.ckpt").write_bytes(b"")
     with pytest.raises(ConfigError, match="trainer.resume=auto: no checkpoint of this run verifies"):
-        check_inputs(_cfg(tmp_path, "trainer.resume=auto"))
-    assert check_inputs(_cfg(tmp_path, "name=other", "trainer.resume=auto")).resume is None  # nothing to resume
+        check_inputs(cfg_of("trainer.resume=auto"))
+    assert check_inputs(cfg_of("name=other", "trainer.resume=auto")).resume is None  # nothing to resume
 
 
-def test_an_explicit_resume_or_init_from_must_verify(tmp_path):
+def test_an_explicit_resume_or_init_from_must_verify(tmp_path, cfg_of):
     from atlas_lightning.run.wiring import check_inputs
 
     folder = _checkpoint(tmp_path / "elsewhere", 7)
     (folder / "actor" / "lora_adapter" / "adapter_model.safetensors").write_bytes(b"\0" * 10)
     with pytest.raises(ConfigError, match=rf"trainer.resume={folder}: {folder}: actor/lora_adapter/adapter_model"):
-        check_inputs(_cfg(tmp_path, f"trainer.resume={folder}"))
+        check_inputs(cfg_of(f"trainer.resume={folder}"))
     with pytest.raises(ConfigError, match=rf"trainer.init_from={folder}: .*actor/lora_adapter/adapter_model"):
-        check_inputs(_cfg(tmp_path, f"trainer.init_from={folder}"))
+        check_inputs(cfg_of(f"trainer.init_from={folder}"))
 
 
-def test_init_from_needs_a_complete_checkpoint_as_resume_does(tmp_path):
+def test_init_from_needs_a_complete_checkpoint_as_resume_does(tmp_path, cfg_of):
     from atlas_lightning.run.wiring import check_inputs
 
     folder = _checkpoint(tmp_path / "elsewhere", 7)
     (folder / MARKER).unlink()
     with pytest.raises(ConfigError, match=r"trainer.init_from=.*no checkpoint.json \(not a complete checkpoint"):
-        check_inputs(_cfg(tmp_path, f"trainer.init_from={folder}"))
+        check_inputs(cfg_of(f"trainer.init_from={folder}"))
 
 
-def test_init_from_with_the_actor_alone_checks_the_actor_alone(tmp_path):
+def test_init_from_with_the_actor_alone_checks_the_actor_alone(tmp_path, cfg_of):
     from atlas_lightning.run.wiring import check_inputs
 
     folder = _checkpoint(tmp_path / "elsewhere", 7)
     (folder / "critic" / "lora_adapter" / "adapter_model.safetensors").write_bytes(b"\0")
     with pytest.raises(ConfigError, match="critic/lora_adapter"):
-        check_inputs(_cfg(tmp_path, f"trainer.init_from={folder}"))
-    check_inputs(_cfg(tmp_path, f"trainer.init_from={folder}", "trainer.init_critic=false"))
+        check_inputs(cfg_of(f"trainer.init_from={folder}"))
+    check_inputs(cfg_of(f"trainer.init_from={folder}", "trainer.init_critic=false"))
 
 
 # -- resuming this run's model from a checkpoint of another ---------------------------------------
