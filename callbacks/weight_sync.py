@@ -60,6 +60,9 @@ class WeightSyncError(RuntimeError):
 
 class WeightSyncCallback(L.Callback):
     def __init__(self, keep_versions: int = 2) -> None:
+        if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) or keep_versions < 1:
+            # the newest exported adapter is the one the engine serves: it must stay
+            raise ValueError(f"WeightSyncCallback: keep_versions must be an int >= 1, got {keep_versions!r}")
         self.keep_versions = keep_versions
         self.version: Optional[int] = None
         self.sync_id = 0
@@ -135,12 +138,15 @@ class WeightSyncCallback(L.Callback):
     @staticmethod
     def _send_packs(pl_module, engine, bucket_bytes: int, version: int):
         """Merged weights in packed buckets through the engine's weight-transfer path (a
-        server's): (the digest of each bucket sent, what the engine reports per bucket)."""
+        server's): (the digest of each bucket sent, what the engine reports per bucket). A
+        backend that reports nothing back (``engine.reads_back`` False: nccl) is not digested."""
         entries: dict[str, str] = {}
+        digest = getattr(engine, "reads_back", True)
 
         def packs():
             for buffer, views in pl_module.merged_weight_packs(bucket_bytes):
-                entries[f"bucket{len(entries)}"] = bucket_digest(views)
+                if digest:
+                    entries[f"bucket{len(entries)}"] = bucket_digest(views)
                 yield buffer, views
 
         report = engine.load_weight_packs(packs(), version=version)
@@ -168,6 +174,8 @@ class WeightSyncCallback(L.Callback):
         ``sent`` is the adapter's ``{module: (A, B, scaling)}`` (digested in the form the
         engine holds it) or the digest of the merged tensors or buckets sent."""
         form = report.form or {}
+        if form.get("kind") == "unverified":  # nothing came back (nccl): the probe is the check
+            return
         if report.digest is None:
             raise WeightSyncError(f"weight sync v{version}: the engine reported no digest of what it holds")
         if form.get("kind") == "lora":

@@ -11,9 +11,11 @@ Before a checkpoint is used (``trainer.resume``, ``trainer.init_from``, the NaN 
 rollback) it is verified against its own marker (``verify_checkpoint``): the marker is
 readable and names this folder's step, every file it lists is there with its size and sha256,
 and no file it does not list sits beside them (``CheckpointError`` naming the folder and the
-file otherwise). Hashing reads every byte once, in parallel over files: about 12.5 GB for the
-27B's two adapters and Lightning state, some seconds on a training node (500 MB/s a core was
-measured on this project's 2-core CI machine), once per launch.
+file otherwise). Hashing reads every byte once, in parallel over files (up to 8 threads):
+about 12.5 GB for the 27B's two adapters and Lightning state; sha256 ran at 1.26 GB/s a thread
+and 15.4 GB/s on 16 threads on the H200 machine (``bench/results/digest-cost-h200.json``), so a
+second or two beside the disk's read, once per launch (every rank verifies: they must agree
+on the folder without a process group yet).
 
 Who calls it: the step checkpoint callback (writes), the NaN guard (the latest verified
 checkpoint before a step), the run wiring (``trainer.resume``, ``trainer.init_from``) and

@@ -34,7 +34,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from atlas_lightning.rollout.digest import WeightDigest, bucket_digest
+from atlas_lightning.rollout.digest import WeightDigest
 from atlas_lightning.rollout.engine import EngineError, SyncReport
 
 log = logging.getLogger(__name__)
@@ -125,21 +125,24 @@ class ServerWeightTransfer:
         if self.group is None:
             self.connect()
         self._call(self.client.start_weight_update, "start_weight_update")
-        count, entries, largest = 0, {}, 0
+        count, entries, buckets, largest = 0, {}, 0, 0
         for buffer, views in packs:
             held_count, held_digest = self._send_bucket(buffer, views)
             count += held_count
-            entries[f"bucket{len(entries)}"] = held_digest
+            entries[f"bucket{buckets}"] = held_digest
+            buckets += 1
             largest = max(largest, int(buffer.numel()))
         self._call(lambda: self.client.finish_weight_update(None if version is None else str(version)),
                    "finish_weight_update")
         self._reset_prefix_cache()
+        extra = {"buckets": buckets, "largest_bucket_bytes": largest, "backend": self.backend}
+        if self.backend == "nccl":  # nothing comes back to compare: the probe checks the server
+            return SyncReport(tensor_count=count, digest=None, form={"kind": "unverified"},
+                              held="nothing (nccl has no read-back)", extra=extra)
         return SyncReport(tensor_count=count, digest=WeightDigest(entries), form={"kind": "buckets"},
-                          held=("received by the server's workers" if self.backend == "gloo"
-                                else "sent (nccl has no read-back; the probe checks the server)"),
-                          extra={"buckets": len(entries), "largest_bucket_bytes": largest, "backend": self.backend})
+                          held="received by the server's workers", extra=extra)
 
-    def _send_bucket(self, buffer: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> tuple[int, str]:
+    def _send_bucket(self, buffer: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> tuple[int, Optional[str]]:
         info = bucket_info(views, buffer)
         if self.backend == "nccl":
             for key in ("offsets", "nbytes"):
@@ -157,8 +160,10 @@ class ServerWeightTransfer:
             self._result(pending, "update_weights")
         return held
 
-    def _broadcast(self, buffer: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> tuple[int, str]:
-        """``(tensor count, bucket sha256)`` of what the server received (gloo) or was sent (nccl)."""
+    def _broadcast(self, buffer: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> tuple[int, Optional[str]]:
+        """``(tensor count, bucket sha256)`` of what the server received (gloo); ``(count, None)``
+        with nccl, which reports nothing back (hashing what was sent would only compare it
+        with itself, at some seconds a sync for the 8B's 16 GB)."""
         if self.backend == "gloo":
             from atlas_lightning.rollout.engines.gloo_transfer import gather_reports, read_report, report_tensor
 
@@ -176,7 +181,7 @@ class ServerWeightTransfer:
                                        post_iter_func=lambda item: item[1], buffer_size_bytes=self.bucket_bytes,
                                        num_buffers=NCCL_NUM_BUFFERS)
         torch.cuda.current_stream().synchronize()
-        return len(views), bucket_digest(views)
+        return len(views), None
 
     # -- plumbing -------------------------------------------------------------------------
 
