@@ -3,8 +3,8 @@
 loading anything. It lives here, low in the house, because ``plan`` reads the same folder's
 ``config.json`` (``shapes.py``) and every floor above may call it.
 
-It must be a folder holding a ``config.json`` (a JSON object naming its ``model_type``), a
-tokenizer (``tokenizer.json``, ``tokenizer_config.json`` or ``tokenizer.model``) and weight
+It must be a folder holding a ``config.json`` (a JSON object naming its ``model_type``) and,
+for the verbs that load the model, a tokenizer (``tokenizer.json``, ``tokenizer_config.json`` or ``tokenizer.model``) and weight
 files (``*.safetensors``, each with a readable header, or ``*.bin``). Anything else is a
 ``ConfigError`` naming ``model.path`` and what is missing, so the CLI exits 2 before a config,
 a log or a model is written or loaded. Nothing here imports torch.
@@ -22,9 +22,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _MAX_HEADER_BYTES = 100 * 2**20
 
 
-def check_model_folder(path: str | Path, key: str = "model.path") -> dict:
+def check_model_folder(path: str | Path, key: str = "model.path", *, loads: bool = True) -> dict:
     """The folder's ``config.json`` as a dict, once the folder passes the module's checks;
-    ``ConfigError`` naming ``key``, the folder and the file otherwise."""
+    ``ConfigError`` naming ``key``, the folder and the file otherwise. ``loads=False`` (``plan``,
+    which reads the shape alone and may run before the weights are fetched) checks the folder
+    and its ``config.json`` only."""
     folder = Path(str(path)).expanduser()
     where = f"{key}={path}"
     if not folder.exists():
@@ -41,6 +43,8 @@ def check_model_folder(path: str | Path, key: str = "model.path") -> dict:
         raise ConfigError(f"{where}: {config_file.name} is not readable JSON ({err})") from None
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise ConfigError(f"{where}: {config_file.name} is not a model config (no model_type)")
+    if not loads:
+        return config
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(f"{where}: no tokenizer ({', '.join(TOKENIZER_FILES)})")
     weights = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))

@@ -143,6 +143,8 @@ def _model_folder(tmp_path, **drop):
     ("truncated", "model.safetensors is truncated"),
 ])
 def test_every_verb_refuses_a_bad_model_folder_before_writing(verb, damage, message, tmp_path, capsys):
+    if verb == "plan" and damage in ("no_tokenizer", "no_weights", "truncated"):
+        pytest.skip("plan reads config.json alone (it may run before the weights are fetched)")
     root = tmp_path / "root"
     if damage == "missing":
         path = tmp_path / "no-such-model"
