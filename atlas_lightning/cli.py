@@ -19,7 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from atlas_lightning.config import ConfigError, InputError
+from atlas_lightning.config import ConfigError
+from atlas_lightning.errors import InputError
 
 CONFIG_VERBS = {
     "fit": "train: rollouts, PPO updates, validation, checkpoints",

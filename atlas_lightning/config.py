@@ -19,10 +19,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-
-class InputError(ValueError):
-    """Something the user named that cannot be used (a config value, a question file, an adapter
-    or checkpoint folder); the message names it and what is wrong. The CLI exits 2 with it."""
+from atlas_lightning.errors import InputError
 
 
 class ConfigError(InputError):

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from atlas_lightning.config import InputError
+from atlas_lightning.errors import InputError
 
 from .actor_critic import ADAPTERS, CRITIC, ActorCritic
 from .identity import identity_mismatch

@@ -16,7 +16,7 @@ import math
 import re
 from typing import Any
 
-from atlas_lightning.config import InputError
+from atlas_lightning.errors import InputError
 from atlas_lightning.questions.schema import BENCHMARKS, CANDIDATE_FIELDS, MAX_COST_USD, Candidate, Question
 
 

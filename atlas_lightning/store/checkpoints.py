@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
 
-from atlas_lightning.config import InputError
+from atlas_lightning.errors import InputError
 from atlas_lightning.store.atomic import atomic_write_text
 
 MARKER = "checkpoint.json"
