@@ -3,7 +3,9 @@
 Hydra composes the YAML groups under ``conf/`` (model, data, rollout, algorithm, trainer,
 layout, reward, callbacks, logger, experiment); the result is merged onto the dataclasses
 below, so an unknown key or a value of the wrong type fails before any work with the key's
-full name (``model.lora.rnak``). Range and cross-field checks live in ``validate``.
+full name (``model.lora.rnak``). Each value's rule (finite, range, choices, safe names) lives
+in one table beside this schema (``constraints.py``); ``validate`` applies it, then the checks
+that relate several keys.
 
 Who calls it: ``cli.py`` (every verb), tests (compose the real configs), launchers'
 pre-flight. Nothing here imports torch.
