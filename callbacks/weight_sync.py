@@ -99,6 +99,7 @@ class WeightSyncCallback(L.Callback):
         with getattr(dm, "engine_lock", None) or contextlib.nullcontext():
             if getattr(dm, "asynchronous", False):
                 dist_utils.barrier()  # every rank's producer is idle before the shared server changes
+            sent_tensors = None  # merged buckets: how many tensors they held
             if cfg.rollout.weight_sync == "lora":
                 folder = run_dirs(cfg)["outputs"] / ".engine_adapters" / f"sync{self.sync_id}"
                 sent = pl_module.export_actor_adapter(folder)
@@ -107,7 +108,8 @@ class WeightSyncCallback(L.Callback):
                 report = engine.set_adapter(AdapterVersion(str(folder), version=self.sync_id))
                 self._prune(folder.parent)
             elif getattr(engine, "takes_weight_packs", False):
-                sent, report = self._send_packs(pl_module, engine, cfg.rollout.bucket_mb * 2**20, version)
+                sent, sent_tensors, report = self._send_packs(pl_module, engine, cfg.rollout.bucket_mb * 2**20,
+                                                              version)
             else:
                 named: list[tuple[str, str]] = []
                 finished = [False]
@@ -124,7 +126,7 @@ class WeightSyncCallback(L.Callback):
                     raise WeightSyncError(f"weight sync v{version}: the engine stopped reading the merged "
                                           f"weights after {len(named)} tensors")
                 sent = WeightDigest(dict(named))
-            self._check_held(sent, report, version)
+            self._check_held(sent, report, version, sent_tensors=sent_tensors)
             gap = self._probe(pl_module, dm, engine, version)
             dm.weights_version = version  # published under the lock: the next rollout samples it
         self.version = version
@@ -142,15 +144,17 @@ class WeightSyncCallback(L.Callback):
         backend that reports nothing back (``engine.reads_back`` False: nccl) is not digested."""
         entries: dict[str, str] = {}
         digest = getattr(engine, "reads_back", True)
+        count = [0]
 
         def packs():
             for buffer, views in pl_module.merged_weight_packs(bucket_bytes):
                 if digest:
                     entries[f"bucket{len(entries)}"] = bucket_digest(views)
+                count[0] += len(views)
                 yield buffer, views
 
         report = engine.load_weight_packs(packs(), version=version)
-        return WeightDigest(entries), report
+        return WeightDigest(entries), count[0], report
 
     @staticmethod
     def _check_folder(folder: Path, sent: dict, version: int) -> None:
@@ -169,11 +173,15 @@ class WeightSyncCallback(L.Callback):
                                   f"trainer sent: {'; '.join(expected.differences(written))}")
 
     @staticmethod
-    def _check_held(sent, report, version: int) -> None:
+    def _check_held(sent, report, version: int, sent_tensors: Optional[int] = None) -> None:
         """What the engine reports holding against what was sent, exactly (``rollout.digest``):
         ``sent`` is the adapter's ``{module: (A, B, scaling)}`` (digested in the form the
-        engine holds it) or the digest of the merged tensors or buckets sent."""
+        engine holds it) or the digest of the merged tensors or buckets sent (``sent_tensors``:
+        how many tensors the buckets held)."""
         form = report.form or {}
+        if form.get("kind") in ("buckets", "unverified") and report.tensor_count != sent_tensors:
+            raise WeightSyncError(f"weight sync v{version}: the engine took {report.tensor_count} tensors "
+                                  f"({report.held}), the trainer sent {sent_tensors}")
         if form.get("kind") == "unverified":  # nothing came back (nccl): the probe is the check
             return
         if report.digest is None:
@@ -185,7 +193,7 @@ class WeightSyncCallback(L.Callback):
             expected = lora_digest(sent, dtype=dtype_named(dtype), scale_b=bool(form.get("scale_b")))
         else:
             expected = sent
-        if report.tensor_count != len(expected):
+        if form.get("kind") != "buckets" and report.tensor_count != len(expected):
             raise WeightSyncError(f"weight sync v{version}: the engine holds {report.tensor_count} tensors "
                                   f"({report.held}), the trainer sent {len(expected)}: "
                                   f"{'; '.join(expected.differences(report.digest))}")
