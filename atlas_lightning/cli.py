@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from atlas_lightning.config import ConfigError
+from atlas_lightning.errors import InputError
 
 CONFIG_VERBS = {
     "fit": "train: rollouts, PPO updates, validation, checkpoints",
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         return _run_config_verb(args)
     except ConfigError as err:
         print(f"atlas-lightning {args.verb}: config error: {err}", file=sys.stderr)
+        return 2
+    except InputError as err:  # a question file, adapter or checkpoint folder that cannot be used
+        print(f"atlas-lightning {args.verb}: {err}", file=sys.stderr)
         return 2
     except NotImplementedError as err:
         print(f"atlas-lightning {args.verb}: not available yet: {err}", file=sys.stderr)

@@ -17,7 +17,6 @@ The module must be ``Checkpointable`` (``save_adapters``), as ``PPOModule`` is.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -28,10 +27,9 @@ from lightning.pytorch.callbacks import Checkpoint
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.store.atomic import atomic_write_text
 from atlas_lightning.config import run_dirs
-from atlas_lightning.store.checkpoints import LATEST, MARKER, STATE_DIR, sha256_file, step_dir
+from atlas_lightning.store.checkpoints import LATEST, MARKER, STATE_DIR, step_dir, write_marker
 from atlas_lightning.callbacks.base import rl_callbacks
 from atlas_lightning.ppo.step_output import read_step_output
-
 
 class StepCheckpoint(Checkpoint):
     """Save every ``every_n_steps`` RL steps and at the last step."""
@@ -69,9 +67,7 @@ class StepCheckpoint(Checkpoint):
                 shutil.rmtree(final / part, ignore_errors=True)
                 os.replace(tmp / part, final / part)
             shutil.rmtree(tmp, ignore_errors=True)
-            files = {str(p.relative_to(final)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-                     for p in sorted(final.rglob("*")) if p.is_file() and p.parts[len(final.parts)] != "val_dumps"}
-            atomic_write_text(final / MARKER, json.dumps({"global_step": step, "files": files}, indent=1) + "\n")
+            write_marker(final, step)
             atomic_write_text(checkpoints / LATEST, f"{step}\n")
         dist_utils.barrier()
         self.last_saved = step

@@ -6,8 +6,10 @@ The module has already refused to step the optimizers for such a step and says s
 
 1. gathers every rank's diagnostic and records (collective) and, on rank 0, writes
    ``artifacts/<name>/nonfinite/step_N.json`` (step, phase, what was non-finite, counts,
-   trajectories involved, the step's metrics with non-finite values as ``"nan"``/``"inf"``, each
-   rank's own diagnostic, the policy and the last good checkpoint) and
+   trajectories involved, how many optimizer steps of step N each role had already applied and
+   where the update stopped (role, epoch, mini-batch), the step's metrics with non-finite values
+   as ``"nan"``/``"inf"``, each rank's own diagnostic, the policy and the last good checkpoint
+   that verifies against its ``checkpoint.json``) and
    ``artifacts/<name>/nonfinite/step_N/`` (the offending trajectories' records, their tensors
    and a manifest; every trajectory of the step when the diagnostic names none, e.g. a
    gradient norm);
@@ -47,7 +49,7 @@ import numpy as np
 
 from atlas_lightning.config import run_dirs
 from atlas_lightning.store.records import FILE_VERSION, utc_now
-from atlas_lightning.store.checkpoints import latest_complete
+from atlas_lightning.store.checkpoints import latest_verified
 from atlas_lightning.distributed import on_rank_zero
 from atlas_lightning.store.files import atomic_write_json, json_safe
 from atlas_lightning.store.step_folder import gather_step, write_step_folder
@@ -115,7 +117,32 @@ def merge_diagnostics(diagnostics: Sequence[Optional[Mapping[str, Any]]]) -> dic
     for name in where:
         if name not in what:
             what.append(name)
-    return {"what": what, "where": where, "phase": "+".join(phases) or "unknown"}
+    # every rank took the same optimizer steps (the module agrees on non-finite values collectively)
+    applied: dict[str, int] = {}
+    stopped_at = None
+    for diag in diagnostics:
+        for role, count in ((diag or {}).get("optimizer_steps_applied") or {}).items():
+            applied[str(role)] = max(applied.get(str(role), 0), int(count))
+        stopped_at = stopped_at or (diag or {}).get("stopped_at")
+    return {"what": what, "where": where, "phase": "+".join(phases) or "unknown",
+            "optimizer_steps_applied": applied, "stopped_at": stopped_at}
+
+
+def describe_applied(step: int, merged: Mapping[str, Any]) -> str:
+    """What of step ``step`` had already changed the weights when the non-finite value came."""
+    applied = {role: n for role, n in (merged.get("optimizer_steps_applied") or {}).items() if n}
+    stopped = merged.get("stopped_at")
+    where = ""
+    if stopped:
+        where = (f"; the non-finite value came in the {stopped['role']} update, epoch {stopped['epoch'] + 1} of "
+                 f"{stopped['epochs']}, mini-batch {stopped['mini_batch'] + 1} of {stopped['mini_batches_per_epoch']}, "
+                 f"whose optimizer step was not taken")
+    if not applied:
+        return f"no optimizer step of step {step} was applied{where}"
+    counts = ", ".join(f"{role}: {n}" for role, n in applied.items())
+    total = sum(applied.values())
+    return (f"{total} optimizer step{'s' if total != 1 else ''} of step {step} had been applied before it "
+            f"({counts}){where}")
 
 
 def offending_records(records: Sequence[Any], merged: Mapping[str, Any]) -> list:
@@ -162,7 +189,9 @@ class NaNGuardCallback(L.Callback):
         def decide_and_write() -> tuple:
             # Rank 0 alone looks at the checkpoints (other nodes may not share the file system)
             # and its decision is every rank's.
-            checkpoint = latest_complete(dirs["checkpoints"], before_step=out.step)
+            checkpoint, refusals = latest_verified(dirs["checkpoints"], before_step=out.step)
+            for reason in refusals:
+                log.warning("NaN guard at step %d: skipped a checkpoint that does not verify: %s", out.step, reason)
             rollback = self.policy == "rollback" and checkpoint is not None and self.rollbacks < self.max_rollbacks
             action = "rollback" if rollback else "stop"
             merged, diagnostic = self._write_diagnostic(dirs["artifacts"] / "nonfinite", out, gathered, checkpoint,
@@ -203,7 +232,10 @@ class NaNGuardCallback(L.Callback):
             "action": action,
             "rollbacks_before": self.rollbacks,
             "last_good_checkpoint": None if checkpoint is None else str(checkpoint),
-            "optimizer_steps_applied": False,
+            # by role; the weights in memory moved by these steps (none of it is checkpointed)
+            "optimizer_steps_applied": merged["optimizer_steps_applied"],
+            "stopped_at": merged["stopped_at"],
+            "summary": describe_applied(out.step, merged),
         }
         path = atomic_write_json(folder / f"step_{out.step}.json", report)
         return merged, path
@@ -222,7 +254,7 @@ class NaNGuardCallback(L.Callback):
                    else f" (rollback refused: {self.rollbacks} rollbacks already, max_rollbacks={self.max_rollbacks})")
         message = (
             f"step {step}: non-finite {found} in phase {merged['phase']}" + (f" ({counts})" if counts else "")
-            + f"; no optimizer step of step {step} was applied and nothing of it is checkpointed; {resume}{why}; "
+            + f"; {describe_applied(step, merged)}; nothing of step {step} is checkpointed; {resume}{why}; "
             f"diagnostic: {diagnostic}"
         )
         return NonFiniteError(message, step=step, what=merged["what"], last_good_checkpoint=checkpoint,

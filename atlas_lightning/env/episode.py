@@ -208,8 +208,8 @@ class Episode:
             return self._finish("submitted")
 
         event = self._explore(turn, start, end)
-        if parsed.ignored_bodies:
-            event["tool_response"] = ignored_calls_note(len(parsed.ignored_bodies)) + "\n" + event["tool_response"]
+        if parsed.ignored_count:
+            event["tool_response"] = ignored_calls_note(parsed.ignored_count) + "\n" + event["tool_response"]
         generation["tool_response"] = event["tool_response"]
         if turn >= self.config.max_turns:
             return self._finish("max_turns")
@@ -325,6 +325,9 @@ class Episode:
         })
         for body in parsed.ignored_bodies:
             self.proposed_calls.append({"turn": turn, "status": "ignored", "body": body})
+        unrecorded = parsed.ignored_count - len(parsed.ignored_bodies)
+        if unrecorded:  # counted, not copied: the turn's text is in the record's generations
+            self.proposed_calls.append({"turn": turn, "status": "ignored_unrecorded", "count": unrecorded})
 
     def _explore(self, turn: int, start: int, end: int) -> dict:
         if len(self._revealed) >= self.explore_quota:

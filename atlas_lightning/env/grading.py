@@ -39,13 +39,15 @@ from atlas_lightning.questions.schema import Candidate
 
 _MARKUP = re.compile(r"[*`$]")
 _WRAPPER = re.compile(r"\\(?:boxed|text|textbf|mathrm)\{([^{}]*)\}")
-_WHOLE_LETTER = re.compile(r"^(?:(?:option|choice)\s*)?[\(\[]?\s*([A-Za-z])\s*[\)\]]?\s*[.!]?$", re.IGNORECASE)
+# No two whitespace runs may meet without a character between them (``\s*[)]?\s*`` backtracks
+# quadratically on a long run of spaces): each optional piece carries its own whitespace.
+_WHOLE_LETTER = re.compile(r"^(?:(?:option|choice)\s*)?(?:[\(\[]\s*)?([A-Za-z])\s*(?:[\)\]]\s*)?[.!]?$", re.IGNORECASE)
 _ANSWER_PHRASE = re.compile(
-    r"(?i:answer)\s*(?:(?i:is)\s*:?|:|=)\s*(?:(?i:option|choice)\s*)?[\(\[]?([A-Z])(?![A-Za-z0-9])"
+    r"(?i:answer)\s*(?:(?i:is)(?:\s*:)?|:|=)\s*(?:(?i:option|choice)\s*)?[\(\[]?([A-Z])(?![A-Za-z0-9])"
 )
 _LEADING_LETTER = re.compile(r"^[\(\[]?([A-Z])[\)\]:.](?:\s|$)")
 # At most 6 digits: int() of a huge digit string is slow and, past 4300 digits, refused.
-_CANDIDATE_REF = re.compile(r"^(?:candidate\s*)?#?\s*(\d{1,6})\s*\.?$", re.IGNORECASE)
+_CANDIDATE_REF = re.compile(r"^(?:candidate\s*)?(?:#\s*)?(\d{1,6})\s*\.?$", re.IGNORECASE)
 
 
 def _unwrap(text: str) -> str:
@@ -76,17 +78,21 @@ def normalize_code(code: str) -> str:
     """Code as compared verbatim: ``\\n`` line ends, no trailing spaces, no surrounding blank
     lines, no surrounding Markdown fence."""
     lines = [line.rstrip() for line in code.replace("\r\n", "\n").replace("\r", "\n").split("\n")]
-    while lines and not lines[0]:
-        lines.pop(0)
-    while lines and not lines[-1]:
-        lines.pop()
+    lines = _trim_blank(lines)
     if len(lines) >= 2 and lines[0].lstrip().startswith("```") and lines[-1].strip() == "```":
-        lines = lines[1:-1]
-    while lines and not lines[0]:
-        lines.pop(0)
-    while lines and not lines[-1]:
-        lines.pop()
+        lines = _trim_blank(lines[1:-1])
     return "\n".join(lines)
+
+
+def _trim_blank(lines: list[str]) -> list[str]:
+    """``lines`` without leading and trailing empty lines, in one slice (linear: popping the
+    front of a list one line at a time is quadratic on a megabyte of blank lines)."""
+    start, end = 0, len(lines)
+    while start < end and not lines[start]:
+        start += 1
+    while end > start and not lines[end - 1]:
+        end -= 1
+    return lines[start:end]
 
 
 @dataclass(frozen=True)

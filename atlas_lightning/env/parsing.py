@@ -27,7 +27,13 @@ reason ``malformed_call``). The rules, applied in this order:
    ``{"answer": <string>}``), else ``MALFORMED`` (bad arguments). An empty answer string is a valid
    call: it is graded wrong, not refused.
 9. Text before and after the call is ignored. Calls after the first one are never executed (one
-   call a turn): they are returned as ``ignored_bodies`` for the record and the tool response.
+   call a turn): they are counted (``ignored_count``, which the tool response states) and the
+   first ``MAX_RECORDED_IGNORED`` of their bodies are returned as ``ignored_bodies`` for the record.
+
+Cost: linear in the length of the text. Tags are found by one pass of one regular expression
+over the visible text (``_TAGS``); every later step walks that list of tag positions or
+decodes one body once. A megabyte of unclosed ``<tool_call>`` tags after a valid call is one
+pass, not one scan to the end of the text per tag.
 
 Nothing here executes or evaluates model output; it only reads JSON.
 """
@@ -35,6 +41,7 @@ Nothing here executes or evaluates model output; it only reads JSON.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from atlas_lightning.env.tools import EXPLORE, SUBMIT, TOOL_NAMES
@@ -50,6 +57,11 @@ END_OF_TURN_MARKERS = ("<|im_end|>", "<|endoftext|>")
 #: Raw call bodies kept in the record are cut to this many characters (the full text of the
 #: turn is in the record's ``generations`` anyway).
 MAX_RECORDED_BODY_CHARS = 2000
+#: Bodies of ignored calls kept in the record (all of them are counted).
+MAX_RECORDED_IGNORED = 16
+
+#: Every opening or closing call tag, found in one pass.
+_TAGS = re.compile(re.escape(OPEN_TAG) + "|" + re.escape(CLOSE_TAG))
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,8 @@ class ParsedTurn:
     error: str | None = None
     body: str | None = None
     ignored_bodies: tuple[str, ...] = field(default_factory=tuple)
+    #: Calls after the first one (never executed); ``ignored_bodies`` keeps the first few.
+    ignored_count: int = 0
 
 
 class _RejectedJson(ValueError):
@@ -184,18 +198,21 @@ def _check_call(obj: dict) -> ToolCall:
     return ToolCall(name=name, arguments=arguments)
 
 
-def _later_bodies(remainder: str) -> tuple[str, ...]:
-    """Raw bodies of the calls after the first (rule 9), closed or not."""
-    bodies = []
-    position = remainder.find(OPEN_TAG)
-    while position != -1:
-        start = position + len(OPEN_TAG)
-        end = remainder.find(CLOSE_TAG, start)
-        following = remainder.find(OPEN_TAG, start)
-        stop = min(i for i in (end, following, len(remainder)) if i != -1)
-        bodies.append(_clip(remainder[start:stop]))
-        position = following
-    return tuple(bodies)
+def _later_bodies(text: str, tags: list[tuple[int, str]], start: int) -> tuple[tuple[str, ...], int]:
+    """Rule 9: (the first ``MAX_RECORDED_IGNORED`` raw bodies, the count) of the calls whose
+    ``<tool_call>`` is at or after ``tags[start]``, closed or not. A body runs to the next tag of
+    either kind, or to the end of the text. One walk over ``tags``."""
+    bodies: list[str] = []
+    count = 0
+    for i in range(start, len(tags)):
+        position, tag = tags[i]
+        if tag != OPEN_TAG:
+            continue
+        count += 1
+        if len(bodies) < MAX_RECORDED_IGNORED:
+            stop = tags[i + 1][0] if i + 1 < len(tags) else len(text)
+            bodies.append(_clip(text[position + len(OPEN_TAG):stop]))
+    return tuple(bodies), count
 
 
 def parse_turn(text: str) -> ParsedTurn:
@@ -204,21 +221,23 @@ def parse_turn(text: str) -> ParsedTurn:
     if not isinstance(text, str):
         raise TypeError(f"parse_turn takes the decoded text (str), got {type(text).__name__}")
     visible = strip_reasoning(text)
-    first_open = visible.find(OPEN_TAG)
-    first_close = visible.find(CLOSE_TAG)
-    if first_open == -1 and first_close == -1:
+    tags = [(m.start(), m.group()) for m in _TAGS.finditer(visible)]
+    if not tags:
         return ParsedTurn(kind=NO_CALL)
-    if first_close != -1 and (first_open == -1 or first_close < first_open):
+    if tags[0][1] == CLOSE_TAG:
         return ParsedTurn(kind=MALFORMED, error="</tool_call> without an opening <tool_call>")
-    body_start = first_open + len(OPEN_TAG)
-    close = visible.find(CLOSE_TAG, body_start)
-    body = visible[body_start:] if close == -1 else visible[body_start:close]
-    remainder = "" if close == -1 else visible[close + len(CLOSE_TAG):]
-    if OPEN_TAG in body:
-        return ParsedTurn(kind=MALFORMED, error="a second <tool_call> before the first one is closed", body=_clip(body))
+    body_start = tags[0][0] + len(OPEN_TAG)
+    following = tags[1] if len(tags) > 1 else None
+    if following is not None and following[1] == OPEN_TAG:
+        end = next((pos for pos, tag in tags[2:] if tag == CLOSE_TAG), len(visible))
+        return ParsedTurn(kind=MALFORMED, error="a second <tool_call> before the first one is closed",
+                          body=_clip(visible[body_start:end]))
+    closed = following is not None
+    body = visible[body_start:following[0]] if closed else visible[body_start:]
     try:
-        obj = _decode_unclosed(body) if close == -1 else _decode_object(body)
+        obj = _decode_object(body) if closed else _decode_unclosed(body)
         call = _check_call(obj)
     except _RejectedJson as err:
         return ParsedTurn(kind=MALFORMED, error=str(err), body=_clip(body))
-    return ParsedTurn(kind=CALL, call=call, body=_clip(body), ignored_bodies=_later_bodies(remainder))
+    ignored, count = _later_bodies(visible, tags, 2) if closed else ((), 0)
+    return ParsedTurn(kind=CALL, call=call, body=_clip(body), ignored_bodies=ignored, ignored_count=count)

@@ -23,16 +23,22 @@ where transformers loads ``model.layers``) are renamed through the base's name m
 (``checkpoint_names.py``), and a critic whose value head was saved inside
 ``adapter_model.safetensors`` as a peft ``modules_to_save`` module (a ``(1, hidden)`` weight and
 a ``(1,)`` bias, e.g. ``base_model.model.score``) gets its head from there when the folder has
-no ``value_head.safetensors``.
+no ``value_head.safetensors`` (``check_adapter_fits``).
 
-Loading refuses, naming the folder and the field, an adapter whose base differs (config
-shape fields, then the weights fingerprint; folders from elsewhere without
-``atlas_base.json`` are checked by tensor shapes alone, with a warning), whose rank,
-alpha or other LoRA hyper-parameters differ from the adapter it starts, or whose set of
-adapted modules differs.
+Loading first checks a folder against what it says it is (``read_adapter_folder``): every
+file readable and whole (an empty or truncated safetensors, an invalid ``adapter_config.json``
+or a damaged ``atlas_base.json`` is an ``AdapterError`` naming the folder and the file), every
+weight finite, and its role: ``atlas_base.json`` names the adapter it holds, and a folder with
+a value head is a critic's, never loaded as the actor. Then it refuses, naming the folder and
+the field, an adapter whose base differs (config shape fields, then the weights fingerprint;
+folders from elsewhere without ``atlas_base.json`` are checked by tensor shapes alone, with a
+warning), whose rank, alpha or other LoRA hyper-parameters differ, or whose set of adapted
+modules differs (``check_adapter_fits``, also what a resume checks before Lightning's state
+is loaded).
 
 Who calls it: checkpointing (save), the weight sync (the actor for the engines), run start
-from another run's step (load).
+from another run's step (load), resume (``read_adapter_folder`` + ``check_adapter_fits`` on the
+checkpoint's adapters).
 """
 
 from __future__ import annotations
@@ -40,14 +46,19 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import os
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from atlas_lightning.errors import InputError
 
 from .actor_critic import ADAPTERS, CRITIC, ActorCritic
 from .identity import identity_mismatch
@@ -66,7 +77,12 @@ COMPARED_FIELDS = (
 )
 
 
-class AdapterMismatchError(ValueError):
+class AdapterError(InputError):
+    """A damaged adapter folder (unreadable or truncated file, bad config or identity file,
+    non-finite weights); the message names the folder and the file."""
+
+
+class AdapterMismatchError(AdapterError):
     """A folder's adapter cannot start this model's adapter; the message names folder and field."""
 
 
@@ -175,54 +191,142 @@ def _adapted_modules(keys) -> set[str]:
     return {key.split(".lora_")[0] for key in keys if ".lora_" in key}
 
 
-def load_adapter(model: ActorCritic, adapter_name: str, folder: str | Path, *, require_value_head: bool = True) -> None:
-    """Start ``adapter_name`` from the PEFT folder ``folder`` (another run's step): check it fits
-    this base and this adapter's LoRA settings, then copy its tensors into the (possibly
-    sharded) parameters. For the critic, also the value head (``require_value_head=False``
-    keeps the fresh head when the folder has none). Raises ``FileNotFoundError`` or
-    ``AdapterMismatchError``. Under FSDP2 every rank calls it (each reads the folder)."""
+@dataclass
+class AdapterFolder:
+    """What a PEFT folder holds, read and checked on its own terms (``read_adapter_folder``)."""
+
+    folder: Path
+    config: dict
+    tensors: dict[str, Tensor]
+    value_head: Optional[dict[str, Tensor]]
+    #: ``atlas_base.json`` (None for folders written elsewhere).
+    identity: Optional[dict]
+
+
+def _safetensors(folder: Path, name: str) -> dict[str, Tensor]:
+    """Every tensor of ``folder/name``; ``AdapterError`` naming the folder and the file when it is
+    empty, truncated or not a safetensors file, holds no tensor, or holds a NaN or inf."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    if adapter_name not in ADAPTERS:
-        raise ValueError(f"adapter_name={adapter_name!r} is not one of {', '.join(ADAPTERS)}")
+    path = folder / name
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        size = path.stat().st_size if path.exists() else 0
+        raise AdapterError(f"{folder}: {name} is not a readable safetensors file ({size} bytes; "
+                           f"{type(err).__name__}: {err}); the folder is damaged or was copied in part") from None
+    if not tensors:
+        raise AdapterError(f"{folder}: {name} holds no tensors")
+    for key, tensor in tensors.items():
+        if not tensor.is_floating_point():
+            raise AdapterError(f"{folder}: {name} tensor {key} is {tensor.dtype}, not a floating-point weight")
+        if not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise AdapterError(f"{folder}: {name} tensor {key} holds {bad} non-finite value(s) of "
+                               f"{tensor.numel()} (NaN or inf); refusing to start from it")
+    return tensors
+
+
+def _json_object(folder: Path, name: str) -> dict:
+    path = folder / name
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise AdapterError(f"{folder}: {name} is not readable JSON ({type(err).__name__}: {err})") from None
+    if not isinstance(value, dict):
+        raise AdapterError(f"{folder}: {name} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def _check_config_fields(folder: Path, config: dict) -> None:
+    """The fields of ``adapter_config.json`` that loading relies on, with their types."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterMismatchError(f"{folder}: {CONFIG_FILE} peft_type={config.get('peft_type')!r}, expected 'LORA'")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise AdapterError(f"{folder}: {CONFIG_FILE} field r={rank!r} is not a positive integer")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        raise AdapterError(f"{folder}: {CONFIG_FILE} field lora_alpha={alpha!r} is not a positive number")
+    targets = config.get("target_modules")
+    if not (isinstance(targets, str) and targets) and not (
+            isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)):
+        raise AdapterError(f"{folder}: {CONFIG_FILE} field target_modules={targets!r} names no module")
+
+
+def _check_identity(folder: Path, identity: dict, role: str) -> None:
+    """``atlas_base.json``: its fields, and the role it says the folder holds."""
+    config, fingerprint, name = identity.get("config"), identity.get("fingerprint"), identity.get("adapter_name")
+    if not isinstance(config, dict) or not isinstance(fingerprint, str) or len(fingerprint) != 64:
+        raise AdapterError(f"{folder}: {BASE_FILE} is damaged (needs a 'config' object and a sha256 "
+                           f"'fingerprint'); the base this adapter was trained on cannot be checked")
+    if name is not None and name not in ADAPTERS:
+        raise AdapterError(f"{folder}: {BASE_FILE} field adapter_name={name!r} is not one of {', '.join(ADAPTERS)}")
+    if name is not None and name != role:
+        raise AdapterMismatchError(f"{folder}: its {BASE_FILE} says it is the {name} adapter; refusing to load "
+                                   f"it as the {role}")
+
+
+def read_adapter_folder(folder: str | Path, role: str) -> AdapterFolder:
+    """Read a PEFT folder meant to start ``role`` and check it against itself: the files are
+    there and readable (``FileNotFoundError`` / ``AdapterError`` naming folder and file), every
+    tensor is finite, ``adapter_config.json`` has its fields, ``atlas_base.json`` (when present)
+    is intact and names this role, and a folder with a value head is never taken for the actor."""
+    if role not in ADAPTERS:
+        raise ValueError(f"adapter_name={role!r} is not one of {', '.join(ADAPTERS)}")
     folder = Path(folder)
     for needed in (CONFIG_FILE, WEIGHTS_FILE):
         if not (folder / needed).is_file():
             raise FileNotFoundError(f"{folder}: no {needed} (not a PEFT adapter folder)")
-    saved = json.loads((folder / CONFIG_FILE).read_text())
-    _check_base(model, folder, saved)
-    _check_lora_fields(model, adapter_name, folder, saved)
+    config = _json_object(folder, CONFIG_FILE)
+    _check_config_fields(folder, config)
+    identity = _json_object(folder, BASE_FILE) if (folder / BASE_FILE).exists() else None
+    if identity is not None:
+        _check_identity(folder, identity, role)
+    has_head = (folder / VALUE_HEAD_FILE).exists()
+    if role != CRITIC and has_head:
+        raise AdapterMismatchError(f"{folder}: it holds {VALUE_HEAD_FILE}, so it is a critic adapter; refusing to "
+                                   f"load it as the {role}")
+    tensors = _safetensors(folder, WEIGHTS_FILE)
+    value_head = _safetensors(folder, VALUE_HEAD_FILE) if role == CRITIC and has_head else None
+    return AdapterFolder(folder=folder, config=config, tensors=tensors, value_head=value_head, identity=identity)
 
-    tensors = load_file(str(folder / WEIGHTS_FILE))
-    targets = _peft_named_parameters(model, adapter_name)
-    tensors = _renamed_to_loaded(model, tensors, targets)
-    head_in_file = _value_head_from_modules_to_save(model, folder, saved, tensors) if adapter_name == CRITIC else None
-    expected_modules, found_modules = _adapted_modules(targets), _adapted_modules(tensors)
+
+def check_adapter_fits(model: ActorCritic, role: str, data: AdapterFolder, *, require_value_head: bool = True,
+                       modules_key: str = "model.lora.target_modules") -> dict[str, Tensor]:
+    """``data`` against this model's ``role`` adapter: base (identity, else shapes), LoRA
+    hyper-parameters, adapted modules (named by ``modules_key``), tensor names and shapes, the
+    value head. Returns PEFT key -> the live parameter. ``AdapterMismatchError`` naming the
+    folder and the field; ``FileNotFoundError`` for a missing value head when it is required."""
+    folder = data.folder
+    _check_base(model, folder, data.identity, data.config)
+    _check_lora_fields(model, role, folder, data.config)
+    targets = _peft_named_parameters(model, role)
+    # folders as other trainers wrote them (module doc): checkpoint names, a head in modules_to_save
+    data.tensors = _renamed_to_loaded(model, data.tensors, targets)
+    if role == CRITIC and data.value_head is None:
+        data.value_head = _value_head_from_modules_to_save(model, folder, data.config, data.tensors)
+    expected_modules, found_modules = _adapted_modules(targets), _adapted_modules(data.tensors)
     if expected_modules != found_modules:
         missing, extra = sorted(expected_modules - found_modules), sorted(found_modules - expected_modules)
         raise AdapterMismatchError(
-            f"{folder}: target_modules differ: {len(missing)} modules adapted here but not in the folder "
-            f"(e.g. {missing[:2]}), {len(extra)} in the folder but not here (e.g. {extra[:2]})"
+            f"{folder}: target_modules differ from this run's {modules_key}: {len(missing)} modules adapted here "
+            f"but not in the folder (e.g. {missing[:2]}), {len(extra)} in the folder but not here (e.g. {extra[:2]})"
         )
-    if set(tensors) != set(targets):
-        diff = sorted(set(tensors) ^ set(targets))
+    if set(data.tensors) != set(targets):
+        diff = sorted(set(data.tensors) ^ set(targets))
         raise AdapterMismatchError(f"{folder}: {WEIGHTS_FILE} keys differ from this adapter's, e.g. {diff[:3]}")
     for key, param in targets.items():
-        if tuple(tensors[key].shape) != tuple(param.shape):
+        if tuple(data.tensors[key].shape) != tuple(param.shape):
             raise AdapterMismatchError(
-                f"{folder}: {key} has shape {tuple(tensors[key].shape)}, this model's is {tuple(param.shape)} "
+                f"{folder}: {key} has shape {tuple(data.tensors[key].shape)}, this model's is {tuple(param.shape)} "
                 f"(a different base or rank)"
             )
-
-    value_head = None
-    if adapter_name == CRITIC:
-        if not (folder / VALUE_HEAD_FILE).is_file() and head_in_file is not None:
-            value_head = head_in_file
-        elif (folder / VALUE_HEAD_FILE).is_file():
-            value_head = load_file(str(folder / VALUE_HEAD_FILE))
+    if role == CRITIC:
+        if data.value_head is not None:
             for name, param in model.value_head.named_parameters():
-                if name not in value_head or tuple(value_head[name].shape) != tuple(param.shape):
-                    found = tuple(value_head[name].shape) if name in value_head else "missing"
+                found = tuple(data.value_head[name].shape) if name in data.value_head else "missing"
+                if found != tuple(param.shape):
                     raise AdapterMismatchError(
                         f"{folder}: {VALUE_HEAD_FILE} field {name} is {found}, expected {tuple(param.shape)}"
                     )
@@ -231,13 +335,25 @@ def load_adapter(model: ActorCritic, adapter_name: str, folder: str | Path, *, r
                 f"{folder}: no {VALUE_HEAD_FILE} (the critic's value head) and no value head among "
                 f"{CONFIG_FILE}'s modules_to_save; pass require_value_head=False to start a fresh head"
             )
+    return targets
 
+
+def load_adapter(model: ActorCritic, adapter_name: str, folder: str | Path, *, require_value_head: bool = True) -> None:
+    """Start ``adapter_name`` from the PEFT folder ``folder`` (another run's step): read and
+    check it (``read_adapter_folder``: intact files, finite weights, its own role), check it
+    fits this base and this adapter's LoRA settings (``check_adapter_fits``), then copy its
+    tensors into the (possibly sharded) parameters. For the critic, also the value head
+    (``require_value_head=False`` keeps the fresh head when the folder has none). Raises
+    ``FileNotFoundError``, ``AdapterError`` or ``AdapterMismatchError``, each naming the
+    folder. Under FSDP2 every rank calls it (each reads the folder)."""
+    data = read_adapter_folder(folder, adapter_name)
+    targets = check_adapter_fits(model, adapter_name, data, require_value_head=require_value_head)
     with torch.no_grad():
         for key, param in targets.items():
-            _copy_full_into(param, tensors[key])
-        if value_head is not None:
+            _copy_full_into(param, data.tensors[key])
+        if data.value_head is not None:
             for name, param in model.value_head.named_parameters():
-                _copy_full_into(param, value_head[name])
+                _copy_full_into(param, data.value_head[name])
 
 
 def _renamed_to_loaded(model: ActorCritic, tensors: dict[str, Tensor], targets: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -290,23 +406,20 @@ def _value_head_from_modules_to_save(model: ActorCritic, folder: Path, saved: di
     return {"weight": weight, "bias": bias}
 
 
-def _check_base(model: ActorCritic, folder: Path, saved: dict) -> None:
-    identity_file = folder / BASE_FILE
-    if not identity_file.is_file():
+def _check_base(model: ActorCritic, folder: Path, identity: Optional[dict], saved: dict) -> None:
+    if identity is None:
         log.warning(
             "%s has no %s: its base (%s) is checked by tensor shapes only", folder, BASE_FILE,
             saved.get("base_model_name_or_path"),
         )
         return
-    problem = identity_mismatch(model.base_identity, json.loads(identity_file.read_text()))
+    problem = identity_mismatch(model.base_identity, identity)
     if problem:
         raise AdapterMismatchError(f"{folder}: trained on a different base model: {problem}")
 
 
 def _check_lora_fields(model: ActorCritic, adapter_name: str, folder: Path, saved: dict) -> None:
     live = model.peft_model.peft_config[adapter_name].to_dict()
-    if saved.get("peft_type", "LORA") != "LORA":
-        raise AdapterMismatchError(f"{folder}: peft_type={saved.get('peft_type')!r}, expected 'LORA'")
     for field in COMPARED_FIELDS:
         a, b = live.get(field), saved.get(field)
         if field in ("rank_pattern", "alpha_pattern"):

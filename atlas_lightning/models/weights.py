@@ -69,15 +69,6 @@ def adapter_state(model: ActorCritic, adapter_name: str) -> dict[str, Tensor]:
     )
 
 
-def adapter_scalings(model: ActorCritic, adapter_name: str) -> dict[str, float]:
-    """``{PEFT module key: scaling}`` of the adapter, the module key being an ``adapter_state``
-    key up to ``.lora_`` (``base_model.model.model.layers.0.self_attn.q_proj``): each layer's
-    own ``alpha / r`` (per-module ranks and rsLoRA included), as peft applies it."""
-    _check_adapter(model, adapter_name)
-    return {name: float(module.scaling[adapter_name]) for name, module in model.peft_model.named_modules()
-            if isinstance(getattr(module, "scaling", None), dict) and adapter_name in module.scaling}
-
-
 class _LoraSource(NamedTuple):
     """What a merge reads from a LoRA-wrapped layer besides its weight: the factor modules (their
     ``weight`` is read at each sync, since FSDP2 swaps parameters, not modules), the scaling, and

@@ -99,9 +99,15 @@ class StepTensors:
 class PPOModule(L.LightningModule):
     """One RL step of PPO (module doc). ``phase_hook``: see "Measuring a phase" there."""
 
-    def __init__(self, cfg: DictConfig, phase_hook: Optional[PhaseHook] = None) -> None:
+    def __init__(self, cfg: DictConfig, phase_hook: Optional[PhaseHook] = None,
+                 resume_from: Optional[Path] = None) -> None:
+        """``phase_hook``: see "Measuring a phase" in the module doc. ``resume_from``: the verified
+        ``global_step_N`` folder Lightning will resume from (``run.wiring.check_inputs``); its
+        adapters are checked against the built model before Lightning loads the state
+        (``_check_resume``)."""
         super().__init__()
         self.cfg = cfg
+        self.resume_from = Path(resume_from) if resume_from else None
         self.automatic_optimization = False
         # Checkpoints hold trainable tensors only; the frozen base comes from model.path.
         self.strict_loading = False
@@ -109,6 +115,8 @@ class PPOModule(L.LightningModule):
         self.rl_step = 0
         self.skipped_optimizer_steps = {"actor": 0, "critic": 0}
         self.phase_hook = phase_hook
+        #: Optimizer steps taken in the current RL step, by role (a non-finite step reports them).
+        self.steps_applied = {"critic": 0, "actor": 0}
 
     # -- model and optimizers -------------------------------------------------------------
 
@@ -119,11 +127,27 @@ class PPOModule(L.LightningModule):
 
         actor, critic = self._starting_adapters()
         self.model = build_actor_critic(self.cfg.model, seed=self.cfg.seed, actor_adapter=actor, critic_adapter=critic)
+        if self.resume_from is not None:
+            self._check_resume(self.resume_from)
         mesh = getattr(self, "device_mesh", None)
         if mesh is not None:
             from atlas_lightning.models.sharding import shard
 
             shard(self.model, mesh["data_parallel"])
+
+    def _check_resume(self, step_dir: Path) -> None:
+        """The checkpoint's two adapters against this model (base identity and fingerprint, LoRA
+        settings, adapted modules, shapes, finite weights, roles): Lightning's own load keeps
+        matching tensors only (``strict_loading=False``) and would drop the rest in silence."""
+        from atlas_lightning.config import ConfigError
+        from atlas_lightning.models.adapters import AdapterError, check_adapter_fits, read_adapter_folder
+
+        for role in ("actor", "critic"):
+            try:
+                data = read_adapter_folder(step_dir / role / "lora_adapter", role)
+                check_adapter_fits(self.model, role, data)
+            except (AdapterError, FileNotFoundError) as err:
+                raise ConfigError(f"trainer.resume={step_dir}: cannot resume this run's model from it: {err}") from None
 
     def _starting_adapters(self) -> tuple[Optional[str], Optional[str]]:
         """(actor, critic) PEFT folders to start from: ``model.actor_adapter`` /
@@ -253,6 +277,7 @@ class PPOModule(L.LightningModule):
         timing = dict(batch.timing)
         started = time.monotonic()
         nonfinite: dict[str, Any] = {}
+        self.steps_applied = {"critic": 0, "actor": 0}
         self.model.train()
 
         seqs, prompts = self._sequences(batch)
@@ -294,6 +319,9 @@ class PPOModule(L.LightningModule):
         timing["step"] = timing.get("wait_rollout", timing.get("gen", 0.0)) + time.monotonic() - started
 
         metrics.update(self._data_metrics(batch, data, scores, rewards, entropy, timing))
+        if nonfinite:
+            # the diagnostic says what this step already changed: the weights moved by these steps
+            nonfinite["optimizer_steps_applied"] = dict(self.steps_applied)
         output = StepOutput(
             step=batch.step,
             batch=batch,
@@ -323,8 +351,9 @@ class PPOModule(L.LightningModule):
         num_mini = cfg.train_batch_size // cfg.ppo_mini_batch_size
         chunks = _contiguous_chunks(len(data.seqs), num_mini)
         history: dict[str, list[float]] = {}
-        for _ in range(cfg.ppo_epochs):
-            for chunk in chunks:
+        applied = self.steps_applied  # optimizer steps of this RL step, by role (training_step resets it)
+        for epoch in range(cfg.ppo_epochs):
+            for mini_batch, chunk in enumerate(chunks):
                 tokens = float(data.mask[chunk].sum()) if chunk else 0.0
                 total_tokens = dist_utils.all_reduce_sum([tokens])[0]
                 if total_tokens == 0:
@@ -346,9 +375,13 @@ class PPOModule(L.LightningModule):
                 if _agree_on_nonfinite(nonfinite, f"update_{role}"):
                     self.skipped_optimizer_steps[role] += 1
                     optimizer.zero_grad(set_to_none=True)
+                    # where it stopped, and what of this step was already applied (the weights moved)
+                    nonfinite["stopped_at"] = {"role": role, "epoch": epoch, "mini_batch": mini_batch,
+                                               "mini_batches_per_epoch": len(chunks), "epochs": cfg.ppo_epochs}
                     break
                 optimizer.step()
-            if nonfinite:
+                applied[role] += 1
+            if "stopped_at" in nonfinite:
                 break
         keys = list(_ROLE_METRICS[role]) + (["actor/kl_loss"] if role == "actor" and cfg.use_kl_loss else [])
         out = _mean_over_ranks({key: history.get(key, []) for key in keys})

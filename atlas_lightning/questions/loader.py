@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from atlas_lightning.questions.rows import DataError, question_from_row, question_to_row
+from atlas_lightning.questions.uid import trajectory_uid
 from atlas_lightning.questions.schema import (
     BENCHMARKS,
     CANDIDATE_FIELDS,
@@ -86,6 +87,68 @@ def _read_table(path: Path, label: str) -> pa.Table:
         raise DataError(f"{label}: not a readable parquet file ({err})") from None
 
 
+def _binary_type(kind: pa.DataType) -> pa.DataType:
+    """``kind`` with every string replaced by binary of the same layout (for a zero-copy view)."""
+    if pa.types.is_string(kind):
+        return pa.binary()
+    if pa.types.is_large_string(kind):
+        return pa.large_binary()
+    if pa.types.is_list(kind):
+        return pa.list_(pa.field(kind.value_field.name, _binary_type(kind.value_type)))
+    if pa.types.is_large_list(kind):
+        return pa.large_list(pa.field(kind.value_field.name, _binary_type(kind.value_type)))
+    if pa.types.is_struct(kind):
+        return pa.struct([pa.field(kind.field(i).name, _binary_type(kind.field(i).type)) for i in range(kind.num_fields)])
+    return kind
+
+
+def _undecodable(value: Any, path: str, rename: Mapping[str, str]) -> tuple[str, UnicodeDecodeError] | None:
+    """The first place in a row's raw value (bytes where the file has strings) that is not UTF-8;
+    struct fields are named through ``rename`` (the file's name -> ours)."""
+    if isinstance(value, bytes):
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError as err:
+            return path, err
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _undecodable(item, f"{path}.{rename.get(key, key)}", rename)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _undecodable(item, f"{path}[{index}]", rename)
+            if found:
+                return found
+    return None
+
+
+def _column_values(table: pa.Table, column: str, ours: str, label: str, rename: Mapping[str, str] | None = None) -> list:
+    """``table.column(column).to_pylist()``; a string that is not valid UTF-8, anywhere in the
+    column (nested candidate fields included), is a ``DataError`` naming the row and the field
+    (``candidates[2].answer``: our names, through ``rename`` for struct fields)."""
+    data = table.column(column)
+    try:
+        return data.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    raw = pa.chunked_array([chunk.view(_binary_type(data.type)) for chunk in data.chunks],
+                           type=_binary_type(data.type)).to_pylist()
+    for index, value in enumerate(raw):
+        found = _undecodable(value, ours, rename or {})
+        if found is None:
+            continue
+        path, err = found
+        try:
+            question_id = table.column("question_id")[index].as_py() if "question_id" in table.column_names else "?"
+        except UnicodeDecodeError:
+            question_id = "?"
+        bad = err.object[err.start:err.end]
+        raise DataError(f"{label} row {index} (question_id={question_id}) field {path}: not valid UTF-8 "
+                        f"(byte(s) {bad.hex(' ')} at byte {err.start}: {err.reason})")
+    raise DataError(f"{label} field {ours}: not valid UTF-8")  # pyarrow refused, yet no row fails: still name it
+
+
 def _rename_candidate_fields(
     table: pa.Table, column: str, mapping: dict[str, str], label: str
 ) -> list[dict[str, Any]] | None:
@@ -107,7 +170,7 @@ def _rename_candidate_fields(
                 f"which has {', '.join(sorted(present))}"
             )
     rename = {mapping.get(f"candidates.{ours}", ours): ours for ours in CANDIDATE_FIELDS}
-    rows = table.column(column).to_pylist()
+    rows = _column_values(table, column, "candidates", label, rename)
     return [
         None if cands is None else [
             None if c is None else {rename[k]: v for k, v in c.items() if k in rename} for c in cands
@@ -128,9 +191,12 @@ def load_questions(
     ``columns``: our name -> the file's column name (see the module docstring).
     ``subset_columns``: our names of the subset columns; those absent from the file are skipped.
     Raises ``DataError`` naming the file (and row and field for a bad value): missing file,
-    unreadable or truncated parquet, missing column, wrong type, null, NaN or negative cost,
-    confidence outside [0, 1], empty candidate list, duplicate question id, a row of another or
-    unknown benchmark, a permutation that is not one of ``range(len(candidates))``, an empty file.
+    unreadable or truncated parquet, missing column, wrong type, null, a string that is not valid
+    UTF-8, NaN, negative or huge cost (above ``schema.MAX_COST_USD``), confidence outside [0, 1],
+    empty candidate list, duplicate question id or two ids that name their trajectories alike
+    (``uid.trajectory_uid``), a GPQA ``ground_truth`` that is not one of the problem's choice
+    letters, a row of another or unknown benchmark, a permutation that is not one of
+    ``range(len(candidates))``, an empty file.
     """
     path = question_file(root, benchmark, split)
     label = f"{benchmark}/{split}.parquet"
@@ -138,6 +204,10 @@ def load_questions(
     mapping = _check_mapping(dict(columns or {}), subset_columns)
     table = _read_table(path, label)
     names = set(table.column_names)
+    if len(names) != len(table.column_names):
+        twice = sorted({n for n in table.column_names if table.column_names.count(n) > 1})
+        raise DataError(f"{label} field {twice[0]}: the file has {len(table.column_names) - len(names) + 1} columns "
+                        f"of that name")
 
     def file_name(ours: str) -> str:
         return mapping.get(ours, ours)
@@ -154,12 +224,14 @@ def load_questions(
     if table.num_rows == 0:
         raise DataError(f"{label}: no questions (0 rows)")
 
-    values = {ours: table.column(file_name(ours)).to_pylist() for ours in wanted if ours != "candidates"}
+    values = {ours: _column_values(table, file_name(ours), ours, label) for ours in wanted if ours != "candidates"}
     candidates = _rename_candidate_fields(table, file_name("candidates"), mapping, label)
-    values["candidates"] = candidates if candidates is not None else table.column(file_name("candidates")).to_pylist()
+    values["candidates"] = (candidates if candidates is not None
+                            else _column_values(table, file_name("candidates"), "candidates", label))
 
     questions: list[Question] = []
     first_row: dict[str, int] = {}
+    first_uid: dict[str, tuple[int, str]] = {}
     for index in range(table.num_rows):
         row = {ours: column[index] for ours, column in values.items()}
         question = question_from_row(row, f"{label} row {index}", benchmark, present_subsets)
@@ -168,7 +240,16 @@ def load_questions(
                 f"{label} row {index} (question_id={question.question_id}) field question_id: "
                 f"duplicate of row {first_row[question.question_id]}"
             )
+        uid = trajectory_uid(benchmark, question.question_id)
+        if uid in first_uid:
+            other_row, other_id = first_uid[uid]
+            raise DataError(
+                f"{label} row {index} (question_id={question.question_id}) field question_id: its trajectories "
+                f"would be named {uid!r}, as those of row {other_row} (question_id={other_id}); rename one "
+                f"(ids that already start with {benchmark!r} are kept as they are, others get it prefixed)"
+            )
         first_row[question.question_id] = index
+        first_uid[uid] = (index, question.question_id)
         questions.append(question)
     return questions
 
@@ -211,6 +292,7 @@ def _table(questions: Sequence[Question], where: str) -> pa.Table:
             raise DataError(f"{where} item 0 field subsets: {name!r} clashes with a column of the schema")
     rows = []
     first_item: dict[str, int] = {}
+    first_uid: dict[str, int] = {}
     for index, question in enumerate(questions):
         if not isinstance(question, Question):
             raise DataError(f"{where} item {index}: expected a Question, got {type(question).__name__}")
@@ -233,7 +315,14 @@ def _table(questions: Sequence[Question], where: str) -> pa.Table:
                 f"{where} item {index} (question_id={question.question_id}) field question_id: "
                 f"duplicate of item {first_item[question.question_id]}"
             )
+        uid = trajectory_uid(question.benchmark, question.question_id)
+        if uid in first_uid:
+            raise DataError(
+                f"{where} item {index} (question_id={question.question_id}) field question_id: its trajectories "
+                f"would be named {uid!r}, as those of item {first_uid[uid]}"
+            )
         first_item[question.question_id] = index
+        first_uid[uid] = index
         rows.append(row)
     schema = pa.schema(
         [

@@ -16,14 +16,34 @@ import math
 import re
 from typing import Any
 
-from atlas_lightning.questions.schema import BENCHMARKS, CANDIDATE_FIELDS, Candidate, Question
+from atlas_lightning.errors import InputError
+from atlas_lightning.questions.schema import BENCHMARKS, CANDIDATE_FIELDS, MAX_COST_USD, Candidate, Question
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """A question file or row that cannot be used; the message names file, row and field."""
 
 
 _GPQA_LETTER = re.compile(r"[A-Z]")
+#: A choice line of a GPQA problem: ``A) ...``, ``(A) ...``, ``A. ...``, ``A: ...``, ``[A] ...``.
+_CHOICE_LINE = re.compile(r"^[ \t]*[\(\[]?([A-Za-z])[\)\]\.:](?=[ \t]|$)", re.MULTILINE)
+#: Choices written inline: ``... (A) 2 atm (B) 3 atm ...``.
+_CHOICE_INLINE = re.compile(r"\(([A-Z])\)")
+
+
+def choice_letters(problem: str) -> str:
+    """The letters of a GPQA problem's choices, ``"ABCD"`` for four: the run ``A, B, C, ...`` of
+    choice lines (``A) ...``, ``(B) ...``, ``C. ...``; case-insensitive), or, when the problem has
+    no choice lines, of inline ``(A)`` markers. Letters that do not continue the run from ``A``
+    (a line starting ``I. ...`` in the statement) are not choices. ``""`` when there are none."""
+    for pattern in (_CHOICE_LINE, _CHOICE_INLINE):
+        found = {m.group(1).upper() for m in pattern.finditer(problem)}
+        run = ""
+        while chr(ord("A") + len(run)) in found:
+            run += chr(ord("A") + len(run))
+        if run:
+            return run
+    return ""
 
 
 def _short(value: Any) -> str:
@@ -89,7 +109,7 @@ def _candidate(check: _RowChecker, value: Any, index: int) -> Candidate:
         answer=check.string(value["answer"], f"{field}.answer"),
         approach=check.string(value["approach"], f"{field}.approach"),
         confidence=check.number(value["confidence"], f"{field}.confidence", low=0.0, high=1.0),
-        cost_usd=check.number(value["cost_usd"], f"{field}.cost_usd", low=0.0),
+        cost_usd=check.number(value["cost_usd"], f"{field}.cost_usd", low=0.0, high=MAX_COST_USD),
         is_correct=check.boolean(value["is_correct"], f"{field}.is_correct"),
         solver_model=check.string(value["solver_model"], f"{field}.solver_model", non_empty=True),
     )
@@ -134,8 +154,16 @@ def question_from_row(row: dict[str, Any], where: str, benchmark: str, subset_co
 
     problem = check.string(row.get("problem"), "problem", non_empty=True)
     ground_truth = check.string(row.get("ground_truth"), "ground_truth")
-    if benchmark == "gpqa" and not _GPQA_LETTER.fullmatch(ground_truth):
-        raise check.fail("ground_truth", f"GPQA needs one capital letter A-Z, got {ground_truth!r}")
+    if benchmark == "gpqa":
+        if not _GPQA_LETTER.fullmatch(ground_truth):
+            raise check.fail("ground_truth", f"GPQA needs one capital letter A-Z, got {ground_truth!r}")
+        letters = choice_letters(problem)
+        if not letters:
+            raise check.fail("problem", "shows no lettered choices (lines such as 'A) ...' or '(A) ...'): "
+                                        "no submitted letter could be graded")
+        if ground_truth not in letters:
+            raise check.fail("ground_truth", f"{ground_truth!r} is not one of the problem's choices "
+                                             f"({', '.join(letters)}): the question could never be answered right")
 
     data_source = row.get("data_source")
     data_source = "" if data_source is None else check.string(data_source, "data_source")

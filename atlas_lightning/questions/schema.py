@@ -36,6 +36,11 @@ from dataclasses import dataclass, field
 
 BENCHMARKS = ("gpqa", "lcb")
 
+#: Largest ``cost_usd`` a candidate may carry. A single cached answer costing more than a
+#: million dollars is a data fault, and the bound keeps every reward (at most 64 explores of
+#: ``-reward.cost_per_usd * cost_usd``, ``cost_per_usd`` <= 1e6) finite in float32.
+MAX_COST_USD = 1e6
+
 #: Top-level columns every file must have (after the column mapping).
 REQUIRED_COLUMNS = ("question_id", "benchmark", "problem", "ground_truth", "candidates")
 #: Optional top-level columns.

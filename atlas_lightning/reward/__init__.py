@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Mapping
 
-from atlas_lightning.reward.breakdown import reward_breakdown
+from atlas_lightning.reward.breakdown import RewardError, reward_breakdown
 from atlas_lightning.reward.invariants import batch_invariants, trajectory_invariants
 from atlas_lightning.reward.placement import place_rewards, token_level_rewards
 from atlas_lightning.reward.scorer import CostReward, RewardScorer, ScoredTrajectory, build_scorer, score_trajectory
@@ -48,7 +48,7 @@ def reward_means(breakdowns: Iterable[Mapping[str, float]], prefix: str = "rewar
 
 
 __all__ = [
-    "CostReward", "RewardScorer", "ScoredTrajectory", "build_scorer", "score_trajectory", "score_episode",
-    "reward_breakdown", "place_rewards", "token_level_rewards",
+    "CostReward", "RewardScorer", "ScoredTrajectory", "build_scorer", "score_trajectory", "RewardError",
+    "score_episode", "reward_breakdown", "place_rewards", "token_level_rewards",
     "trajectory_invariants", "batch_invariants", "reward_means",
 ]

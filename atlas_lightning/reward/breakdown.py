@@ -28,7 +28,10 @@ num_turns                  assistant turns
 =========================  ==================================================================
 
 Shaping: ``no_submit_reward`` (default 0) is the only one; it enters ``terminal_reward`` and so
-``final_reward`` and ``training_reward``, never ``objective``. Every value is a plain int or float.
+``final_reward`` and ``training_reward``, never ``objective``. Every value is a plain int or float,
+finite in float32 (the dtype PPO receives): a cost or lambda so large that a value overflows is a
+``RewardError`` naming the episode and the field, never an ``OverflowError`` or an inf in training
+(the question loader and the config bound both, so that this is never reached with checked inputs).
 """
 
 from __future__ import annotations
@@ -41,6 +44,12 @@ from atlas_lightning.reward.placement import designated_slots, slot_value
 
 #: ``explore_reward_1..8`` are always present (the seed's field names), more if max_explores > 8.
 MIN_EXPLORE_FIELDS = 8
+#: The largest finite float32: PPO receives the rewards in float32.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+class RewardError(ValueError):
+    """A reward that cannot be computed finitely; the message names the episode and the field."""
 
 
 def explore_field_count(max_explores: int) -> int:
@@ -51,7 +60,8 @@ def reward_breakdown(episode: Mapping[str, Any], cost_per_usd: float, no_submit_
     """The breakdown of one ended episode (its record's ``episode`` field); see the module table.
 
     ``cost_per_usd`` and ``no_submit_reward`` are plain floats (from ``RewardConfig``).
-    ``ValueError`` on a non-finite or negative ``cost_per_usd`` or a broken event log.
+    ``ValueError`` on a non-finite or negative ``cost_per_usd`` or a broken event log;
+    ``RewardError`` when a value is not finite in float32.
     """
     lam = float(cost_per_usd)
     shaping = float(no_submit_reward)
@@ -61,17 +71,22 @@ def reward_breakdown(episode: Mapping[str, Any], cost_per_usd: float, no_submit_
         raise ValueError(f"no_submit_reward={no_submit_reward!r} must be finite")
     log = read_event_log(episode)
 
+    where = f"episode question_id={episode.get('question_id')!r} sample {episode.get('sample_index')!r}"
     costs = [float(e["charged_cost_usd"]) for e in log.explores]
     submitted = log.submit is not None
     acc = int(log.submit["acc"]) if submitted else 0
-    cost_total = math.fsum(costs)
-    pieces: dict[str, float] = {}
-    for k in range(1, explore_field_count(log.max_explores) + 1):
-        pieces[f"explore_reward_{k}"] = -(lam * costs[k - 1]) + 0.0 if k <= len(costs) else 0.0
-    pieces["terminal_reward"] = float(acc) + (0.0 if submitted else shaping)
-
-    slots, unplaced = designated_slots(log)
-    final_reward = math.fsum([slot_value(names, pieces) for _, names in slots] + [pieces[n] for n in unplaced]) + 0.0
+    try:
+        cost_total = math.fsum(costs)
+        pieces: dict[str, float] = {}
+        for k in range(1, explore_field_count(log.max_explores) + 1):
+            pieces[f"explore_reward_{k}"] = -(lam * costs[k - 1]) + 0.0 if k <= len(costs) else 0.0
+        pieces["terminal_reward"] = float(acc) + (0.0 if submitted else shaping)
+        slots, unplaced = designated_slots(log)
+        final_reward = math.fsum([slot_value(names, pieces) for _, names in slots]
+                                 + [pieces[n] for n in unplaced]) + 0.0
+    except OverflowError:
+        raise RewardError(f"{where}: the reward overflows (charged costs {costs} dollars at "
+                          f"cost_per_usd={lam}); no finite reward exists for it") from None
 
     correct_ks = [e["explore_k"] for e in log.explores if e["is_correct"]]
     breakdown: dict[str, float | int] = {
@@ -93,4 +108,8 @@ def reward_breakdown(episode: Mapping[str, Any], cost_per_usd: float, no_submit_
         "num_explore_calls": len(log.explores) + len(log.over_quota),
         "num_turns": log.num_turns,
     })
+    for name, value in breakdown.items():
+        if isinstance(value, float) and not abs(value) <= FLOAT32_MAX:
+            raise RewardError(f"{where}: field {name}={value} is not finite in float32 (charged costs {costs} "
+                              f"dollars at cost_per_usd={lam})")
     return breakdown

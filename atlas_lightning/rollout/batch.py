@@ -11,8 +11,6 @@ tensors, with ``response_length`` the longest response of this batch.
 
 from __future__ import annotations
 
-import hashlib
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -22,20 +20,6 @@ import torch
 from atlas_lightning import reward as reward_lib
 from atlas_lightning.store.records import TrajectoryRecord, build_record
 from atlas_lightning.rollout.agent_loop import LoopStats, Trajectory
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def trajectory_uid(benchmark: str, question_id: str) -> str:
-    """A file-name-safe uid for a question (shared by its samples), unique across benchmarks
-    (ids are unique within a benchmark only); readable when possible."""
-    name = question_id if question_id.startswith(benchmark) else f"{benchmark}-{question_id}"
-    safe = _UNSAFE.sub("_", name)[:96] or "q"
-    if safe != name:
-        safe += "-" + hashlib.sha1(name.encode()).hexdigest()[:8]
-    if not safe[0].isalnum():
-        safe = "q" + safe
-    return safe
 
 
 def session_id(sample_index: int) -> str:

@@ -47,7 +47,8 @@ from atlas_lightning.questions.sampler import QuestionSampler, shard
 from atlas_lightning.questions.schema import Question
 from atlas_lightning.env.episode import Episode, RuntimeConfig
 from atlas_lightning.rollout.agent_loop import AgentLoop, LoopLimits, LoopStats, Sampling, Trajectory
-from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id, trajectory_uid
+from atlas_lightning.questions.uid import trajectory_uid
+from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id
 from atlas_lightning.rollout.chat import ChatFormat
 from atlas_lightning.reward.scorer import build_scorer
 from atlas_lightning.rollout.engine import Engine

@@ -22,6 +22,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from atlas_lightning.rollout.digest import WeightDigest
+
 
 class EngineError(RuntimeError):
     """An engine failed in a way a retry did not mend; the message names the engine and request."""
@@ -67,32 +69,23 @@ class AdapterVersion:
     folder: str
     version: int
     name: str = "actor"
-    #: What the trainer sent: tensor count and checksum (see ``tensor_checksum``).
-    tensor_count: Optional[int] = None
-    checksum: Optional[float] = None
 
 
 @dataclass
 class SyncReport:
-    """What an engine reports holding after a weight or adapter sync (SPEC 7)."""
+    """What an engine reports holding after a weight or adapter sync, exactly (``digest.py``).
+
+    ``digest``: per-tensor sha256 of what the engine holds (or received; ``held`` says which);
+    ``form``: how the trainer computes the same digest of what it sent: ``{"kind": "lora",
+    "dtype": "float32" | None, "scale_b": bool}`` (``digest.lora_digest``), ``{"kind":
+    "tensors"}`` (``digest.digest_named`` over HF names) or ``{"kind": "buckets"}`` (one
+    ``digest.bucket_digest`` per bucket, named ``bucket<i>``)."""
 
     tensor_count: int
-    checksum: float
+    digest: Optional[WeightDigest] = None
+    held: str = "held by the engine"
+    form: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
-
-
-def tensor_checksum(tensors: Iterable[torch.Tensor]) -> tuple[int, float]:
-    """(count, checksum) of tensors: the float64 sum over all elements of ``x * w`` where ``w``
-    is a fixed pseudo-random weight per position modulo 997, so that permutations and sign
-    flips change it. Independent of sharding and of the order the tensors are given in only
-    through the sum (tensor order does not matter)."""
-    count, total = 0, 0.0
-    for tensor in tensors:
-        flat = tensor.detach().reshape(-1).to(torch.float64).cpu()
-        weights = (torch.arange(flat.numel(), dtype=torch.float64) % 997 + 1.0) / 997.0
-        total += float((flat * weights).sum())
-        count += 1
-    return count, total
 
 
 def request_seed(*parts: object) -> int:
@@ -146,6 +139,9 @@ class Engine(ABC):
     #: rather than as a stream of named tensors (``load_weights``); the weight sync picks the
     #: path by it.
     takes_weight_packs: bool = False
+    #: Whether ``load_weight_packs`` reports what the engine's workers received (a digest per
+    #: bucket); False for a backend that answers nothing back (nccl): the probe is then the check.
+    reads_back: bool = True
 
     def load_weight_packs(self, packs: Iterable[tuple[torch.Tensor, list]], version: Optional[int] = None) -> SyncReport:
         """Replace the base weights from packed buckets: each ``(buffer, views)`` of

@@ -47,10 +47,13 @@ class SharedServerEngine(ServerEngine):
 
     takes_weight_packs = True
 
-    def __init__(self, url: str, *, rank: int, transfer=None, **kwargs) -> None:
+    def __init__(self, url: str, *, rank: int, transfer=None, reads_back: bool = True, **kwargs) -> None:
         super().__init__(url, **kwargs)
         self.rank = rank
         self.transfer = transfer
+        #: Merged weights: the server's workers report a digest of each bucket they received
+        #: (gloo). False with nccl (no read-back): nothing is digested, the probe checks the server.
+        self.reads_back = reads_back
 
     def set_adapter(self, adapter: Optional[AdapterVersion]) -> SyncReport:
         report, name = None, None
@@ -133,7 +136,7 @@ def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> Shared
                                             workers=cfg.layout.engine_tp, timeout_s=r.request_timeout_s + 60)
         return SharedServerEngine(url, rank=rank, transfer=transfer, server=server,
                                   max_in_flight=client_in_flight(cfg, world_size),
-                                  request_timeout_s=r.request_timeout_s + 60)
+                                  request_timeout_s=r.request_timeout_s + 60, reads_back=backend != "nccl")
     except BaseException:
         if server is not None:
             server.close()

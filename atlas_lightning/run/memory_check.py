@@ -521,8 +521,9 @@ def format_report(report: dict) -> str:
 
 def main_verb(cfg: DictConfig) -> int:
     """``atlas-lightning memory-check``: prepare the run folders, run, exit 0."""
-    from atlas_lightning.run.wiring import prepare_run
+    from atlas_lightning.run.wiring import check_inputs, prepare_run
 
+    check_inputs(cfg, data=False)  # before anything is written: a bad model folder exits 2 (no questions read)
     prepare_run(cfg, "memory-check")
     run_memory_check(cfg, generation=cfg.trainer.memory_check_generation)
     return 0

@@ -63,15 +63,13 @@ class PreflightError(ValueError):
 
 
 def check_model(cfg) -> str:
+    from atlas_lightning.planning.model_folder import check_model_folder
     from atlas_lightning.planning.shapes import model_weight_files, read_model_shape
 
     folder = Path(cfg.model.path)
-    shape = read_model_shape(folder)  # names the folder when it or its config.json is missing
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise PreflightError(f"model.path={folder}: no tokenizer (tokenizer.json / tokenizer_config.json)")
+    check_model_folder(folder)  # the one check fit, validate, memory-check and plan make
+    shape = read_model_shape(folder)
     files = model_weight_files(folder)
-    if not files:
-        raise PreflightError(f"model.path={folder}: no weight files (*.safetensors or *.bin)")
     return (f"{folder}: {shape.model_type}, {shape.base_params / 1e9:.3g}B parameters, {shape.num_layers} layers, "
             f"{len(files)} weight file(s)")
 

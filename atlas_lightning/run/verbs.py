@@ -17,7 +17,7 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from atlas_lightning import distributed as dist_utils
-from atlas_lightning.run.wiring import RUN_LOG, build_trainer, prepare_run, resume_path
+from atlas_lightning.run.wiring import RUN_LOG, build_trainer, check_inputs, prepare_run
 
 log = logging.getLogger("atlas_lightning")
 
@@ -28,13 +28,15 @@ def fit(cfg: DictConfig) -> int:
 
     if cfg.trainer.memory_check:  # the report's memory-check runs: synthetic steps, no rollouts
         return memory_check(cfg)
+    start = check_inputs(cfg)  # before anything is written: a bad model folder or checkpoint exits 2
     dirs = prepare_run(cfg, "fit")
-    ckpt = resume_path(cfg)
+    for note in start.notes:
+        log.warning(note)
     trainer = build_trainer(cfg)
-    module = PPOModule(cfg)
+    module = PPOModule(cfg, resume_from=start.resume)
     datamodule = RolloutDataModule(cfg)
     started = time.time()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=start.state)
     if trainer.global_rank == 0:
         _closing_summary(cfg, dirs, time.time() - started)
     dist_utils.shut_down()
@@ -84,8 +86,11 @@ def validate(cfg: DictConfig) -> int:
     from atlas_lightning.rollout.datamodule import RolloutDataModule
     from atlas_lightning.ppo.module import PPOModule
 
+    start = check_inputs(cfg)
     prepare_run(cfg, "validate")
-    ckpt = resume_path(cfg)
+    for note in start.notes:
+        log.warning(note)
+    ckpt = start.state
     step = _step_of(ckpt or cfg.trainer.init_from or cfg.model.actor_adapter)
     results: dict = {}
 
@@ -96,7 +101,7 @@ def validate(cfg: DictConfig) -> int:
             results.update(ValidationCallback(val_every=1).run_validation(trainer, pl_module, step))
 
     trainer = build_trainer(cfg, callbacks=[_ValidateOnce()], limit_val_batches=1)
-    trainer.validate(PPOModule(cfg), datamodule=RolloutDataModule(cfg), ckpt_path=ckpt)
+    trainer.validate(PPOModule(cfg, resume_from=start.resume), datamodule=RolloutDataModule(cfg), ckpt_path=ckpt)
     if trainer.global_rank == 0:
         shown = {k: v for k, v in sorted(results.items()) if k.endswith(("/acc", "/objective"))}
         print("\n".join(f"{k:40s} {v:.4f}" for k, v in shown.items()), file=sys.stderr)

@@ -1,9 +1,11 @@
 """The run wiring: from a validated config to the Lightning pieces every verb runs on.
 
-``prepare_run`` (folders, the resolved config, the logs), ``build_strategy`` (one device, or
-FSDP2 through ``ModelParallelStrategy`` over every training process), ``build_loggers``,
-``build_callbacks`` (every callback comes from ``conf/callbacks/``, by ``_target_``),
-``resume_path`` (``trainer.resume``) and ``build_trainer``.
+``check_inputs`` (what the run starts from, verified before anything is written: the model
+folder, ``trainer.init_from``, ``trainer.resume``), ``prepare_run`` (folders, the resolved
+config, the logs), ``build_strategy`` (one device, or FSDP2 through ``ModelParallelStrategy``
+over every training process), ``build_loggers``, ``build_callbacks`` (every callback comes
+from ``conf/callbacks/``, by ``_target_``), ``resume_path`` (``trainer.resume``) and
+``build_trainer``.
 
 Who calls it: ``run/verbs.py`` (fit, validate), ``run/memory_check.py`` (its own synthetic
 trainer shares the strategy and folders), tests.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -89,21 +92,86 @@ def build_strategy(cfg: DictConfig):
     return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
 
 
-def resume_path(cfg: DictConfig) -> Optional[str]:
-    """``trainer.resume``: None, ``auto`` (this run's newest complete checkpoint, if any) or a
-    ``global_step_N`` folder, which must be complete."""
-    from atlas_lightning.store.checkpoints import is_complete, latest_complete, lightning_state_path
+@dataclass
+class StartingPoint:
+    """What a run starts from, verified (``check_inputs``)."""
+
+    #: The ``global_step_N`` folder ``trainer.resume`` resolved to (None: a fresh run).
+    resume: Optional[Path] = None
+    #: What ``trainer.fit(ckpt_path=...)`` takes for it.
+    state: Optional[str] = None
+    #: What was decided on the way (e.g. newer checkpoints that did not verify), for the run's log.
+    notes: list[str] = field(default_factory=list)
+
+
+def check_inputs(cfg: DictConfig, *, data: bool = True) -> StartingPoint:
+    """Verify what the run reads before anything is written (every verb that loads the model
+    calls it first): ``paths.root`` (a folder, or creatable), ``model.path``
+    (``planning.model_folder``), the question splits (``data``: every file of the train and
+    validation splits loads, ``questions.loader``), ``trainer.init_from`` (a complete checkpoint
+    whose adapters verify against ``checkpoint.json``) and ``trainer.resume`` (``resume_path``).
+    ``ConfigError`` / ``DataError`` naming the key or file otherwise (the CLI exits 2)."""
+    from atlas_lightning.planning.model_folder import check_model_folder
+    from atlas_lightning.store.checkpoints import CheckpointError, verify_checkpoint
+
+    _check_root(Path(cfg.paths.root))
+    check_model_folder(cfg.model.path)
+    if data:
+        from atlas_lightning.questions.loader import load_split
+
+        for split in (cfg.data.train_split, cfg.data.val_split):
+            load_split(cfg.data, split)
+    if cfg.trainer.init_from:
+        parts = ("actor", "critic") if cfg.trainer.init_critic else ("actor",)
+        try:
+            verify_checkpoint(Path(cfg.trainer.init_from), parts=parts)
+        except CheckpointError as err:
+            raise ConfigError(f"trainer.init_from={cfg.trainer.init_from}: {err}") from None
+    for role in ("actor", "critic"):
+        folder = cfg.model.get(f"{role}_adapter")
+        if folder and not Path(folder).is_dir():
+            raise ConfigError(f"model.{role}_adapter={folder}: no such folder")
+    return resume_path(cfg)
+
+
+def _check_root(root: Path) -> None:
+    """``paths.root`` is a writable folder, or the nearest existing folder above it is."""
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"paths.root={root}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"paths.root={root}: {existing} is not writable")
+
+
+def resume_path(cfg: DictConfig) -> StartingPoint:
+    """``trainer.resume``: None (fresh), ``auto`` (this run's newest checkpoint that verifies;
+    newer ones that do not are named in ``notes``; if checkpoints exist and none verifies it is
+    refused rather than started afresh over them) or a ``global_step_N`` folder, which must
+    verify (``store.checkpoints.verify_checkpoint``: marker, file list, sizes, sha256)."""
+    from atlas_lightning.store.checkpoints import (
+        CheckpointError, latest_verified, lightning_state_path, verify_checkpoint,
+    )
 
     resume = cfg.trainer.resume
     if not resume:
-        return None
+        return StartingPoint()
     if resume == "auto":
-        folder = latest_complete(run_dirs(cfg)["checkpoints"])
-        return str(lightning_state_path(folder)) if folder else None
+        folder, refusals = latest_verified(run_dirs(cfg)["checkpoints"])
+        notes = [f"trainer.resume=auto: skipped {reason}" for reason in refusals]
+        if folder is None and refusals:
+            raise ConfigError("trainer.resume=auto: no checkpoint of this run verifies:\n  " + "\n  ".join(refusals)
+                              + "\nmove the damaged folders away, or set trainer.resume=null to start afresh")
+        if folder is not None:
+            notes.append(f"trainer.resume=auto: resuming from {folder} (verified)")
+        return StartingPoint(folder, str(lightning_state_path(folder)) if folder else None, notes)
     folder = Path(resume)
-    if not is_complete(folder):
-        raise ConfigError(f"trainer.resume={resume}: not a complete checkpoint folder (no checkpoint.json)")
-    return str(lightning_state_path(folder))
+    try:
+        verify_checkpoint(folder)
+    except CheckpointError as err:
+        raise ConfigError(f"trainer.resume={resume}: {err}") from None
+    return StartingPoint(folder, str(lightning_state_path(folder)), [f"trainer.resume: resuming from {folder} (verified)"])
 
 
 def build_trainer(cfg: DictConfig, callbacks: Optional[list] = None, loggers: Optional[list] = None,

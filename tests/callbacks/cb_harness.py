@@ -28,13 +28,14 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from atlas_lightning.algorithms.ppo import compute_gae_advantage_return
 from atlas_lightning.callbacks.base import RLCallback
-from atlas_lightning.store.checkpoints import MARKER
+from atlas_lightning.store.checkpoints import write_marker
 from atlas_lightning.config import compose, run_dirs
 from atlas_lightning.questions.schema import Candidate, Question
 from atlas_lightning.reward import CostReward
 from atlas_lightning.env.episode import Episode, RuntimeConfig
 from atlas_lightning.rollout.agent_loop import LoopStats, Trajectory
-from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id, trajectory_uid
+from atlas_lightning.questions.uid import trajectory_uid
+from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id
 from atlas_lightning.rollout.chat import ChatFormat
 
 # ----------------------------------------------------------------------------- data
@@ -261,7 +262,8 @@ class ScriptedModule(L.LightningModule):
             metrics["actor/entropy"] = float("nan")
             output["nonfinite"] = {"what": ["actor/entropy"], "phase": "update_actor",
                                    "where": {"actor/entropy": {"count": 3,
-                                                               "trajectories": [f"{first.uid}/{first.session_id}"]}}}
+                                                               "trajectories": [f"{first.uid}/{first.session_id}"]}},
+                                   "optimizer_steps_applied": {"critic": 0, "actor": 0}}
         self.outputs[batch.step] = output
         return output
 
@@ -305,7 +307,9 @@ class FolderCheckpoint(L.pytorch.callbacks.Checkpoint):
             return
         folder = run_dirs(pl_module.cfg)["checkpoints"] / f"global_step_{step}"
         write_adapters(folder, pl_module.critic.weight)
-        (folder / MARKER).write_text(json.dumps({"global_step": step}))
+        (folder / "lightning").mkdir(exist_ok=True)
+        torch.save({"critic": pl_module.critic.weight.detach().clone()}, folder / "lightning" / "state.ckpt")
+        write_marker(folder, step)
         self.saved.append(step)
         self.snapshots[step] = snapshot(folder)
 

@@ -16,6 +16,7 @@ from atlas_lightning.callbacks.nan_guard import (
     NaNGuardCallback,
     NonFiniteError,
     check_probe_logprobs,
+    describe_applied,
     merge_diagnostics,
 )
 from atlas_lightning.callbacks.validation import ValidationCallback
@@ -39,7 +40,8 @@ def test_stop_ends_the_run_at_the_bad_step_with_the_last_good_checkpoint_intact(
     error = caught.value
     message = str(error)
     assert "step 4: non-finite actor/entropy in phase update_actor (actor/entropy: 3)" in message
-    assert f"the last good checkpoint is {good}" in message and "nothing of it is checkpointed" in message
+    assert f"the last good checkpoint is {good}" in message and "nothing of step 4 is checkpointed" in message
+    assert "no optimizer step of step 4 was applied" in message
     assert error.step == 4 and error.what == ["actor/entropy"] and error.last_good_checkpoint == good
 
     # Nothing of step 4: no checkpoint (the checkpoint callback runs after the guard and does not
@@ -62,7 +64,7 @@ def test_stop_ends_the_run_at_the_bad_step_with_the_last_good_checkpoint_intact(
     assert report["where"]["actor/entropy"]["trajectories"] == [name]
     assert report["metrics"]["actor/entropy"] == "nan" and report["metrics"]["critic/vf_loss"] > 0
     assert report["action"] == "stop" and report["last_good_checkpoint"] == str(good)
-    assert report["optimizer_steps_applied"] is False and report["trajectories_in_step"] == 6
+    assert report["optimizer_steps_applied"] == {"critic": 0, "actor": 0} and report["trajectories_in_step"] == 6
     folder = dirs["artifacts"] / "nonfinite" / "step_4"
     assert verify_manifest(folder) == []
     assert [read_record(p).filename for p in folder.glob("*_*.json")] == [first.filename]
@@ -142,15 +144,22 @@ def test_probe_logprobs_must_be_finite():
 
 
 def test_diagnostics_of_several_ranks_merge():
+    stopped = {"role": "actor", "epoch": 1, "mini_batch": 0, "mini_batches_per_epoch": 4, "epochs": 2}
     merged = merge_diagnostics([
         {"what": ["actor/entropy"], "phase": "update_actor",
-         "where": {"actor/entropy": {"count": 2, "trajectories": ["q1/n000"]}}},
+         "where": {"actor/entropy": {"count": 2, "trajectories": ["q1/n000"]}},
+         "optimizer_steps_applied": {"critic": 8, "actor": 4}, "stopped_at": stopped},
         None,
         {"what": ["actor/entropy", "actor/grad_norm"], "phase": "update_actor",
-         "where": {"actor/entropy": {"count": 1, "trajectories": ["q7/n003", "q1/n000"]}}},
+         "where": {"actor/entropy": {"count": 1, "trajectories": ["q7/n003", "q1/n000"]}},
+         "optimizer_steps_applied": {"critic": 8, "actor": 4}, "stopped_at": stopped},
     ])
     assert merged == {"what": ["actor/entropy", "actor/grad_norm"], "phase": "update_actor",
-                      "where": {"actor/entropy": {"count": 3, "trajectories": ["q1/n000", "q7/n003"]}}}
+                      "where": {"actor/entropy": {"count": 3, "trajectories": ["q1/n000", "q7/n003"]}},
+                      "optimizer_steps_applied": {"critic": 8, "actor": 4}, "stopped_at": stopped}
+    assert describe_applied(2, merged) == (
+        "12 optimizer steps of step 2 had been applied before it (critic: 8, actor: 4); the non-finite value "
+        "came in the actor update, epoch 2 of 2, mini-batch 1 of 4, whose optimizer step was not taken")
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -1,7 +1,7 @@
 """The colocated layout with merged weights, end to end on CPU through the CLI: ``fit
 experiment=tiny-cpu rollout.weight_sync=merged`` with 1 MB buckets, so that bucket boundaries
 fall inside the layers vLLM fuses (``qkv_proj``, ``gate_up_proj``). Every sync streams the
-merged actor into the in-process engine in one reload and is verified (count, checksum, probe
+merged actor into the in-process engine in one reload and is verified (count, digest, probe
 log-prob gap); loading bucket by bucket corrupted the split layers (``vllm_engine._reload_weights``)."""
 
 from __future__ import annotations

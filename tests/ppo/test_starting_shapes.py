@@ -134,15 +134,9 @@ def test_a_critic_of_another_shape_trains_a_step_and_exports(start, tiny_model_d
     assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
     head = load_file(str(out / "critic" / "lora_adapter" / "value_head.safetensors"))
     assert torch.equal(model.value_head.weight.detach(), head["weight"])
-    # the trained module's engine-facing checksum uses the actor's own scaling (12 / 4), not model.lora's (16 / 8)
-    from atlas_lightning.rollout.engines.vllm_engine import lora_checksum
-
+    # what the weight sync sends the engines carries the actor's own scaling (12 / 4), not model.lora's (16 / 8)
     from atlas_lightning.callbacks.weight_sync import export_actor_adapter
 
-    count, checksum = export_actor_adapter(module.model, tmp_path / "export")
-    a = after["actor"]
-    expected = lora_checksum((a[k], a[k.replace("lora_A", "lora_B")], ACTOR["alpha"] / ACTOR["rank"])
-                             for k in a if ".lora_A." in k)
-    assert (count, checksum) == pytest.approx(expected, rel=1e-12)
-    wrong = lora_checksum((a[k], a[k.replace("lora_A", "lora_B")], 16 / 8) for k in a if ".lora_A." in k)
-    assert wrong[1] != pytest.approx(checksum, rel=1e-6)  # model.lora's scaling would not match the engine's
+    sent = export_actor_adapter(module.model, tmp_path / "export")
+    assert len(sent) == len(after["actor"]) // 2
+    assert {scaling for _, _, scaling in sent.values()} == {ACTOR["alpha"] / ACTOR["rank"]}

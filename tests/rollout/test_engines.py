@@ -8,7 +8,7 @@ import torch
 
 from atlas_lightning.rollout.engine import AdapterVersion, GenerationRequest, SamplingSpec
 from atlas_lightning.rollout.engines.hf_engine import HFEngine
-from atlas_lightning.rollout.engines.vllm_engine import lora_checksum
+from atlas_lightning.rollout.digest import digest_named, lora_digest
 
 pytestmark = pytest.mark.vllm
 
@@ -32,9 +32,10 @@ def _random_adapter(model_dir, folder, seed):
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.2)
     model.save_pretrained(folder)
-    pairs = [(m.lora_A["default"].weight, m.lora_B["default"].weight, m.scaling["default"])
-             for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
-    return lora_checksum(pairs)
+    modules = {name: (m.lora_A["default"].weight, m.lora_B["default"].weight, m.scaling["default"])
+               for name, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    # what a faithful vLLM worker holds: float32 factors, B scaled by alpha / r (exact, computed here)
+    return lora_digest(modules, dtype=torch.float32, scale_b=True)
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +67,16 @@ def test_greedy_with_lora_matches_reference_and_is_never_stale(vllm_engine, hf_e
     base_out = _greedy(vllm_engine, PROMPTS, tag="b")
 
     report = vllm_engine.set_adapter(AdapterVersion(str(tmp_path / "v1"), version=1))
-    assert report.tensor_count == expected_1[0]
-    assert report.checksum == pytest.approx(expected_1[1], rel=1e-9)
+    assert report.tensor_count == len(expected_1) == 4 * 7 * 2  # A and B of 7 linears in 4 layers
+    assert report.form == {"kind": "lora", "dtype": "float32", "scale_b": True}
+    assert report.digest.entries == expected_1.entries  # read back from the worker, bit for bit
     hf_engine.set_adapter(AdapterVersion(str(tmp_path / "v1"), version=1))
     v1 = _greedy(vllm_engine, PROMPTS, tag="v1")
     _assert_same(v1, _greedy(hf_engine, PROMPTS, tag="h1"))
     assert [r.token_ids for r in v1] != [r.token_ids for r in base_out]
 
     report = vllm_engine.set_adapter(AdapterVersion(str(tmp_path / "v2"), version=2))
-    assert report.checksum == pytest.approx(expected_2[1], rel=1e-9)
+    assert report.digest.entries == expected_2.entries
     hf_engine.set_adapter(AdapterVersion(str(tmp_path / "v2"), version=2))
     v2 = _greedy(vllm_engine, PROMPTS, tag="v2")
     _assert_same(v2, _greedy(hf_engine, PROMPTS, tag="h2"))
@@ -131,9 +133,9 @@ def test_merged_weights_in_buckets_reach_the_in_process_engine(vllm_engine, hf_e
         assert len(buckets) > 3 and any(  # a boundary inside a fused vLLM layer (q | k, gate | up)
             b[-1][0].endswith(("q_proj.weight", "gate_proj.weight")) for b in buckets)
         report = vllm_engine.load_weights(pair for bucket in buckets for pair in bucket)
-        # the engine's report: what its loader consumed, count and plain float64 sum
+        # the engine's report: what its loader consumed, tensor by tensor
         assert report.tensor_count == len(merged)
-        assert report.checksum == pytest.approx(sum(float(t.double().sum()) for t in merged.values()), rel=1e-9)
+        assert report.digest.entries == digest_named(merged.items()).entries
         reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         assert not reference.load_state_dict(merged, strict=False).unexpected_keys
         served = _greedy(vllm_engine, PROMPTS, tag="m")

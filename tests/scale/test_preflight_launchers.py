@@ -129,7 +129,7 @@ def test_broken_configs_are_caught_and_named(tiny8, sample_data_dir, step29, tmp
     assert list(no_data) == ["data"] and str(missing) in no_data["data"]
 
     no_model = _failures(_gpu_run(tmp_path / "no-model", sample_data_dir, tmp_path), capsys)
-    assert "model" in no_model and "no config.json" in no_model["model"]
+    assert "model" in no_model and "no-model: no such folder" in no_model["model"]
 
     # the starting adapters bring their own shape: model.lora does not have to agree
     assert _failures(good + ["model.lora.rank=32"], capsys) == {}

@@ -27,8 +27,9 @@ stateless gloo group made by vLLM's ``stateless_init_torch_distributed_process_g
 - each worker receives it into a buffer of the same size, views the tensors out of it, loads
   them through the model's ``load_weights`` (inside vLLM's layerwise reload, opened by
   ``start_weight_update`` and closed by ``finish_weight_update``, as vLLM's own backends do),
-  and then all-gathers ``(tensor count, checksum)`` of what it received
-  (``engine.tensor_checksum``), which the trainer compares with what it sent.
+  and then all-gathers ``(tensor count, sha256 of the bucket)`` of what it received
+  (``digest.bucket_digest``: names, dtypes, shapes and bytes), which the trainer compares with
+  what it sent.
 """
 
 from __future__ import annotations
@@ -85,12 +86,18 @@ def open_group(master_address: str, master_port: int, rank: int, world_size: int
                                                           backend="gloo")
 
 
-def report_tensor(count: int, checksum: float) -> torch.Tensor:
-    return torch.tensor([float(count), checksum], dtype=torch.float64)
+def report_tensor(count: int, digest_hex: str = "0" * 64) -> torch.Tensor:
+    """``(tensor count, sha256 of the bucket)`` as 40 bytes: 8 for the count, 32 for the digest."""
+    return torch.tensor(list(int(count).to_bytes(8, "little")) + list(bytes.fromhex(digest_hex)), dtype=torch.uint8)
+
+
+def read_report(report: torch.Tensor) -> tuple[int, str]:
+    raw = bytes(report.tolist())
+    return int.from_bytes(raw[:8], "little"), raw[8:].hex()
 
 
 def gather_reports(group, mine: torch.Tensor) -> list[torch.Tensor]:
-    """Every member's ``(count, checksum)`` (rank order); collective over the transfer group."""
+    """Every member's report (``report_tensor``, rank order); collective over the transfer group."""
     out = [torch.empty_like(mine) for _ in range(group.size())]
     group.allgather([out], [mine]).wait()
     return out
@@ -144,16 +151,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        from atlas_lightning.rollout.engine import tensor_checksum
+        from atlas_lightning.rollout.digest import bucket_digest
 
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialized: call init_weight_transfer_engine first")
         buffer = torch.empty(update_info.nbytes, dtype=torch.uint8)
         self.group.broadcast(buffer, 0).wait()
         tensors = unpack(buffer, update_info)
-        count, checksum = tensor_checksum(t for _, t in tensors)
+        digest = bucket_digest(tensors)  # of what arrived, before the loader takes it
         self.model.load_weights([(name, t.to(self.device)) for name, t in tensors])
-        gather_reports(self.group, report_tensor(count, checksum))
+        gather_reports(self.group, report_tensor(len(tensors), digest))
 
     def shutdown(self) -> None:
         if self.group is not None:

@@ -13,6 +13,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from atlas_lightning.rollout.digest import WeightDigest, digest_named
 from atlas_lightning.rollout.engine import (
     AdapterVersion,
     Engine,
@@ -90,18 +91,20 @@ class HFEngine(Engine):
         """Serve a PEFT folder on top of this engine's base (None: the bare base)."""
         from peft import PeftModel
 
-        from atlas_lightning.rollout.engines.vllm_engine import lora_checksum
+        from atlas_lightning.rollout.digest import lora_digest
 
         if isinstance(self.model, PeftModel):
             self.model = self.model.unload()
         if adapter is None:
             self.model.eval()
-            return SyncReport(tensor_count=0, checksum=0.0)
+            return SyncReport(tensor_count=0, digest=WeightDigest(), form={"kind": "lora"})
         self.model = PeftModel.from_pretrained(self.model, adapter.folder).eval()
-        pairs = [(m.lora_A["default"].weight, m.lora_B["default"].weight, m.scaling["default"])
-                 for m in self.model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
-        count, checksum = lora_checksum(pairs)
-        return SyncReport(tensor_count=count, checksum=checksum)
+        modules = {name: (m.lora_A["default"].weight, m.lora_B["default"].weight, m.scaling["default"])
+                   for name, m in self.model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+        digest = lora_digest(modules)  # peft keeps the scaling apart from B
+        dtype = str(next(iter(modules.values()))[0].dtype).removeprefix("torch.") if modules else None
+        return SyncReport(tensor_count=len(digest), digest=digest, held="held by the peft model",
+                          form={"kind": "lora", "dtype": dtype, "scale_b": False})
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
         state = dict(weights)
@@ -109,5 +112,6 @@ class HFEngine(Engine):
         if missing:
             raise EngineError(f"hf engine: unknown weight names {missing[:3]}")
         self.model.load_state_dict(state, strict=False)
-        total = sum(float(t.to(torch.float64).sum()) for t in state.values())
-        return SyncReport(tensor_count=len(state), checksum=total)
+        held = dict(self.model.named_parameters())
+        digest = digest_named((name, held[name]) for name in state)  # read back from the model
+        return SyncReport(tensor_count=len(state), digest=digest, held="held by the model", form={"kind": "tensors"})

@@ -16,8 +16,8 @@ every sync). Differences a caller must know:
   request leaves unset, so every request sets them all (penalties neutral, ``min_p`` 0).
   Its extra EOS ids are applied in both engines alike, so they are left alone.
 - ``set_adapter``'s ``SyncReport`` is computed here, from the adapter folder's safetensors
-  file: the server has no HTTP route to read back what its worker holds. It proves the folder
-  holds what the trainer sent; that the server *serves* it is proven by the weight-sync
+  file (an exact per-tensor digest, ``digest.py``): the server has no HTTP route to read back
+  what its worker holds. It proves the folder holds what the trainer sent; that the server *serves* it is proven by the weight-sync
   callback's log-prob probe (``prompt_logprobs`` through the same adapter name), which fails
   on a stale or missing adapter. ``set_adapter`` also checks that ``/v1/models`` lists the new
   adapter at that folder and no longer lists the old one.
@@ -31,7 +31,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import math
 import queue
 import socket
 import uuid
@@ -52,44 +51,36 @@ from atlas_lightning.rollout.engine import (
 )
 from atlas_lightning.rollout.engines.server_http import GONE, decode_body, error_message, http_call
 from atlas_lightning.rollout.engines.server_process import VLLMServer, log_tail
-from atlas_lightning.rollout.engines.vllm_engine import lora_checksum
+from atlas_lightning.rollout.digest import WeightDigest, lora_digest, lora_modules
+from atlas_lightning.rollout.engines.vllm_engine import check_adapter_folder
 
 log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------ adapters
 
 
-def adapter_folder_checksum(folder: str | Path) -> tuple[int, float]:
-    """(tensor count, checksum) of a PEFT LoRA folder as ``vllm_engine.lora_checksum`` counts
-    them (each A with its B and scaling ``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA): the
-    numbers the weight sync's ``export_actor_adapter`` returns for the folder it wrote.
-    Raises ``EngineError`` naming the folder when it is not such a folder."""
+def adapter_folder_digest(folder: str | Path) -> WeightDigest:
+    """The digest of a PEFT LoRA folder as written (``digest.lora_digest`` with no dtype or
+    scaling: what the weight sync's adapter export sent, tensor for tensor). Raises
+    ``EngineError`` naming the folder (and the tensor, for a factor without its partner)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
     weights, config_path = folder / "adapter_model.safetensors", folder / "adapter_config.json"
     if not weights.is_file() or not config_path.is_file():
         raise EngineError(f"adapter folder {folder}: no adapter_config.json and adapter_model.safetensors there")
+    check_adapter_folder(str(folder))
     try:
-        config = json.loads(config_path.read_text())
-        rank, alpha = int(config["r"]), float(config["lora_alpha"])
         state = load_file(str(weights))
-    except (OSError, ValueError, KeyError) as err:
+    except Exception as err:  # safetensors' own error types, named
         raise EngineError(f"adapter folder {folder}: unreadable ({type(err).__name__}: {err})") from err
-    if config.get("rank_pattern") or config.get("alpha_pattern"):
-        # per-module scalings would need peft's pattern matching; the trainer never writes them
-        raise EngineError(f"adapter folder {folder}: rank_pattern/alpha_pattern are not supported")
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    pairs = []
-    for name, a in state.items():
-        if ".lora_A." in name:
-            b = state.get(name.replace(".lora_A.", ".lora_B."))
-            if b is None:
-                raise EngineError(f"adapter folder {folder}: {name} has no lora_B partner")
-            pairs.append((a, b, scaling))
-    if not pairs:
+    try:
+        modules = lora_modules(state, 1.0)
+    except ValueError as err:
+        raise EngineError(f"adapter folder {folder}: {err}") from None
+    if not modules:
         raise EngineError(f"adapter folder {folder}: no LoRA tensors in {weights.name}")
-    return lora_checksum(pairs)
+    return lora_digest(modules)
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -345,8 +336,8 @@ class ServerEngine(Engine):
         before and name it in every later request (None: serve the bare base). A failure
         raises ``EngineError`` and leaves the base served, never the previous adapter.
 
-        The report's (count, checksum) are computed from the folder (see the module doc):
-        honest about the folder; the weight-sync probe is what checks the server."""
+        The report's digest is computed from the folder (see the module doc): exact about the
+        folder; the weight-sync probe is what checks what the server serves."""
         old = self._adapter
         if old is not None:
             self._adapter, self._model = None, self._base
@@ -355,8 +346,8 @@ class ServerEngine(Engine):
                 raise EngineError(f"vllm server {self.url} did not unload adapter {old!r}: "
                                   f"HTTP {status}: {error_message(body)}")
         if adapter is None:
-            return SyncReport(tensor_count=0, checksum=0.0)
-        count, checksum = adapter_folder_checksum(adapter.folder)
+            return SyncReport(tensor_count=0, digest=WeightDigest(), form={"kind": "lora"})
+        digest = adapter_folder_digest(adapter.folder)
         self._syncs += 1
         name = f"{adapter.name}-v{adapter.version}-s{self._syncs}-{self._tag}"
         path = str(Path(adapter.folder).resolve())
@@ -370,8 +361,8 @@ class ServerEngine(Engine):
             raise EngineError(f"vllm server {self.url}: after loading, /v1/models lists {sorted(cards)}; "
                               f"wanted {name!r} at {path} and not {old!r}")
         self._adapter = self._model = name
-        return SyncReport(tensor_count=count, checksum=checksum,
-                          extra={"lora_name": name, "checksum_of": "adapter folder (client side)"})
+        return SyncReport(tensor_count=len(digest), digest=digest, held="the adapter folder it loaded (client side)",
+                          form={"kind": "lora", "dtype": None, "scale_b": False}, extra={"lora_name": name})
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
         raise NotImplementedError(

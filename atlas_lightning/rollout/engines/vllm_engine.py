@@ -20,6 +20,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from atlas_lightning.rollout.digest import WeightDigest
 from atlas_lightning.rollout.engine import (
     AdapterVersion,
     Engine,
@@ -43,60 +44,80 @@ def prepare_cpu_environment(kvcache_gib: int, threads: Optional[int] = None) -> 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def _held_lora(worker, lora_id: int) -> tuple[int, float]:
-    """Runs inside the vLLM worker: (tensor count, checksum) of the adapter it holds for
-    ``lora_id``, with B scaled, over every A and B (packed modules count each slice)."""
+def _held_lora(worker, lora_id: int) -> Optional[dict]:
+    """Runs inside the vLLM worker: the digest (``digest.WeightDigest`` entries, by canonical
+    module name) of the LoRA factors it holds for ``lora_id``, exactly as held, with their dtype
+    and whether ``B`` carries its scaling (vLLM folds it in on load); None if it holds none.
+    Packed modules (``qkv_proj``, ``gate_up_proj``) are named by their parts."""
+    from atlas_lightning.rollout.digest import canonical_module, tensor_sha256
+
     manager = worker.model_runner.lora_manager._adapter_manager
     model = manager.get_adapter(lora_id)
     if model is None:
-        return 0, 0.0
-    count, total = 0, 0.0
-    for weights in model.loras.values():
-        a_list = weights.lora_a if isinstance(weights.lora_a, list) else [weights.lora_a]
-        b_list = weights.lora_b if isinstance(weights.lora_b, list) else [weights.lora_b]
+        return None
+    entries, dtypes, folded = {}, set(), True
+    for module_name, weights in model.loras.items():
+        packed = isinstance(weights.lora_a, list)
+        names = manager.packed_modules.get(module_name, []) if packed else [module_name]
+        a_list = weights.lora_a if packed else [weights.lora_a]
+        b_list = weights.lora_b if packed else [weights.lora_b]
         scalings = weights.scaling if isinstance(weights.scaling, list) else [weights.scaling]
-        for a, b, scaling in zip(a_list, b_list, scalings):
-            if a is None:
+        if len(names) != len(a_list):
+            raise RuntimeError(f"vllm LoRA module {module_name}: {len(a_list)} slices but parts {names}")
+        for name, a, b, scaling in zip(names, a_list, b_list, scalings):
+            if a is None:  # a part without LoRA
                 continue
-            a64 = a.detach().to(torch.float64)
-            b64 = b.detach().to(torch.float64) * float(scaling)
-            total += float(a64.sum() + a64.square().sum() + b64.sum() + b64.square().sum())
-            count += 2
-    return count, total
+            key = canonical_module(name)
+            entries[f"{key}.lora_A"], entries[f"{key}.lora_B"] = tensor_sha256(a), tensor_sha256(b)
+            dtypes.add(str(a.dtype).removeprefix("torch."))
+            folded = folded and scaling == 1
+    return {"entries": entries, "dtype": dtypes.pop() if len(dtypes) == 1 else sorted(dtypes), "scale_b": folded}
 
 
-def lora_checksum(a_b_pairs: Iterable[tuple[torch.Tensor, torch.Tensor, float]]) -> tuple[int, float]:
-    """The trainer's side of ``_held_lora``: over (A, B, scaling) of each adapted module.
-    Layout-independent (sums), so vLLM's packing of q/k/v and transposes do not matter."""
-    count, total = 0, 0.0
-    for a, b, scaling in a_b_pairs:
-        a64 = a.detach().to(torch.float64).cpu()
-        b64 = b.detach().to(torch.float64).cpu() * float(scaling)
-        total += float(a64.sum() + a64.square().sum() + b64.sum() + b64.square().sum())
-        count += 2
-    return count, total
+def check_adapter_folder(folder: str) -> None:
+    """What vLLM would otherwise fail on with a bare ``TypeError``: every ``lora_A`` of the
+    folder's safetensors has its ``lora_B`` and the reverse. ``EngineError`` naming the folder
+    and the tensor (read from the header: no tensor data is loaded)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    path = Path(folder) / "adapter_model.safetensors"
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            keys = set(handle.keys())
+    except Exception as err:  # a missing or damaged file, named
+        raise EngineError(f"adapter folder {folder}: {path.name} is not readable ({type(err).__name__}: {err})") from err
+    for key in sorted(keys):
+        for mine, other in ((".lora_A.", ".lora_B."), (".lora_B.", ".lora_A.")):
+            if mine in key and key.replace(mine, other) not in keys:
+                raise EngineError(f"adapter folder {folder}: {key.replace(mine, other)} is missing from {path.name} "
+                                  f"(its partner {key} is there); refusing to load it")
 
 
-def _reload_weights(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, float]:
+def _reload_weights(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
     """Runs inside the vLLM worker: load HF-named tensors through the model's own loader, in ONE
-    ``reload_weights`` call; returns (count, plain float64 sum) of what the loader consumed.
+    ``reload_weights`` call; returns the digest entries (``digest.tensor_sha256`` by name) of
+    what the loader consumed.
 
     One call for a whole sync, never one per bucket: vLLM 0.32's layerwise reload materialises a
     fused layer (``qkv_proj``, ``gate_up_proj``) from empty memory when a call delivers only some
     of its parts and writes it back, so a bucket boundary inside a layer corrupts the part that
     arrives in the other call (seen: greedy output all token 0). A streamed iterator keeps
     memory at what the caller holds (a bucket) while vLLM sees every weight of every layer."""
-    count, total = 0, 0.0
+    from atlas_lightning.rollout.digest import tensor_sha256
+
+    entries: dict[str, str] = {}
 
     def counted():
-        nonlocal count, total
         for name, tensor in weights:
-            total += float(tensor.detach().to(torch.float64).sum())
-            count += 1
+            if name in entries:
+                raise RuntimeError(f"reload_weights: {name} arrived twice in one sync")
+            entries[name] = tensor_sha256(tensor)
             yield name, tensor
 
     worker.reload_weights(weights_iterator=counted())
-    return count, total
+    return entries
 
 
 class VLLMEngine(Engine):
@@ -216,24 +237,37 @@ class VLLMEngine(Engine):
             self._lora = None
         self._engine.reset_prefix_cache()
         if adapter is None:
-            return SyncReport(tensor_count=0, checksum=0.0)
+            return SyncReport(tensor_count=0, digest=WeightDigest(), form={"kind": "lora"})
+        check_adapter_folder(adapter.folder)
         lora_id = adapter.version + 1  # ids must be positive and new for every version
         request = LoRARequest(f"{adapter.name}-v{adapter.version}", lora_id, adapter.folder)
         if not self._engine.add_lora(request):
             raise EngineError(f"vllm refused the adapter {adapter.folder}")
         self._lora = request
-        held = self.llm.collective_rpc(_held_lora, args=(lora_id,))
-        count, checksum = held[0]
-        return SyncReport(tensor_count=count, checksum=checksum, extra={"lora_int_id": lora_id})
+        return self.held_adapter()
+
+    def held_adapter(self) -> SyncReport:
+        """The digest of the adapter every request is served with (the id requests carry), read
+        back from the worker: what it holds, not what it was asked to load."""
+        if self._lora is None:
+            return SyncReport(tensor_count=0, digest=WeightDigest(), form={"kind": "lora"})
+        lora_id = self._lora.lora_int_id
+        held = self.llm.collective_rpc(_held_lora, args=(lora_id,))[0]
+        if held is None:
+            raise EngineError(f"vllm engine: the worker holds no adapter for id {lora_id} ({self._lora.lora_path})")
+        return SyncReport(tensor_count=len(held["entries"]), digest=WeightDigest(held["entries"]),
+                          held="held by the engine's worker",
+                          form={"kind": "lora", "dtype": held["dtype"], "scale_b": held["scale_b"]},
+                          extra={"lora_int_id": lora_id, "lora_path": self._lora.lora_path})
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
         """Every base weight of one sync (a stream, consumed once, in one reload; see
         ``_reload_weights``). The iterator reaches the worker as it is: this engine runs its
         worker in this process (in-process engine core on CPU, ``external_launcher`` on GPUs)."""
-        held = self.llm.collective_rpc(_reload_weights, args=(weights,))
+        entries = self.llm.collective_rpc(_reload_weights, args=(weights,))[0]
         self._engine.reset_prefix_cache()
-        count, checksum = held[0]
-        return SyncReport(tensor_count=count, checksum=checksum)
+        return SyncReport(tensor_count=len(entries), digest=WeightDigest(entries),
+                          held="received by the engine's weight loader", form={"kind": "tensors"})
 
     # -- memory ---------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ plane is the backend's:
   (``rollout.bucket_mb``) and ``packed_num_buffers`` of them on each side;
 - ``gloo`` (CPU): ``gloo_transfer.GlooWeightTransferEngine``, registered in the server; each
   bucket is broadcast as the one contiguous buffer ``merged_weight_packs`` built, and the
-  workers answer with the (count, checksum) of what they received.
+  workers answer with the tensor count and sha256 of what they received (``digest.py``).
 
 The bucket loop is the same for both: for each bucket, ``/update_weights`` (which blocks in
 the server until the bucket has arrived) runs on a side thread while this thread broadcasts.
@@ -34,7 +34,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from atlas_lightning.rollout.engine import EngineError, SyncReport, tensor_checksum
+from atlas_lightning.rollout.digest import WeightDigest
+from atlas_lightning.rollout.engine import EngineError, SyncReport
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class ServerWeightTransfer:
 
     ``connect()`` once (collective with the server: both sides join the transfer group);
     ``send(packs, version)`` per sync, returning what the server received (``gloo``: the
-    workers' own count and checksum; ``nccl``: what was sent, the server has no read-back:
+    workers' own count and sha256 per bucket; ``nccl``: what was sent, the server has no read-back:
     the weight-sync probe checks it). Raises ``EngineError`` naming the server on any failure.
     """
 
@@ -124,20 +125,24 @@ class ServerWeightTransfer:
         if self.group is None:
             self.connect()
         self._call(self.client.start_weight_update, "start_weight_update")
-        count, checksum, buckets, largest = 0, 0.0, 0, 0
+        count, entries, buckets, largest = 0, {}, 0, 0
         for buffer, views in packs:
-            held = self._send_bucket(buffer, views)
-            count, checksum = count + held[0], checksum + held[1]
+            held_count, held_digest = self._send_bucket(buffer, views)
+            count += held_count
+            entries[f"bucket{buckets}"] = held_digest
             buckets += 1
             largest = max(largest, int(buffer.numel()))
         self._call(lambda: self.client.finish_weight_update(None if version is None else str(version)),
                    "finish_weight_update")
         self._reset_prefix_cache()
-        return SyncReport(tensor_count=count, checksum=checksum,
-                          extra={"buckets": buckets, "largest_bucket_bytes": largest, "backend": self.backend,
-                                 "checksum_of": "received by the server" if self.backend == "gloo" else "sent"})
+        extra = {"buckets": buckets, "largest_bucket_bytes": largest, "backend": self.backend}
+        if self.backend == "nccl":  # nothing comes back to compare: the probe checks the server
+            return SyncReport(tensor_count=count, digest=None, form={"kind": "unverified"},
+                              held="nothing (nccl has no read-back)", extra=extra)
+        return SyncReport(tensor_count=count, digest=WeightDigest(entries), form={"kind": "buckets"},
+                          held="received by the server's workers", extra=extra)
 
-    def _send_bucket(self, buffer: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> tuple[int, float]:
+    def _send_bucket(self, buffer: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> tuple[int, Optional[str]]:
         info = bucket_info(views, buffer)
         if self.backend == "nccl":
             for key in ("offsets", "nbytes"):
@@ -155,25 +160,28 @@ class ServerWeightTransfer:
             self._result(pending, "update_weights")
         return held
 
-    def _broadcast(self, buffer: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> tuple[int, float]:
+    def _broadcast(self, buffer: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> tuple[int, Optional[str]]:
+        """``(tensor count, bucket sha256)`` of what the server received (gloo); ``(count, None)``
+        with nccl, which reports nothing back (hashing what was sent would only compare it
+        with itself, at some seconds a sync for the 8B's 16 GB)."""
         if self.backend == "gloo":
-            from atlas_lightning.rollout.engines.gloo_transfer import gather_reports, report_tensor
+            from atlas_lightning.rollout.engines.gloo_transfer import gather_reports, read_report, report_tensor
 
             self.group.broadcast(buffer.cpu(), 0).wait()
-            reports = gather_reports(self.group, report_tensor(0, 0.0))[1:]
+            reports = gather_reports(self.group, report_tensor(0))[1:]
             first = reports[0]
             for other in reports[1:]:
                 if not torch.equal(other, first):
                     raise EngineError(f"weight transfer to {self.url}: the server's workers received different "
                                       f"buckets ({[r.tolist() for r in reports]})")
-            return int(first[0]), float(first[1])
+            return read_report(first)
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         packed_nccl_broadcast_producer(iterator=iter(views), group=self.group, src=0,
                                        post_iter_func=lambda item: item[1], buffer_size_bytes=self.bucket_bytes,
                                        num_buffers=NCCL_NUM_BUFFERS)
         torch.cuda.current_stream().synchronize()
-        return tensor_checksum(t for _, t in views)
+        return len(views), None
 
     # -- plumbing -------------------------------------------------------------------------
 

@@ -1,0 +1,73 @@
+"""The one check of ``model.path`` every verb makes before any work (``fit``, ``validate``,
+``memory-check``, ``plan``, pre-flight): a local Hugging Face model folder, read without
+loading anything. It lives here, low in the house, because ``plan`` reads the same folder's
+``config.json`` (``shapes.py``) and every floor above may call it.
+
+It must be a folder holding a ``config.json`` (a JSON object naming its ``model_type``) and,
+for the verbs that load the model, a tokenizer (``tokenizer.json``, ``tokenizer_config.json`` or ``tokenizer.model``) and weight
+files (``*.safetensors``, each with a readable header, or ``*.bin``). Anything else is a
+``ConfigError`` naming ``model.path`` and what is missing, so the CLI exits 2 before a config,
+a log or a model is written or loaded. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from atlas_lightning.config import ConfigError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+#: A safetensors header larger than this is not one (the 27B's is about 100 KB).
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+def check_model_folder(path: str | Path, key: str = "model.path", *, loads: bool = True) -> dict:
+    """The folder's ``config.json`` as a dict, once the folder passes the module's checks;
+    ``ConfigError`` naming ``key``, the folder and the file otherwise. ``loads=False`` (``plan``,
+    which reads the shape alone and may run before the weights are fetched) checks the folder
+    and its ``config.json`` only."""
+    folder = Path(str(path)).expanduser()
+    where = f"{key}={path}"
+    if not folder.exists():
+        raise ConfigError(f"{where}: no such folder (a local Hugging Face model folder is needed; "
+                          f"nothing is downloaded at run time)")
+    if not folder.is_dir():
+        raise ConfigError(f"{where}: not a folder")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{where}: no config.json there (not a Hugging Face model folder)")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{where}: {config_file.name} is not readable JSON ({err})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ConfigError(f"{where}: {config_file.name} is not a model config (no model_type)")
+    if not loads:
+        return config
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{where}: no tokenizer ({', '.join(TOKENIZER_FILES)})")
+    weights = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+    if not weights:
+        raise ConfigError(f"{where}: no weight files (*.safetensors or *.bin)")
+    for file in weights:
+        if file.suffix == ".safetensors":
+            _check_safetensors_header(file, where)
+    return config
+
+
+def _check_safetensors_header(file: Path, where: str) -> None:
+    """The header parses and every tensor's data lies inside the file (a truncated copy fails)."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if not 0 < length <= min(_MAX_HEADER_BYTES, max(size - 8, 0)):
+                raise ValueError(f"header length {length} in a file of {size} bytes")
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{where}: {file.name} is not a readable safetensors file ({err})") from None
+    end = max((entry["data_offsets"][1] for name, entry in header.items()
+               if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry), default=0)
+    if 8 + length + end > size:
+        raise ConfigError(f"{where}: {file.name} is truncated ({size} bytes, its header needs {8 + length + end})")

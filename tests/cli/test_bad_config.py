@@ -1,0 +1,192 @@
+"""Bad config values are refused before any work, naming the key (exit 2): non-finite numbers
+anywhere, values out of their range, unknown choices, unsafe names; and a model folder that is
+not one is refused by every verb before it writes a config or a log."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import typing
+
+import pytest
+from omegaconf import OmegaConf
+
+from atlas_lightning.cli import main
+from atlas_lightning.config import ConfigError, RootConfig, compose
+from atlas_lightning.constraints import CONSTRAINTS
+
+
+@pytest.mark.parametrize("override, named", [
+    ("reward.cost_per_usd=nan", "reward.cost_per_usd=nan: must be a finite number"),
+    ("reward.cost_per_usd=inf", "reward.cost_per_usd=inf: must be a finite number"),
+    ("reward.cost_per_usd=-0.1", "reward.cost_per_usd"),
+    ("reward.cost_per_usd=1e300", "reward.cost_per_usd"),
+    ("reward.no_submit_reward=-inf", "reward.no_submit_reward"),
+    ("algorithm.clip_ratio_low=nan", "algorithm.clip_ratio_low"),
+    ("algorithm.clip_ratio_low=1.0", "algorithm.clip_ratio_low"),
+    ("algorithm.clip_ratio_c=1.0", "algorithm.clip_ratio_c"),
+    ("algorithm.actor_lr=-0.001", "algorithm.actor_lr=-0.001: must be within (0, 1]"),
+    ("algorithm.critic_lr=0", "algorithm.critic_lr"),
+    ("algorithm.critic_lr=inf", "algorithm.critic_lr"),
+    ("algorithm.betas=[0.9]", "algorithm.betas=[0.9]: must hold exactly 2 values"),
+    ("algorithm.betas=[0.9,1.0]", "algorithm.betas"),
+    ("algorithm.betas=[0.9,nan]", "algorithm.betas[1]=nan"),
+    ("algorithm.gamma=1.5", "algorithm.gamma"),
+    ("algorithm.grad_clip=0", "algorithm.grad_clip"),
+    ("algorithm.entropy_coeff=nan", "algorithm.entropy_coeff"),
+    ("algorithm.weight_decay=-1", "algorithm.weight_decay"),
+    ("algorithm.critic_warmup=-1", "algorithm.critic_warmup"),
+    ("rollout.top_p=1.5", "rollout.top_p=1.5: must be within (0, 1]"),
+    ("rollout.top_p=0", "rollout.top_p"),
+    ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization"),
+    ("rollout.temperature=0", "rollout.temperature"),
+    ("rollout.val_temperature=-1", "rollout.val_temperature"),
+    ("rollout.top_k=-2", "rollout.top_k"),
+    ("rollout.request_timeout_s=nan", "rollout.request_timeout_s"),
+    ("rollout.max_logprob_gap=0", "rollout.max_logprob_gap"),
+    ("rollout.logprob_gap_factor=0.5", "rollout.logprob_gap_factor"),
+    ("rollout.max_explores=65", "rollout.max_explores"),
+    ("rollout.server_url=localhost:8000", "rollout.server_url"),
+    ("model.lora.dropout=1.5", "model.lora.dropout=1.5: must be within [0, 1)"),
+    ("model.lora.dropout=1.0", "model.lora.dropout"),
+    ("model.lora.rank=0", "model.lora.rank"),
+    ("model.lora.target_modules=[]", "model.lora.target_modules"),
+    ("model.lora.target_modules=[q_proj,q_proj]", "model.lora.target_modules"),
+    ("model.lora.target_modules='q proj'", "model.lora.target_modules"),
+    ("model.checkpoint_layers=-1", "model.checkpoint_layers"),
+    ("model.sequence_layout=ragged", "model.sequence_layout"),
+    ("data.benchmarks=[mmlu]", "data.benchmarks=['mmlu']: item 0 ('mmlu') is not one of gpqa, lcb"),
+    ("data.benchmarks=[]", "data.benchmarks"),
+    ("data.benchmarks=[gpqa,gpqa]", "data.benchmarks"),
+    ("data.train_split=../train", "data.train_split"),
+    ("data.val_max_questions=0", "data.val_max_questions"),
+    ("seed=-1", "seed"),
+    ("name=../../x", "name="),
+    ("name=a/b", "name="),
+    ("name=..", "name="),
+    ("name=.hidden", "name="),
+    ("name=''", "name="),
+    ("trainer.val_every=-1", "trainer.val_every"),
+    ("trainer.precision=fp8", "trainer.precision"),
+    ("hub.repo_id=noslash", "hub.repo_id"),
+    ("+callbacks.timer.duration=nan", "callbacks.timer.duration=nan"),
+])
+def test_bad_values_are_refused_naming_the_key(override, named):
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        compose(["experiment=tiny-cpu", override])
+
+
+@pytest.mark.parametrize("override", ["reward.cost_per_usd=nan", "rollout.top_p=1.5", "name=../../x",
+                                      "algorithm.betas=[0.9]"])
+def test_the_cli_exits_2_and_writes_nothing(override, tmp_path, capsys):
+    assert main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path}", override]) == 2
+    assert override.split("=")[0] in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_every_report_run_passes_its_rules():
+    for experiment in ("r28-continued-cost-8gpu-n32", "r28-base-cost-2gpu", "tiny-cpu",
+                       "r28-continued-cost-8gpu-t49152-n16-separate4-4-memory"):
+        compose([f"experiment={experiment}"])
+
+
+def _numeric_leaves(cls, prefix=""):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(kind):
+            yield from _numeric_leaves(kind, key + ".")
+            continue
+        args = set(typing.get_args(kind)) - {type(None)}
+        inner = args | {kind}
+        if inner & {int, float} or any(typing.get_args(a) and set(typing.get_args(a)) & {int, float} for a in inner):
+            yield key
+
+
+def test_every_numeric_key_of_the_schema_has_a_rule():
+    numeric = set(_numeric_leaves(RootConfig))
+    assert numeric, "the walk found no numeric field"
+    missing = sorted(numeric - set(CONSTRAINTS))
+    assert not missing, f"numeric config keys without a rule in constraints.py: {missing}"
+
+
+def test_every_rule_names_a_key_of_the_schema():
+    schema = OmegaConf.structured(RootConfig)
+    absent = [key for key in CONSTRAINTS if OmegaConf.select(schema, key, default="<absent>") == "<absent>"]
+    assert not absent
+
+
+# -- the model folder ------------------------------------------------------------------------
+
+
+def _model_folder(tmp_path, **drop):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (folder / "tokenizer.json").write_text("{}")
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
+    for name in drop:
+        (folder / name.replace("_", ".")).unlink()
+    return folder
+
+
+_FOLDER_DAMAGE = [("missing", "no such folder"), ("no_config", "no config.json"),
+                  ("bad_config", "config.json is not readable JSON")]
+_WEIGHTS_DAMAGE = [("no_tokenizer", "no tokenizer"), ("no_weights", "no weight files"),
+                   ("truncated", "model.safetensors is truncated")]
+
+
+# plan reads config.json alone (it may run before the weights are fetched)
+@pytest.mark.parametrize("verb, damage, message",
+                         [(v, d, m) for v in ("fit", "validate", "memory-check", "plan") for d, m in _FOLDER_DAMAGE]
+                         + [(v, d, m) for v in ("fit", "validate", "memory-check") for d, m in _WEIGHTS_DAMAGE])
+def test_every_verb_refuses_a_bad_model_folder_before_writing(verb, damage, message, tmp_path, capsys):
+    root = tmp_path / "root"
+    if damage == "missing":
+        path = tmp_path / "no-such-model"
+    else:
+        path = _model_folder(tmp_path)
+        if damage == "no_config":
+            (path / "config.json").unlink()
+        elif damage == "bad_config":
+            (path / "config.json").write_text("{not json")
+        elif damage == "no_tokenizer":
+            (path / "tokenizer.json").unlink()
+        elif damage == "no_weights":
+            (path / "model.safetensors").unlink()
+        else:
+            data = (path / "model.safetensors").read_bytes()
+            (path / "model.safetensors").write_bytes(data[:-4])
+    code = main([verb, "experiment=tiny-cpu", f"paths.root={root}", f"model.path={path}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "model.path=" in err and message in err
+    assert not root.exists() or not any(root.rglob("*"))  # no config, no log
+
+
+def test_a_bad_question_file_exits_2_before_anything_is_written(tmp_path, sample_data_dir, capsys):
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "data"
+    shutil.copytree(sample_data_dir, data)
+    table = pq.read_table(data / "gpqa" / "val_full.parquet").to_pylist()
+    table[5]["ground_truth"] = "H"
+    pq.write_table(__import__("pyarrow").Table.from_pylist(table), data / "gpqa" / "val_full.parquet")
+    root = tmp_path / "root"
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}", f"model.path={_model_folder(tmp_path)}",
+                 f"data.root={data}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "gpqa/val_full.parquet row 5 " in err and "field ground_truth: 'H' is not one of" in err
+    assert not root.exists()
+
+
+def test_a_paths_root_that_is_a_file_exits_2(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path / 'afile' / 'below'}",
+                 f"model.path={_model_folder(tmp_path)}"])
+    assert code == 2 and "is not a folder" in capsys.readouterr().err

@@ -1,0 +1,130 @@
+"""The weight digests are exact: any bit, any swap, any missing tensor shows and is named; the
+engine-side form is computed without touching the trainer's tensors; the weight-sync check
+compares what came back with what was sent (CPU, no engine)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from atlas_lightning.callbacks.weight_sync import WeightSyncCallback, WeightSyncError
+from atlas_lightning.rollout.digest import (
+    WeightDigest,
+    bucket_digest,
+    canonical_module,
+    digest_named,
+    held_form,
+    lora_digest,
+    lora_modules,
+    tensor_sha256,
+)
+from atlas_lightning.rollout.engine import SyncReport
+
+
+def _modules(seed=0, layers=3):
+    g = torch.Generator().manual_seed(seed)
+    return {f"base_model.model.model.layers.{i}.self_attn.q_proj": (torch.randn(4, 16, generator=g),
+                                                                   torch.randn(16, 4, generator=g) * 1e-6, 2.0)
+            for i in range(layers)}
+
+
+def test_tensor_sha256_is_the_sha256_of_dtype_shape_and_bytes():
+    t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    expected = hashlib.sha256(b"bfloat16(2, 3)" + t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    assert tensor_sha256(t) == expected.hexdigest()
+    assert tensor_sha256(t) != tensor_sha256(t.reshape(3, 2)) != tensor_sha256(t.float())
+
+
+def test_one_bit_anywhere_changes_the_digest_and_is_named():
+    modules = _modules()
+    sent = lora_digest(modules)
+    name = "base_model.model.model.layers.2.self_attn.q_proj"
+    a, b, s = modules[name]
+    flipped = b.clone()
+    flipped.view(torch.int32).view(-1)[7] ^= 1  # the last bit of one element of a 1e-6-sized factor
+    held = lora_digest({**modules, name: (a, flipped, s)})
+    assert held.total != sent.total
+    assert sent.differences(held) == ["layers.2.self_attn.q_proj.lora_B differs"]
+
+
+def test_swapped_layers_and_missing_tensors_are_named():
+    modules = _modules()
+    names = list(modules)
+    swapped = dict(modules)
+    swapped[names[0]], swapped[names[1]] = modules[names[1]], modules[names[0]]
+    sent, held = lora_digest(modules), lora_digest(swapped)
+    assert sum(map(float, [t.double().sum() for p in modules.values() for t in p[:2]])) == pytest.approx(
+        sum(map(float, [t.double().sum() for p in swapped.values() for t in p[:2]])))  # a sum cannot see it
+    assert sent.differences(held) == [f"layers.{i}.self_attn.q_proj.lora_{f} differs" for i in (0, 1) for f in "AB"]
+    dropped = WeightDigest({k: v for k, v in sent.entries.items() if not k.endswith("layers.1.self_attn.q_proj.lora_B")})
+    assert sent.differences(dropped) == ["layers.1.self_attn.q_proj.lora_B is missing"]
+
+
+def test_held_form_is_vllms_and_leaves_the_trainers_tensors_alone():
+    a, b = torch.randn(4, 16), torch.randn(16, 4)
+    before = b.clone()
+    a_held, b_held = held_form(a, b, 2.0, torch.float32)
+    assert torch.equal(b, before)  # no in-place change of the trainer's tensor
+    assert torch.equal(b_held, before * 2.0) and torch.equal(a_held, a)
+    a16, b16 = held_form(a, b, 2.0, torch.bfloat16)
+    reference = b.to(torch.bfloat16)
+    reference *= 2.0
+    assert torch.equal(b16, reference) and a16.dtype == torch.bfloat16
+
+
+def test_names_agree_between_peft_and_vllm():
+    assert canonical_module("base_model.model.model.layers.3.mlp.down_proj") == "layers.3.mlp.down_proj"
+    assert canonical_module("model.layers.3.mlp.down_proj") == "layers.3.mlp.down_proj"
+    assert canonical_module("language_model.model.layers.3.mlp.down_proj") == "layers.3.mlp.down_proj"
+    assert canonical_module("base_model.model.lm_head") == "lm_head"
+
+
+def test_lora_modules_refuses_a_factor_without_its_partner():
+    state = {"m.layers.0.q.lora_A.weight": torch.zeros(1), "m.layers.0.q.lora_B.weight": torch.zeros(1),
+             "m.layers.1.q.lora_A.weight": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"m\.layers\.1\.q\.lora_B\.weight is missing"):
+        lora_modules(state, 2.0)
+
+
+# -- the callback's comparison -------------------------------------------------------------------
+
+
+def _buckets(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [[(f"w{i}.{j}", torch.randn(8, generator=g)) for j in range(3)] for i in range(2)]
+
+
+def test_buckets_received_as_sent_pass_and_a_changed_one_is_named():
+    buckets = _buckets(0)
+    sent = WeightDigest({f"bucket{i}": bucket_digest(b) for i, b in enumerate(buckets)})
+    report = SyncReport(tensor_count=6, digest=WeightDigest(dict(sent.entries)), form={"kind": "buckets"},
+                        held="received by the server's workers")
+    WeightSyncCallback._check_held(sent, report, 3, sent_tensors=6)
+    buckets[1][2][1][0] += 1e-7
+    report.digest = WeightDigest({f"bucket{i}": bucket_digest(b) for i, b in enumerate(buckets)})
+    with pytest.raises(WeightSyncError, match=r"v3: what the engine holds \(received by the server's workers\) is "
+                                              r"not what the trainer sent: bucket1 differs"):
+        WeightSyncCallback._check_held(sent, report, 3, sent_tensors=6)
+    with pytest.raises(WeightSyncError, match="the engine took 5 tensors"):
+        WeightSyncCallback._check_held(sent, SyncReport(tensor_count=5, digest=sent, form={"kind": "buckets"}), 3,
+                                       sent_tensors=6)
+
+
+def test_an_engine_in_another_dtype_is_compared_in_its_dtype():
+    modules = _modules()
+    held = lora_digest(modules, dtype=torch.bfloat16, scale_b=True)
+    report = SyncReport(tensor_count=len(held), digest=held, form={"kind": "lora", "dtype": "bfloat16", "scale_b": True})
+    WeightSyncCallback._check_held(modules, report, 1)
+    unscaled = lora_digest(modules, dtype=torch.bfloat16, scale_b=False)
+    report.digest = unscaled  # an engine that did not apply the scaling it says it did
+    with pytest.raises(WeightSyncError, match="lora_B differs"):
+        WeightSyncCallback._check_held(modules, report, 1)
+
+
+def test_merged_tensors_digest_by_name():
+    named = [("a", torch.ones(2)), ("b", torch.zeros(3))]
+    assert digest_named(named).entries == {"a": tensor_sha256(torch.ones(2)), "b": tensor_sha256(torch.zeros(3))}
+    with pytest.raises(ValueError, match="names given twice"):
+        digest_named(named + [("a", torch.ones(2))])

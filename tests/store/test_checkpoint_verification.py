@@ -1,0 +1,242 @@
+"""Checkpoints are verified against their own ``checkpoint.json`` (file list, sizes, sha256)
+before a run resumes from or starts from them; ``trainer.resume=auto`` falls back to the newest
+one that verifies and says so; a resume onto another base or other LoRA target modules is
+refused naming the key and the checkpoint, before Lightning loads anything."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from atlas_lightning.config import ConfigError, compose
+from atlas_lightning.store.checkpoints import (
+    MARKER,
+    CheckpointError,
+    latest_verified,
+    verify_checkpoint,
+    write_marker,
+)
+
+
+def _checkpoint(root, step, *, adapters=None, state=b"lightning state " * 64):
+    """``root/global_step_<step>`` as the checkpoint callback lays it out, marker last."""
+    folder = root / f"global_step_{step}"
+    for role in ("actor", "critic"):
+        target = folder / role / "lora_adapter"
+        if adapters is not None:
+            from atlas_lightning.models.adapters import save_adapter
+
+            save_adapter(adapters, role, target)
+        else:
+            target.mkdir(parents=True)
+            (target / "adapter_config.json").write_text(json.dumps({"r": 4, "role": role}))
+            (target / "adapter_model.safetensors").write_bytes(bytes(range(256)) * (step + 1))
+    (folder / "lightning").mkdir(parents=True)
+    (folder / "lightning" / "state.ckpt").write_bytes(state)
+    (folder / "val_dumps").mkdir()
+    (folder / "val_dumps" / f"{step}.jsonl").write_text("{}\n")  # validation's, not the checkpoint's
+    write_marker(folder, step)
+    return folder
+
+
+def test_an_intact_checkpoint_verifies(tmp_path):
+    folder = _checkpoint(tmp_path, 3)
+    marker = verify_checkpoint(folder)
+    assert marker["global_step"] == 3
+    assert sorted(marker["files"]) == ["actor/lora_adapter/adapter_config.json",
+                                       "actor/lora_adapter/adapter_model.safetensors",
+                                       "critic/lora_adapter/adapter_config.json",
+                                       "critic/lora_adapter/adapter_model.safetensors", "lightning/state.ckpt"]
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("no_marker", "no checkpoint.json (not a complete checkpoint"),
+    ("marker_garbage", "checkpoint.json is not readable JSON"),
+    ("marker_no_files", "checkpoint.json is damaged"),
+    ("marker_other_step", "checkpoint.json says global_step=4, the folder is step 3"),
+    ("state_missing", "lightning/state.ckpt is missing (checkpoint.json lists it)"),
+    ("state_truncated", "lightning/state.ckpt has 100 bytes, checkpoint.json says 1024 (truncated or replaced)"),
+    ("state_flipped", "lightning/state.ckpt does not match its sha256 in checkpoint.json (damaged)"),
+    ("adapter_flipped", "critic/lora_adapter/adapter_model.safetensors does not match its sha256"),
+    ("extra_file", "actor/lora_adapter/stray.bin is not listed in checkpoint.json"),
+    ("marker_escapes", "checkpoint.json lists '../../outside', which is not a path inside the folder"),
+])
+def test_damage_is_refused_naming_folder_and_file(tmp_path, damage, message):
+    folder = _checkpoint(tmp_path, 3)
+    marker = json.loads((folder / MARKER).read_text())
+    state = folder / "lightning" / "state.ckpt"
+    if damage == "no_marker":
+        (folder / MARKER).unlink()
+    elif damage == "marker_garbage":
+        (folder / MARKER).write_text("{\"global_step\": 3, \"files\": {")
+    elif damage == "marker_no_files":
+        (folder / MARKER).write_text(json.dumps({"global_step": 3, "files": {"x": 1}}))
+    elif damage == "marker_other_step":
+        (folder / MARKER).write_text(json.dumps({**marker, "global_step": 4}))
+    elif damage == "state_missing":
+        state.unlink()
+    elif damage == "state_truncated":
+        state.write_bytes(state.read_bytes()[:100])
+    elif damage == "state_flipped":
+        data = bytearray(state.read_bytes())
+        data[500] ^= 1
+        state.write_bytes(bytes(data))
+    elif damage == "adapter_flipped":
+        path = folder / "critic" / "lora_adapter" / "adapter_model.safetensors"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x80
+        path.write_bytes(bytes(data))
+    elif damage == "marker_escapes":
+        marker["files"]["../../outside"] = {"bytes": 1, "sha256": "0" * 64}
+        (folder / MARKER).write_text(json.dumps(marker))
+    else:
+        (folder / "actor" / "lora_adapter" / "stray.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointError) as info:
+        verify_checkpoint(folder)
+    assert str(info.value).startswith(f"{folder}: ") and message in str(info.value)
+
+
+def test_sizes_alone_miss_a_flipped_byte_that_hashes_catch(tmp_path):
+    folder = _checkpoint(tmp_path, 3)
+    state = folder / "lightning" / "state.ckpt"
+    data = bytearray(state.read_bytes())
+    data[0] ^= 1
+    state.write_bytes(bytes(data))
+    verify_checkpoint(folder, hashes=False)
+    with pytest.raises(CheckpointError, match="sha256"):
+        verify_checkpoint(folder)
+
+
+def test_latest_verified_skips_damaged_and_unfinished_folders(tmp_path):
+    for step in (2, 4, 6):
+        _checkpoint(tmp_path, step)
+    (tmp_path / "global_step_6" / "lightning" / "state.ckpt").write_bytes(b"short")
+    (tmp_path / "global_step_8" / "val_dumps").mkdir(parents=True)  # validation only, no marker
+    folder, refusals = latest_verified(tmp_path)
+    assert folder == tmp_path / "global_step_4"
+    assert len(refusals) == 1 and "global_step_6: lightning/state.ckpt has 5 bytes" in refusals[0]
+    assert latest_verified(tmp_path, before_step=4) == (tmp_path / "global_step_2", [])
+
+
+# -- the run's starting point ----------------------------------------------------------------------
+
+
+def _model_folder(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (folder / "tokenizer.json").write_text("{}")
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
+    return folder
+
+
+@pytest.fixture
+def cfg_of(tmp_path, sample_data_dir):
+    def make(*overrides):
+        model = tmp_path / "model" if (tmp_path / "model").exists() else _model_folder(tmp_path)
+        return compose(["experiment=tiny-cpu", f"paths.root={tmp_path}", "name=run", f"model.path={model}",
+                        f"data.root={sample_data_dir}", *overrides])
+    return make
+
+
+def test_resume_auto_falls_back_to_the_newest_checkpoint_that_verifies_and_says_so(tmp_path, cfg_of):
+    from atlas_lightning.run.wiring import check_inputs
+
+    checkpoints = tmp_path / "checkpoints" / "run"
+    for step in (5, 10):
+        _checkpoint(checkpoints, step)
+    (checkpoints / "global_step_10" / "lightning" / "state.ckpt").unlink()
+    start = check_inputs(cfg_of("trainer.resume=auto"))
+    assert start.resume == checkpoints / "global_step_5"
+    assert start.state == str(checkpoints / "global_step_5" / "lightning" / "state.ckpt")
+    assert start.notes[0].startswith(f"trainer.resume=auto: skipped {checkpoints / 'global_step_10'}: "
+                                     f"lightning/state.ckpt is missing")
+    assert start.notes[-1] == f"trainer.resume=auto: resuming from {checkpoints / 'global_step_5'} (verified)"
+
+
+def test_resume_auto_refuses_when_no_checkpoint_verifies(tmp_path, cfg_of):
+    from atlas_lightning.run.wiring import check_inputs
+
+    checkpoints = tmp_path / "checkpoints" / "run"
+    (_checkpoint(checkpoints, 5) / "lightning" / "state.ckpt").write_bytes(b"")
+    with pytest.raises(ConfigError, match="trainer.resume=auto: no checkpoint of this run verifies"):
+        check_inputs(cfg_of("trainer.resume=auto"))
+    assert check_inputs(cfg_of("name=other", "trainer.resume=auto")).resume is None  # nothing to resume
+
+
+def test_an_explicit_resume_or_init_from_must_verify(tmp_path, cfg_of):
+    from atlas_lightning.run.wiring import check_inputs
+
+    folder = _checkpoint(tmp_path / "elsewhere", 7)
+    (folder / "actor" / "lora_adapter" / "adapter_model.safetensors").write_bytes(b"\0" * 10)
+    with pytest.raises(ConfigError, match=rf"trainer.resume={folder}: {folder}: actor/lora_adapter/adapter_model"):
+        check_inputs(cfg_of(f"trainer.resume={folder}"))
+    with pytest.raises(ConfigError, match=rf"trainer.init_from={folder}: .*actor/lora_adapter/adapter_model"):
+        check_inputs(cfg_of(f"trainer.init_from={folder}"))
+
+
+def test_init_from_needs_a_complete_checkpoint_as_resume_does(tmp_path, cfg_of):
+    from atlas_lightning.run.wiring import check_inputs
+
+    folder = _checkpoint(tmp_path / "elsewhere", 7)
+    (folder / MARKER).unlink()
+    with pytest.raises(ConfigError, match=r"trainer.init_from=.*no checkpoint.json \(not a complete checkpoint"):
+        check_inputs(cfg_of(f"trainer.init_from={folder}"))
+
+
+def test_init_from_with_the_actor_alone_checks_the_actor_alone(tmp_path, cfg_of):
+    from atlas_lightning.run.wiring import check_inputs
+
+    folder = _checkpoint(tmp_path / "elsewhere", 7)
+    (folder / "critic" / "lora_adapter" / "adapter_model.safetensors").write_bytes(b"\0")
+    with pytest.raises(ConfigError, match="critic/lora_adapter"):
+        check_inputs(cfg_of(f"trainer.init_from={folder}"))
+    check_inputs(cfg_of(f"trainer.init_from={folder}", "trainer.init_critic=false"))
+
+
+# -- resuming this run's model from a checkpoint of another ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_checkpoint(qwen3_base, tmp_path_factory):
+    from atlas_lightning.models.actor_critic import ActorCritic
+    from tests.conftest import randomize_adapters
+
+    model = ActorCritic(qwen3_base, {"rank": 4, "alpha": 8})
+    randomize_adapters(model)
+    return _checkpoint(tmp_path_factory.mktemp("ckpt"), 3, adapters=model)
+
+
+def _module(tmp_path, base, checkpoint, *overrides):
+    from atlas_lightning.ppo.module import PPOModule
+
+    cfg = compose(["experiment=tiny-cpu", f"paths.root={tmp_path}", f"model.path={base}", "model.lora.rank=4",
+                   "model.lora.alpha=8", "model.logprob_chunk_tokens=4", *overrides])
+    return PPOModule(cfg, resume_from=checkpoint)
+
+
+def test_resume_onto_another_base_of_the_same_shapes_is_refused(trained_checkpoint, tmp_path):
+    from atlas_lightning.demo.tiny_causal_lm import save_tiny_causal_lm
+
+    sibling = save_tiny_causal_lm(tmp_path / "sibling", seed=5)  # same architecture and shapes, other weights
+    module = _module(tmp_path, sibling, trained_checkpoint)
+    with pytest.raises(ConfigError, match=rf"trainer.resume={trained_checkpoint}: .*fingerprint: .*same shapes, "
+                                          r"different weights"):
+        module.configure_model()
+
+
+def test_resume_with_other_target_modules_is_refused_naming_the_key(trained_checkpoint, qwen3_base, tmp_path):
+    module = _module(tmp_path, qwen3_base, trained_checkpoint, "model.lora.target_modules=[q_proj,v_proj]")
+    with pytest.raises(ConfigError) as info:
+        module.configure_model()
+    message = str(info.value)
+    assert message.startswith(f"trainer.resume={trained_checkpoint}: ")
+    assert "target_modules differ from this run's model.lora.target_modules" in message
+
+
+def test_resume_onto_the_same_base_and_settings_passes(trained_checkpoint, qwen3_base, tmp_path):
+    module = _module(tmp_path, qwen3_base, trained_checkpoint)
+    module.configure_model()
+    assert module.model is not None
