@@ -40,14 +40,18 @@ Attention and sequence boundaries (what transformers 5.19 does, checked in its s
   on an H200 (torch 2.11) for a 49,152-token row of 12 sequences, a forward's peak was
   11.4 GiB with ``sdpa`` and 0.3 GiB with ``flex_attention`` (tiny model, so the mask is
   all of it), both exact at sequence boundaries (fp32, 7e-6).
-* ``padded`` layout (default for models with recurrent layers, ``_is_stateful`` in
-  transformers, e.g. Qwen3.5/3.6's Gated DeltaNet linear attention): in transformers 5.19 the
-  torch fallbacks of ``causal_conv1d_fn`` and ``chunk_gated_delta_rule`` ignore sequence
-  boundaries, so a packed row would leak conv and recurrent state from one sequence into the
-  next (measured: 4e-2 logit error on a tiny Qwen3.5). The batch is therefore run right-padded
-  ``(n, max_len)`` with an attention mask, exact by causality (padding only follows real
-  tokens), at the cost of padding compute. ``sequence_layout="packed"`` on such a model is
-  refused.
+* models with recurrent layers (``_is_stateful`` in transformers, e.g. Qwen3.5/3.6's Gated
+  DeltaNet linear attention) are packed too: transformers' own layer would leak conv and
+  recurrent state from one sequence into the next in a packed row (measured: 4e-2 logit error
+  on a tiny Qwen3.5), so each such layer gets ``linear_attention.py``'s forward, which reads
+  the boundaries (``attention.SEQ_LENS_KWARG`` and ``linear_attention.CU_SEQLENS_KWARG``) and
+  runs the conv and the delta rule per sequence: with flash-linear-attention's varlen kernels
+  (``linear_attention_kernel="fla"``) or transformers' reference code (``"torch"``); ``"auto"``
+  takes fla where it imports on a GPU (``linear_kernels.py``). ``self.linear_attention_kernel``
+  says which ran (None for a model without such layers).
+* ``padded`` layout (on request): right-padded ``(n, max_len)`` rows with an attention mask,
+  exact by causality (padding only follows real tokens), at the cost of padding compute;
+  the layers run transformers' own forward.
 
 Speed paths (issue 9; ``bench/README.md`` has the measurements):
 
@@ -59,10 +63,13 @@ Speed paths (issue 9; ``bench/README.md`` has the measurements):
 * ``checkpoint_layers=k``: with gradient checkpointing on, only the first ``k`` decoder
   layers are recomputed in the backward (``None``: all of them); the others keep their
   activations, trading memory for the recomputation time;
+* ``checkpoint_mixers=m``: of the layers after those ``k``, the next ``m`` recompute only their
+  token mixer (attention or Gated DeltaNet, ``recompute.py``): finer than all or nothing;
 * ``lean_activations=True`` (default): RMSNorms that save their input in bf16 rather than
-  fp32 and, in the layers kept out of checkpointing, an MLP tail (activation, product, down
-  projection) replayed in the backward: about half a layer's saved bytes for a quarter of
-  its forward (``lean_activations.py``); forward results unchanged.
+  fp32 and, in the layers kept out of checkpointing, an MLP tail whose product (the down
+  projection's input) is recomputed element-wise in the backward, not saved: about half a
+  layer's saved bytes for no GEMM replayed (``lean_activations.py``,
+  ``recompute.SwiGLUDownFunction``); forward results unchanged.
 
 Who calls it: the PPO module (forward passes, optimizers over the two parameter lists),
 ``sharding.shard`` (FSDP2), ``adapters`` and ``weights`` (export/import).
@@ -83,6 +90,9 @@ from .adapter_switch import checkpoint_keeping_adapter, selected_adapter, tuner_
 from .checkpoint_names import name_map
 from .fused_lora import install_fused_lora
 from .lean_activations import install_lean_activations
+from .linear_attention import CU_SEQLENS_KWARG, install_packed_linear_attention, linear_attention_modules
+from .linear_kernels import resolve as resolve_linear_kernel
+from .recompute import install_mixer_checkpoints
 from .identity import base_identity
 from .logprobs import token_logprobs_and_entropy
 from .packing import PackedBatch
@@ -162,6 +172,8 @@ class ActorCritic(nn.Module):
         fused_lora: bool = True,
         checkpoint_layers: Optional[int] = None,
         lean_activations: bool = True,
+        linear_attention_kernel: str = "auto",
+        checkpoint_mixers: int = 0,
     ) -> None:
         """``base_path``: a local Hugging Face folder, or an already built transformers causal LM
         (benchmarks build random ones in place; it is used as given: ``dtype``, ``device`` and
@@ -220,6 +232,12 @@ class ActorCritic(nn.Module):
 
         if fused_lora:
             install_fused_lora(self._tuner_layers)
+        #: ``fla`` or ``torch`` on a model with Gated DeltaNet layers (``linear_kernels.py``), else None.
+        self.linear_attention_kernel = None
+        if linear_attention_modules(self.decoder_layers()):
+            on = next(base.parameters()).device.type
+            self.linear_attention_kernel = resolve_linear_kernel(linear_attention_kernel, on)
+            install_packed_linear_attention(self.decoder_layers(), self.linear_attention_kernel)
         #: Decoder layers recomputed in the backward (the first ``k``); 0 without checkpointing.
         self.checkpointed_layers = 0
         if gradient_checkpointing:
@@ -234,6 +252,15 @@ class ActorCritic(nn.Module):
             self.checkpointed_layers = count
         elif checkpoint_layers is not None:
             raise ValueError(f"checkpoint_layers={checkpoint_layers} needs gradient_checkpointing=True")
+        #: Layers after the checkpointed ones whose token mixer alone is recomputed (``recompute.py``).
+        self.checkpointed_mixers = int(checkpoint_mixers)
+        if checkpoint_mixers:
+            layers = self.decoder_layers()
+            start = self.checkpointed_layers
+            if not gradient_checkpointing or not 0 <= checkpoint_mixers <= len(layers) - start:
+                raise ValueError(f"checkpoint_mixers={checkpoint_mixers} needs gradient_checkpointing=True and at most "
+                                 f"{len(layers) - start} layers (those after the {start} checkpointed whole)")
+            install_mixer_checkpoints(layers, range(start, start + checkpoint_mixers))
         if lean_activations:
             layers = self.decoder_layers()
             # MLP tails are replayed only in layers that checkpointing does not replay whole
@@ -260,6 +287,7 @@ class ActorCritic(nn.Module):
             fused_lora=model_cfg.fused_lora,
             checkpoint_layers=model_cfg.checkpoint_layers,
             lean_activations=model_cfg.lean_activations,
+            linear_attention_kernel=model_cfg.linear_attention_kernel,
             init_seed=init_seed,
             device=device,
         )
@@ -303,15 +331,8 @@ class ActorCritic(nn.Module):
 
     @staticmethod
     def _choose_layout(base: nn.Module, requested: str) -> str:
-        recurrent = bool(getattr(base, "_is_stateful", False))
-        if requested == "packed" and recurrent:
-            raise ValueError(
-                f"sequence_layout='packed' is refused for {type(base).__name__}: it has recurrent (linear-attention) "
-                f"layers whose transformers kernels do not see packed sequence boundaries; use 'padded' or 'auto'"
-            )
-        if requested == "auto":
-            return "padded" if recurrent else "packed"
-        return requested
+        # every layer kind sees packed boundaries (attention.py, linear_attention.py)
+        return "packed" if requested == "auto" else requested
 
     # ------------------------------------------------------------------ passes
     def actor_forward(
@@ -357,7 +378,11 @@ class ActorCritic(nn.Module):
         """``(N, H)`` final (normed) hidden states at ``packed.logit_index``."""
         decoder = self.hf_model.base_model
         if self.sequence_layout == "packed":
-            extra = {attention.SEQ_LENS_KWARG: tuple(packed.seq_lens)} if self.varlen_attention else {}
+            extra = {}
+            if self.varlen_attention or self.linear_attention_kernel:
+                extra[attention.SEQ_LENS_KWARG] = tuple(packed.seq_lens)
+            if self.linear_attention_kernel:
+                extra[CU_SEQLENS_KWARG] = packed.cu_seqlens.to(device=packed.input_ids.device, dtype=torch.long)
             out = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, **extra)
             return out.last_hidden_state[0].index_select(0, packed.logit_index)
         ids, mask, positions, flat_index = packed.padded_layout()
