@@ -63,8 +63,10 @@ Speed paths (issue 9; ``bench/README.md`` has the measurements):
 * ``checkpoint_layers=k``: with gradient checkpointing on, only the first ``k`` decoder
   layers are recomputed in the backward (``None``: all of them); the others keep their
   activations, trading memory for the recomputation time;
-* ``checkpoint_mixers=m``: of the layers after those ``k``, the next ``m`` recompute only their
-  token mixer (attention or Gated DeltaNet, ``recompute.py``): finer than all or nothing;
+* ``layer_recompute``: finer than all or nothing, one policy a decoder layer (overrides
+  ``checkpoint_layers``): ``layer`` (checkpointed whole), ``mixer`` (only the attention or
+  Gated DeltaNet recomputed), ``mlp`` (only the MLP's gate and up projections recomputed) or
+  ``none`` (``recompute.py``);
 * ``lean_activations=True`` (default): RMSNorms that save their input in bf16 rather than
   fp32 and, in the layers kept out of checkpointing, an MLP tail whose product (the down
   projection's input) is recomputed element-wise in the backward, not saved: about half a
@@ -80,7 +82,7 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -92,7 +94,7 @@ from .fused_lora import install_fused_lora
 from .lean_activations import install_lean_activations
 from .linear_attention import CU_SEQLENS_KWARG, install_packed_linear_attention, linear_attention_modules
 from .linear_kernels import resolve as resolve_linear_kernel
-from .recompute import install_mixer_checkpoints
+from .recompute import RECOMPUTE, install_mixer_checkpoints, install_mlp_recompute
 from .identity import base_identity
 from .logprobs import token_logprobs_and_entropy
 from .packing import PackedBatch
@@ -173,7 +175,7 @@ class ActorCritic(nn.Module):
         checkpoint_layers: Optional[int] = None,
         lean_activations: bool = True,
         linear_attention_kernel: str = "auto",
-        checkpoint_mixers: int = 0,
+        layer_recompute: Optional[Sequence[str]] = None,
     ) -> None:
         """``base_path``: a local Hugging Face folder, or an already built transformers causal LM
         (benchmarks build random ones in place; it is used as given: ``dtype``, ``device`` and
@@ -238,34 +240,22 @@ class ActorCritic(nn.Module):
             on = next(base.parameters()).device.type
             self.linear_attention_kernel = resolve_linear_kernel(linear_attention_kernel, on)
             install_packed_linear_attention(self.decoder_layers(), self.linear_attention_kernel)
-        #: Decoder layers recomputed in the backward (the first ``k``); 0 without checkpointing.
-        self.checkpointed_layers = 0
+        #: Per decoder layer: ``layer``, ``mixer``, ``mlp`` or ``none`` (``recompute.RECOMPUTE``).
+        self.layer_recompute = self._recompute_plan(gradient_checkpointing, checkpoint_layers, layer_recompute)
+        #: Decoder layers recomputed whole in the backward; 0 without checkpointing.
+        self.checkpointed_layers = self.layer_recompute.count("layer")
+        layers = self.decoder_layers()
         if gradient_checkpointing:
-            layers = self.decoder_layers()
-            count = len(layers) if checkpoint_layers is None else int(checkpoint_layers)
-            if not 0 <= count <= len(layers):
-                raise ValueError(f"checkpoint_layers={checkpoint_layers} must be within 0..{len(layers)} (decoder layers)")
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            for index, layer in enumerate(layers):
+            for layer, policy in zip(layers, self.layer_recompute):
                 layer._gradient_checkpointing_func = checkpoint_keeping_adapter(tuner_layers(layer))
-                layer.gradient_checkpointing = index < count
-            self.checkpointed_layers = count
-        elif checkpoint_layers is not None:
-            raise ValueError(f"checkpoint_layers={checkpoint_layers} needs gradient_checkpointing=True")
-        #: Layers after the checkpointed ones whose token mixer alone is recomputed (``recompute.py``).
-        self.checkpointed_mixers = int(checkpoint_mixers)
-        if checkpoint_mixers:
-            layers = self.decoder_layers()
-            start = self.checkpointed_layers
-            if not gradient_checkpointing or not 0 <= checkpoint_mixers <= len(layers) - start:
-                raise ValueError(f"checkpoint_mixers={checkpoint_mixers} needs gradient_checkpointing=True and at most "
-                                 f"{len(layers) - start} layers (those after the {start} checkpointed whole)")
-            install_mixer_checkpoints(layers, range(start, start + checkpoint_mixers))
+                layer.gradient_checkpointing = policy == "layer"
+            install_mixer_checkpoints(layers, [i for i, p in enumerate(self.layer_recompute) if p == "mixer"])
         if lean_activations:
-            layers = self.decoder_layers()
-            # MLP tails are replayed only in layers that checkpointing does not replay whole
-            tails = [gradient_checkpointing and index >= self.checkpointed_layers for index in range(len(layers))]
+            # MLP tails are lean only where nothing else replays the MLP (a whole-layer checkpoint or policy mlp)
+            tails = [gradient_checkpointing and policy in ("none", "mixer") for policy in self.layer_recompute]
             install_lean_activations(layers, tails)
+        install_mlp_recompute(layers, [i for i, p in enumerate(self.layer_recompute) if p == "mlp"])
         self.train()
 
     @classmethod
@@ -328,6 +318,25 @@ class ActorCritic(nn.Module):
     def critic_parameters(self) -> list[nn.Parameter]:
         """The critic adapter's LoRA parameters and the value head's."""
         return self._adapter_parameters(CRITIC) + list(self.value_head.parameters())
+
+    def _recompute_plan(self, checkpointing: bool, checkpoint_layers: Optional[int],
+                        layer_recompute: Optional[Sequence[str]]) -> list[str]:
+        """One policy a layer from ``checkpoint_layers`` (the first k whole) or ``layer_recompute``."""
+        count = len(self.decoder_layers())
+        if not checkpointing:
+            if checkpoint_layers is not None or layer_recompute is not None:
+                raise ValueError("checkpoint_layers and layer_recompute need gradient_checkpointing=True")
+            return ["none"] * count
+        if layer_recompute is not None:
+            plan = list(layer_recompute)
+            if len(plan) != count or any(p not in RECOMPUTE for p in plan):
+                raise ValueError(f"layer_recompute={plan} must name one of {', '.join(RECOMPUTE)} for each of the "
+                                 f"{count} decoder layers")
+            return plan
+        k = count if checkpoint_layers is None else int(checkpoint_layers)
+        if not 0 <= k <= count:
+            raise ValueError(f"checkpoint_layers={checkpoint_layers} must be within 0..{count} (decoder layers)")
+        return ["layer"] * k + ["none"] * (count - k)
 
     @staticmethod
     def _choose_layout(base: nn.Module, requested: str) -> str:

@@ -1,9 +1,9 @@
-"""Recomputation finer than a decoder layer: the SwiGLU tail without a GEMM replay, and
-checkpoints around a layer's token mixer only.
+"""Recomputation finer than a decoder layer: per layer, ``layer`` (transformers' checkpoint of
+the whole layer), ``mixer``, ``mlp`` or ``none`` (``RECOMPUTE``).
 
 Whole-layer checkpointing keeps 2 bytes x hidden a token and replays the whole layer (for the
 8B shape ~435 MFLOP a token of ~920 useful); an uncheckpointed lean layer keeps ~85 KB a token
-(H200, issue 9). Two finer tools between them:
+(H200, issue 9), two thirds of it the MLP's ``gate(x)`` and ``up(x)``. Finer tools between them:
 
 * ``SwiGLUDownFunction``: ``down(act(g) * u)`` for a LoRA-wrapped (or plain) down projection
   as one autograd function that saves ``g``, ``u`` and the low-rank ``(act(g) * u) A^T``
@@ -18,8 +18,12 @@ Whole-layer checkpointing keeps 2 bytes x hidden a token and replays the whole l
   and replays q/k/v projections, the attention or delta rule and the output projection in the
   backward (~30% of a dense layer's forward FLOPs), while the MLP keeps its activations.
   Only in training mode with gradients on; eval and no-grad passes run the mixer plainly.
+* ``SwiGLUMLPFunction`` (policy ``mlp``): the whole SwiGLU MLP with LoRA on its three
+  projections as one function that saves only its input and the three ``M x r`` low-rank
+  products; the backward recomputes ``gate(x)`` and ``up(x)`` (two GEMMs, ~200 MFLOP a token
+  for the 8B shape) but not the down projection, for ~2 x MLP width x 2 bytes a token less.
 
-Who calls it: ``lean_activations`` (the SwiGLU tail), ``ActorCritic`` (``checkpoint_mixers``).
+Who calls it: ``lean_activations`` (the SwiGLU tail), ``ActorCritic`` (``layer_recompute``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,120 @@ from .adapter_switch import checkpoint_keeping_adapter, tuner_layers
 
 #: Activation modules whose function is ``silu`` (what ``SwiGLUDownFunction`` differentiates).
 SILU_MODULES = ("SiLU", "SiLUActivation")
+#: Per-layer recomputation policies, most memory first (module doc).
+RECOMPUTE = ("none", "mixer", "mlp", "layer")
+
+
+def _lora_linear(x: Tensor, weight: Tensor, a: Optional[Tensor], b: Optional[Tensor], scaling: float):
+    """``(x W^T + s (x A^T) B^T, x A^T)`` as ``fused_lora`` computes them; ``x (M, in)``."""
+    y = F.linear(x, weight.to(x.dtype))
+    xa = None
+    if a is not None:
+        xa = x @ a.to(x.dtype).t()
+        y.addmm_(xa, b.to(x.dtype).t(), alpha=scaling)
+    return y, xa
+
+
+def _lora_linear_backward(grad: Tensor, x: Tensor, xa: Optional[Tensor], weight: Tensor, a, b, scaling: float,
+                          need_a: bool, need_b: bool):
+    """``(dx, dA, dB)`` of ``_lora_linear`` (the formulas of ``fused_lora.LoraLinearFunction``)."""
+    dtype = grad.dtype
+    dx = grad @ weight.to(dtype)
+    da = db = None
+    if a is not None:
+        gxa = (grad @ b.to(dtype)).mul_(scaling)
+        dx.addmm_(gxa, a.to(dtype))
+        if need_a:
+            da = (gxa.t() @ x).to(a.dtype)
+        if need_b:
+            db = (grad.t() @ xa).mul_(scaling).to(b.dtype)
+    return dx, da, db
+
+
+class SwiGLUMLPFunction(torch.autograd.Function):
+    """``down(silu(gate(x)) * up(x))``, each projection ``W`` plus an optional LoRA ``(A, B, s)``
+    (``None`` A/B: plain). Saves ``x`` and the three ``x A^T`` products; the backward recomputes
+    ``gate(x)`` and ``up(x)`` with the forward's ops (same bits), never the down projection."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, wg, ag, bg, wu, au, bu, wd, ad, bd, sg: float, su: float, sd: float) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        gate, ga = _lora_linear(x2, wg, ag, bg, sg)
+        up, ua = _lora_linear(x2, wu, au, bu, su)
+        y, ha = _lora_linear(F.silu(gate) * up, wd, ad, bd, sd)
+        ctx.save_for_backward(x, ga, ua, ha)
+        ctx.params = (wg, ag, bg, wu, au, bu, wd, ad, bd)  # parameters: held on ctx, not as saved activations
+        ctx.scalings = (sg, su, sd)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, ga, ua, ha = ctx.saved_tensors
+        wg, ag, bg, wu, au, bu, wd, ad, bd = ctx.params
+        sg, su, sd = ctx.scalings
+        need = ctx.needs_input_grad
+        x2 = x.reshape(-1, x.shape[-1])
+        grad = grad_out.reshape(-1, grad_out.shape[-1]).to(x.dtype)
+        # the replay this function bounds: gate and up again, exactly as forward computed them
+        gate = F.linear(x2, wg.to(x.dtype))
+        if ag is not None:
+            gate.addmm_(ga, bg.to(x.dtype).t(), alpha=sg)
+        up = F.linear(x2, wu.to(x.dtype))
+        if au is not None:
+            up.addmm_(ua, bu.to(x.dtype).t(), alpha=su)
+        act = F.silu(gate)
+        grad_h, dad, dbd = _lora_linear_backward(grad, act * up, ha, wd, ad, bd, sd, need[8], need[9])
+        del grad
+        grad_up = grad_h * act
+        del act
+        grad_gate = torch.ops.aten.silu_backward(grad_h * up, gate)
+        del grad_h, up, gate
+        dx, dag, dbg = _lora_linear_backward(grad_gate, x2, ga, wg, ag, bg, sg, need[2], need[3])
+        del grad_gate
+        dxu, dau, dbu = _lora_linear_backward(grad_up, x2, ua, wu, au, bu, su, need[5], need[6])
+        dx.add_(dxu)
+        return dx.view(x.shape), None, dag, dbg, None, dau, dbu, None, dad, dbd, None, None, None
+
+
+def _projection(module: nn.Module):
+    """``(W, A, B, scaling)`` of a plain bias-free linear or a LoRA layer with one vanilla adapter
+    active (A, B None when its adapters are off), or None when it is neither."""
+    from .fused_lora import _servable_adapter
+
+    if isinstance(module, nn.Linear) and module.bias is None and not hasattr(module, "lora_A"):
+        return module.weight, None, None, 1.0
+    if not hasattr(module, "lora_A"):
+        return None
+    base = module.get_base_layer()
+    if not isinstance(base, nn.Linear) or base.bias is not None:
+        return None
+    if module.disable_adapters:
+        return base.weight, None, None, 1.0
+    name = _servable_adapter(module)
+    if name is None:
+        return None
+    return base.weight, module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name])
+
+
+def _recomputed_mlp_forward(self, x: Tensor) -> Tensor:
+    parts = [_projection(m) for m in (self.gate_proj, self.up_proj, self.down_proj)]
+    if not (self.training and torch.is_grad_enabled()) or any(p is None for p in parts) \
+            or type(self.act_fn).__name__ not in SILU_MODULES:
+        return type(self).forward(self, x)
+    (wg, ag, bg, sg), (wu, au, bu, su), (wd, ad, bd, sd) = parts
+    return SwiGLUMLPFunction.apply(x, wg, ag, bg, wu, au, bu, wd, ad, bd, sg, su, sd)
+
+
+def install_mlp_recompute(decoder_layers: Sequence[nn.Module], indices: Sequence[int]) -> int:
+    """Policy ``mlp`` for the layers in ``indices``: their SwiGLU MLP runs as
+    ``SwiGLUMLPFunction`` (in training with gradients; otherwise, or for projections it cannot
+    serve, transformers' forward). Returns how many MLPs got it."""
+    for index in indices:
+        mlp = getattr(decoder_layers[index], "mlp", None)
+        if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            raise ValueError(f"decoder layer {index} has no SwiGLU mlp (gate_proj, up_proj, down_proj, act_fn)")
+        mlp.forward = MethodType(_recomputed_mlp_forward, mlp)
+    return len(indices)
 
 
 class SwiGLUDownFunction(torch.autograd.Function):
@@ -45,16 +163,9 @@ class SwiGLUDownFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor, weight: Tensor, lora_a: Optional[Tensor], lora_b: Optional[Tensor],
                 scaling: float) -> Tensor:
-        dtype = gate.dtype
-        h = (F.silu(gate) * up).reshape(-1, gate.shape[-1])
-        y = F.linear(h, weight.to(dtype))
-        ha = None
-        if lora_a is not None:
-            ha = h @ lora_a.to(dtype).t()
-            y.addmm_(ha, lora_b.to(dtype).t(), alpha=scaling)
+        y, ha = _lora_linear((F.silu(gate) * up).reshape(-1, gate.shape[-1]), weight, lora_a, lora_b, scaling)
         ctx.save_for_backward(gate, up, ha)
-        # parameters, not activations: held on ctx so saved-tensor hooks (offload, counting) see activations only
-        ctx.params = (weight, lora_a, lora_b)
+        ctx.params = (weight, lora_a, lora_b)  # parameters: held on ctx, not as saved activations
         ctx.scaling = scaling
         return y.view(*gate.shape[:-1], y.shape[-1])
 
@@ -62,43 +173,26 @@ class SwiGLUDownFunction(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         gate, up, ha = ctx.saved_tensors
         weight, lora_a, lora_b = ctx.params
-        dtype = gate.dtype
-        g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
-        grad_h = g @ weight.to(dtype)
-        grad_a = grad_b = None
-        if lora_a is not None:
-            gha = (g @ lora_b.to(dtype)).mul_(ctx.scaling)
-            grad_h.addmm_(gha, lora_a.to(dtype))
-            if ctx.needs_input_grad[3]:
-                h = (F.silu(gate) * up).reshape(-1, gate.shape[-1])  # the forward's bits again
-                grad_a = (gha.t() @ h).to(lora_a.dtype)
-            if ctx.needs_input_grad[4]:
-                grad_b = (g.t() @ ha).mul_(ctx.scaling).to(lora_b.dtype)
+        act = F.silu(gate)
+        h = (act * up).reshape(-1, gate.shape[-1])  # the forward's bits again, for the LoRA A gradient
+        grad = grad_out.reshape(-1, grad_out.shape[-1]).to(gate.dtype)
+        grad_h, grad_a, grad_b = _lora_linear_backward(grad, h, ha, weight, lora_a, lora_b, ctx.scaling,
+                                                       ctx.needs_input_grad[3], ctx.needs_input_grad[4])
         grad_h = grad_h.view(gate.shape)
-        grad_up = grad_h * F.silu(gate) if ctx.needs_input_grad[1] else None
+        grad_up = grad_h * act if ctx.needs_input_grad[1] else None
         grad_gate = torch.ops.aten.silu_backward(grad_h * up, gate) if ctx.needs_input_grad[0] else None
         return grad_gate, grad_up, None, grad_a, grad_b, None
 
 
 def swiglu_down(mlp: nn.Module, gate: Tensor, up: Tensor) -> Optional[Tensor]:
     """``mlp.down_proj(mlp.act_fn(gate) * up)`` through ``SwiGLUDownFunction``, or None where it
-    does not apply (another activation; a down projection that is not a plain ``nn.Linear`` or
-    a LoRA layer with one vanilla adapter active, or with its adapters switched off)."""
-    from .fused_lora import _servable_adapter
-
-    if type(mlp.act_fn).__name__ not in SILU_MODULES:
+    does not apply (another activation; a down projection that is neither a plain bias-free
+    ``nn.Linear`` nor a LoRA layer with one vanilla adapter active or its adapters off)."""
+    down = _projection(mlp.down_proj)
+    if type(mlp.act_fn).__name__ not in SILU_MODULES or down is None:
         return None
-    down = mlp.down_proj
-    if isinstance(down, nn.Linear) and down.bias is None and not hasattr(down, "lora_A"):
-        return SwiGLUDownFunction.apply(gate, up, down.weight, None, None, 1.0)
-    if not hasattr(down, "lora_A") or down.disable_adapters:
-        return None
-    name = _servable_adapter(down)
-    base = down.get_base_layer()
-    if name is None or base.bias is not None:
-        return None
-    return SwiGLUDownFunction.apply(gate, up, base.weight, down.lora_A[name].weight, down.lora_B[name].weight,
-                                    float(down.scaling[name]))
+    weight, a, b, scaling = down
+    return SwiGLUDownFunction.apply(gate, up, weight, a, b, scaling)
 
 
 def _checkpointed_mixer_forward(self, *args, **kwargs):
