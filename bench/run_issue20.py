@@ -57,13 +57,14 @@ def main() -> int:
 
     steps = [
         ("27b", ["--models", "qwen3_6_27b", "--layers", "qwen3_6_27b=16", "--sweep-layers", "8",
-                 "--sweep", "ours,ours_none,ours_mixer,ours_mlp", "--reps", "1", "--paths", "ours",
-                 "--sections", "peak,update,autotune,profile"], 60, 220),
+                 "--sweep", "ours,ours_none", "--sweep-warmup", "0", "--reps", "1", "--paths", "ours",
+                 "--sections", "peak,update,autotune,profile"], 60, 150),
         ("dense", ["--models", "dense8b", "--sweep-layers", "8", "--sweep", "ours,ours_none,ours_mixer,ours_mlp",
-                   "--sections", "peak,batch,profile", "--batch-sequences", "32", "--batch-cap-gib", "60"], 100, 60),
+                   "--sweep-warmup", "0", "--sections", "peak,batch,profile", "--batch-sequences", "32",
+                   "--batch-cap-gib", "60"], 100, 0),
         ("27b-baseline", ["--models", "qwen3_6_27b", "--layers", "qwen3_6_27b=16", "--sweep-layers", "0",
                           "--reps", "1", "--baseline-warmup", "0", "--paths", "baseline",
-                          "--sections", "peak,update"], 40, 0),
+                          "--sections", "peak,update"], 55, 0),
     ]
     if args.tiny:
         swap = {"qwen3_6_27b": "tiny_hybrid", "dense8b": "tiny", "qwen3_6_27b=16": "tiny_hybrid=4", "8": "2", "32": "4"}

@@ -118,6 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=1024, help="log-prob chunk tokens")
     p.add_argument("--reps", type=int, default=2, help="timed repetitions (after one warm-up)")
     p.add_argument("--sweep-reps", type=int, default=1, help="timed repetitions in the sweep")
+    p.add_argument("--sweep-warmup", type=int, default=1, help="untimed updates before the sweep's timed ones")
     p.add_argument("--baseline-warmup", type=int, default=1,
                    help="untimed baseline updates before the timed ones (0 saves device time; the first update's "
                         "one-time costs then count against the baseline)")
@@ -306,7 +307,7 @@ class Bench:
                     entry.update(self.measure_update(runner, inputs, flops.train_step("critic", seq_lens, scored)
                                                      + flops.train_step("actor", seq_lens, scored),
                                                      f"{name} sweep {option} ({sweep_layers} layers)",
-                                                     reps=self.args.sweep_reps))
+                                                     reps=self.args.sweep_reps, warmup=self.args.sweep_warmup))
                 runner = base = None  # also after a failure, before the next option builds its model
                 measure.free_memory(self.device)
                 self.save()
