@@ -2,7 +2,7 @@
 
 1. the fla correctness test (``tests/models/test_linear_attention.py``): packed fla against
    transformers one sequence at a time; it also pays fla's first autotuning;
-2. the 27B shape (first 16 layers): the option sweep on 8 layers (plan figures beside the
+2. the 27B shape (first 16 layers): the option sweep on 4 layers (plan figures beside the
    measured peaks), our update with the chosen recomputation, the autotune probe (a new
    micro-batch length), a profile of one actor micro-step;
 3. the dense 8B shape: the sweep, then the 32-sequence batch update with its optimizer step,
@@ -56,10 +56,10 @@ def main() -> int:
     from atlas_lightning.bench.cli import main as bench
 
     steps = [
-        ("27b", ["--models", "qwen3_6_27b", "--layers", "qwen3_6_27b=16", "--sweep-layers", "8",
+        ("27b", ["--models", "qwen3_6_27b", "--layers", "qwen3_6_27b=16", "--sweep-layers", "4",
                  "--sweep", "ours,ours_none", "--sweep-warmup", "0", "--reps", "1", "--paths", "ours",
-                 "--sections", "peak,update,autotune,profile"], 60, 150),
-        ("dense", ["--models", "dense8b", "--sweep-layers", "8", "--sweep", "ours,ours_none,ours_mixer,ours_mlp",
+                 "--sections", "peak,update,autotune,profile"], 60, 140),
+        ("dense", ["--models", "dense8b", "--sweep-layers", "4", "--sweep", "ours,ours_none,ours_mixer,ours_mlp",
                    "--sweep-warmup", "0", "--sections", "peak,batch,profile", "--batch-sequences", "32",
                    "--batch-cap-gib", "60"], 100, 0),
         ("27b-baseline", ["--models", "qwen3_6_27b", "--layers", "qwen3_6_27b=16", "--sweep-layers", "0",
@@ -67,7 +67,7 @@ def main() -> int:
                           "--sections", "peak,update"], 55, 0),
     ]
     if args.tiny:
-        swap = {"qwen3_6_27b": "tiny_hybrid", "dense8b": "tiny", "qwen3_6_27b=16": "tiny_hybrid=4", "8": "2", "32": "4"}
+        swap = {"qwen3_6_27b": "tiny_hybrid", "dense8b": "tiny", "qwen3_6_27b=16": "tiny_hybrid=4", "4": "2", "32": "4"}
         steps = [(label, ["--tiny", "--batch-budgets", "1024,800", *[swap.get(a, a) for a in argv]], 0, 0)
                  for label, argv, _, _ in steps]
     # (label, bench arguments, seconds a step needs to start, seconds it leaves to the steps after it)
