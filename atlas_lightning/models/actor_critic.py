@@ -325,7 +325,8 @@ class ActorCritic(nn.Module):
         count = len(self.decoder_layers())
         if not checkpointing:
             if checkpoint_layers is not None or layer_recompute is not None:
-                raise ValueError("checkpoint_layers and layer_recompute need gradient_checkpointing=True")
+                raise ValueError(f"checkpoint_layers={checkpoint_layers} / layer_recompute={layer_recompute}: "
+                                 f"each needs gradient_checkpointing=True")
             return ["none"] * count
         if layer_recompute is not None:
             plan = list(layer_recompute)

@@ -105,5 +105,5 @@ def test_finer_policies_keep_forward_and_gradients_with_fewer_saved_bytes(base_n
 def test_layer_recompute_names_a_policy_for_every_layer(qwen3_base):
     with pytest.raises(ValueError, match="layer_recompute=.* must name one of none, mixer, mlp, layer"):
         ActorCritic(qwen3_base, LORA, gradient_checkpointing=True, layer_recompute=["mixer"])
-    with pytest.raises(ValueError, match="need gradient_checkpointing=True"):
+    with pytest.raises(ValueError, match="needs gradient_checkpointing=True"):
         ActorCritic(qwen3_base, LORA, layer_recompute=["mixer", "mlp"])
