@@ -84,9 +84,19 @@ class ModelConfig:
     #: full-vocabulary logits never exist for a whole micro-batch.
     logprob_chunk_tokens: int = 4096
     attn_implementation: str = "sdpa"
-    #: ``packed`` (sequences concatenated, no padding), ``padded`` (right-padded rows; the only
-    #: choice for models with linear-attention layers) or ``auto`` (packed where the model allows).
+    #: ``packed`` (sequences concatenated, no padding; every layer kind sees the sequence
+    #: boundaries), ``padded`` (right-padded rows) or ``auto`` (packed).
     sequence_layout: str = "auto"
+    #: Gated DeltaNet (linear-attention) kernels of hybrid models (Qwen3.5/3.6): ``fla``
+    #: (flash-linear-attention's Triton kernels, varlen over packed rows; CUDA only), ``torch``
+    #: (transformers' reference code, run per sequence inside packed rows) or ``auto`` (``fla``
+    #: where it imports and the model is on a GPU). The model and ``plan`` both report the choice.
+    linear_attention_kernel: str = "auto"
+    #: With gradient checkpointing, one recompute policy a decoder layer, finer than
+    #: ``checkpoint_layers`` (which it overrides): ``layer`` (the whole layer), ``mixer`` (the
+    #: attention or Gated DeltaNet alone), ``mlp`` (the MLP's gate and up projections) or ``none``
+    #: (``models/recompute.py``); None: ``checkpoint_layers`` decides.
+    layer_recompute: Optional[list[str]] = None
     #: Run each LoRA-wrapped linear as one fused autograd function in the compute dtype
     #: (``models/fused_lora.py``); False uses peft's own adapter path.
     fused_lora: bool = True

@@ -187,6 +187,9 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "model.logprob_chunk_tokens": Int(1),
     "model.attn_implementation": OneOf(("sdpa", "sdpa_varlen", "eager", "flash_attention_2", "flash_attention_3")),
     "model.sequence_layout": OneOf(("auto", "packed", "padded")),
+    "model.linear_attention_kernel": OneOf(("auto", "fla", "torch")),
+    "model.layer_recompute": Either((OneOf((None,)), Items(OneOf(("layer", "mixer", "mlp", "none")), min_length=1)),
+                                    "null or a list of layer, mixer, mlp, none (one a decoder layer)"),
     "model.checkpoint_layers": Int(0, optional=True),
     # data
     "data.benchmarks": Items(OneOf(BENCHMARKS), min_length=1, unique=True),

@@ -58,7 +58,7 @@ _BENCH_MARKERS = ("o", "s", "^", "D", "v")
 def _image_logger() -> Optional[Callable]:
     """``atlas_lightning.loggers.wandb_logger.log_image`` if that module and function exist."""
     try:
-        from atlas_lightning.loggers import wandb_logger as loggers
+        from atlas_lightning.loggers.wandb_logger import wandb_logger as loggers
     except ImportError:
         return None
     function = getattr(loggers, "log_image", None)

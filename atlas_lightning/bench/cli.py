@@ -26,21 +26,82 @@ from typing import Any, Optional
 import torch
 
 from . import measure
+from .batch import ActorUpdate, packed_micro_batches, run_with_fallbacks, timed_update
+from .choose import GIB, choose, recompute_flops
 from .flops import FORMULA, model_flops
 from .logprob_memory import measure_logprob_memory
+from .plan_check import plan_tensors_gib
+from .probes import autotune_probe, fla_configs, profile_micro_step
 from .report import markdown
 from .shapes import build_model, shape_by_name
 from .sync import measure_weight_sync
 from .update import BaselineRunner, OursRunner, update_fn
-from .workload import ppo_inputs, sample_micro_batch
+from .workload import ppo_inputs, sample_batch, sample_micro_batch
 
-#: Our options measured in the sweep: (name, fused LoRA, attention, checkpointed-layer rule).
+#: Our options measured in the sweep: (name, fused LoRA, attention, per-layer recompute rule:
+#: a ``models/recompute.py`` policy for every layer, or ``half``: the first half ``layer``).
 SWEEP = {
-    "ours": (True, "sdpa_varlen", "all"),
+    "ours": (True, "sdpa_varlen", "layer"),
     "ours_selective": (True, "sdpa_varlen", "half"),
-    "unfused_lora": (False, "sdpa_varlen", "all"),
-    "flex_attention": (True, "flex_attention", "all"),
+    "ours_none": (True, "sdpa_varlen", "none"),
+    "ours_mixer": (True, "sdpa_varlen", "mixer"),
+    "ours_mlp": (True, "sdpa_varlen", "mlp"),
+    "unfused_lora": (False, "sdpa_varlen", "layer"),
+    "flex_attention": (True, "flex_attention", "layer"),
 }
+
+
+def sweep_plan(rule: str, layers: int) -> list[str]:
+    if rule == "half":
+        return ["layer"] * (layers // 2) + ["none"] * (layers - layers // 2)
+    return [rule] * layers
+
+
+def policy_flops(base, seq_lens) -> dict[str, float]:
+    """Recomputed FLOPs a token under each policy, averaged over the layers of a bare model."""
+    from torch import nn
+
+    from atlas_lightning.models.recompute import mixer_of
+
+    config = base.config
+    width = config.num_attention_heads * config.head_dim
+    attention = sum(2.0 * s * s * width for s in seq_lens) / sum(seq_lens)
+    totals: dict[str, float] = {}
+    for layer in base.model.layers:
+        mixer = mixer_of(layer)
+        linears = {"mixer": [(m.in_features, m.out_features) for m in mixer.modules() if isinstance(m, nn.Linear)],
+                   "mlp": [(m.in_features, m.out_features) for m in (layer.mlp.gate_proj, layer.mlp.up_proj,
+                                                                     layer.mlp.down_proj)]}
+        own = attention if hasattr(layer, "self_attn") else 0.0
+        for policy, flops in recompute_flops(linears, own).items():
+            totals[policy] = totals.get(policy, 0.0) + flops / len(base.model.layers)
+    return totals
+
+
+def parameter_bytes(model) -> dict:
+    """Frozen (base) and trainable (LoRA, value head) bytes, and their shares a decoder layer."""
+    layers = model.decoder_layers()
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    layer_frozen = sum(p.numel() * p.element_size() for p in layers.parameters() if not p.requires_grad)
+    layer_lora = sum(p.numel() * p.element_size() for p in layers.parameters() if p.requires_grad)
+    return {"frozen_bytes": frozen, "root_bytes": frozen - layer_frozen, "layer_bytes": layer_frozen / len(layers),
+            "lora_layer_bytes_per_adapter": layer_lora / len(layers) / 2}
+
+
+def static_gib(entry: dict, layers: int, *, grads: int, adam: int) -> float:
+    """Weights and LoRA state of ``layers`` layers (``parameter_bytes`` of the sweep): both
+    adapters' fp32 parameters, gradients of ``grads`` adapters, Adam moments of ``adam``."""
+    lora = entry["lora_layer_bytes_per_adapter"] * layers * (2 + grads + 2 * adam)
+    return (entry["root_bytes"] + layers * entry["layer_bytes"] + lora) / GIB
+
+
+def tuned_entries_or_none() -> Optional[int]:
+    try:
+        from atlas_lightning.models.fla_tuning import tuned_entries
+
+        return tuned_entries()
+    except ImportError:
+        return None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,7 +118,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=1024, help="log-prob chunk tokens")
     p.add_argument("--reps", type=int, default=2, help="timed repetitions (after one warm-up)")
     p.add_argument("--sweep-reps", type=int, default=1, help="timed repetitions in the sweep")
-    p.add_argument("--sections", default="peak,logprob,update,forward,sync")
+    p.add_argument("--sweep-warmup", type=int, default=1, help="untimed updates before the sweep's timed ones")
+    p.add_argument("--baseline-warmup", type=int, default=1,
+                   help="untimed baseline updates before the timed ones (0 saves device time; the first update's "
+                        "one-time costs then count against the baseline)")
+    p.add_argument("--sections", default="peak,logprob,update,forward,sync",
+                   help="of peak, logprob, update, forward, sync, autotune, profile, batch")
+    p.add_argument("--paths", default="ours,baseline", help="which of ours, baseline the update and batch run")
+    p.add_argument("--batch-sequences", type=int, default=32, help="trajectories of the batch benchmark")
+    p.add_argument("--batch-cap-gib", type=float, default=60.0, help="peak memory the batch update must stay within")
+    p.add_argument("--batch-budgets", default="49152,40960,32768,24576,16384",
+                   help="micro-batch token budgets the batch update may choose from (at most --tokens)")
     p.add_argument("--memory-margin-gib", type=float, default=16.0)
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--deadline-s", type=float, default=1e9, help="skip what is left after this many seconds")
@@ -79,14 +150,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, argv: Optional[list[str]] = None) -> None:
         self.args = args
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = torch.bfloat16
         self.started = time.monotonic()
         self.scale = 1 / 32 if args.tiny else 1.0
         self.results: dict[str, Any] = {
-            "command": " ".join([Path(sys.executable).name, "-m", "atlas_lightning.bench", *sys.argv[1:]]),
+            "command": " ".join([Path(sys.executable).name, "-m", "atlas_lightning.bench",
+                                 *(sys.argv[1:] if argv is None else argv)]),
             "environment": self._environment(),
             "useful_flops_formula": FORMULA,
             "settings": {k: v for k, v in vars(args).items()},
@@ -148,14 +220,15 @@ class Bench:
         if self.peak_tflops:
             entry["useful_mfu"] = entry["useful_tflops"] / self.peak_tflops
 
-    def measure_update(self, runner, inputs, flops, label: str, reps: Optional[int] = None) -> dict:
+    def measure_update(self, runner, inputs, flops, label: str, reps: Optional[int] = None, warmup: int = 1) -> dict:
         times: dict = {}
         step = update_fn(runner, inputs, times)
-        entry = measure.repeat(self.device, step, reps=reps or self.args.reps, warmup=1)
-        warm = 1
+        entry = measure.repeat(self.device, step, reps=reps or self.args.reps, warmup=warmup)
+        warm = warmup
         entry["critic_s"] = statistics.median(times["critic"][warm:])
         entry["actor_s"] = statistics.median(times["actor"][warm:])
-        entry["warmup_critic_s"], entry["warmup_actor_s"] = times["critic"][0], times["actor"][0]
+        if warmup:
+            entry["warmup_critic_s"], entry["warmup_actor_s"] = times["critic"][0], times["actor"][0]
         entry["micro_batches"] = len(runner.micro_batches(inputs))
         entry["real_tokens"] = inputs.num_tokens
         seq_lens = [int(s.numel()) for s in inputs.sequences]
@@ -186,9 +259,9 @@ class Bench:
         trajectories = sample_micro_batch(seed, budget, scale=self.scale)
         return ppo_inputs(trajectories, shape.vocab_size, self.device, seed=seed)
 
-    def _ours(self, base, fused: bool, checkpoint_layers):
-        return OursRunner(base, self.args.rank, self.args.tokens, fused_lora=fused,
-                          checkpoint_layers=checkpoint_layers, chunk_tokens=self.args.chunk)
+    def _ours(self, base, fused: bool, layer_recompute):
+        return OursRunner(base, self.args.rank, self.args.tokens, fused_lora=fused, layer_recompute=layer_recompute,
+                          chunk_tokens=self.args.chunk)
 
     def run_model(self, name: str) -> None:
         shape = shape_by_name(name)
@@ -205,10 +278,10 @@ class Bench:
         scored = sum(n - p for n, p in zip(seq_lens, inputs.prompt_lengths))
 
         # ---- sweep of our options on a shortened stack
-        selective = None
-        if "update" in self.sections and self.args.sweep_layers:
+        sweep = None
+        if self.sections & {"update", "batch"} and self.args.sweep_layers and "ours" in self.paths:
             sweep_layers = min(self.args.sweep_layers, full_layers)
-            sweep = model_out.setdefault("sweep", {"layers": sweep_layers})
+            sweep = model_out.setdefault("sweep", {"layers": sweep_layers, "tokens": inputs.num_tokens})
             for option in [o for o in self.args.sweep.split(",") if o]:
                 if self.out_of_time():
                     sweep[option] = {"skipped": "deadline"}
@@ -219,29 +292,39 @@ class Bench:
                     base = build_model(shape, device=self.device, dtype=self.dtype, attn_implementation=attention,
                                        layers=sweep_layers, seed=self.args.seed)
                     flops = model_flops(base, self.args.rank)
-                    k = sweep_layers if rule == "all" else sweep_layers // 2
-                    runner = self._ours(base, fused, k)
+                    sweep.setdefault("policy_flops", policy_flops(base, seq_lens))
+                    plan = sweep_plan(rule, sweep_layers)
+                    runner = self._ours(base, fused, plan)
+                    entry.update(fused_lora=fused, attention=attention, layer_recompute=plan,
+                                 linear_attention_kernel=runner.model.linear_attention_kernel)
+                    entry.update(parameter_bytes(runner.model))
+                    if rule in ("layer", "none"):  # what the plan can express: all or no layer checkpointed
+                        with measure.section(entry, "plan", self.device) as planned:
+                            planned["predicted_tensors_gib"] = plan_tensors_gib(
+                                shape.config, shape.arch, sweep_layers, inputs.num_tokens,
+                                sweep_layers if rule == "layer" else 0, runner.model.linear_attention_kernel or "fla",
+                                self.args.rank, self.args.chunk)
                     entry.update(self.measure_update(runner, inputs, flops.train_step("critic", seq_lens, scored)
                                                      + flops.train_step("actor", seq_lens, scored),
                                                      f"{name} sweep {option} ({sweep_layers} layers)",
-                                                     reps=self.args.sweep_reps))
-                    entry.update(fused_lora=fused, attention=attention, checkpoint_layers=k)
-                    entry["layer_bytes"] = sum(p.numel() * p.element_size() for p in runner.model.decoder_layers()[0].parameters())
+                                                     reps=self.args.sweep_reps, warmup=self.args.sweep_warmup))
                 runner = base = None  # also after a failure, before the next option builds its model
                 measure.free_memory(self.device)
                 self.save()
-            selective = self._choose_checkpoint_layers(sweep, full_layers, inputs.num_tokens, shape)
-            model_out["checkpoint_choice"] = selective
+            if self.device.type == "cuda":
+                capacity = torch.cuda.get_device_properties(self.device).total_memory / measure.GIB
+                model_out["recompute_choice"] = self._choose(sweep, full_layers, [inputs.num_tokens],
+                                                             capacity - self.args.memory_margin_gib, shape,
+                                                             grads=2, adam=0)
+                self.save()
 
-        # ---- the full stack: ours (best options) and the baseline
-        for path in ("ours", "baseline"):
+        # ---- the full stack: ours (the chosen plan) and the baseline
+        choice = (model_out.get("recompute_choice") or {}).get("plan")
+        for path in self.paths if "update" in self.sections else ():
             if self.out_of_time():
                 model_out[path] = {"skipped": "deadline"}
                 continue
-            attempts = [selective["checkpoint_layers"]] if selective and selective.get("checkpoint_layers") is not None \
-                else [None]
-            if path == "ours" and attempts[0] is not None and attempts[0] < full_layers:
-                attempts.append(full_layers)  # fall back to checkpointing every layer if it does not fit
+            attempts = [choice, None] if path == "ours" and choice and set(choice) != {"layer"} else [None]
             for attempt in attempts:
                 # a failed attempt's model can survive in reference cycles until collected: the
                 # first H200 run OOMed on its fallback attempt for want of this
@@ -252,28 +335,34 @@ class Bench:
                 self.save()
                 if "error" not in entry.get("update", {}) or not entry["update"]["error"].startswith("OOM"):
                     break
+        if "batch" in self.sections and not self.out_of_time():
+            measure.free_memory(self.device)
+            model_out["batch"] = self.run_batch(name, shape, full_layers, sweep)
+            self.save()
 
-    def _choose_checkpoint_layers(self, sweep: dict, full_layers: int, tokens: int, shape) -> dict:
-        """Layers to checkpoint on the full stack so that the predicted peak stays under the card's
-        memory less a margin: per-layer activation cost from the sweep's all/half checkpointed peaks."""
-        all_ckpt, half = sweep.get("ours", {}), sweep.get("ours_selective", {})
-        if self.device.type != "cuda" or not all_ckpt.get("peak_gib") or not half.get("peak_gib"):
-            return {"checkpoint_layers": None, "why": "no sweep peaks (CPU run or sweep incomplete): all layers"}
-        sweep_layers = sweep["layers"]
-        uncheckpointed = sweep_layers - half["checkpoint_layers"]
-        # x1.25: on the H200 (run 1) the unscaled prediction left the 36-layer 8B 1-2 GiB short
-        per_layer = 1.25 * max((half["peak_gib"] - all_ckpt["peak_gib"]) / max(uncheckpointed, 1), 1e-3)
-        # a checkpointed layer keeps its weights and its input (T x hidden, bf16) alive
-        kept = all_ckpt["layer_bytes"] / measure.GIB + tokens * shape.config["hidden_size"] * 2 / measure.GIB
-        predicted_all = all_ckpt["peak_gib"] + (full_layers - sweep_layers) * kept
-        capacity = torch.cuda.get_device_properties(self.device).total_memory / measure.GIB
-        room = capacity - self.args.memory_margin_gib - predicted_all
-        free_layers = max(0, min(full_layers, int(room // per_layer)))
-        return {"checkpoint_layers": full_layers - free_layers, "per_layer_activation_gib": per_layer,
-                "predicted_peak_all_checkpointed_gib": predicted_all, "capacity_gib": capacity,
-                "margin_gib": self.args.memory_margin_gib}
+    def _choose(self, sweep: dict, layers: int, budgets, cap_gib: float, shape, *, grads: int, adam: int) -> dict:
+        """``choose.choose`` from the sweep's peaks: per-layer recompute (and a micro-batch budget)
+        under ``cap_gib``. ``grads``/``adam``: adapters holding gradients / Adam moments at the peak."""
+        ref = sweep.get("ours", {})
+        if not ref.get("peak_gib"):
+            return {"plan": None, "why": "no all-checkpointed sweep peak (CPU run or sweep incomplete)"}
+        deltas = {}
+        for option, policy in (("ours_none", "none"), ("ours_mixer", "mixer"), ("ours_mlp", "mlp")):
+            if sweep.get(option, {}).get("peak_gib"):
+                deltas[policy] = (sweep[option]["peak_gib"] - ref["peak_gib"]) / sweep["layers"]
+        half = sweep.get("ours_selective", {})
+        if "none" not in deltas and half.get("peak_gib"):
+            deltas["none"] = (half["peak_gib"] - ref["peak_gib"]) / (sweep["layers"] - sweep["layers"] // 2)
+        static_sweep = static_gib(ref, sweep["layers"], grads=2, adam=0)
+        picked = choose(layers=layers, budgets=budgets, cap_gib=cap_gib,
+                        static_gib=static_gib(ref, layers, grads=grads, adam=adam), sweep_layers=sweep["layers"],
+                        sweep_tokens=sweep["tokens"], act_gib=ref["peak_gib"] - static_sweep, delta_gib=deltas,
+                        flops=sweep["policy_flops"], hidden=shape.config["hidden_size"])
+        out = {"cap_gib": cap_gib, "delta_gib_per_layer_at_sweep_tokens": deltas, "static_sweep_gib": static_sweep,
+               "budgets": list(budgets)}
+        return out | (picked.to_dict() if picked else {"plan": None, "why": "nothing fits the cap"})
 
-    def _run_full(self, name, shape, path, layers, inputs, seq_lens, scored, checkpoint_layers) -> dict:
+    def _run_full(self, name, shape, path, layers, inputs, seq_lens, scored, layer_recompute) -> dict:
         entry: dict = {"layers": layers}
         self._allocated_before = measure.allocated_gib(self.device)
         runner = base = None
@@ -284,22 +373,35 @@ class Bench:
             flops = model_flops(base, self.args.rank)
             entry["flops_model"] = vars(flops)
             if path == "ours":
-                runner = self._ours(base, True, checkpoint_layers)
+                runner = self._ours(base, True, layer_recompute)
                 entry["options"] = {"fused_lora": True, "attention": attention,
-                                    "checkpoint_layers": runner.model.checkpointed_layers,
-                                    "sequence_layout": runner.model.sequence_layout}
+                                    "layer_recompute": runner.model.layer_recompute,
+                                    "sequence_layout": runner.model.sequence_layout,
+                                    "linear_attention_kernel": runner.model.linear_attention_kernel}
             else:
-                capacity = (torch.cuda.get_device_properties(self.device).total_memory
-                            if self.device.type == "cuda" else None)
-                limit = None if capacity is None else 0.5 * (capacity - torch.cuda.memory_allocated(self.device))
-                runner = BaselineRunner(base, self.args.rank, self.args.tokens, logits_bytes_limit=limit)
+                runner = BaselineRunner(base, self.args.rank, self.args.tokens, logits_bytes_limit=self._logits_limit())
                 entry["options"] = {"attention": attention, "micro_batch_sequences": runner.micro_batch_size(inputs),
-                                    "checkpoint_layers": layers, "logits": "full"}
+                                    "checkpoint_layers": layers, "logits": "full",
+                                    "linear_attention": "transformers' torch reference" if shape.arch == "qwen3_5" else None}
             self.save()
-            if "update" in self.sections:
-                update.update(self.measure_update(runner, inputs, flops.train_step("critic", seq_lens, scored)
-                                                  + flops.train_step("actor", seq_lens, scored),
-                                                  f"{name} {path} ({layers} layers)"))
+            tuned_before = tuned_entries_or_none()
+            update.update(self.measure_update(runner, inputs, flops.train_step("critic", seq_lens, scored)
+                                              + flops.train_step("actor", seq_lens, scored),
+                                              f"{name} {path} ({layers} layers)",
+                                              warmup=1 if path == "ours" else self.args.baseline_warmup))
+            update["fla_tuned_entries"] = {"before": tuned_before, "after": tuned_entries_or_none()}
+            self.save()
+            if path == "ours" and runner.model.linear_attention_kernel == "fla" and "autotune" in self.sections:
+                with measure.section(entry, "autotune", self.device) as probe:
+                    probe.update(autotune_probe(runner, inputs))
+                    probe["configs"] = fla_configs()
+                    self.log(f"{name} autotune probe: {json.dumps({k: v for k, v in probe.items() if k != 'configs'})}")
+                self.save()
+            if path == "ours" and "profile" in self.sections and not self.out_of_time():
+                with measure.section(entry, "profile", self.device) as prof:
+                    prof.update(profile_micro_step(runner, inputs))
+                    self.log(f"{name} profile: " + ", ".join(f"{k} {v['share']:.0%}" for k, v in
+                                                             prof.get("categories", {}).items()))
                 self.save()
             if "forward" in self.sections and not self.out_of_time():
                 runner.zero_grad()
@@ -315,7 +417,81 @@ class Bench:
         del runner, base
         return entry
 
+    def _logits_limit(self) -> Optional[float]:
+        if self.device.type != "cuda":
+            return None
+        capacity = torch.cuda.get_device_properties(self.device).total_memory
+        return 0.5 * (capacity - torch.cuda.memory_allocated(self.device))
+
+    def run_batch(self, name: str, shape, layers: int, sweep: Optional[dict]) -> dict:
+        """The batch benchmark (``batch.py``): ours under the cap, then the baseline."""
+        trajectories = sample_batch(self.args.seed, self.args.batch_sequences, scale=self.scale)
+        inputs = ppo_inputs(trajectories, shape.vocab_size, self.device, seed=self.args.seed)
+        seq_lens = [int(s.numel()) for s in inputs.sequences]
+        scored = sum(n - p for n, p in zip(seq_lens, inputs.prompt_lengths))
+        out: dict = {"layers": layers, "sequences": len(seq_lens), "real_tokens": sum(seq_lens),
+                     "longest": max(seq_lens), "loss_tokens": int(inputs.response_mask.sum()), "cap_gib": self.args.batch_cap_gib}
+        budgets = [b for b in (int(x) for x in self.args.batch_budgets.split(",")) if max(seq_lens) <= b <= self.args.tokens]
+        cap = self.args.batch_cap_gib
+        if sweep is not None and self.device.type == "cuda":
+            out["choice"] = self._choose(sweep, layers, budgets, cap, shape, grads=1, adam=1)
+        peak_tflops = self.peak_tflops
+
+        def build(plan, budget, path):
+            def make():
+                base = build_model(shape, device=self.device, dtype=self.dtype,
+                                   attn_implementation="sdpa_varlen" if path == "ours" else "sdpa",
+                                   layers=layers, seed=self.args.seed)
+                out.setdefault("flops", model_flops(base, self.args.rank).train_step("actor", seq_lens, scored))
+                if path == "ours":
+                    runner = OursRunner(base, self.args.rank, budget, layer_recompute=plan, chunk_tokens=self.args.chunk)
+                    micro = packed_micro_batches(inputs, budget)
+                    info = {"budget": budget, "layer_recompute": runner.model.layer_recompute}
+                else:
+                    runner = BaselineRunner(base, self.args.rank, self.args.tokens, logits_bytes_limit=self._logits_limit())
+                    micro = runner.micro_batches(inputs)
+                    info = {"micro_batch_sequences": runner.micro_batch_size(inputs)}
+                return runner, ActorUpdate(runner, inputs, micro), info
+            return make
+
+        for path in self.paths:
+            if self.out_of_time():
+                out[path] = {"skipped": "deadline"}
+                continue
+            attempts = []
+            choice = out.get("choice") or {}
+            if path == "ours":
+                if choice.get("plan"):
+                    attempts.append(("chosen", build(choice["plan"], choice["tokens"], path)))
+                attempts.append(("every layer checkpointed", build(None, max(budgets or [self.args.tokens]), path)))
+            else:
+                attempts.append(("baseline", build(None, self.args.tokens, path)))
+            runner, update, tried = run_with_fallbacks(attempts, cap if path == "ours" else None, self.log)
+            entry = {"attempts": tried}
+            if update is not None:
+                with measure.section(entry, "update", self.device) as timed:
+                    timed.update(timed_update(update, out["flops"], peak_tflops))
+                    self.log(f"{name} batch {path}: {timed['seconds']:.2f} s, {timed['tokens_per_s']:.0f} tok/s, "
+                             f"MFU {timed.get('useful_mfu', 0):.3f}, peak {timed['peak_gib']}")
+                if path == "ours" and "profile" in self.sections and not self.out_of_time():
+                    with measure.section(entry, "profile", self.device) as prof:
+                        prof.update(profile_micro_step(runner, inputs, update.largest))
+                        self.log(f"{name} batch profile: " + ", ".join(f"{k} {v['share']:.0%}" for k, v in
+                                                                       prof.get("categories", {}).items()))
+            out[path] = entry
+            runner = update = None
+            measure.free_memory(self.device)
+            self.save()
+        ours, baseline = out.get("ours", {}).get("update", {}), out.get("baseline", {}).get("update", {})
+        if ours.get("tokens_per_s") and baseline.get("tokens_per_s"):
+            out["speedup"] = ours["tokens_per_s"] / baseline["tokens_per_s"]
+        return out
+
     # ------------------------------------------------------------------ driver
+    @property
+    def paths(self) -> list[str]:
+        return [p for p in ("ours", "baseline") if p in self.args.paths.split(",")]
+
     @property
     def sections(self) -> set[str]:
         return set(self.args.sections.split(","))
@@ -347,7 +523,7 @@ class Bench:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    bench = Bench(args)
+    bench = Bench(args, argv)
     results = bench.run()
     print(markdown(results), flush=True)
     return 0

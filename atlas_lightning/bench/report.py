@@ -35,13 +35,15 @@ def markdown(results: dict) -> str:
     lines.append("| model | path | layers | real (padded) tokens | micro-batches | critic + actor s | tokens/s | "
                  "useful TFLOP/s | useful MFU | peak GiB | options |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
-    fwd_rows, sync_rows = [], []
+    fwd_rows, sync_rows, probe_rows, batch_rows = [], [], [], []
     for model, out in results.get("models", {}).items():
         sweep = out.get("sweep", {})
         for option, entry in sweep.items():
-            if option == "layers":
+            if not isinstance(entry, dict) or option == "policy_flops":
                 continue
-            opts = {k: entry[k] for k in ("fused_lora", "attention", "checkpoint_layers") if k in entry}
+            opts = {k: entry[k] for k in ("fused_lora", "attention") if k in entry}
+            if "layer_recompute" in entry:
+                opts["recompute"] = _plan(entry["layer_recompute"])
             lines.append(_update_row(model, f"sweep: {option}", sweep.get("layers"), entry, opts))
         for path in ("ours", "baseline"):
             full = out.get(path)
@@ -50,7 +52,13 @@ def markdown(results: dict) -> str:
             if "skipped" in full:
                 lines.append(f"| {model} | {path} | - | skipped: {full['skipped']} |||||||||")
                 continue
-            lines.append(_update_row(model, path, full.get("layers"), full.get("update", {}), full.get("options", {})))
+            options = dict(full.get("options", {}))
+            if "layer_recompute" in options:
+                options["layer_recompute"] = _plan(options["layer_recompute"])
+            lines.append(_update_row(model, path, full.get("layers"), full.get("update", {}), options))
+            for probe in ("autotune", "profile"):
+                if probe in full:
+                    probe_rows.append((model, probe, full[probe]))
             fwd = full.get("forward", {})
             for role in ("actor", "critic"):
                 if role in fwd:
@@ -76,6 +84,16 @@ def markdown(results: dict) -> str:
                         sync_rows.append(f"| {model} | {key} | {_f(m.get('bytes'), 2, 1e-9)} GB | {_f(m.get('seconds'), 3)} | "
                                          f"{_f(m.get('gbps_out'), 0)} GB/s out, {_f(m.get('gbps_moved'), 0)} GB/s moved | "
                                          f"{_f(m.get('fraction_of_copy_bandwidth'), 0, 100)}% |")
+    for model, out in results.get("models", {}).items():
+        batch = out.get("batch")
+        if batch:
+            batch_rows.append(_batch_lines(model, batch))
+    if batch_rows:
+        lines += ["", "Batch update (actor micro-batches + clip + AdamW step), one whole batch:", ""]
+        for block in batch_rows:
+            lines += block
+    for model, probe, entry in probe_rows:
+        lines += ["", f"{model} {probe}:", "", _probe_text(probe, entry)]
     if fwd_rows:
         lines += ["", "Forward-only passes (no grad; actor with entropy):", "",
                   "| model | path | pass | real tokens | micro-batches | s | tokens/s | useful MFU | peak GiB |",
@@ -94,3 +112,51 @@ def markdown(results: dict) -> str:
                   "| model | path | bytes | s | rate | of copy bandwidth |", "|---|---|---|---|---|---|", *sync_rows]
     lines += ["", f"Useful FLOPs: {results.get('useful_flops_formula', '')}.", ""]
     return "\n".join(lines)
+
+
+def _plan(plan) -> str:
+    """``['layer', 'layer', 'none']`` -> ``layer x2, none x1``."""
+    if not plan:
+        return str(plan)
+    runs, last = [], None
+    for policy in plan:
+        if runs and policy == last:
+            runs[-1][1] += 1
+        else:
+            runs.append([policy, 1])
+        last = policy
+    return ", ".join(f"{p} x{n}" for p, n in runs)
+
+
+def _batch_lines(model: str, batch: dict) -> list[str]:
+    lines = [f"{model}: {batch.get('sequences')} sequences, {batch.get('real_tokens')} real tokens (longest "
+             f"{batch.get('longest')}), {batch.get('layers')} layers, cap {batch.get('cap_gib')} GiB; "
+             f"speedup {_f(batch.get('speedup'), 2)}x", "",
+             "| path | micro-batches | s | tokens/s | useful MFU | peak GiB | plan |", "|---|---|---|---|---|---|---|"]
+    for path in ("ours", "baseline"):
+        entry = batch.get(path, {})
+        update = entry.get("update", {})
+        attempt = (entry.get("attempts") or [{}])[-1]
+        plan = attempt.get("layer_recompute") or attempt.get("micro_batch_sequences")
+        plan = _plan(plan) if isinstance(plan, list) else plan
+        detail = f"budget {attempt.get('budget')}: {plan}" if "budget" in attempt else f"{plan} sequences a micro-batch"
+        if "error" in update or not update:
+            lines.append(f"| {path} | {update.get('error', entry.get('skipped', attempt.get('error', '-')))} ||||||")
+            continue
+        lines.append(f"| {path} | {update.get('micro_batches')} | {_f(update.get('seconds'))} | "
+                     f"{_f(update.get('tokens_per_s'), 0)} | {_f(update.get('useful_mfu'), 1, 100)}% | "
+                     f"{_f(update.get('peak_gib'), 1)} | {detail} |")
+    return lines
+
+
+def _probe_text(probe: str, entry: dict) -> str:
+    if "error" in entry or "skipped" in entry:
+        return str(entry.get("error", entry.get("skipped")))
+    if probe == "autotune":
+        return (f"new length ({entry.get('tokens')} tokens): actor micro-step {_f(entry.get('actor_micro_step_s'), 3)} s, "
+                f"{entry.get('new_tuned_entries')} new autotune entries ({entry.get('tuned_entries_before')} before)")
+    rows = [f"device time {_f(entry.get('device_s'), 3)} s of an actor micro-step:", "",
+            "| category | s | share |", "|---|---|---|"]
+    for name, cat in entry.get("categories", {}).items():
+        rows.append(f"| {name} | {_f(cat.get('s'), 3)} | {_f(cat.get('share'), 1, 100)}% |")
+    return "\n".join(rows)

@@ -5,8 +5,9 @@ fp32 value head) over token-budget micro-batches, each micro-step exactly as
 ``PPOModule._micro_step`` runs it (module.py cannot be imported where the benchmark runs: it
 needs omegaconf): pack, ``critic_forward`` + ``ppo.compute_value_loss`` + backward, then
 ``actor_forward`` + ``ppo.compute_policy_loss_vanilla`` + backward, losses normalised by the
-mini-batch's loss tokens. Packed layout: one ``(1, T)`` row per micro-batch; padded layout
-(the hybrid): ``algorithms.partition.plan_padded_micro_batches`` under the same budget.
+mini-batch's loss tokens. Packed layout: one ``(1, T)`` row per micro-batch (every layer kind,
+the hybrid's Gated DeltaNet too: ``models/linear_attention.py``); the padded layout, on request:
+``algorithms.partition.plan_padded_micro_batches`` under the same budget.
 
 Baseline (``BaselineRunner``): the plain transformers + peft recipe: ``AutoModelForCausalLM``
 shape with transformers' ``sdpa`` attention, ``get_peft_model`` with LoRA r64 all-linear
@@ -22,6 +23,7 @@ Who calls it: ``cli.py``.
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Optional
 
 import torch
@@ -71,10 +73,12 @@ class OursRunner:
     """``ActorCritic`` micro-steps (module doc). ``budget``: tokens a micro-batch may hold."""
 
     def __init__(self, base: nn.Module, rank: int, budget: int, *, fused_lora: bool = True,
-                 checkpoint_layers: Optional[int] = None, chunk_tokens: int = 1024) -> None:
+                 checkpoint_layers: Optional[int] = None, chunk_tokens: int = 1024,
+                 layer_recompute: Optional[list[str]] = None, linear_attention_kernel: str = "auto") -> None:
         self.device = next(base.parameters()).device
         self.model = ActorCritic(base, lora_spec(rank), gradient_checkpointing=True, logprob_chunk_tokens=chunk_tokens,
-                                 fused_lora=fused_lora, checkpoint_layers=checkpoint_layers)
+                                 fused_lora=fused_lora, checkpoint_layers=checkpoint_layers,
+                                 layer_recompute=layer_recompute, linear_attention_kernel=linear_attention_kernel)
         self.budget = budget
         # B starts at zero (a no-op adapter): give it values so the low-rank path is real work
         with torch.no_grad():
@@ -116,10 +120,14 @@ class OursRunner:
 class BaselineRunner:
     """Plain transformers + peft, padded (module doc)."""
 
-    def __init__(self, base: nn.Module, rank: int, budget: int, *, logits_bytes_limit: Optional[float] = None) -> None:
+    def __init__(self, base: nn.Module, rank: int, budget: int, *, logits_bytes_limit: Optional[float] = None,
+                 reference_linear_attention: bool = True) -> None:
         from peft import LoraConfig, get_peft_model
 
         self.device = next(base.parameters()).device
+        #: transformers' pure-torch Gated DeltaNet code even where flash-linear-attention imports
+        #: (transformers would call fla's chunk kernel then): the baseline of runs 1-12.
+        self.reference_linear_attention = reference_linear_attention
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         config = dict(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
         self.peft_model = get_peft_model(base, LoraConfig(**config), adapter_name="actor")
@@ -147,7 +155,12 @@ class BaselineRunner:
         n, size = len(inputs.sequences), self.micro_batch_size(inputs, budget)
         return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
-    def _per_token(self, role: str, packed: PackedBatch) -> torch.Tensor:
+    def kernels(self):
+        """The context every pass (forward and backward, where checkpointing replays) runs in."""
+        return reference_linear_attention(self.peft_model) if self.reference_linear_attention else nullcontext()
+
+    def per_token(self, role: str, packed: PackedBatch) -> torch.Tensor:
+        """Per-response-token log-probs (actor) or values (critic), packed order (inside ``kernels``)."""
         ids, mask, _, flat_index = packed.padded_layout()
         width = ids.shape[1]
         if role == "critic":
@@ -164,19 +177,45 @@ class BaselineRunner:
 
     def train_pass(self, role: str, inputs: PPOInputs) -> None:
         total = float(inputs.response_mask.sum())
-        for indices in self.micro_batches(inputs):
-            packed = _pack(inputs, indices, self.device)
-            rows = torch.as_tensor(indices, device=self.device)
-            _losses(role, inputs, rows, packed, self._per_token(role, packed), total).backward()
+        with self.kernels():
+            for indices in self.micro_batches(inputs):
+                packed = _pack(inputs, indices, self.device)
+                rows = torch.as_tensor(indices, device=self.device)
+                _losses(role, inputs, rows, packed, self.per_token(role, packed), total).backward()
 
     @torch.no_grad()
     def forward_pass(self, role: str, inputs: PPOInputs, budget: Optional[int] = None) -> None:
-        for indices in self.micro_batches(inputs, budget):
-            self._per_token(role, _pack(inputs, indices, self.device))
+        with self.kernels():
+            for indices in self.micro_batches(inputs, budget):
+                self.per_token(role, _pack(inputs, indices, self.device))
 
     def zero_grad(self) -> None:
         self.peft_model.zero_grad(set_to_none=True)
         self.value_head.zero_grad(set_to_none=True)
+
+
+@contextmanager
+def reference_linear_attention(model: nn.Module):
+    """Inside: the Gated DeltaNet layers of ``model`` (if any) call transformers' pure-torch conv and
+    delta rule (``models.linear_attention.reference_functions``), also in the backward's replays
+    when they run inside. Module globals of transformers' modeling file, restored on exit."""
+    import inspect
+
+    from atlas_lightning.models.linear_attention import reference_functions
+
+    found = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    if not found:
+        yield
+        return
+    modeling = inspect.getmodule(type(found[0]))
+    conv, rule = reference_functions(found[0])
+    saved = {"causal_conv1d_fn": modeling.causal_conv1d_fn, "torch_chunk_gated_delta_rule": modeling.torch_chunk_gated_delta_rule}
+    modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule = conv, rule
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(modeling, name, value)
 
 
 def update_fn(runner, inputs: PPOInputs, times: dict) -> Callable[[], None]:

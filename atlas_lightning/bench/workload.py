@@ -10,7 +10,9 @@ Length mix (documented in ``bench/README.md``; all numbers scale with ``scale`` 
   tokens are in the sequence (they are attended to and cost compute) but not in the loss mask.
 * a micro-batch: trajectories drawn until the next would overflow the token budget
   (49,152), so one packed micro-batch is nearly full (what the token-budget packer produces
-  when a mini-batch has many trajectories).
+  when a mini-batch has many trajectories);
+* a batch (``sample_batch``): a fixed number of trajectories (32 in the batch benchmark),
+  which the update splits into micro-batches itself.
 
 Token ids are uniform over the vocabulary (random weights make their values irrelevant to
 speed; zeros would not be: METHOD.md). PPO inputs (old log-probs, advantages, values,
@@ -71,6 +73,12 @@ def sample_micro_batch(seed: int, budget_tokens: int, scale: float = 1.0) -> lis
             continue
         out.append(t)
         total += t.length
+
+
+def sample_batch(seed: int, sequences: int, scale: float = 1.0) -> list[Trajectory]:
+    """``sequences`` trajectories of the mix (a whole PPO mini-batch, for the batch benchmark)."""
+    rng = random.Random(seed)
+    return [sample_trajectory(rng, scale) for _ in range(sequences)]
 
 
 @dataclass

@@ -13,6 +13,11 @@ Modules (one responsibility each):
 * ``probe``: ``probe_logprobs`` (the actor's log-probs of one sequence, the weight-sync check).
 * ``identity``, ``checkpoint_names``: what identifies a base; checkpoint parameter names.
 * ``tiny``: ``save_tiny_causal_lm`` (random tiny Qwen3 / Qwen3.5 folders for tests).
+* ``linear_attention``: Qwen3.5/3.6 Gated DeltaNet layers over packed rows (fla varlen kernels
+  or transformers' torch reference per sequence); ``linear_kernels``: which of the two runs
+  (``model.linear_attention_kernel``); ``fla_tuning``: fla's autotuning once per shape.
+* ``recompute``: per-layer recomputation finer than a whole layer (mixer, MLP gate/up, the
+  SwiGLU tail without a GEMM replay).
 
 Submodules import torch, transformers and peft; this package file imports nothing heavy.
 """

@@ -40,14 +40,18 @@ Attention and sequence boundaries (what transformers 5.19 does, checked in its s
   on an H200 (torch 2.11) for a 49,152-token row of 12 sequences, a forward's peak was
   11.4 GiB with ``sdpa`` and 0.3 GiB with ``flex_attention`` (tiny model, so the mask is
   all of it), both exact at sequence boundaries (fp32, 7e-6).
-* ``padded`` layout (default for models with recurrent layers, ``_is_stateful`` in
-  transformers, e.g. Qwen3.5/3.6's Gated DeltaNet linear attention): in transformers 5.19 the
-  torch fallbacks of ``causal_conv1d_fn`` and ``chunk_gated_delta_rule`` ignore sequence
-  boundaries, so a packed row would leak conv and recurrent state from one sequence into the
-  next (measured: 4e-2 logit error on a tiny Qwen3.5). The batch is therefore run right-padded
-  ``(n, max_len)`` with an attention mask, exact by causality (padding only follows real
-  tokens), at the cost of padding compute. ``sequence_layout="packed"`` on such a model is
-  refused.
+* models with recurrent layers (``_is_stateful`` in transformers, e.g. Qwen3.5/3.6's Gated
+  DeltaNet linear attention) are packed too: transformers' own layer would leak conv and
+  recurrent state from one sequence into the next in a packed row (measured: 4e-2 logit error
+  on a tiny Qwen3.5), so each such layer gets ``linear_attention.py``'s forward, which reads
+  the boundaries (``attention.SEQ_LENS_KWARG`` and ``linear_attention.CU_SEQLENS_KWARG``) and
+  runs the conv and the delta rule per sequence: with flash-linear-attention's varlen kernels
+  (``linear_attention_kernel="fla"``) or transformers' reference code (``"torch"``); ``"auto"``
+  takes fla where it imports on a GPU (``linear_kernels.py``). ``self.linear_attention_kernel``
+  says which ran (None for a model without such layers).
+* ``padded`` layout (on request): right-padded ``(n, max_len)`` rows with an attention mask,
+  exact by causality (padding only follows real tokens), at the cost of padding compute;
+  the layers run transformers' own forward.
 
 Speed paths (issue 9; ``bench/README.md`` has the measurements):
 
@@ -59,10 +63,15 @@ Speed paths (issue 9; ``bench/README.md`` has the measurements):
 * ``checkpoint_layers=k``: with gradient checkpointing on, only the first ``k`` decoder
   layers are recomputed in the backward (``None``: all of them); the others keep their
   activations, trading memory for the recomputation time;
+* ``layer_recompute``: finer than all or nothing, one policy a decoder layer (overrides
+  ``checkpoint_layers``): ``layer`` (checkpointed whole), ``mixer`` (only the attention or
+  Gated DeltaNet recomputed), ``mlp`` (only the MLP's gate and up projections recomputed) or
+  ``none`` (``recompute.py``);
 * ``lean_activations=True`` (default): RMSNorms that save their input in bf16 rather than
-  fp32 and, in the layers kept out of checkpointing, an MLP tail (activation, product, down
-  projection) replayed in the backward: about half a layer's saved bytes for a quarter of
-  its forward (``lean_activations.py``); forward results unchanged.
+  fp32 and, in the layers kept out of checkpointing, an MLP tail whose product (the down
+  projection's input) is recomputed element-wise in the backward, not saved: about half a
+  layer's saved bytes for no GEMM replayed (``lean_activations.py``,
+  ``recompute.SwiGLUDownFunction``); forward results unchanged.
 
 Who calls it: the PPO module (forward passes, optimizers over the two parameter lists),
 ``sharding.shard`` (FSDP2), ``adapters`` and ``weights`` (export/import).
@@ -73,7 +82,7 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -83,6 +92,9 @@ from .adapter_switch import checkpoint_keeping_adapter, selected_adapter, tuner_
 from .checkpoint_names import name_map
 from .fused_lora import install_fused_lora
 from .lean_activations import install_lean_activations
+from .linear_attention import CU_SEQLENS_KWARG, install_packed_linear_attention, linear_attention_modules
+from .linear_kernels import resolve as resolve_linear_kernel
+from .recompute import RECOMPUTE, install_mixer_checkpoints, install_mlp_recompute
 from .identity import base_identity
 from .logprobs import token_logprobs_and_entropy
 from .packing import PackedBatch
@@ -162,6 +174,8 @@ class ActorCritic(nn.Module):
         fused_lora: bool = True,
         checkpoint_layers: Optional[int] = None,
         lean_activations: bool = True,
+        linear_attention_kernel: str = "auto",
+        layer_recompute: Optional[Sequence[str]] = None,
     ) -> None:
         """``base_path``: a local Hugging Face folder, or an already built transformers causal LM
         (benchmarks build random ones in place; it is used as given: ``dtype``, ``device`` and
@@ -220,25 +234,28 @@ class ActorCritic(nn.Module):
 
         if fused_lora:
             install_fused_lora(self._tuner_layers)
-        #: Decoder layers recomputed in the backward (the first ``k``); 0 without checkpointing.
-        self.checkpointed_layers = 0
+        #: ``fla`` or ``torch`` on a model with Gated DeltaNet layers (``linear_kernels.py``), else None.
+        self.linear_attention_kernel = None
+        if linear_attention_modules(self.decoder_layers()):
+            on = next(base.parameters()).device.type
+            self.linear_attention_kernel = resolve_linear_kernel(linear_attention_kernel, on)
+            install_packed_linear_attention(self.decoder_layers(), self.linear_attention_kernel)
+        #: Per decoder layer: ``layer``, ``mixer``, ``mlp`` or ``none`` (``recompute.RECOMPUTE``).
+        self.layer_recompute = self._recompute_plan(gradient_checkpointing, checkpoint_layers, layer_recompute)
+        #: Decoder layers recomputed whole in the backward; 0 without checkpointing.
+        self.checkpointed_layers = self.layer_recompute.count("layer")
+        layers = self.decoder_layers()
         if gradient_checkpointing:
-            layers = self.decoder_layers()
-            count = len(layers) if checkpoint_layers is None else int(checkpoint_layers)
-            if not 0 <= count <= len(layers):
-                raise ValueError(f"checkpoint_layers={checkpoint_layers} must be within 0..{len(layers)} (decoder layers)")
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            for index, layer in enumerate(layers):
+            for layer, policy in zip(layers, self.layer_recompute):
                 layer._gradient_checkpointing_func = checkpoint_keeping_adapter(tuner_layers(layer))
-                layer.gradient_checkpointing = index < count
-            self.checkpointed_layers = count
-        elif checkpoint_layers is not None:
-            raise ValueError(f"checkpoint_layers={checkpoint_layers} needs gradient_checkpointing=True")
+                layer.gradient_checkpointing = policy == "layer"
+            install_mixer_checkpoints(layers, [i for i, p in enumerate(self.layer_recompute) if p == "mixer"])
         if lean_activations:
-            layers = self.decoder_layers()
-            # MLP tails are replayed only in layers that checkpointing does not replay whole
-            tails = [gradient_checkpointing and index >= self.checkpointed_layers for index in range(len(layers))]
+            # MLP tails are lean only where nothing else replays the MLP (a whole-layer checkpoint or policy mlp)
+            tails = [gradient_checkpointing and policy in ("none", "mixer") for policy in self.layer_recompute]
             install_lean_activations(layers, tails)
+        install_mlp_recompute(layers, [i for i, p in enumerate(self.layer_recompute) if p == "mlp"])
         self.train()
 
     # ------------------------------------------------------------------ structure
@@ -275,17 +292,30 @@ class ActorCritic(nn.Module):
         """The critic adapter's LoRA parameters and the value head's."""
         return self.adapter_parameters(CRITIC) + list(self.value_head.parameters())
 
+    def _recompute_plan(self, checkpointing: bool, checkpoint_layers: Optional[int],
+                        layer_recompute: Optional[Sequence[str]]) -> list[str]:
+        """One policy a layer from ``checkpoint_layers`` (the first k whole) or ``layer_recompute``."""
+        count = len(self.decoder_layers())
+        if not checkpointing:
+            if checkpoint_layers is not None or layer_recompute is not None:
+                raise ValueError(f"checkpoint_layers={checkpoint_layers} / layer_recompute={layer_recompute}: "
+                                 f"each needs gradient_checkpointing=True")
+            return ["none"] * count
+        if layer_recompute is not None:
+            plan = list(layer_recompute)
+            if len(plan) != count or any(p not in RECOMPUTE for p in plan):
+                raise ValueError(f"layer_recompute={plan} must name one of {', '.join(RECOMPUTE)} for each of the "
+                                 f"{count} decoder layers")
+            return plan
+        k = count if checkpoint_layers is None else int(checkpoint_layers)
+        if not 0 <= k <= count:
+            raise ValueError(f"checkpoint_layers={checkpoint_layers} must be within 0..{count} (decoder layers)")
+        return ["layer"] * k + ["none"] * (count - k)
+
     @staticmethod
     def _choose_layout(base: nn.Module, requested: str) -> str:
-        recurrent = bool(getattr(base, "_is_stateful", False))
-        if requested == "packed" and recurrent:
-            raise ValueError(
-                f"sequence_layout='packed' is refused for {type(base).__name__}: it has recurrent (linear-attention) "
-                f"layers whose transformers kernels do not see packed sequence boundaries; use 'padded' or 'auto'"
-            )
-        if requested == "auto":
-            return "padded" if recurrent else "packed"
-        return requested
+        # every layer kind sees packed boundaries (attention.py, linear_attention.py)
+        return "packed" if requested == "auto" else requested
 
     # ------------------------------------------------------------------ passes
     def actor_forward(
@@ -331,7 +361,11 @@ class ActorCritic(nn.Module):
         """``(N, H)`` final (normed) hidden states at ``packed.logit_index``."""
         decoder = self.hf_model.base_model
         if self.sequence_layout == "packed":
-            extra = {attention.SEQ_LENS_KWARG: tuple(packed.seq_lens)} if self.varlen_attention else {}
+            extra = {}
+            if self.varlen_attention or self.linear_attention_kernel:
+                extra[attention.SEQ_LENS_KWARG] = tuple(packed.seq_lens)
+            if self.linear_attention_kernel:
+                extra[CU_SEQLENS_KWARG] = packed.cu_seqlens.to(device=packed.input_ids.device, dtype=torch.long)
             out = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, **extra)
             return out.last_hidden_state[0].index_select(0, packed.logit_index)
         ids, mask, positions, flat_index = packed.padded_layout()

@@ -46,6 +46,8 @@ def build_actor_critic(model_cfg: Any, *, seed: int = 0, actor_adapter: Optional
         fused_lora=model_cfg.fused_lora,
         checkpoint_layers=model_cfg.checkpoint_layers,
         lean_activations=model_cfg.lean_activations,
+        linear_attention_kernel=model_cfg.linear_attention_kernel,
+        layer_recompute=list(model_cfg.layer_recompute) if model_cfg.layer_recompute is not None else None,
         init_seed=seed,
         device=device,
     )

@@ -11,15 +11,14 @@ code of the verb is 0 when the plan passes and 2 when it refuses (the reasons ar
 
 Card memory: the ``card_gib`` argument (``--card-gib``), else ``plan.card_gib`` (default 80: the
 report's A100 80GB).
-Hybrid models' linear-attention kernel: ``ATLAS_LINEAR_ATTENTION_KERNEL`` (``fla`` or
-``torch``), else ``fla`` when flash-linear-attention and causal-conv1d are importable on this
-machine, else ``torch`` (transformers' fallback, far hungrier).
+Hybrid models' linear-attention kernel: the config key ``model.linear_attention_kernel``, the
+one the trainer reads (``models/linear_kernels.py``): ``fla`` or ``torch`` as given; ``auto``
+is ``fla`` when flash-linear-attention is installed on the planning machine (a GPU plan),
+else ``torch`` (transformers' reference code, far hungrier), and the plan says so.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Any, Optional
 
 from .checks import layout_refusals
@@ -28,7 +27,7 @@ from .shapes import ModelShape, ShapeError, read_model_shape, shape_from_config
 
 DEFAULT_CARD_GIB = 80.0
 
-__all__ = ["GIB", "ModelShape", "Phase", "Plan", "ShapeError", "card_gib_of", "estimate", "linear_kernel_from_env",
+__all__ = ["GIB", "ModelShape", "Phase", "Plan", "ShapeError", "card_gib_of", "estimate", "linear_kernel_of",
            "make_plan", "read_model_shape", "shape_from_config"]
 
 
@@ -40,15 +39,18 @@ def card_gib_of(cfg: Any, card_gib: Optional[float] = None) -> float:
     return value
 
 
-def linear_kernel_from_env(kernel: Optional[str] = None) -> str:
-    """``fla`` or ``torch`` (module doc)."""
-    kernel = kernel or os.environ.get("ATLAS_LINEAR_ATTENTION_KERNEL") or "auto"
-    if kernel == "auto":
-        found = all(importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d"))
-        return "fla" if found else "torch"
-    if kernel not in ("fla", "torch"):
-        raise ValueError(f"ATLAS_LINEAR_ATTENTION_KERNEL={kernel!r} is not one of fla, torch, auto")
-    return kernel
+def linear_kernel_of(cfg: Any, kernel: Optional[str] = None) -> str:
+    """``fla`` or ``torch``: ``kernel`` if given, else the config's ``model.linear_attention_kernel``
+    (module doc). The planner only looks for the package; it never imports torch."""
+    from atlas_lightning.models.linear_kernels import KERNELS, KEY, resolve
+
+    requested = kernel or cfg.model.linear_attention_kernel
+    if requested not in KERNELS:
+        raise ValueError(f"{KEY}={requested!r} is not one of {', '.join(KERNELS)}")
+    if requested != "auto":
+        return requested  # what the run will ask for, whatever this machine has installed
+    on_gpu = str(cfg.trainer.accelerator) != "cpu"
+    return resolve("auto", "cuda" if on_gpu else "cpu", import_modules=False)
 
 
 def make_plan(cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: Optional[str] = None,
@@ -56,9 +58,10 @@ def make_plan(cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: Opti
     """The plan of ``cfg``: the shape of ``cfg.model.path`` (or ``shape``), the estimate, and every
     refusal (layout first, then memory). Raises ``ShapeError`` when the model folder is unreadable."""
     shape = shape or read_model_shape(cfg.model.path)
-    plan = estimate(shape, cfg, card_gib=card_gib_of(cfg, card_gib), linear_kernel=linear_kernel_from_env(linear_kernel))
+    plan = estimate(shape, cfg, card_gib=card_gib_of(cfg, card_gib), linear_kernel=linear_kernel_of(cfg, linear_kernel))
     plan.refusals[:0] = layout_refusals(cfg, shape)
     if shape.recurrent and plan.model.get("linear_attention_kernel") == "torch" and plan.device == "gpu":
-        plan.notes.append("linear attention runs transformers' torch fallback here (flash-linear-attention or "
-                          "causal-conv1d not importable): estimated with its much larger activations")
+        plan.notes.append("linear attention on transformers' torch reference code (model.linear_attention_kernel="
+                          f"{cfg.model.linear_attention_kernel}; flash-linear-attention not "
+                          "installed here): estimated with its much larger activations")
     return plan

@@ -22,8 +22,9 @@ Linear-attention (Gated DeltaNet) layer, ``Dk = value_heads x key_head_dim`` (q 
 repeated to the value heads), ``Dv = value_heads x value_head_dim``, ``C`` conv channels,
 ``nv`` value heads, chunk 64; two kernel paths:
 
-* ``fla`` (flash-linear-attention + causal-conv1d, what a production node runs): the kernel
-  saves q, k, v and its gates in the compute dtype plus an fp32 ``nv x 64`` chunk matrix::
+* ``fla`` (flash-linear-attention's varlen kernels, ``models/linear_attention.py``, what a
+  production node runs): the kernel saves q, k, v and its gates in the compute dtype plus an
+  ``nv x 64`` chunk matrix::
 
       c (2 Dk + Dv) + 4 nv 64 + 2 c Dv (gated norm) + c C (conv input) + c Dv (out_proj in)
 
@@ -46,8 +47,17 @@ model, 8,192 and 16,384 tokens without checkpointing) the whole update's peak ca
 to 1.4 % of them. The torch fallback's linear-attention counts over-estimate: measured on the
 27B shape's first 8 layers (transformers 5.17) the saved bytes were 0.83 to 0.87 of the count
 (checkpointed and not) and a forward's working set 0.55 of it; those two factors are applied.
-The ``fla`` path could not be measured here (flash-linear-attention is absent on the device
-machine): its count is analytic, uncalibrated.
+The ``fla`` path, measured on an H200 (issue 20, ``bench/results/run13-27b.json``): the first
+4 layers of the 27B shape (3 Gated DeltaNet on fla + 1 gated full attention, packed, lean
+activations) at 46,950 tokens, critic + actor update without an optimizer step, peaked at
+52.2 GiB with no layer checkpointed and 24.8 GiB with all of them; uncalibrated, the plan said
+66.9 and 27.3. A factor of 0.64 on the fla layer's count reproduces the first (the second
+becomes 26.8, +8%, the one-layer recompute transient being the full-attention layer's). The
+same run measured a dense 8B layer's saved bytes at 0.54 of its count here: these formulas
+predate lean activations (``models/lean_activations.py``: bf16 norm inputs, the MLP product
+recomputed), which the factor for fla absorbs and the full-attention count does not, so kept
+(uncheckpointed) dense layers are over-predicted, on the safe side. The fla forward working set
+is still uncalibrated.
 
 Who calls it: ``planning.estimate``.
 """
@@ -57,7 +67,7 @@ from __future__ import annotations
 from .shapes import FULL, LINEAR, ModelShape
 
 #: Measured over counted saved bytes, per layer kind and kernel path (module doc).
-SAVED_CALIBRATION = {"full_attention": 1.0, "linear_attention:fla": 1.0, "linear_attention:torch": 0.85}
+SAVED_CALIBRATION = {"full_attention": 1.0, "linear_attention:fla": 0.64, "linear_attention:torch": 0.85}
 #: Measured over counted forward working set of a linear-attention layer (module doc).
 FORWARD_CALIBRATION = {"linear_attention:fla": 1.0, "linear_attention:torch": 0.55}
 CHUNK = 64

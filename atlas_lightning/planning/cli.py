@@ -1,7 +1,7 @@
 """The ``plan`` verb: compose, plan, print the table, write ``outputs/<name>/plan.json``.
 
     atlas-lightning plan experiment=<run> [overrides]          (verbs.plan -> run_plan)
-    python -m atlas_lightning.planning [--card-gib G] [--linear-kernel fla|torch] [--json] experiment=<run> ...
+    python -m atlas_lightning.planning [--card-gib G] [--json] experiment=<run> [model.linear_attention_kernel=fla] ...
 
 Exit code 0: the plan passes; 2: refused (each reason printed), or the model folder unreadable.
 """
@@ -45,8 +45,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m atlas_lightning.planning", description=__doc__.split("\n")[0])
     parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. experiment=r28-continued-cost-8gpu-n32")
     parser.add_argument("--card-gib", type=float, default=None, help="memory of one card in GiB (default: plan.card_gib, 80)")
-    parser.add_argument("--linear-kernel", choices=("fla", "torch", "auto"), default=None,
-                        help="Gated DeltaNet kernel path for hybrid models (default: $ATLAS_LINEAR_ATTENTION_KERNEL or auto)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     parser.add_argument("--config-dir", default=None, help="a folder of your own config groups")
     parser.add_argument("--no-write", action="store_true", help="do not write outputs/<name>/plan.json")
@@ -56,5 +54,4 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as err:
         print(f"atlas-lightning plan: config error: {err}", file=sys.stderr)
         return 2
-    return run_plan(cfg, card_gib=args.card_gib, linear_kernel=args.linear_kernel, as_json=args.json,
-                    write=not args.no_write)
+    return run_plan(cfg, card_gib=args.card_gib, as_json=args.json, write=not args.no_write)

@@ -186,6 +186,7 @@ class Inputs:
     checkpoint_layers: Optional[int]
     chunk_tokens: int
     attn: str
+    padded: bool
     update_tokens: int
     forward_tokens: int
     max_sequence: int
@@ -237,6 +238,7 @@ class Inputs:
             checkpoint_layers=None if layers is None else int(layers),
             chunk_tokens=int(model.logprob_chunk_tokens),
             attn=str(model.attn_implementation),
+            padded=str(model.sequence_layout) == "padded",
             update_tokens=int(algorithm.ppo_max_token_len_per_gpu),
             forward_tokens=int(algorithm.forward_max_token_len_per_gpu),
             max_sequence=int(rollout.max_prompt_length) + int(rollout.max_response_length),
@@ -286,7 +288,7 @@ class _Model:
     def _mask(self, tokens: int) -> float:
         if self.i.attn not in ("sdpa", "eager"):
             return 0.0
-        if self.s.recurrent:  # padded (n, max_len): n masks of max_len^2
+        if self.i.padded:  # padded (n, max_len): n masks of max_len^2
             return float(tokens) * min(self.i.max_sequence, tokens)
         return float(tokens) * tokens
 
@@ -376,7 +378,7 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = N
                "lora": {role: f"{lora.describe()} ({lora.source})" for role, lora in inputs.lora.items()},
                "layers": s.num_layers, "linear_attention_layers": s.count("linear_attention"),
                "hidden_size": s.hidden_size, "vocab_size": s.vocab_size,
-               "layout": "padded" if s.recurrent else "packed",
+               "layout": "padded" if inputs.padded else "packed",
                "linear_attention_kernel": linear_kernel if s.recurrent else None,
                "checkpointed_layers": len(model.checkpointed), "world_size": inputs.world},
     )

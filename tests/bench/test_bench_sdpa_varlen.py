@@ -48,8 +48,8 @@ def test_bad_lengths_are_refused():
 
 
 def test_hybrid_padded_layout_varlen_equals_sdpa(qwen3_5_base, randomize):
-    varlen = ActorCritic(qwen3_5_base, LORA, attn_implementation=NAME, logprob_chunk_tokens=7)
-    dense = ActorCritic(qwen3_5_base, LORA, attn_implementation="sdpa", logprob_chunk_tokens=7)
+    varlen = ActorCritic(qwen3_5_base, LORA, attn_implementation=NAME, logprob_chunk_tokens=7, sequence_layout="padded")
+    dense = ActorCritic(qwen3_5_base, LORA, attn_implementation="sdpa", logprob_chunk_tokens=7, sequence_layout="padded")
     randomize(varlen)
     dense.load_state_dict(varlen.state_dict())
     assert varlen.sequence_layout == "padded"

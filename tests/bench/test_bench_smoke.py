@@ -18,9 +18,9 @@ CPU = torch.device("cpu")
 
 def test_tiny_run_writes_json_and_markdown(tmp_path, capsys):
     out = tmp_path / "r" / "bench.json"
-    assert main(["--tiny", "--models", "tiny", "--sweep", "ours,ours_selective", "--reps", "1", "--tokens", "1024",
-                 "--forward-tokens", "2048",
-                 "--sections", "peak,logprob,update,forward,sync", "--out", str(out)]) == 0
+    assert main(["--tiny", "--models", "tiny", "--sweep", "ours,ours_selective,ours_mlp", "--reps", "1", "--tokens",
+                 "1024", "--forward-tokens", "2048", "--batch-sequences", "6", "--batch-budgets", "1024,600",
+                 "--sections", "peak,logprob,update,forward,sync,batch,profile,autotune", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     model = results["models"]["tiny"]
     for path in ("ours", "baseline"):
@@ -30,7 +30,13 @@ def test_tiny_run_writes_json_and_markdown(tmp_path, capsys):
         assert update["tokens_per_s"] > 0 and 0 < update["useful_mfu"]
         assert set(model[path]["forward"]) >= {"actor", "critic"}
     assert model["ours"]["options"]["attention"] == "sdpa_varlen"
-    assert model["sweep"]["ours_selective"]["checkpoint_layers"] == 1
+    assert model["sweep"]["ours_selective"]["layer_recompute"] == ["layer", "none"]
+    assert model["sweep"]["ours_mlp"]["layer_recompute"] == ["mlp", "mlp"]
+    batch = model["batch"]
+    assert batch["sequences"] == 6 and batch["real_tokens"] > 0
+    for path in ("ours", "baseline"):
+        assert batch[path]["update"]["tokens_per_s"] > 0, batch[path]
+    assert batch["ours"]["attempts"][0]["attempt"] == "every layer checkpointed"  # no sweep peaks on CPU
     sync = model["ours"]["weight_sync"]
     assert sync["merged_packs"]["bytes"] == sync["merged_cat"]["bytes"] > 0
     assert {r["kind"] for r in results["logprob_memory"]} == {"chunked", "full"}
@@ -54,10 +60,10 @@ def test_baseline_and_ours_score_the_same_tokens(name):
             if "lora_" in name:
                 p.zero_()
     packed = _pack(inputs, list(range(len(inputs.sequences))), CPU)
-    with torch.no_grad():
-        torch.testing.assert_close(base._per_token("actor", packed), ours.model.actor_forward(packed)[0],
+    with torch.no_grad(), base.kernels():
+        torch.testing.assert_close(base.per_token("actor", packed), ours.model.actor_forward(packed)[0],
                                    rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(base._per_token("critic", packed), ours.model.critic_forward(packed),
+        torch.testing.assert_close(base.per_token("critic", packed), ours.model.critic_forward(packed),
                                    rtol=1e-4, atol=1e-4)
 
 

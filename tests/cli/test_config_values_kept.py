@@ -36,6 +36,7 @@ MOVED = {"rollout.tensor_parallel_size": "layout.engine_tp"}
 REMOVED = {"algorithm.adv_estimator", "algorithm.shuffle_minibatches", "trainer.log_every"}
 ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.description": None,
          "reward._target_": "atlas_lightning.reward.CostReward", "rollout.logprob_gap_factor": 4.0,
+         "model.linear_attention_kernel": "auto", "model.layer_recompute": None,
          "model.critic_lora.rank": None, "model.critic_lora.alpha": None, "model.critic_lora.dropout": None,
          "model.critic_lora.target_modules": None}
 

@@ -91,16 +91,18 @@ def test_base_pass_is_the_plain_base_model(qwen3_base, randomize):
 
 
 def test_layout_choice(qwen3_base, qwen3_5_base):
-    packed_model, padded_model = ActorCritic(qwen3_base, LORA), ActorCritic(qwen3_5_base, LORA)
-    assert packed_model.sequence_layout == "packed"
-    assert padded_model.sequence_layout == "padded"
-    with pytest.raises(ValueError, match="sequence_layout='packed' is refused for Qwen3_5ForCausalLM"):
-        ActorCritic(qwen3_5_base, LORA, sequence_layout="packed")
+    dense, hybrid = ActorCritic(qwen3_base, LORA), ActorCritic(qwen3_5_base, LORA)
+    assert dense.sequence_layout == hybrid.sequence_layout == "packed"
+    assert dense.linear_attention_kernel is None
+    assert hybrid.linear_attention_kernel == "torch"  # no flash-linear-attention kernels on a CPU model
+    assert ActorCritic(qwen3_5_base, LORA, sequence_layout="padded").sequence_layout == "padded"
+    with pytest.raises(ValueError, match="model.linear_attention_kernel=fla cannot run here"):
+        ActorCritic(qwen3_5_base, LORA, linear_attention_kernel="fla")
 
 
 def test_transformers_still_leaks_across_packed_boundaries_in_linear_attention(qwen3_5_base):
-    """Canary for the 'padded' default: if this starts failing, transformers' fallback kernels
-    learned packed boundaries and the packed layout could be allowed for Qwen3.5/3.6."""
+    """Why ``linear_attention.py`` exists: transformers' own Gated DeltaNet carries conv and
+    recurrent state across packed boundaries. If this starts failing, its layer learned them."""
     plain = AutoModelForCausalLM.from_pretrained(qwen3_5_base, dtype=torch.float32)
     sequences = _batch()
     packed = pack_sequences(sequences, PROMPTS)

@@ -174,6 +174,23 @@ def test_report_budgets_on_80gb_cards(qwen27b_dir, tmp_path):
     assert torch_path.phase("update_actor").tensors > 1.2 * fits.phase("update_actor").tensors
 
 
+def test_linear_kernel_is_the_config_key(qwen27b_dir, tmp_path):
+    """The plan reads model.linear_attention_kernel (no environment variable): fla and torch as
+    given; auto looks for flash-linear-attention on this machine and says when it plans without it."""
+    import importlib.util
+
+    run = "r28-continued-cost-8gpu-t49152-memory"
+    for kernel in ("fla", "torch"):
+        plan = make_plan(_cfg(run, qwen27b_dir, tmp_path, f"model.linear_attention_kernel={kernel}"), card_gib=80)
+        assert plan.model["linear_attention_kernel"] == kernel
+    auto = make_plan(_cfg(run, qwen27b_dir, tmp_path), card_gib=80)
+    installed = importlib.util.find_spec("fla") is not None
+    assert auto.model["linear_attention_kernel"] == ("fla" if installed else "torch")
+    assert installed or any("model.linear_attention_kernel=auto" in note for note in auto.notes)
+    with pytest.raises(ConfigError, match="model.linear_attention_kernel"):
+        _cfg(run, qwen27b_dir, tmp_path, "model.linear_attention_kernel=cuda")
+
+
 @pytest.mark.parametrize("run, train, card", [("r28-continued-cost-8gpu-t98304-separate6-2-memory", 6, 139),
                                               ("r28-continued-cost-8gpu-t49152-n16-separate4-4-memory", 4, 80)])
 def test_separate_layouts_pass_with_the_buckets_accounted(run, train, card, qwen27b_dir, tmp_path):
@@ -275,8 +292,8 @@ def test_engine_budget_refusals(qwen27b_dir, tmp_path):
 
 
 def test_plan_verb_exit_codes_and_plan_json(qwen27b_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("ATLAS_LINEAR_ATTENTION_KERNEL", "fla")
-    args = [f"model.path={qwen27b_dir}", f"data.root={tmp_path}", f"paths.root={tmp_path}", "plan.card_gib=80"]
+    args = [f"model.path={qwen27b_dir}", f"data.root={tmp_path}", f"paths.root={tmp_path}", "plan.card_gib=80",
+            "model.linear_attention_kernel=fla"]
     assert cli_main(["plan", "experiment=r28-continued-cost-8gpu-t49152-memory", *args]) == 0
     assert "PLAN OK" in capsys.readouterr().out
     assert cli_main(["plan", "experiment=r28-continued-cost-8gpu-t73728-memory", *args]) == 2

@@ -1,0 +1,127 @@
+"""The batch benchmark (issue 20): one actor update over a whole batch of trajectories, with its
+optimizer step, ours against the baseline, in bounded memory.
+
+The batch is ``workload.sample_batch`` (32 trajectories of the length mix by default). One
+update is what ``PPOModule`` does for an actor mini-batch: every token-budget micro-batch
+forward + backward (policy loss, token-mean over the batch's loss tokens), gradient clipping at
+1.0, one AdamW step (fp32 moments of the actor's LoRA), gradients zeroed.
+
+* Ours: ``ActorCritic`` with per-layer recomputation and a micro-batch budget chosen from the
+  option sweep under ``--batch-cap-gib`` (``choose.py``), packed micro-batches
+  (``plan_micro_batches``). The choice is checked on the card before timing: one micro-step on
+  the largest micro-batch and one optimizer step; if that peak is over the cap, the next plan
+  (chosen again under the cap less the overshoot) is tried, and last every layer checkpointed.
+* Baseline: transformers + peft as in ``update.BaselineRunner`` (padded micro-batches of a fixed
+  number of sequences, full logits, every layer checkpointed), the same loss and step.
+
+Both are warmed up by one micro-step and one optimizer step (Adam's moments allocated), then
+one whole update is timed; its peak includes the moments. Useful FLOPs are ``flops.py``'s for
+the actor over every sequence of the batch.
+
+Who calls it: ``cli.py`` (section ``batch``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from atlas_lightning.algorithms.partition import plan_micro_batches
+
+from . import measure
+from .update import TEMPERATURE, BaselineRunner, OursRunner, _losses, _pack
+from .workload import PPOInputs
+
+
+def _actor_parameters(runner) -> list[torch.nn.Parameter]:
+    if isinstance(runner, OursRunner):
+        return runner.model.actor_parameters()
+    return [p for n, p in runner.peft_model.named_parameters() if "lora_" in n and ".actor." in n]
+
+
+def _micro_step(runner, inputs: PPOInputs, indices, total: float) -> None:
+    packed = _pack(inputs, indices, runner.device)
+    rows = torch.as_tensor(indices, device=runner.device)
+    if isinstance(runner, OursRunner):
+        out, _ = runner.model.actor_forward(packed, temperature=TEMPERATURE, compute_entropy=False)
+        _losses("actor", inputs, rows, packed, out, total).backward()
+        return
+    with runner.kernels():  # the backward's replays too
+        _losses("actor", inputs, rows, packed, runner.per_token("actor", packed), total).backward()
+
+
+class ActorUpdate:
+    """One actor update over ``micro_batches`` (module doc) for a runner; ``warm_up`` then ``__call__``."""
+
+    def __init__(self, runner, inputs: PPOInputs, micro_batches: list[list[int]]) -> None:
+        self.runner, self.inputs, self.micro_batches = runner, inputs, micro_batches
+        self.params = _actor_parameters(runner)
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-6)
+        self.total = float(inputs.response_mask.sum())
+        tokens = [sum(int(inputs.sequences[i].numel()) for i in mb) for mb in micro_batches]
+        self.largest = micro_batches[max(range(len(tokens)), key=tokens.__getitem__)]
+
+    def _step(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def warm_up(self) -> float:
+        """One micro-step on the largest micro-batch and one optimizer step; the peak, GiB."""
+        measure.reset_peak(self.runner.device)
+        _micro_step(self.runner, self.inputs, self.largest, self.total)
+        self._step()
+        measure.sync(self.runner.device)
+        return measure.peak_gib(self.runner.device)
+
+    def __call__(self) -> None:
+        for indices in self.micro_batches:
+            _micro_step(self.runner, self.inputs, indices, self.total)
+        self._step()
+
+
+def packed_micro_batches(inputs: PPOInputs, budget: int) -> list[list[int]]:
+    lengths = [int(s.numel()) for s in inputs.sequences]
+    return [list(mb) for mb in plan_micro_batches(lengths, budget, allow_oversized=True).micro_batches]
+
+
+def timed_update(update: ActorUpdate, flops: float, peak_tflops) -> dict:
+    device = update.runner.device
+    measure.reset_peak(device)
+    seconds = measure.timed(device, update)
+    tokens = update.inputs.num_tokens
+    entry = {"seconds": seconds, "tokens_per_s": tokens / seconds, "useful_tflops": flops / seconds / 1e12,
+             "peak_gib": measure.peak_gib(device), "micro_batches": len(update.micro_batches),
+             "micro_batch_tokens": [sum(int(update.inputs.sequences[i].numel()) for i in mb)
+                                    for mb in update.micro_batches]}
+    if peak_tflops:
+        entry["useful_mfu"] = entry["useful_tflops"] / peak_tflops
+    return entry
+
+
+def run_with_fallbacks(attempts: list[tuple[str, Callable[[], tuple]]], cap_gib, log) -> tuple:
+    """Try each ``(label, build)`` in turn; ``build()`` returns ``(runner, update, info)``. The
+    first whose warm-up peak is within ``cap_gib`` (None: no cap) is returned with the list of
+    what was tried; the others are freed."""
+    tried = []
+    for label, build in attempts:
+        runner = update = None
+        try:
+            runner, update, info = build()
+            started = time.perf_counter()
+            peak = update.warm_up()
+            tried.append({"attempt": label, "warm_up_peak_gib": peak, "warm_up_s": time.perf_counter() - started} | info)
+            log(f"batch {label}: warm-up peak {peak} GiB")
+            if cap_gib is None or peak is None or peak <= cap_gib:
+                return runner, update, tried
+        except Exception as err:  # an OOM in one attempt must leave room for the next
+            tried.append({"attempt": label, "error": f"{type(err).__name__}: {str(err)[:300]}"})
+            log(f"batch {label}: {tried[-1]['error']}")
+        runner = update = None
+        measure.free_memory(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    return None, None, tried
+
+
+__all__ = ["ActorUpdate", "BaselineRunner", "OursRunner", "packed_micro_batches", "run_with_fallbacks", "timed_update"]

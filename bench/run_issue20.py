@@ -1,0 +1,118 @@
+"""Issue 20 on one H200, in ONE process (fla's autotuning and compiled kernels serve every step):
+
+1. the fla correctness test (``tests/models/test_linear_attention.py``): packed fla against
+   transformers one sequence at a time; it also pays fla's first autotuning;
+2. the 27B shape (first 16 layers): the option sweep on 4 layers (plan figures beside the
+   measured peaks), our update with the chosen recomputation, the autotune probe (a new
+   micro-batch length), a profile of one actor micro-step;
+3. the dense 8B shape: the sweep, then the 32-sequence batch update with its optimizer step,
+   ours under a 60 GiB cap against transformers + peft;
+4. the 27B baseline (transformers + peft, its torch Gated DeltaNet), timed on its first update.
+
+    python3 bench/run_issue20.py --out $OUT [--budget-s 560]
+
+Each step writes ``$OUT/run<N>-*.json`` and ``.md`` as it goes; a step starts only if the time
+left allows, and the last lines printed are the summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--run", default="run13")
+    p.add_argument("--budget-s", type=float, default=560.0)
+    p.add_argument("--skip-test", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="CPU plumbing check on toy shapes")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    left = lambda: args.budget_s - (time.monotonic() - started)  # noqa: E731
+    summary = {}
+
+    if not args.skip_test:
+        import pytest
+
+        t = time.monotonic()
+        code = pytest.main(["-q", "-rs", "-s", str(REPO / "tests/models/test_linear_attention.py"),
+                            "-p", "no:cacheprovider"])
+        summary["fla test"] = {"exit": int(code), "seconds": round(time.monotonic() - t, 1)}
+        print(f"[issue20] fla test exit {int(code)} in {summary['fla test']['seconds']} s", flush=True)
+
+    from atlas_lightning.bench.cli import main as bench
+
+    steps = [
+        ("27b", ["--models", "qwen3_6_27b", "--layers", "qwen3_6_27b=16", "--sweep-layers", "4",
+                 "--sweep", "ours,ours_none", "--sweep-warmup", "0", "--reps", "1", "--paths", "ours",
+                 "--sections", "peak,update,autotune,profile"], 60, 140),
+        ("dense", ["--models", "dense8b", "--sweep-layers", "4", "--sweep", "ours,ours_none,ours_mixer,ours_mlp",
+                   "--sweep-warmup", "0", "--sections", "peak,batch,profile", "--batch-sequences", "32",
+                   "--batch-cap-gib", "60"], 100, 0),
+        ("27b-baseline", ["--models", "qwen3_6_27b", "--layers", "qwen3_6_27b=16", "--sweep-layers", "0",
+                          "--reps", "1", "--baseline-warmup", "0", "--paths", "baseline",
+                          "--sections", "peak,update"], 55, 0),
+    ]
+    if args.tiny:
+        swap = {"qwen3_6_27b": "tiny_hybrid", "dense8b": "tiny", "qwen3_6_27b=16": "tiny_hybrid=4", "4": "2", "32": "4"}
+        steps = [(label, ["--tiny", "--batch-budgets", "1024,800", *[swap.get(a, a) for a in argv]], 0, 0)
+                 for label, argv, _, _ in steps]
+    # (label, bench arguments, seconds a step needs to start, seconds it leaves to the steps after it)
+    for label, argv, needs, keep in steps:
+        if left() < needs:
+            print(f"[issue20] {label}: skipped, {left():.0f} s left", flush=True)
+            summary[label] = "skipped"
+            continue
+        path = out / f"{args.run}-{label}.json"
+        t = time.monotonic()
+        bench([*argv, "--deadline-s", str(max(left() - keep, 10)), "--out", str(path)])
+        summary[label] = {"seconds": round(time.monotonic() - t, 1), "json": path.name}
+
+    print("\n[issue20] summary", json.dumps(summary))
+    rows = [("shape", "path", "s", "tokens/s", "MFU", "peak GiB", "plan")]
+    for label in ("27b", "27b-baseline", "dense"):
+        path = out / f"{args.run}-{label}.json"
+        if not path.exists():
+            continue
+        for name, model in json.loads(path.read_text()).get("models", {}).items():
+            for which in ("ours", "baseline"):
+                update = model.get(which, {}).get("update", {})
+                if update.get("median_s"):
+                    plan = model[which].get("options", {}).get("layer_recompute", "")
+                    rows.append((name, which, f"{update['median_s']:.2f}", f"{update['tokens_per_s']:.0f}",
+                                 f"{100 * update.get('useful_mfu', 0):.1f}%", f"{update.get('peak_gib') or 0:.1f}",
+                                 _short(plan)))
+            batch = model.get("batch", {})
+            for which in ("ours", "baseline"):
+                update = batch.get(which, {}).get("update", {})
+                if update.get("seconds"):
+                    attempt = batch[which]["attempts"][-1]
+                    rows.append((f"{name} batch", which, f"{update['seconds']:.2f}", f"{update['tokens_per_s']:.0f}",
+                                 f"{100 * update.get('useful_mfu', 0):.1f}%", f"{update.get('peak_gib') or 0:.1f}",
+                                 f"{attempt.get('budget', '')} {_short(attempt.get('layer_recompute', ''))}"))
+    for row in rows:
+        print(" | ".join(str(c) for c in row))
+    return 0
+
+
+def _short(plan) -> str:
+    if not isinstance(plan, list):
+        return str(plan)
+    return ",".join(f"{p}x{plan.count(p)}" for p in ("layer", "mixer", "mlp", "none") if p in plan)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

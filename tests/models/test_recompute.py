@@ -1,0 +1,109 @@
+"""Recomputation finer than a layer (``models/recompute.py``): the SwiGLU functions give
+autograd's gradients, and each per-layer policy keeps the forward and the gradients of the
+plain model while saving fewer bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.autograd.graph import saved_tensors_hooks
+
+from atlas_lightning.config import LoraConfig
+from atlas_lightning.models.actor_critic import ActorCritic
+from atlas_lightning.models.packing import pack_sequences
+from atlas_lightning.models.recompute import SwiGLUDownFunction, SwiGLUMLPFunction
+
+LORA = LoraConfig(rank=4, alpha=8, dropout=0.0, target_modules="all-linear")
+LENGTHS, PROMPTS = (9, 4, 13, 6), (3, 2, 5, 1)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_swiglu_down_against_autograd(lora):
+    g = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(2, 7, 24, generator=g).requires_grad_(True) for _ in range(2))
+    weight = torch.randn(16, 24, generator=g)
+    a = torch.randn(4, 24, generator=g).requires_grad_(True) if lora else None
+    b = torch.randn(16, 4, generator=g).requires_grad_(True) if lora else None
+    grad_y = torch.randn(2, 7, 16, generator=g)
+
+    h = F.silu(gate) * up  # what transformers' MLP and peft's LoRA linear compute, as separate nodes
+    reference = F.linear(h, weight) + (0.5 * F.linear(F.linear(h, a), b) if lora else 0)
+    inputs = (gate, up, a, b) if lora else (gate, up)
+    expected = torch.autograd.grad(reference, inputs, grad_y)
+    got_y = SwiGLUDownFunction.apply(gate, up, weight, a, b, 0.5)
+    got = torch.autograd.grad(got_y, inputs, grad_y)
+    torch.testing.assert_close(got_y, reference, rtol=1e-5, atol=1e-5)
+    for x, y in zip(got, expected):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_swiglu_mlp_against_autograd(lora):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, 16, generator=g).requires_grad_(True)
+    weights = [torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g), torch.randn(16, 24, generator=g)]
+    loras = [(torch.randn(4, w.shape[1], generator=g).requires_grad_(True),
+              torch.randn(w.shape[0], 4, generator=g).requires_grad_(True)) if lora else (None, None) for w in weights]
+    scalings = (0.5, 2.0, 0.25)
+
+    def linear(v, i):
+        a, b = loras[i]
+        out = F.linear(v, weights[i])
+        return out + scalings[i] * F.linear(F.linear(v, a), b) if lora else out
+
+    reference = linear(F.silu(linear(x, 0)) * linear(x, 1), 2)
+    inputs = [x] + [t for pair in loras for t in pair if t is not None]
+    grad_y = torch.randn_like(reference)
+    expected = torch.autograd.grad(reference, inputs, grad_y)
+    flat = [t for w, (a, b) in zip(weights, loras) for t in (w, a, b)]
+    got_y = SwiGLUMLPFunction.apply(x, *flat, *scalings)
+    got = torch.autograd.grad(got_y, inputs, grad_y)
+    torch.testing.assert_close(got_y, reference, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _run(model, packed):
+    model.zero_grad(set_to_none=True)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with saved_tensors_hooks(pack, lambda tensor: tensor):
+        log_probs, _ = model.actor_forward(packed)
+        values = model.critic_forward(packed)
+    (-(log_probs * torch.linspace(0.5, 1.5, log_probs.numel())).mean() + values.pow(2).mean()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return (log_probs.detach(), values.detach()), grads, sum(saved)
+
+
+@pytest.mark.parametrize("base_name", ["qwen3_base", "qwen3_5_base"])
+@pytest.mark.parametrize("policy", ["mixer", "mlp"])
+def test_finer_policies_keep_forward_and_gradients_with_fewer_saved_bytes(base_name, policy, request, randomize):
+    base = request.getfixturevalue(base_name)
+    g = torch.Generator().manual_seed(0)
+    packed = pack_sequences([torch.randint(0, 128, (n,), generator=g) for n in LENGTHS], PROMPTS)
+    runs = {}
+    for plan in (["none", "none"], [policy, policy]):
+        model = ActorCritic(base, LORA, logprob_chunk_tokens=5, gradient_checkpointing=True, layer_recompute=plan)
+        assert model.layer_recompute == plan and model.checkpointed_layers == 0
+        randomize(model)
+        runs[plan[0]] = _run(model, packed)
+    (out0, grads0, bytes0), (out1, grads1, bytes1) = runs["none"], runs[policy]
+    for a, b in zip(out0, out1):
+        assert torch.equal(a, b)  # the same ops run forward
+    assert sorted(grads0) == sorted(grads1) and len(grads0) > 0
+    for name, grad in grads0.items():
+        torch.testing.assert_close(grads1[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    print(f"saved bytes: {policy} {bytes1}, none {bytes0}")
+    assert bytes1 < 0.95 * bytes0  # tiny layers: the hybrid's torch delta rule saves most of its bytes
+
+
+def test_layer_recompute_names_a_policy_for_every_layer(qwen3_base):
+    with pytest.raises(ValueError, match="layer_recompute=.* must name one of none, mixer, mlp, layer"):
+        ActorCritic(qwen3_base, LORA, gradient_checkpointing=True, layer_recompute=["mixer"])
+    with pytest.raises(ValueError, match="needs gradient_checkpointing=True"):
+        ActorCritic(qwen3_base, LORA, layer_recompute=["mixer", "mlp"])
