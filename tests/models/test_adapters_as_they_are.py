@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from atlas_lightning.models.actor_critic import ActorCritic
@@ -42,12 +41,11 @@ def _as_report_folder(ours: Path, theirs: Path, hidden: int, head_name: str = "s
 
 
 def _model_cfg(base: str, **adapters):
-    return OmegaConf.create({"path": base, "dtype": "float32", "lora": {"rank": 8, "alpha": 16, "dropout": 0.0,
-                                                                       "target_modules": "all-linear"},
-                             "critic_lora": None, "gradient_checkpointing": False, "logprob_chunk_tokens": 64,
-                             "attn_implementation": "sdpa", "sequence_layout": "auto", "fused_lora": True,
-                             "checkpoint_layers": None, "lean_activations": True, "actor_adapter": None,
-                             "critic_adapter": None, **adapters})
+    """The schema's model group (``config.ModelConfig``) on ``base``, LoRA r8 for fresh adapters."""
+    from atlas_lightning.config import LoraConfig, ModelConfig
+
+    return ModelConfig(path=base, dtype="float32", lora=LoraConfig(rank=8, alpha=16), gradient_checkpointing=False,
+                       logprob_chunk_tokens=64, attn_implementation="sdpa", **adapters)
 
 
 def test_the_reports_critic_folder_loads_as_it_is(qwen3_5_base, tmp_path, randomize):

@@ -13,7 +13,8 @@ import pytest
 
 from atlas_lightning.env.episode import Episode, RuntimeConfig
 from atlas_lightning.rollout.agent_loop import AgentLoop, LoopLimits, Sampling, Trajectory
-from atlas_lightning.rollout.batch import assemble_batch, session_id, trajectory_uid
+from atlas_lightning.questions.uid import trajectory_uid
+from atlas_lightning.rollout.batch import assemble_batch, session_id
 from atlas_lightning.reward import CostReward
 from atlas_lightning.rollout.engine import Engine, GenerationResult
 from atlas_lightning.store.records import read_record, write_record
