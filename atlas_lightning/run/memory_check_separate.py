@@ -17,7 +17,7 @@ arriving beside it) and the sender's buckets. So, besides the synthetic PPO step
 Every weight sync is ``fit``'s own, ``callbacks.weight_sync.WeightSyncCallback.sync``: merged
 weights gathered, merged and packed in buckets of at most ``rollout.bucket_mb`` and sent through
 ``rollout/engines/weight_transfer.py`` (``gloo`` on CPU, vLLM's ``nccl`` on GPUs), or the LoRA
-adapter loaded by name; then verified as in ``fit`` (tensor count and checksum, the log-prob gap
+adapter loaded by name; then verified as in ``fit`` (tensor count and digest, the log-prob gap
 on a probe sequence), so a transfer that delivers wrong weights fails the check.
 
 Measured:
