@@ -139,7 +139,8 @@ class PPOModule(L.LightningModule):
         scaling = self.cfg.model.lora.alpha / self.cfg.model.lora.rank
         pairs = [(tensor, state[name.replace("lora_A", "lora_B")], scaling)
                  for name, tensor in state.items() if ".lora_A." in name]
-        return lora_checksum(pairs)
+        # the engine holds the factors in the model's dtype (vLLM casts a loaded adapter to it)
+        return lora_checksum(pairs, dtype=getattr(torch, self.cfg.model.dtype))
 
     def merged_weight_buckets(self, bucket_bytes: int):
         """The actor merged into the base, HF-named, in buckets of at most ``bucket_bytes``.
@@ -237,6 +238,7 @@ class PPOModule(L.LightningModule):
         self.rl_step = batch.step
         cfg = self.cfg.algorithm
         timing = dict(batch.timing)
+        memory: dict[str, float] = {}  # per-phase peaks on CUDA (``_timed``)
         started = time.monotonic()
         nonfinite: dict[str, Any] = {}
         self.model.train()
@@ -246,13 +248,13 @@ class PPOModule(L.LightningModule):
         width = mask.shape[1]
         scores = batch.padded("token_rewards").to(self.device)
 
-        with _timed(timing, "old_log_prob"):
+        with _timed(timing, "old_log_prob", memory):
             old_log_prob, entropy = self._forward_all(seqs, prompts, width, "actor")
-        with _timed(timing, "values"):
+        with _timed(timing, "values", memory):
             values, _ = self._forward_all(seqs, prompts, width, "critic")
         ref_log_prob = None
         if cfg.use_kl_loss or cfg.use_kl_in_reward:
-            with _timed(timing, "ref"):
+            with _timed(timing, "ref", memory):
                 ref_log_prob, _ = self._forward_all(seqs, prompts, width, "base")
         _check_finite(nonfinite, batch, mask, old_log_prob=old_log_prob, entropy=entropy, values=values,
                       ref_log_prob=ref_log_prob)
@@ -269,18 +271,20 @@ class PPOModule(L.LightningModule):
             advantages = _global_whiten(raw_advantages, mask) if cfg.norm_adv else raw_advantages
 
         if not nonfinite:
-            with _timed(timing, "update_critic"):
+            with _timed(timing, "update_critic", memory):
                 metrics.update(self._update("critic", seqs, prompts, width, mask, old_log_prob, values, returns,
                                             advantages, ref_log_prob, batch, nonfinite))
         if not nonfinite and self.rl_step > cfg.critic_warmup:
-            with _timed(timing, "update_actor"):
+            with _timed(timing, "update_actor", memory):
                 metrics.update(self._update("actor", seqs, prompts, width, mask, old_log_prob, values, returns,
                                             advantages, ref_log_prob, batch, nonfinite))
         # asynchronous: the rollout overlapped the previous update; the step waited only this long
-        timing["step"] = timing.get("wait_rollout", timing.get("gen", 0.0)) + time.monotonic() - started
+        timing["step"] = timing.get("wait_rollout", timing.get("rollout", timing.get("gen", 0.0))) \
+            + time.monotonic() - started
 
         metrics.update(self._data_metrics(batch, mask, scores, rewards, values, returns, advantages, entropy,
                                           old_log_prob, timing))
+        metrics.update(_memory_metrics(memory, batch.memory))
         output = {
             "step": batch.step,
             "batch": batch,
@@ -448,10 +452,34 @@ class PPOModule(L.LightningModule):
 
 
 @contextmanager
-def _timed(timing: dict, name: str):
+def _timed(timing: dict, name: str, memory: Optional[dict] = None):
+    """Seconds of the block into ``timing[name]``; on CUDA with ``memory`` given, also the
+    block's peak of PyTorch's allocated and reserved memory in GiB
+    (``memory["peak_allocated_gib/<name>"]``, ``memory["peak_reserved_gib/<name>"]``; the
+    counters are reset when the block starts, and the device is synchronised at both ends so
+    that the seconds are the phase's own)."""
+    cuda = memory is not None and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     start = time.monotonic()
     yield
+    if cuda:
+        torch.cuda.synchronize()
+        for key, value in (("peak_allocated_gib", torch.cuda.max_memory_allocated()),
+                           ("peak_reserved_gib", torch.cuda.max_memory_reserved())):
+            memory[f"{key}/{name}"] = max(memory.get(f"{key}/{name}", 0.0), value / 2**30)
     timing[name] = timing.get(name, 0.0) + time.monotonic() - start
+
+
+def _memory_metrics(phases: dict[str, float], rollout: dict[str, float]) -> dict[str, float]:
+    """``memory/<key>``: the step's per-phase peaks and the rollout's card figures, each the
+    maximum over ranks (collective: every rank has the same keys, the same phases having run)."""
+    keys = sorted(set(phases) | set(rollout))
+    if not keys:
+        return {}
+    values = dist_utils.all_reduce_max([phases.get(k, rollout.get(k, 0.0)) for k in keys])
+    return {f"memory/{k}": v for k, v in zip(keys, values)}
 
 
 def _contiguous_chunks(n: int, parts: int) -> list[list[int]]:

@@ -224,19 +224,42 @@ class RolloutDataModule(L.LightningDataModule):
              seed_parts: tuple) -> RolloutBatch:
         if self.engine is None:
             raise RuntimeError("RolloutDataModule has no engine: call setup() or pass one")
+        timing: dict[str, float] = {}
+        memory: dict[str, float] = {}
         with self.engine_lock:  # one version per batch; no sync under a running rollout
             started = time.monotonic()
             version = self.weights_version
-            self.engine.wake_up()
+            self.engine.wake_up()  # a no-op after a weight sync, which wakes the engine itself
+            timing["wake_rollout"] = time.monotonic() - started
             progress = RolloutProgress(f"{partition} step {step}", enabled=self.rank == 0)
+            looped = time.monotonic()
             stats = AgentLoop(self.engine, self.chat, self._limits()).run(
                 trajectories, sampling, seed_parts=seed_parts, progress=progress)
+            timing["gen"] = time.monotonic() - looped
+            _card_used(memory, "gen")
+            if partition == "train" and self.sleeps_for_update:
+                slept = time.monotonic()
+                self.engine.sleep()  # the update gets the engine's memory; the weight sync wakes it
+                timing["sleep"] = time.monotonic() - slept
+                _card_used(memory, "asleep")
+        assembled = time.monotonic()
         batch = assemble_batch(
             self._own_share(trajectories), step=step, partition=partition, run_id=self.cfg.name,
             cost_per_usd=self.cfg.reward.cost_per_usd, no_submit_reward=self.cfg.reward.no_submit_reward,
             stats=stats, weights_version=version)
-        batch.timing["gen"] = time.monotonic() - started
+        timing["assemble"] = time.monotonic() - assembled
+        timing["rollout"] = time.monotonic() - started
+        batch.timing.update(timing)
+        batch.memory.update(memory)
         return batch
+
+    @property
+    def sleeps_for_update(self) -> bool:
+        """A colocated engine with sleep mode sleeps after each training rollout (its weights and
+        KV cache give way to the update) and is woken by the weight sync; validation rollouts and
+        the separate layout's server never sleep."""
+        return (not self.asynchronous and bool(self.cfg.rollout.enable_sleep_mode)
+                and bool(getattr(self.engine, "sleeps", False)))
 
     def _own_share(self, trajectories: list[Trajectory]) -> list[Trajectory]:
         _, _, tp_rank = self._engine_world()
@@ -314,3 +337,13 @@ class RolloutDataModule(L.LightningDataModule):
 
 def _identity(batch):
     return batch
+
+
+def _card_used(memory: dict, key: str) -> None:
+    """``memory["card_used_gib/<key>"]``: this card's used memory (the driver's count: the
+    trainer, vLLM's own mappings, every process on the card); nothing off CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        memory[f"card_used_gib/{key}"] = (total - free) / 2**30

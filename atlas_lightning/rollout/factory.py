@@ -33,7 +33,9 @@ def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size
         from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
 
         tp = cfg.rollout.tensor_parallel_size
-        external = world_size > 1
+        # under a training process group (ModelParallelStrategy, world 1 on a GPU included) the
+        # engine joins it; a CPU run without one (strategy "auto") keeps vLLM's own world
+        external = world_size > 1 or (torch.distributed.is_available() and torch.distributed.is_initialized())
         if external:
             # vLLM's external launcher reads torchrun's variables; Lightning's launcher sets none.
             os.environ["RANK"] = str(rank)
@@ -52,6 +54,8 @@ def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size
             external_launcher=external,
             cpu_kvcache_gib=cfg.rollout.cpu_kvcache_gib,
             max_num_seqs=min(cfg.rollout.max_in_flight, 1024),
+            # merged sync reloads every weight after each update: the sleeping engine need not keep them
+            sleep_level=2 if cfg.rollout.weight_sync == "merged" else 1,
         )
     if kind == "hf":
         from transformers import AutoModelForCausalLM
@@ -98,7 +102,8 @@ def _build_server_engine(cfg: DictConfig, rank: int, local_rank: int, world_size
             raise NotImplementedError(
                 f"rollout.server_url names one server but there are {engines} engines; each engine "
                 f"swaps its own adapter, so each needs its own server (leave server_url unset)")
-        return ServerEngine(r.server_url, max_in_flight=r.max_in_flight, request_timeout_s=r.request_timeout_s + 60)
+        return ServerEngine(r.server_url, max_in_flight=r.max_in_flight, request_timeout_s=r.request_timeout_s + 60,
+                            lora_dtype=cfg.model.dtype)
     cuda = torch.cuda.is_available()
     if cuda and r.enable_sleep_mode:
         raise NotImplementedError("rollout.engine=vllm-server cannot sleep (its /sleep route is dev-mode only); "
@@ -125,7 +130,7 @@ def _build_server_engine(cfg: DictConfig, rank: int, local_rank: int, world_size
     try:
         # the socket waits a minute past the agent loop's timeout, so the loop's abort comes first
         return ServerEngine(server.url, server=server, max_in_flight=r.max_in_flight,
-                            request_timeout_s=r.request_timeout_s + 60)
+                            request_timeout_s=r.request_timeout_s + 60, lora_dtype=cfg.model.dtype)
     except BaseException:
         server.close()
         raise

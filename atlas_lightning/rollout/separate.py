@@ -131,7 +131,7 @@ def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> Shared
             transfer = ServerWeightTransfer(url, backend=backend, bucket_bytes=bucket_bytes_of(r.bucket_mb),
                                             workers=cfg.layout.engine_tp, timeout_s=r.request_timeout_s + 60)
         return SharedServerEngine(url, rank=rank, transfer=transfer, server=server, max_in_flight=r.max_in_flight,
-                                  request_timeout_s=r.request_timeout_s + 60)
+                                  request_timeout_s=r.request_timeout_s + 60, lora_dtype=cfg.model.dtype)
     except BaseException:
         if server is not None:
             server.close()

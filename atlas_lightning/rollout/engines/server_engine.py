@@ -59,9 +59,10 @@ log = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------ adapters
 
 
-def adapter_folder_checksum(folder: str | Path) -> tuple[int, float]:
+def adapter_folder_checksum(folder: str | Path, dtype: Optional[torch.dtype] = None) -> tuple[int, float]:
     """(tensor count, checksum) of a PEFT LoRA folder as ``vllm_engine.lora_checksum`` counts
-    them (each A with its B and scaling ``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA): the
+    them (each A with its B and scaling ``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA), the
+    factors rounded to ``dtype`` (the server's model dtype, which vLLM casts an adapter to): the
     numbers ``LightningModule.export_actor_adapter`` returns for the folder it wrote.
     Raises ``EngineError`` naming the folder when it is not such a folder."""
     from safetensors.torch import load_file
@@ -89,7 +90,7 @@ def adapter_folder_checksum(folder: str | Path) -> tuple[int, float]:
             pairs.append((a, b, scaling))
     if not pairs:
         raise EngineError(f"adapter folder {folder}: no LoRA tensors in {weights.name}")
-    return lora_checksum(pairs)
+    return lora_checksum(pairs, dtype=dtype)
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -138,8 +139,11 @@ class ServerEngine(Engine):
         max_in_flight: int = 64,
         request_timeout_s: float = 3600.0,
         poll_wait_s: float = 0.05,
+        lora_dtype: Optional[str] = None,
     ) -> None:
         self.url = url.rstrip("/")
+        #: the served model's dtype, which a loaded adapter is cast to (its checksum's rounding)
+        self.lora_dtype = getattr(torch, lora_dtype) if lora_dtype else None
         self.server = server
         self.request_timeout_s = request_timeout_s
         self.poll_wait_s = poll_wait_s
@@ -356,7 +360,7 @@ class ServerEngine(Engine):
                                   f"HTTP {status}: {error_message(body)}")
         if adapter is None:
             return SyncReport(tensor_count=0, checksum=0.0)
-        count, checksum = adapter_folder_checksum(adapter.folder)
+        count, checksum = adapter_folder_checksum(adapter.folder, dtype=self.lora_dtype)
         self._syncs += 1
         name = f"{adapter.name}-v{adapter.version}-s{self._syncs}-{self._tag}"
         path = str(Path(adapter.folder).resolve())

@@ -10,6 +10,19 @@ Contract (see ``../shared/VLLM-NOTES.md`` for what was seen working):
   with a new folder would silently serve the old adapter), and the previous one is removed.
 - Log-probs are vLLM's ``processed_logprobs``: of the distribution sampled from (temperature
   applied), which is what the trainer recomputes.
+- The engine core always runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the weight
+  sync hands the worker a generator (``_reload_weights``), which cannot cross a process boundary.
+  Under a training process group (Lightning's ``ModelParallelStrategy``, world 1 included) the
+  engine joins it through ``external_launcher``.
+- Sleep (GPUs, ``enable_sleep_mode``): ``sleep`` frees the weights and the KV cache for the
+  update; level 1 keeps a host copy of the weights (a pinned copy made at every sleep), level 2
+  drops them, for a sync that reloads every weight anyway (merged); an engine whose dropped
+  weights were not reloaded refuses to generate. ``wake_up`` first returns the trainer's cached
+  blocks to the driver (``torch.cuda.empty_cache``): vLLM maps its memory outside PyTorch's
+  caching allocator, so memory PyTorch merely caches is not free for it.
+- Versions: written against vLLM 0.32 (CPU build) and 0.26 (CUDA, torch 2.11): the same
+  ``LLM`` arguments, ``LLMEngine`` request API, worker ``reload_weights`` and LoRA manager
+  internals (``_held_lora``) in both.
 """
 
 from __future__ import annotations
@@ -73,11 +86,18 @@ def _held_lora(worker, lora_id: int) -> tuple[int, float]:
     return count, total
 
 
-def lora_checksum(a_b_pairs: Iterable[tuple[torch.Tensor, torch.Tensor, float]]) -> tuple[int, float]:
+def lora_checksum(a_b_pairs: Iterable[tuple[torch.Tensor, torch.Tensor, float]],
+                  dtype: Optional[torch.dtype] = None) -> tuple[int, float]:
     """The trainer's side of ``_held_lora``: over (A, B, scaling) of each adapted module.
-    Layout-independent (sums), so vLLM's packing of q/k/v and transposes do not matter."""
+    Layout-independent (sums), so vLLM's packing of q/k/v and transposes do not matter.
+
+    ``dtype``: the engine's LoRA dtype (vLLM casts a loaded adapter to the model's dtype, so a
+    bf16 engine holds bf16-rounded factors of the trainer's fp32 ones); each factor is rounded
+    to it before summing, so that the sums compare exactly. None: as given."""
     count, total = 0, 0.0
     for a, b, scaling in a_b_pairs:
+        if dtype is not None:
+            a, b = a.detach().to(dtype), b.detach().to(dtype)
         a64 = a.detach().to(torch.float64).cpu()
         b64 = b.detach().to(torch.float64).cpu() * float(scaling)
         total += float(a64.sum() + a64.square().sum() + b64.sum() + b64.square().sum())
@@ -128,10 +148,17 @@ class VLLMEngine(Engine):
         external_launcher: bool = False,
         cpu_kvcache_gib: int = 1,
         max_num_seqs: int = 256,
+        sleep_level: int = 1,
     ) -> None:
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             prepare_cpu_environment(cpu_kvcache_gib)
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level={sleep_level}: vLLM's levels are 1 (keep a host copy of the weights) "
+                             f"and 2 (drop them)")
+        # the engine core in this process: collective_rpc hands the worker live objects (a
+        # generator of weights); with external_launcher vLLM requires it anyway
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         kwargs = dict(
@@ -158,6 +185,8 @@ class VLLMEngine(Engine):
         if external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
         self._sleep_enabled = enable_sleep_mode and not on_cpu
+        self._sleep_level = sleep_level
+        self._weights_dropped = False  # level-2 sleep dropped the weights; a load_weights brings them back
         self._lora_enabled = lora_rank is not None
         self.llm = LLM(**kwargs)
         self._engine = self.llm.llm_engine
@@ -191,6 +220,9 @@ class VLLMEngine(Engine):
 
         if self._asleep:
             raise EngineError("vllm engine is asleep: wake_up() before submitting requests")
+        if self._weights_dropped:
+            raise EngineError("vllm engine slept at level 2 (weights dropped) and no load_weights() brought "
+                              "them back: refusing to generate from undefined weights")
         self._engine.add_request(
             request.request_id,
             TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
@@ -239,6 +271,8 @@ class VLLMEngine(Engine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self._asleep or self._weights_dropped:
+            raise EngineError("vllm engine is asleep or its weights were dropped: no probe possible")
         params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         output = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params,
                                    lora_request=self._lora, use_tqdm=False)[0]
@@ -251,6 +285,8 @@ class VLLMEngine(Engine):
 
         if not self._lora_enabled:
             raise EngineError("this vllm engine was built without LoRA (rollout.weight_sync must be 'lora')")
+        if self._asleep:
+            raise EngineError("vllm engine is asleep: wake_up() before setting an adapter")
         if self._lora is not None:
             self._engine.remove_lora(self._lora.lora_int_id)
             self._lora = None
@@ -270,20 +306,32 @@ class VLLMEngine(Engine):
         """Every base weight of one sync (a stream, consumed once, in one reload; see
         ``_reload_weights``). The iterator reaches the worker as it is: this engine runs its
         worker in this process (in-process engine core on CPU, ``external_launcher`` on GPUs)."""
+        if self._asleep:
+            raise EngineError("vllm engine is asleep: wake_up() before loading weights")
         held = self.llm.collective_rpc(_reload_weights, args=(weights,))
         self._engine.reset_prefix_cache()
         count, checksum = held[0]
+        self._weights_dropped = False
         return SyncReport(tensor_count=count, checksum=checksum)
 
     # -- memory ---------------------------------------------------------------------------
 
+    @property
+    def sleeps(self) -> bool:
+        """True where ``sleep`` frees memory (GPUs with ``enable_sleep_mode``)."""
+        return self._sleep_enabled
+
     def sleep(self) -> None:
+        """Free the weights and the KV cache (module doc); a no-op without sleep mode."""
         if self._sleep_enabled and not self._asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self._sleep_level)
             self._asleep = True
+            self._weights_dropped = self._sleep_level == 2
 
     def wake_up(self) -> None:
+        """Map the engine's memory again (after returning PyTorch's cached blocks, module doc)."""
         if self._asleep:
+            torch.cuda.empty_cache()
             self.llm.wake_up()
             self._asleep = False
 

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The whole RL step on one H200 (README, "On one H200"): `atlas-lightning fit` through the CLI
+# with FSDP2 at world 1 and an in-process vLLM engine that sleeps through each update.
+#
+#   bench/run_h200_step.sh STAGE [STAGE ...]        (from the repository root, on the card)
+#
+# Stages, each under its own time cap (seconds: A_S, MERGED_S, B_S); a failed stage never stops
+# the next, and every stage writes what it measured to $OUT as it goes:
+#   a       fit experiment=h200-tiny (LoRA sync, 32 x 32 a step, validation at 0, 5, 10); SIGKILL
+#           once the step-5 checkpoint is complete, then `trainer.resume=auto` to step 10; the
+#           learning figure (validation objective 10 vs 0, paired by question) -> a.json, a.log
+#   merged  the same with rollout.weight_sync=merged (sleep level 2), 2 steps, through the step
+#           benchmark (its plain-vLLM comparison included) -> merged/step_bench.*, merged.log
+#   b       the step benchmark on a Qwen3-8B-shaped model built on the card (experiment=h200-8b)
+#           -> b/step_bench.json, b/step_bench.md, b.log
+#
+# Needs on the card: vLLM 0.26.0 and its dependencies on PYTHONPATH (.device-wheels/install.sh),
+# hydra-core, omegaconf and antlr4 (pure Python; HYDRA_SITE), the built assets under CACHE
+# (sample-data, tiny-model, tiny-orchestrator). No W&B (logger.mode=disabled). EXTRA: overrides
+# appended to every fit (a CPU dry run of the stages: EXTRA="trainer.accelerator=cpu ...").
+set -u
+OUT=${OUT:-/tmp/out}
+CACHE=${CACHE:-$HOME/.cache/atlas-lightning}
+RUNS=${RUNS:-/tmp/runs}
+A_S=${A_S:-480}
+MERGED_S=${MERGED_S:-240}
+B_S=${B_S:-540}
+mkdir -p "$OUT" "$RUNS"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled ATLAS_LIGHTNING_CACHE="$CACHE"
+export PYTHONPATH="$PWD${HYDRA_SITE:+:$HYDRA_SITE}${PYTHONPATH:+:$PYTHONPATH}"
+# the package's callbacks/ and conf/ live at the top level (pyproject's package-dir); uninstalled, link them
+[ -e atlas_lightning/callbacks ] || ln -s ../callbacks atlas_lightning/callbacks
+[ -e atlas_lightning/conf ] || ln -s ../conf atlas_lightning/conf
+FIT="python3 -m atlas_lightning.cli fit"
+COMMON="logger.mode=disabled paths.cache=$CACHE ${EXTRA:-}"
+T0=$(date +%s)
+note() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/summary.txt"; }
+
+stage_a() {
+  local root=$RUNS/a name=h200-tiny log=$OUT/a.log cap=$((SECONDS + A_S))
+  local marker=$root/checkpoints/$name/global_step_5/checkpoint.json
+  note "a: fit $name (LoRA), SIGKILL after the step-5 checkpoint"
+  setsid $FIT experiment=h200-tiny paths.root=$root $COMMON >"$log" 2>&1 &
+  local pid=$!
+  while [ ! -f "$marker" ] && kill -0 $pid 2>/dev/null && [ $SECONDS -lt $cap ]; do sleep 1; done
+  if [ -f "$marker" ] && kill -0 $pid 2>/dev/null; then
+    sleep 5; kill -9 -- -$pid; wait $pid 2>/dev/null; note "a: killed during step 6 (pid $pid)"
+    echo "=== SIGKILL; resume ===" >>"$log"
+    timeout -s KILL $((cap - SECONDS)) $FIT experiment=h200-tiny paths.root=$root $COMMON trainer.resume=auto >>"$log" 2>&1
+    note "a: resumed run exit $?"
+  else
+    kill -9 -- -$pid 2>/dev/null; wait $pid 2>/dev/null; note "a: no step-5 checkpoint before the cap or the run ended (exit $?)"
+  fi
+  python3 - "$root" "$name" "$OUT/a.json" <<'EOF' >>"$log" 2>&1
+import csv, json, sys
+from pathlib import Path
+from atlas_lightning.bench.learning import read_step, summarize, val_steps
+root, name, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+result = {"run": name}
+steps = val_steps(root, name)
+result["validation_steps"] = list(steps)
+if len(steps) >= 2:
+    result["learning"] = summarize({s: read_step(f) for s, f in steps.items()})
+history = {}
+for path in sorted((root / "runs" / name).glob("*/history.csv")):
+    for row in csv.DictReader(path.open()):
+        step = int(row["_step"])
+        history.setdefault(step, {}).update({k: float(v) for k, v in row.items() if v not in ("", None)
+                                             and k.startswith(("timing_s/", "memory/", "rollout/", "perf/", "val/",
+                                                               "critic/score", "actor/", "response_length"))
+                                             or k.endswith(("/objective", "/acc"))})
+result["history"] = history
+checkpoints = root / "checkpoints" / name
+result["checkpoints"] = sorted(p.name for p in checkpoints.glob("global_step_*") if (p / "checkpoint.json").exists())
+result["lightning_state"] = {p.name: sorted(q.name for q in (p / "lightning").iterdir())[:6]
+                             for p in checkpoints.glob("global_step_*") if (p / "lightning").is_dir()}
+out.write_text(json.dumps(result, indent=1) + "\n")
+print("learning:", json.dumps(result.get("learning", {}), indent=1)[:3000])
+EOF
+  note "a: done"
+}
+
+stage_merged() {
+  note "merged: fit h200-tiny with rollout.weight_sync=merged, 2 steps, step benchmark"
+  timeout -s KILL $MERGED_S python3 -m atlas_lightning.bench.step --out "$OUT/merged" -- experiment=h200-tiny \
+    name=h200-tiny-merged paths.root=$RUNS/merged $COMMON rollout.weight_sync=merged trainer.total_steps=2 \
+    trainer.val_every=0 trainer.val_before_train=false trainer.save_every=0 >"$OUT/merged.log" 2>&1
+  note "merged: exit $?"
+}
+
+stage_b() {
+  note "b: Qwen3-8B shape, step benchmark"
+  timeout -s KILL $B_S python3 -m atlas_lightning.bench.step --out "$OUT/b" --build dense8b --model-dir /tmp/dense8b \
+    --tokenizer-from "$CACHE/tiny-model" -- experiment=h200-8b model.path=/tmp/dense8b paths.root=$RUNS/b $COMMON \
+    >"$OUT/b.log" 2>&1
+  note "b: exit $?"
+}
+
+python3 -c "import torch, vllm, transformers, peft, lightning; print('torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'lightning', lightning.__version__, torch.cuda.get_device_name(0))" 2>&1 | tail -1 | tee -a "$OUT/summary.txt"
+for stage in "$@"; do
+  "stage_$stage"
+done
+for f in "$OUT"/*.log; do  # keep the ends of long logs (vLLM is verbose)
+  [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt 8000000 ] && { tail -c 8000000 "$f" >"$f.tmp"; mv "$f.tmp" "$f"; }
+done
+cat "$OUT/summary.txt"
+for f in "$OUT"/*/step_bench.md; do [ -f "$f" ] && cat "$f"; done
