@@ -87,13 +87,14 @@ def build_strategy(cfg: DictConfig):
     """FSDP2 (``ModelParallelStrategy``, NCCL on GPUs) over every training process, also for one
     GPU: the 8-card runs' strategy, process group and checkpoint format at world 1, and the
     process group a colocated engine joins (``external_launcher``). A single CPU process keeps
-    Lightning's ``auto`` (no process group; CPU tests and the embedded default)."""
+    Lightning's ``auto`` (no process group; CPU tests and the embedded default). The strategy
+    resumes from the trainable-only checkpoints the module saves (``run/strategy.py``)."""
     world = cfg.trainer.devices * cfg.trainer.num_nodes
     if world == 1 and not trains_on_gpu(cfg.trainer.accelerator):
         return "auto"
-    from lightning.pytorch.strategies import ModelParallelStrategy
+    from atlas_lightning.run.strategy import TrainableStateStrategy
 
-    return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    return TrainableStateStrategy(data_parallel_size=world, tensor_parallel_size=1)
 
 
 def resume_path(cfg: DictConfig) -> Optional[str]:
