@@ -31,10 +31,13 @@ export PYTHONPATH="$PWD${HYDRA_SITE:+:$HYDRA_SITE}${PYTHONPATH:+:$PYTHONPATH}"
 # the package's callbacks/ and conf/ live at the top level (pyproject's package-dir); uninstalled, link them
 [ -e atlas_lightning/callbacks ] || ln -s ../callbacks atlas_lightning/callbacks
 [ -e atlas_lightning/conf ] || ln -s ../conf atlas_lightning/conf
-FIT="python3 -m atlas_lightning.cli fit"
+FIT=${FIT:-"python3 -m atlas_lightning.cli fit"}
 COMMON="logger.mode=disabled paths.cache=$CACHE ${EXTRA:-}"
 T0=$(date +%s)
 note() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/summary.txt"; }
+# a stage that failed: the end of its log, errors first, into the summary
+failed() { { echo "--- $1 (exit $2): errors, then the end of the log"; grep -a -E "Error|error:|Traceback|Killed|OOM" "$1" | tail -n 15
+             tail -n 25 "$1"; } | cut -c1-400 >>"$OUT/summary.txt"; }
 
 stage_a() {
   local root=$RUNS/a name=h200-tiny log=$OUT/a.log cap=$((SECONDS + A_S))
@@ -47,9 +50,10 @@ stage_a() {
     sleep 5; kill -9 -- -$pid; wait $pid 2>/dev/null; note "a: killed during step 6 (pid $pid)"
     echo "=== SIGKILL; resume ===" >>"$log"
     timeout -s KILL $((cap - SECONDS)) $FIT experiment=h200-tiny paths.root=$root $COMMON trainer.resume=auto >>"$log" 2>&1
-    note "a: resumed run exit $?"
+    local code=$?; note "a: resumed run exit $code"; [ $code = 0 ] || failed "$log" $code
   else
-    kill -9 -- -$pid 2>/dev/null; wait $pid 2>/dev/null; note "a: no step-5 checkpoint before the cap or the run ended (exit $?)"
+    kill -9 -- -$pid 2>/dev/null; wait $pid 2>/dev/null; local code=$?
+    note "a: no step-5 checkpoint before the cap, or the run ended (exit $code)"; failed "$log" $code
   fi
   python3 - "$root" "$name" "$OUT/a.json" <<'EOF' >>"$log" 2>&1
 import csv, json, sys
@@ -65,10 +69,9 @@ history = {}
 for path in sorted((root / "runs" / name).glob("*/history.csv")):
     for row in csv.DictReader(path.open()):
         step = int(row["_step"])
-        history.setdefault(step, {}).update({k: float(v) for k, v in row.items() if v not in ("", None)
-                                             and k.startswith(("timing_s/", "memory/", "rollout/", "perf/", "val/",
-                                                               "critic/score", "actor/", "response_length"))
-                                             or k.endswith(("/objective", "/acc"))})
+        history.setdefault(step, {}).update({k: float(v) for k, v in row.items() if v not in ("", None) and (
+            k.startswith(("timing_s/", "memory/", "rollout/", "perf/", "val/", "critic/score", "actor/",
+                          "response_length")) or k.endswith(("/objective", "/acc")))})
 result["history"] = history
 checkpoints = root / "checkpoints" / name
 result["checkpoints"] = sorted(p.name for p in checkpoints.glob("global_step_*") if (p / "checkpoint.json").exists())
@@ -85,7 +88,7 @@ stage_merged() {
   timeout -s KILL $MERGED_S python3 -m atlas_lightning.bench.step --out "$OUT/merged" -- experiment=h200-tiny \
     name=h200-tiny-merged paths.root=$RUNS/merged $COMMON rollout.weight_sync=merged trainer.total_steps=2 \
     trainer.val_every=0 trainer.val_before_train=false trainer.save_every=0 >"$OUT/merged.log" 2>&1
-  note "merged: exit $?"
+  local code=$?; note "merged: exit $code"; [ $code = 0 ] || failed "$OUT/merged.log" $code
 }
 
 stage_b() {
@@ -93,7 +96,7 @@ stage_b() {
   timeout -s KILL $B_S python3 -m atlas_lightning.bench.step --out "$OUT/b" --build dense8b --model-dir /tmp/dense8b \
     --tokenizer-from "$CACHE/tiny-model" -- experiment=h200-8b model.path=/tmp/dense8b paths.root=$RUNS/b $COMMON \
     >"$OUT/b.log" 2>&1
-  note "b: exit $?"
+  local code=$?; note "b: exit $code"; [ $code = 0 ] || failed "$OUT/b.log" $code
 }
 
 python3 -c "import torch, vllm, transformers, peft, lightning; print('torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'lightning', lightning.__version__, torch.cuda.get_device_name(0))" 2>&1 | tail -1 | tee -a "$OUT/summary.txt"

@@ -26,8 +26,9 @@ What the callback measures, per RL step (rank 0's clocks; every rank runs the sa
   rest, with validation apart and amortised (its seconds / ``trainer.val_every``).
 
 Generation against plain vLLM: the train rollout of ``replay_step`` (default 1) is recorded
-request by request (prompt tokens, sampling, the tokens each produced); after training, on the
-same engine with the same adapter and an emptied prefix cache, the same requests go through
+request by request (prompt tokens, sampling, the tokens each produced); at the end of that step
+(after its weight sync and validation; its seconds are not counted in the step), on the same
+engine with the step's new adapter and an emptied prefix cache, the same requests go through
 one ``vllm.LLM.generate`` call, each forced to the length it had (``min_tokens = max_tokens``,
 ``ignore_eos``). ``gen_vs_plain`` is the agent loop's generated tokens a second over plain
 ``generate``'s on the same requests: what the loop's turn-by-turn scheduling and Python work
@@ -102,13 +103,21 @@ class StepBenchCallback(L.Callback):
         self.rollout_start: dict[int, float] = {}
         self.callback_s: dict[int, dict[str, float]] = {}
         self.lengths: dict[int, list[int]] = {}
+        self.responses: dict[int, list[int]] = {}
         self.generated: dict[int, int] = {}
+        self.peak_tflops: Optional[float] = None
         self.ended: Optional[float] = None
         self.replayed: dict[str, Any] = {"done": False, "why": "not run yet"}
 
     # -- wiring -----------------------------------------------------------------------------
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        import torch
+
+        if torch.cuda.is_available():  # the card's bf16 matmul rate, the MFU denominator
+            from .measure import matmul_peak
+
+            self.peak_tflops = matmul_peak(torch.device("cuda"), reps=10)["tflops"]
         dm = trainer.datamodule
         if dm is None or getattr(dm, "engine", None) is None:
             raise ValueError("StepBenchCallback needs the RolloutDataModule's engine (fit builds it in setup)")
@@ -148,14 +157,18 @@ class StepBenchCallback(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.lengths[batch.step] = batch.sequence_lengths()
+        self.responses[batch.step] = [len(r.response_ids) for r in batch.records]
         self.generated[batch.step] = int(batch.stats.generated_tokens)
+        if self.replay and batch.step == self.replay_step:
+            # now, so that a run cut short keeps it; its seconds are taken out of the step's wall time
+            started = time.monotonic()
+            self.replayed = self._replay()
+            self.replayed["excluded_s"] = time.monotonic() - started
         if trainer.global_rank == 0:
             self._write(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.ended = time.monotonic()
-        if self.replay:
-            self.replayed = self._replay()
         if trainer.global_rank == 0:
             report = self._write(trainer, pl_module)
             print(markdown(report), file=sys.stderr)
@@ -199,7 +212,8 @@ class StepBenchCallback(L.Callback):
     def _write(self, trainer, pl_module) -> dict:
         report = build_report(pl_module.cfg, _history(trainer), rollout_start=self.rollout_start,
                               ended=self.ended, callback_s=self.callback_s, lengths=self.lengths,
-                              generated=self.generated, replayed=self.replayed)
+                              generated=self.generated, replayed=self.replayed, responses=self.responses,
+                              peak_tflops=self.peak_tflops)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "step_bench.json").write_text(json.dumps(report, indent=1) + "\n")
         (self.out / "step_bench.md").write_text(markdown(report) + "\n")
@@ -256,17 +270,44 @@ def _largest_micro_batches(cfg, lengths: list[int]) -> tuple[Optional[int], Opti
     return update, forward
 
 
+def phase_flops(cfg, lengths: list[int], responses: list[int]) -> Optional[dict[str, float]]:
+    """Useful FLOPs (``bench/flops.py``) of the step's compute phases on these sequences: actor and
+    critic forward passes over every sequence (scored: the response tokens), and ``ppo_epochs``
+    forward + backward passes of each; None where the model's shape cannot be read."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from .flops import model_flops
+
+        config = AutoConfig.from_pretrained(cfg.model.path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        flops = model_flops(model, int(cfg.model.lora.rank))
+    except Exception:  # noqa: BLE001 - a figure beside the measurement, never a reason to lose it
+        return None
+    scored, epochs = int(sum(responses)), int(cfg.algorithm.ppo_epochs)
+    return {"old_log_prob": flops.forward("actor", lengths, scored), "values": flops.forward("critic", lengths, scored),
+            "ref": flops.forward("base", lengths, scored),
+            "update_critic": epochs * flops.train_step("critic", lengths, scored),
+            "update_actor": epochs * flops.train_step("actor", lengths, scored)}
+
+
 def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: dict[int, float],
                  ended: Optional[float], callback_s: dict[int, dict[str, float]], lengths: dict[int, list[int]],
-                 generated: dict[int, int], replayed: dict[str, Any]) -> dict:
+                 generated: dict[int, int], replayed: dict[str, Any], responses: Optional[dict[int, list[int]]] = None,
+                 peak_tflops: Optional[float] = None) -> dict:
     """The benchmark's figures (module doc) from what the run logged and the callback timed."""
     steps = sorted(s for s in rollout_start if s in lengths)
+    responses = responses or {}
     val_every = int(cfg.trainer.val_every) or int(cfg.trainer.total_steps)
     rows = []
     for i, step in enumerate(steps):
         logged = history.get(step, {})
         end = rollout_start.get(steps[i + 1]) if i + 1 < len(steps) else ended
         wall = end - rollout_start[step] if end is not None else None
+        if wall is not None and replayed.get("step") == step:
+            wall -= replayed.get("excluded_s", 0.0)
         phases = {p: logged.get(f"timing_s/{p}") for p in PHASES if f"timing_s/{p}" in logged}
         callbacks = dict(callback_s.get(step, {}))
         gen = phases.get("gen", 0.0)
@@ -290,6 +331,12 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
                              "overhead": overhead / wall, "validation": validation / wall,
                              "overhead_with_validation_amortised": amortised / (wall - validation + validation / max(val_every, 1))}
             row["gen_tokens_per_s"] = (generated.get(step) or 0) / gen if gen else None
+        flops = phase_flops(cfg, lengths[step], responses.get(step, [])) if step in responses else None
+        if flops:
+            row["useful_tflop"] = {p: f / 1e12 for p, f in flops.items() if p in phases}
+            if peak_tflops:
+                row["useful_mfu"] = {p: f / phases[p] / (peak_tflops * 1e12) for p, f in flops.items()
+                                     if phases.get(p)}
         update_tokens, forward_tokens = _largest_micro_batches(cfg, lengths[step])
         row["micro_batch_tokens"] = {"update": update_tokens, "forward": forward_tokens}
         row["plan_tensors_gib"] = {"configured_budgets": _plan_at(cfg, None, None),
@@ -310,7 +357,7 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
                   "ppo_max_token_len_per_gpu": int(cfg.algorithm.ppo_max_token_len_per_gpu),
                   "forward_max_token_len_per_gpu": int(cfg.algorithm.forward_max_token_len_per_gpu),
                   "max_tokens_per_turn": int(cfg.rollout.max_tokens_per_turn)},
-        "environment": _environment(), "steps": rows, "plain_generate": replayed,
+        "environment": _environment(), "peak_bf16_tflops": peak_tflops, "steps": rows, "plain_generate": replayed,
     }
 
 
@@ -347,7 +394,8 @@ def markdown(report: dict) -> str:
                   f"{row['tokens']:,} tokens ({row['generated_tokens'] or 0:,} generated); largest micro-batches "
                   f"{row['micro_batch_tokens']['update'] or 0:,} (update) / {row['micro_batch_tokens']['forward'] or 0:,} "
                   f"(forward) tokens", "",
-                  "| phase | s | share | peak allocated GiB | plan GiB (tensors; gen: card) |", "|---|---|---|---|---|"]
+                  "| phase | s | share | peak allocated GiB | plan GiB (tensors; gen: card) | useful MFU |",
+                  "|---|---|---|---|---|---|"]
         for phase, seconds in row["phases_s"].items():
             peak = row["memory_gib"].get(f"peak_allocated_gib/{phase}")
             if phase == "gen":
@@ -355,15 +403,17 @@ def markdown(report: dict) -> str:
             planned = plan.get(PLAN_PHASES.get(phase, "")) if isinstance(plan, dict) else None
             if isinstance(planned, dict):  # the engine's card use against the plan's card; tensors elsewhere
                 planned = planned["card_gib" if phase == "gen" else "tensors_gib"]
+            mfu = (row.get("useful_mfu") or {}).get(phase)
             label = phase + {"gen": " (card used)", "wake": " (in the weight sync)", "update_weights":
                              " (in the weight sync)", "testing": " (in validation)"}.get(phase, "")
             lines.append(f"| {label} | {_fmt(seconds, '.2f')} | "
-                         f"{_fmt(seconds / wall * 100 if wall else None)}% | {_fmt(peak, '.2f')} | {_fmt(planned, '.2f')} |")
+                         f"{_fmt(seconds / wall * 100 if wall else None)}% | {_fmt(peak, '.2f')} | {_fmt(planned, '.2f')} | "
+                         f"{_fmt(mfu * 100 if mfu else None)}{'%' if mfu else ''} |")
         for name, seconds in row["callbacks_s"].items():
-            lines.append(f"| callback {name} | {_fmt(seconds, '.2f')} | {_fmt(seconds / wall * 100 if wall else None)}% | | |")
+            lines.append(f"| callback {name} | {_fmt(seconds, '.2f')} | {_fmt(seconds / wall * 100 if wall else None)}% | | | |")
         if "other_s" in row:
             lines.append(f"| other (loop, hand-over) | {_fmt(row['other_s'], '.2f')} | "
-                         f"{_fmt(row['other_s'] / wall * 100)}% | | |")
+                         f"{_fmt(row['other_s'] / wall * 100)}% | | | |")
         shares = row.get("shares")
         if shares:
             lines += ["", f"generation {shares['generation']:.1%}, update compute {shares['update_compute']:.1%}, "
