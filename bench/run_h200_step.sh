@@ -4,15 +4,17 @@
 #
 #   bench/run_h200_step.sh STAGE [STAGE ...]        (from the repository root, on the card)
 #
-# Stages, each under its own time cap (seconds: A_S, MERGED_S, B_S); a failed stage never stops
+# Stages, each under its own time cap (seconds: A_S, KR_S, MERGED_S, B_S); a failed stage never stops
 # the next, and every stage writes what it measured to $OUT as it goes:
 #   a       fit experiment=h200-tiny (LoRA sync, 32 x 32 a step, validation at 0, 5, 10); SIGKILL
 #           once the step-5 checkpoint is complete, then `trainer.resume=auto` to step 10; the
 #           learning figure (validation objective 10 vs 0, paired by question) -> a.json, a.log
+#   kr      merged sync (sleep level 2) at a smaller batch (KR_N samples a question): SIGKILL after the
+#           step-1 checkpoint, resume to step 2 -> kr.json, kr.log
 #   merged  the same with rollout.weight_sync=merged (sleep level 2), 2 steps, through the step
 #           benchmark (its plain-vLLM comparison included) -> merged/step_bench.*, merged.log
 #   b       the step benchmark on a Qwen3-8B-shaped model built on the card (experiment=h200-8b)
-#           -> b/step_bench.json, b/step_bench.md, b.log
+#           -> b/step_bench.json, b/step_bench.md, b.log (B_EXTRA: more overrides, e.g. trainer.total_steps=1)
 #
 # Needs on the card: vLLM 0.26.0 and its dependencies on PYTHONPATH (.device-wheels/install.sh),
 # hydra-core, omegaconf and antlr4 (pure Python; HYDRA_SITE), the built assets under CACHE
@@ -23,6 +25,7 @@ OUT=${OUT:-/tmp/out}
 CACHE=${CACHE:-$HOME/.cache/atlas-lightning}
 RUNS=${RUNS:-/tmp/runs}
 A_S=${A_S:-480}
+KR_S=${KR_S:-240}
 MERGED_S=${MERGED_S:-240}
 B_S=${B_S:-540}
 mkdir -p "$OUT" "$RUNS"
@@ -39,23 +42,28 @@ note() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/summary.txt"; }
 failed() { { echo "--- $1 (exit $2): errors, then the end of the log"; grep -a -E "Error|error:|Traceback|Killed|OOM" "$1" | tail -n 15
              tail -n 25 "$1"; } | cut -c1-400 >>"$OUT/summary.txt"; }
 
-stage_a() {
-  local root=$RUNS/a name=h200-tiny log=$OUT/a.log cap=$((SECONDS + A_S))
-  local marker=$root/checkpoints/$name/global_step_5/checkpoint.json
-  note "a: fit $name (LoRA), SIGKILL after the step-5 checkpoint"
-  setsid $FIT experiment=h200-tiny paths.root=$root $COMMON >"$log" 2>&1 &
+# kill_resume LABEL NAME STEP CAP_S OVERRIDES...: fit NAME; SIGKILL its process group 5 s after the
+# step-STEP checkpoint is complete (the next step is under way); fit again with trainer.resume=auto
+# within CAP_S in all; LABEL.json: the run's history, checkpoints and, with two validations or
+# more, the learning figure (bench/learning.py: the last validation against the first, paired).
+kill_resume() {
+  local label=$1 name=$2 at=$3 cap=$((SECONDS + $4)); shift 4
+  local root=$RUNS/$label log=$OUT/$label.log
+  local marker=$root/checkpoints/$name/global_step_$at/checkpoint.json
+  note "$label: fit $name ($*), SIGKILL after the step-$at checkpoint"
+  setsid $FIT name=$name paths.root=$root "$@" >"$log" 2>&1 &
   local pid=$!
   while [ ! -f "$marker" ] && kill -0 $pid 2>/dev/null && [ $SECONDS -lt $cap ]; do sleep 1; done
   if [ -f "$marker" ] && kill -0 $pid 2>/dev/null; then
-    sleep 5; kill -9 -- -$pid; wait $pid 2>/dev/null; note "a: killed during step 6 (pid $pid)"
+    sleep 5; kill -9 -- -$pid; wait $pid 2>/dev/null; note "$label: killed during step $((at + 1)) (pid $pid)"
     echo "=== SIGKILL; resume ===" >>"$log"
-    timeout -s KILL $((cap - SECONDS)) $FIT experiment=h200-tiny paths.root=$root $COMMON trainer.resume=auto >>"$log" 2>&1
-    local code=$?; note "a: resumed run exit $code"; [ $code = 0 ] || failed "$log" $code
+    timeout -s KILL $((cap - SECONDS)) $FIT name=$name paths.root=$root "$@" trainer.resume=auto >>"$log" 2>&1
+    local code=$?; note "$label: resumed run exit $code"; [ $code = 0 ] || failed "$log" $code
   else
     kill -9 -- -$pid 2>/dev/null; wait $pid 2>/dev/null; local code=$?
-    note "a: no step-5 checkpoint before the cap, or the run ended (exit $code)"; failed "$log" $code
+    note "$label: no step-$at checkpoint before the cap, or the run ended (exit $code)"; failed "$log" $code
   fi
-  python3 - "$root" "$name" "$OUT/a.json" <<'EOF' >>"$log" 2>&1
+  python3 - "$root" "$name" "$OUT/$label.json" <<'EOF' >>"$log" 2>&1
 import csv, json, sys
 from pathlib import Path
 from atlas_lightning.bench.learning import read_step, summarize, val_steps
@@ -80,7 +88,16 @@ result["lightning_state"] = {p.name: sorted(q.name for q in (p / "lightning").it
 out.write_text(json.dumps(result, indent=1) + "\n")
 print("learning:", json.dumps(result.get("learning", {}), indent=1)[:3000])
 EOF
-  note "a: done"
+  note "$label: done"
+}
+
+stage_a() { kill_resume a h200-tiny 5 "$A_S" experiment=h200-tiny $COMMON; }
+
+# merged sync (sleep level 2), SIGKILL after step 1, resume to step 2: a smaller batch (KR_N samples)
+stage_kr() {
+  kill_resume kr h200-tiny-kr 1 "$KR_S" experiment=h200-tiny $COMMON model.path="$CACHE/${KR_MODEL:-tiny-orchestrator}" \
+    rollout.weight_sync=merged trainer.total_steps=2 trainer.save_every=1 trainer.val_every=0 \
+    trainer.val_before_train=false callbacks.validation.val_on_last_step=false rollout.n="${KR_N:-8}"
 }
 
 stage_merged() {
@@ -94,12 +111,13 @@ stage_merged() {
 stage_b() {
   note "b: Qwen3-8B shape, step benchmark"
   timeout -s KILL $B_S python3 -m atlas_lightning.bench.step --out "$OUT/b" --build dense8b --model-dir /tmp/dense8b \
-    --tokenizer-from "$CACHE/tiny-model" -- experiment=h200-8b model.path=/tmp/dense8b paths.root=$RUNS/b $COMMON \
+    --tokenizer-from "$CACHE/tiny-model" -- experiment=h200-8b model.path=/tmp/dense8b paths.root=$RUNS/b $COMMON ${B_EXTRA:-} \
     >"$OUT/b.log" 2>&1
   local code=$?; note "b: exit $code"; [ $code = 0 ] || failed "$OUT/b.log" $code
 }
 
-python3 -c "import torch, vllm, transformers, peft, lightning; print('torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'lightning', lightning.__version__, torch.cuda.get_device_name(0))" 2>&1 | tail -1 | tee -a "$OUT/summary.txt"
+python3 -c "import importlib.metadata as m; print(*(f'{p} {m.version(p)}' for p in ('torch', 'vllm', 'transformers', 'peft', 'lightning', 'hydra-core')))" 2>&1 | tail -1 | tee -a "$OUT/summary.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$OUT/summary.txt"
 for stage in "$@"; do
   "stage_$stage"
 done
