@@ -50,14 +50,16 @@ def _reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _peak_metrics() -> dict[str, float]:
-    """The sync's peak of PyTorch's allocated memory (GiB, the maximum over ranks; CUDA only)."""
+def _peak_metrics(engine_bytes: int = 0) -> dict[str, float]:
+    """The sync's peak of PyTorch's allocated memory less the engine's own allocation
+    (``RolloutDataModule.engine_allocated_bytes``): the trainer's side (GiB, the maximum over
+    ranks; CUDA only)."""
     import torch
 
     if not torch.cuda.is_available():
         return {}
     torch.cuda.synchronize()
-    peak = dist_utils.all_reduce_max([torch.cuda.max_memory_allocated() / 2**30])[0]
+    peak = dist_utils.all_reduce_max([(torch.cuda.max_memory_allocated() - engine_bytes) / 2**30])[0]
     return {"memory/peak_allocated_gib/update_weights": peak}
 
 
@@ -133,7 +135,7 @@ class WeightSyncCallback(L.Callback):
         self.last_gap = gap
         metrics = {"rollout/logprob_gap": gap, "timing_s/update_weights": time.monotonic() - started,
                    "timing_s/wake": started - woken, "rollout/sync_tensor_count": float(report.tensor_count)}
-        metrics.update(_peak_metrics())
+        metrics.update(_peak_metrics(int(getattr(dm, "engine_allocated_bytes", 0) or 0)))
         pl_module.log_metrics(metrics, step=version if log_step is None else log_step)
         return metrics
 

@@ -57,7 +57,8 @@ class RolloutBatch:
     #: (set at hand-over: 0 in synchronous layouts, at most ``layout.max_staleness`` otherwise).
     staleness: Optional[int] = None
     #: GiB figures of the rollout on this rank's card (GPUs only; logged as ``memory/<key>``):
-    #: ``card_used_gib/gen`` at the end of generation, ``card_used_gib/asleep`` after the sleep.
+    #: ``card_used_gib/gen`` at the end of generation, ``card_used_gib/asleep`` after the sleep,
+    #: ``engine_allocated_gib`` what PyTorch counts as allocated for the engine (asleep or not).
     memory: dict = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -126,6 +126,10 @@ class RolloutDataModule(L.LightningDataModule):
         self.val_questions: list[Question] = []
         self.chat: Optional[ChatFormat] = None
         self.rank, self.local_rank, self.world_size = 0, 0, 1
+        #: Bytes PyTorch counts as allocated for the engine this module built (CUDA): its weights
+        #: and KV cache, counted even while it sleeps (vLLM's memory pool keeps its addresses), so
+        #: the trainer's own peaks are PyTorch's minus these (``memory/engine_allocated_gib``).
+        self.engine_allocated_bytes = 0
 
     @property
     def weights_version(self) -> Optional[int]:
@@ -161,7 +165,9 @@ class RolloutDataModule(L.LightningDataModule):
         if self.engine is None:
             from atlas_lightning.rollout.factory import build_engine
 
+            allocated = _allocated_bytes()
             self.engine = build_engine(self.cfg, self.rank, self.local_rank, self.world_size)
+            self.engine_allocated_bytes = _allocated_bytes() - allocated
 
     def _fitting(self, questions: list[Question], split: str) -> list[Question]:
         """Drop questions whose prompt exceeds ``rollout.max_prompt_length`` (as verl's loader
@@ -237,6 +243,8 @@ class RolloutDataModule(L.LightningDataModule):
                 trajectories, sampling, seed_parts=seed_parts, progress=progress)
             timing["gen"] = time.monotonic() - looped
             _card_used(memory, "gen")
+            if self.engine_allocated_bytes:
+                memory["engine_allocated_gib"] = self.engine_allocated_bytes / 2**30
             if partition == "train" and self.sleeps_for_update:
                 slept = time.monotonic()
                 self.engine.sleep()  # the update gets the engine's memory; the weight sync wakes it
@@ -337,6 +345,13 @@ class RolloutDataModule(L.LightningDataModule):
 
 def _identity(batch):
     return batch
+
+
+def _allocated_bytes() -> int:
+    """PyTorch's allocated bytes on this process's card (0 off CUDA)."""
+    import torch
+
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
 
 
 def _card_used(memory: dict, key: str) -> None:
