@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from atlas_lightning.bench.projection import A100_TFLOPS, REPORT_STEP_S, markdown, project
+from atlas_lightning.bench.projection import A100_TFLOPS, REPORT_STEP_S, Measured, inputs_from_bench, markdown, project
 
 BENCH = {"peak_bf16_tflops": 780.0, "plain_generate": {"tokens_per_s": 3000.0, "gen_vs_plain": 0.9},
          "steps": [{"step": 1, "trajectories": 64, "other_s": 1.0,
@@ -16,7 +16,9 @@ BENCH = {"peak_bf16_tflops": 780.0, "plain_generate": {"tokens_per_s": 3000.0, "
 
 
 def test_the_projection_carries_each_phase_by_its_rule():
-    result = project(BENCH)
+    measured = inputs_from_bench(BENCH)
+    assert measured.update_mfu == 0.4 and measured.loop_efficiency == 0.9 and measured.sleep_s == pytest.approx(17.6)
+    result = project(measured)
     h200, a100 = result["phases_h200_s"], result["phases_a100_s"]
     assert result["total_h200_s"] == pytest.approx(sum(h200.values()))
     assert result["report_a100_s"] == REPORT_STEP_S
@@ -24,11 +26,11 @@ def test_the_projection_carries_each_phase_by_its_rule():
     assert a100["update_actor"] == pytest.approx(h200["update_actor"] * 780.0 / A100_TFLOPS)
     assert h200["update_actor"] > 2 * h200["old_log_prob"]
     # halving the update's MFU doubles its seconds and nothing else
-    slower = project(BENCH, update_mfu=0.2)["phases_h200_s"]
+    slower = project(Measured(**{**vars(measured), "update_mfu": 0.2}))["phases_h200_s"]
     assert slower["update_critic"] == pytest.approx(2 * h200["update_critic"])
     assert slower["gen"] == pytest.approx(h200["gen"])
     # a slower agent loop costs generation time in proportion
-    half = dict(BENCH, plain_generate={"tokens_per_s": 3000.0, "gen_vs_plain": 0.45})
+    half = Measured(**{**vars(measured), "loop_efficiency": 0.45})
     assert project(half)["inputs"]["decode_s"] == pytest.approx(2 * result["inputs"]["decode_s"])
     text = markdown(result)
     assert "**step**" in text and "assumptions:" in text
