@@ -25,7 +25,7 @@ from atlas_lightning.demo.tiny_orchestrator import (
 from atlas_lightning.env.episode import Episode
 
 TINY_RECIPE = SFTRecipe(demos_per_question=1, train_questions=2, steps=3, batch_size=2, warmup_steps=1,
-                        eval_questions=1)
+                        eval_questions=1, val_loss_questions=1)
 
 
 def _demo(ids, mask, prompt_length=1):
@@ -86,7 +86,8 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
 
 
 @pytest.mark.parametrize("field, value", [("steps", 0), ("batch_size", -1), ("lr", 0.0), ("lr", float("nan")),
-                                          ("train_questions", 0), ("min_lr_ratio", 1.5), ("warmup_steps", -1)])
+                                          ("train_questions", 0), ("min_lr_ratio", 1.5), ("warmup_steps", -1),
+                                          ("val_loss_questions", 0)])
 def test_recipe_refuses_bad_values_by_name(field, value):
     with pytest.raises(ValueError, match=f"SFTRecipe.{field}"):
         SFTRecipe(**{field: value})
