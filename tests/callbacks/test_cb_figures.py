@@ -86,7 +86,7 @@ def test_a_step_seen_again_replaces_what_followed_it():
 
 
 def test_a_figure_set_is_cheap(tmp_path):
-    """40 steps of 1,024 trajectories: every figure of a set drawn and written in well under 2 s."""
+    """40 steps of 1,024 trajectories: every figure of a set drawn and written in well under 2 CPU seconds."""
     rng = random.Random(0)
     figures = FiguresCallback()
     reasons = ["submitted", "no_tool_call", "malformed_call", "max_turns"]
@@ -103,10 +103,10 @@ def test_a_figure_set_is_cheap(tmp_path):
     seconds = {}
     for partition in ("train", "val"):
         timings = []
-        for _ in range(2):  # the best of two: the machine is shared
-            started = time.perf_counter()
+        for _ in range(2):  # the best of two, in CPU seconds: the machine is shared (other tests, builds)
+            started = time.process_time()
             paths = figures.draw(None, partition, tmp_path / partition, 40)
-            timings.append(time.perf_counter() - started)
+            timings.append(time.process_time() - started)
         seconds[partition] = min(timings)
         assert len(paths) == len(TRAIN_FIGURES if partition == "train" else VAL_FIGURES)
     assert max(seconds.values()) < 2.0, seconds
