@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.store.atomic import atomic_write_text
@@ -57,7 +58,9 @@ class StepCheckpoint(Checkpoint):
             (tmp / STATE_DIR).mkdir(parents=True)
         dist_utils.barrier()
         pl_module.save_adapters(tmp)
-        distributed_state = trainer.world_size > 1
+        # the strategy decides the format, not the world size: FSDP2 (ModelParallelStrategy) saves a
+        # torch.distributed checkpoint folder, also at world 1 (one GPU)
+        distributed_state = isinstance(trainer.strategy, ModelParallelStrategy)
         trainer.save_checkpoint(tmp / STATE_DIR if distributed_state else tmp / STATE_DIR / "state.ckpt")
         dist_utils.barrier()
         if dist_utils.is_rank_zero():

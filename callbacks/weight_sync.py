@@ -2,6 +2,9 @@
 
 Order of work, all ranks together (FSDP gathers are collective):
 
+0. wake: a colocated engine that slept through the update (sleep mode) takes its memory back
+   (``timing_s/wake``; ``timing_s/update_weights`` is the rest of the sync, and
+   ``memory/peak_allocated_gib/update_weights`` its peak on CUDA);
 1. export, from ``pl_module.model`` through the model-level functions of ``models/``: the actor
    adapter as a PEFT folder under ``outputs/<name>/.engine_adapters/syncK`` (hidden: never
    published) (``rollout.weight_sync: lora``), rank 0 writes; or the adapter merged into the
@@ -55,6 +58,27 @@ FLOAT32_EPS = 2.0 ** -23
 #: 5.7e-6 at |log-prob| 10.7): the noise floor, so that a lucky first sync cannot set the bound
 #: below what later clean syncs show.
 NOISE_ULPS = 4
+
+
+def _reset_peak() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_metrics(engine_bytes: int = 0) -> dict[str, float]:
+    """The sync's peak of PyTorch's allocated memory less the engine's own allocation
+    (``RolloutDataModule.engine_allocated_bytes``): the trainer's side (GiB, the maximum over
+    ranks; CUDA only)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.synchronize()
+    peak = dist_utils.all_reduce_max([(torch.cuda.max_memory_allocated() - engine_bytes) / 2**30])[0]
+    return {"memory/peak_allocated_gib/update_weights": peak}
 
 
 class WeightSyncError(RuntimeError):
@@ -113,11 +137,14 @@ class WeightSyncCallback(RLCallback):
         self.sync_id += 1
         dm = trainer.datamodule
         engine = dm.engine
-        started = time.monotonic()
+        woken = time.monotonic()
         # no rollout runs while weights move (the asynchronous layout's producer waits)
         with getattr(dm, "engine_lock", None) or contextlib.nullcontext():
             if getattr(dm, "asynchronous", False):
                 dist_utils.barrier()  # every rank's producer is idle before the shared server changes
+            engine.wake_up()  # slept through the update (colocated sleep mode); a no-op otherwise
+            started = time.monotonic()
+            _reset_peak()
             sent_tensors = None  # merged buckets: how many tensors they held
             if cfg.rollout.weight_sync == "lora":
                 folder = run_dirs(cfg)["outputs"] / ".engine_adapters" / f"sync{self.sync_id}"
@@ -153,8 +180,9 @@ class WeightSyncCallback(RLCallback):
         self.version = version
         self.last_gap = gap
         metrics = {"rollout/logprob_gap": gap, "rollout/logprob_gap_bound": self.last_bound,
-                   "timing_s/update_weights": time.monotonic() - started,
+                   "timing_s/update_weights": time.monotonic() - started, "timing_s/wake": started - woken,
                    "rollout/sync_tensor_count": float(report.tensor_count)}
+        metrics.update(_peak_metrics(int(getattr(dm, "engine_allocated_bytes", 0) or 0)))
         pl_module.log_metrics(metrics, step=version if log_step is None else log_step)
         return metrics
 

@@ -73,7 +73,9 @@ class SFTRecipe:
     """How the warm start is trained and checked. ``demos_per_question`` demonstrations of each of
     the first ``train_questions`` train questions per benchmark (``None``: all); ``steps``
     optimizer steps of ``batch_size`` demonstrations; ``eval_questions`` validation questions per
-    benchmark in the quick check (0: none)."""
+    benchmark in the quick check (0: none); ``val_loss_questions`` validation questions per
+    benchmark whose demonstrations give ``val_demo_loss`` (``None``: all). The checks read the
+    trained model and never change it."""
 
     demos_per_question: int = 4
     train_questions: int | None = None
@@ -85,6 +87,7 @@ class SFTRecipe:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     eval_questions: int = 8
+    val_loss_questions: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("demos_per_question", "steps", "batch_size"):
@@ -93,8 +96,10 @@ class SFTRecipe:
         for name in ("warmup_steps", "eval_questions"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"SFTRecipe.{name} must be an int >= 0, got {getattr(self, name)!r}")
-        if self.train_questions is not None and (not isinstance(self.train_questions, int) or self.train_questions < 1):
-            raise ValueError(f"SFTRecipe.train_questions must be None or an int >= 1, got {self.train_questions!r}")
+        for name in ("train_questions", "val_loss_questions"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"SFTRecipe.{name} must be None or an int >= 1, got {value!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"SFTRecipe.lr must be a finite number > 0, got {self.lr!r}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -361,7 +366,8 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
         demos = build_demos(train_questions, chat, TINY_CPU_LIMITS, TINY_CPU_RUNTIME,
                             per_question=recipe.demos_per_question, seed=seed)
         val_questions = sample_questions("val_full", sample_seed)
-        val_demos = build_demos(val_questions, chat, TINY_CPU_LIMITS, TINY_CPU_RUNTIME, per_question=1, seed=seed)
+        val_demos = build_demos(sample_questions("val_full", sample_seed, recipe.val_loss_questions), chat,
+                                TINY_CPU_LIMITS, TINY_CPU_RUNTIME, per_question=1, seed=seed)
         built_demos = time.monotonic()
 
         with torch.random.fork_rng(devices=[]):

@@ -275,6 +275,7 @@ class PPOModule(L.LightningModule):
         self.rl_step = batch.step
         cfg = self.cfg.algorithm
         timing = dict(batch.timing)
+        memory: dict[str, float] = {}  # per-phase peaks on CUDA (``_timed``)
         started = time.monotonic()
         nonfinite: dict[str, Any] = {}
         self.steps_applied = {"critic": 0, "actor": 0}
@@ -285,13 +286,13 @@ class PPOModule(L.LightningModule):
         width = mask.shape[1]
         scores = batch.padded("token_rewards").to(self.device)
 
-        with self._phase(timing, "old_log_prob"):
+        with self._phase(timing, "old_log_prob", memory):
             old_log_prob, entropy = self._forward_all(seqs, prompts, width, "actor")
-        with self._phase(timing, "values"):
+        with self._phase(timing, "values", memory):
             values, _ = self._forward_all(seqs, prompts, width, "critic")
         ref_log_prob = None
         if cfg.use_kl_loss or cfg.use_kl_in_reward:
-            with self._phase(timing, "ref"):
+            with self._phase(timing, "ref", memory):
                 ref_log_prob, _ = self._forward_all(seqs, prompts, width, "base")
         _check_finite(nonfinite, batch, mask, old_log_prob=old_log_prob, entropy=entropy, values=values,
                       ref_log_prob=ref_log_prob)
@@ -310,15 +311,17 @@ class PPOModule(L.LightningModule):
                            returns=returns, advantages=advantages, ref_log_prob=ref_log_prob)
 
         if not nonfinite:
-            with self._phase(timing, "update_critic"):
+            with self._phase(timing, "update_critic", memory):
                 metrics.update(self._update("critic", data, nonfinite))
         if not nonfinite and self.rl_step > cfg.critic_warmup:
-            with self._phase(timing, "update_actor"):
+            with self._phase(timing, "update_actor", memory):
                 metrics.update(self._update("actor", data, nonfinite))
         # asynchronous: the rollout overlapped the previous update; the step waited only this long
-        timing["step"] = timing.get("wait_rollout", timing.get("gen", 0.0)) + time.monotonic() - started
+        timing["step"] = timing.get("wait_rollout", timing.get("rollout", timing.get("gen", 0.0))) \
+            + time.monotonic() - started
 
         metrics.update(self._data_metrics(batch, data, scores, rewards, entropy, timing))
+        metrics.update(_memory_metrics(memory, batch.memory))
         if nonfinite:
             # the diagnostic says what this step already changed: the weights moved by these steps
             nonfinite["optimizer_steps_applied"] = dict(self.steps_applied)
@@ -335,9 +338,10 @@ class PPOModule(L.LightningModule):
         return output
 
     @contextmanager
-    def _phase(self, timing: dict, name: str):
-        """Time phase ``name`` into ``timing`` and run it inside ``phase_hook`` (module doc)."""
-        with _timed(timing, name):
+    def _phase(self, timing: dict, name: str, memory: Optional[dict] = None):
+        """Time phase ``name`` into ``timing`` (and its CUDA memory peaks into ``memory``,
+        ``_timed``) and run it inside ``phase_hook`` (module doc)."""
+        with _timed(timing, name, memory):
             with self.phase_hook(name, self.rl_step) if self.phase_hook is not None else nullcontext():
                 yield
 
@@ -493,10 +497,43 @@ class PPOModule(L.LightningModule):
 
 
 @contextmanager
-def _timed(timing: dict, name: str):
+def _timed(timing: dict, name: str, memory: Optional[dict] = None):
+    """Seconds of the block into ``timing[name]``; on CUDA with ``memory`` given, also the
+    block's peak of PyTorch's allocated and reserved memory in GiB
+    (``memory["peak_allocated_gib/<name>"]``, ``memory["peak_reserved_gib/<name>"]``; the
+    counters are reset when the block starts, and the device is synchronised at both ends so
+    that the seconds are the phase's own)."""
+    cuda = memory is not None and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     start = time.monotonic()
     yield
+    if cuda:
+        torch.cuda.synchronize()
+        for key, value in (("peak_allocated_gib", torch.cuda.max_memory_allocated()),
+                           ("peak_reserved_gib", torch.cuda.max_memory_reserved())):
+            memory[f"{key}/{name}"] = max(memory.get(f"{key}/{name}", 0.0), value / 2**30)
     timing[name] = timing.get(name, 0.0) + time.monotonic() - start
+
+
+def _memory_metrics(phases: dict[str, float], rollout: dict[str, float]) -> dict[str, float]:
+    """``memory/<key>``: the step's per-phase peaks and the rollout's card figures, each the
+    maximum over ranks (collective: every rank has the same keys, the same phases having run).
+
+    The peaks are the trainer's: PyTorch's counters less ``rollout["engine_allocated_gib"]``, the
+    colocated engine's weights and KV cache, which PyTorch counts as allocated even while the
+    engine sleeps (vLLM's memory pool keeps its addresses; seen on the H200: a 0.3-utilisation
+    engine's 41.9 GiB in every update phase of a model of a few MB). That is what ``plan``'s
+    tensors predict."""
+    engine = float(rollout.get("engine_allocated_gib", 0.0))
+    trainer = {k: max(v - engine, 0.0) if k.startswith(("peak_allocated_gib/", "peak_reserved_gib/")) else v
+               for k, v in phases.items()}
+    keys = sorted(set(trainer) | set(rollout))
+    if not keys:
+        return {}
+    values = dist_utils.all_reduce_max([trainer.get(k, rollout.get(k, 0.0)) for k in keys])
+    return {f"memory/{k}": v for k, v in zip(keys, values)}
 
 
 def _contiguous_chunks(n: int, parts: int) -> list[list[int]]:

@@ -41,6 +41,10 @@ class RolloutBatch:
     #: Versions the weights it was sampled with lag the trainer's when it is trained on
     #: (set at hand-over: 0 in synchronous layouts, at most ``layout.max_staleness`` otherwise).
     staleness: Optional[int] = None
+    #: GiB figures of the rollout on this rank's card (GPUs only; logged as ``memory/<key>``):
+    #: ``card_used_gib/gen`` at the end of generation, ``card_used_gib/asleep`` after the sleep,
+    #: ``engine_allocated_gib`` what PyTorch counts as allocated for the engine (asleep or not).
+    memory: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -52,7 +56,7 @@ class RolloutBatch:
                             token_rewards=[self.token_rewards[i] for i in indices],
                             invariants=[self.invariants[i] for i in indices], stats=self.stats,
                             weights_version=self.weights_version, timing=dict(self.timing),
-                            staleness=self.staleness)
+                            staleness=self.staleness, memory=dict(self.memory))
 
     def sequence_lengths(self) -> list[int]:
         return [len(r.prompt_ids) + len(r.response_ids) for r in self.records]

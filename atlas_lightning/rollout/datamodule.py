@@ -133,6 +133,10 @@ class RolloutDataModule(L.LightningDataModule):
         self.rank, self.local_rank, self.world_size = 0, 0, 1
         #: The run's reward (``reward._target_``), applied to every ended episode.
         self.scorer = build_scorer(cfg.reward)
+        #: Bytes PyTorch counts as allocated for the engine this module built (CUDA): its weights
+        #: and KV cache, counted even while it sleeps (vLLM's memory pool keeps its addresses), so
+        #: the trainer's own peaks are PyTorch's minus these (``memory/engine_allocated_gib``).
+        self.engine_allocated_bytes = 0
 
     @property
     def weights_version(self) -> Optional[int]:
@@ -168,7 +172,9 @@ class RolloutDataModule(L.LightningDataModule):
         if self.engine is None:
             from atlas_lightning.rollout.factory import build_engine
 
+            allocated = _allocated_bytes()
             self.engine = build_engine(self.cfg, self.rank, self.local_rank, self.world_size)
+            self.engine_allocated_bytes = _allocated_bytes() - allocated
 
     def _fitting(self, questions: list[Question], split: str) -> list[Question]:
         """Drop questions whose prompt exceeds ``rollout.max_prompt_length`` (as verl's loader
@@ -231,18 +237,43 @@ class RolloutDataModule(L.LightningDataModule):
              seed_parts: tuple) -> RolloutBatch:
         if self.engine is None:
             raise RuntimeError("RolloutDataModule has no engine: call setup() or pass one")
+        timing: dict[str, float] = {}
+        memory: dict[str, float] = {}
         with self.engine_lock:  # one version per batch; no sync under a running rollout
             started = time.monotonic()
             version = self.weights_version
-            self.engine.wake_up()
+            self.engine.wake_up()  # a no-op after a weight sync, which wakes the engine itself
+            timing["wake_rollout"] = time.monotonic() - started
             progress = RolloutProgress(f"{partition} step {step}", enabled=self.rank == 0)
+            looped = time.monotonic()
             stats = AgentLoop(self.engine, self.chat, self._limits()).run(
                 trajectories, sampling, seed_parts=seed_parts, progress=progress)
+            timing["gen"] = time.monotonic() - looped
+            _card_used(memory, "gen")
+            if self.engine_allocated_bytes:
+                memory["engine_allocated_gib"] = self.engine_allocated_bytes / 2**30
+            if partition == "train" and self.sleeps_for_update:
+                slept = time.monotonic()
+                self.engine.sleep()  # the update gets the engine's memory; the weight sync wakes it
+                timing["sleep"] = time.monotonic() - slept
+                _card_used(memory, "asleep")
+        assembled = time.monotonic()
         batch = assemble_batch(
             self._own_share(trajectories), step=step, partition=partition, run_id=self.cfg.name,
             scorer=self.scorer, stats=stats, weights_version=version)
-        batch.timing["gen"] = time.monotonic() - started
+        timing["assemble"] = time.monotonic() - assembled
+        timing["rollout"] = time.monotonic() - started
+        batch.timing.update(timing)
+        batch.memory.update(memory)
         return batch
+
+    @property
+    def sleeps_for_update(self) -> bool:
+        """A colocated engine with sleep mode sleeps after each training rollout (its weights and
+        KV cache give way to the update) and is woken by the weight sync; validation rollouts and
+        the separate layout's server never sleep."""
+        return (not self.asynchronous and bool(self.cfg.rollout.enable_sleep_mode)
+                and bool(getattr(self.engine, "sleeps", False)))
 
     def _own_share(self, trajectories: list[Trajectory]) -> list[Trajectory]:
         _, _, tp_rank = self._engine_world()
@@ -320,3 +351,20 @@ class RolloutDataModule(L.LightningDataModule):
 
 def _identity(batch):
     return batch
+
+
+def _allocated_bytes() -> int:
+    """PyTorch's allocated bytes on this process's card (0 off CUDA)."""
+    import torch
+
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _card_used(memory: dict, key: str) -> None:
+    """``memory["card_used_gib/<key>"]``: this card's used memory (the driver's count: the
+    trainer, vLLM's own mappings, every process on the card); nothing off CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        memory[f"card_used_gib/{key}"] = (total - free) / 2**30

@@ -147,7 +147,7 @@ class Engine(ABC):
         """Replace the base weights from packed buckets: each ``(buffer, views)`` of
         ``models.weights.merged_weight_packs`` (one contiguous buffer, ``views`` its HF-named
         tensors), served as weights version ``version``; report what is held, counted as
-        ``tensor_checksum`` counts the views. Collective where the engine is shared by the
+        the digest covers the views. Collective where the engine is shared by the
         training ranks. Engines that set ``takes_weight_packs`` implement it."""
         raise NotImplementedError(f"{self.name} cannot take packed weight buckets (takes_weight_packs is False)")
 

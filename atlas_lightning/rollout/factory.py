@@ -61,13 +61,17 @@ def vllm_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int)
     of a TP group form one engine through vLLM's external launcher."""
     from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
 
-    external = world_size > 1
+    # under a training process group (ModelParallelStrategy, world 1 on a GPU included) the engine
+    # joins it; a CPU run without one (strategy "auto") keeps vLLM's own world
+    external = world_size > 1 or (torch.distributed.is_available() and torch.distributed.is_initialized())
     if external:
         # vLLM's external launcher reads torchrun's variables; Lightning's launcher sets none.
         os.environ["RANK"] = str(rank)
         os.environ["LOCAL_RANK"] = str(local_rank)
         os.environ["WORLD_SIZE"] = str(world_size)
-    return VLLMEngine(EngineArgs.from_config(cfg), external_launcher=external)
+    # a merged sync reloads every weight after each update: a sleeping engine need not keep them
+    sleep_level = 2 if cfg.rollout.weight_sync == "merged" else 1
+    return VLLMEngine(EngineArgs.from_config(cfg), external_launcher=external, sleep_level=sleep_level)
 
 
 def hf_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int) -> Engine:

@@ -16,7 +16,9 @@ a KL is on, ``update_critic``, ``update_actor``; the peak counters are reset whe
 starts):
 
 * on GPUs: ``torch.cuda.max_memory_allocated`` (torch tensors) and ``max_memory_reserved``
-  (the caching allocator's hold), and the card's used memory (``mem_get_info``) at the end;
+  (the caching allocator's hold), less what PyTorch counts for the colocated engine (its weights
+  and KV cache, counted even while it sleeps), and the card's used memory (``mem_get_info``) at
+  the end;
 * on CPU: the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``)
   in GiB: all the process's memory (Python, libraries, tensors), not a GPU figure.
 
@@ -149,6 +151,9 @@ class PhaseProbe:
         self.device = device
         self.cuda = device.type == "cuda"
         self.records: list[dict] = []
+        #: What PyTorch counts as allocated for a colocated engine (its weights and KV cache,
+        #: counted even while it sleeps: vLLM's pool keeps its addresses); left out of the peaks.
+        self.engine_bytes = 0
         self.cpu_reset = _reset_cpu_peak() if not self.cuda else True
 
     @property
@@ -173,9 +178,10 @@ class PhaseProbe:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
-            record.update(peak_allocated_gib=torch.cuda.max_memory_allocated(self.device) / GIB,
-                          peak_reserved_gib=torch.cuda.max_memory_reserved(self.device) / GIB,
-                          card_used_gib=(total - free) / GIB)
+            engine = self.engine_bytes
+            record.update(peak_allocated_gib=(torch.cuda.max_memory_allocated(self.device) - engine) / GIB,
+                          peak_reserved_gib=(torch.cuda.max_memory_reserved(self.device) - engine) / GIB,
+                          card_used_gib=(total - free) / GIB, engine_allocated_gib=engine / GIB)
         else:
             record.update(peak_rss_gib=_peak_rss_bytes() / GIB)
         self.records.append(record)
@@ -270,8 +276,11 @@ class MemoryCheckModule(PPOModule):
         started = time.monotonic()
         probe = PhaseProbe(self.device)
         with probe.phase("generation", 0):
+            allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
             engine = build_engine(cfg, rank=self.global_rank, local_rank=self.local_rank,
                                   world_size=self.trainer.world_size)
+            if self.device.type == "cuda":
+                self.probe.engine_bytes = torch.cuda.memory_allocated(self.device) - allocated
             engines = max(1, self.trainer.world_size // cfg.layout.engine_tp)
             count = max(1, min(cfg.rollout.max_in_flight // engines, 256))
             prompt = min(PROMPT_TOKENS, cfg.rollout.max_prompt_length)

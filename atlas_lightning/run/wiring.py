@@ -83,13 +83,25 @@ def build_callbacks(cfg: DictConfig) -> list:
     return sorted(callbacks, key=lambda callback: isinstance(callback, Checkpoint))
 
 
-def build_strategy(cfg: DictConfig):
-    world = cfg.trainer.devices * cfg.trainer.num_nodes
-    if world == 1:
-        return "auto"
-    from lightning.pytorch.strategies import ModelParallelStrategy
+def trains_on_gpu(accelerator: str) -> bool:
+    """Whether ``trainer.accelerator`` puts training on GPUs (``auto``: when CUDA is present)."""
+    import torch
 
-    return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
+def build_strategy(cfg: DictConfig):
+    """FSDP2 (``ModelParallelStrategy``, NCCL on GPUs) over every training process, also for one
+    GPU: the 8-card runs' strategy, process group and checkpoint format at world 1, and the
+    process group a colocated engine joins (``external_launcher``). A single CPU process keeps
+    Lightning's ``auto`` (no process group; CPU tests and the embedded default). The strategy
+    resumes from the trainable-only checkpoints the module saves (``run/strategy.py``)."""
+    world = cfg.trainer.devices * cfg.trainer.num_nodes
+    if world == 1 and not trains_on_gpu(cfg.trainer.accelerator):
+        return "auto"
+    from atlas_lightning.run.strategy import TrainableStateStrategy
+
+    return TrainableStateStrategy(data_parallel_size=world, tensor_parallel_size=1)
 
 
 @dataclass

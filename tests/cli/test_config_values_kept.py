@@ -13,6 +13,7 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
 * ``plan.card_gib`` and ``trainer.memory_check_generation`` were environment variables
   (``ATLAS_CARD_GIB``, ``ATLAS_MEMORY_CHECK_GENERATION``): now keys, with those variables' defaults;
   ``hub.description`` was read by ``publish`` but was no key, so nothing could set it: now one;
+* ``rollout.max_logprob_gap`` of the GPU engines (``CHANGED``);
 * ``reward._target_`` names the reward scorer (``CostReward``, the reward every snapshot had);
 * ``model.critic_lora.{rank,alpha,dropout,target_modules}``, all null: a fresh critic takes
   ``model.lora``'s, as every snapshot's did.
@@ -52,9 +53,18 @@ def _flat(node, prefix: str = "") -> dict:
     return out
 
 
+#: Values changed on purpose since the snapshot: (before, now). The GPU configs' probe ceiling:
+#: bf16 rounding alone gave 0.06-0.11 on the H200 with the same weights on both sides, so 0.05
+#: refused correct syncs (``conf/rollout/vllm_gpu.yaml``).
+CHANGED = {"rollout.max_logprob_gap": (0.05, 0.3)}
+
+#: Experiments written after the snapshot (they had no earlier composition to keep).
+NEWER_EXPERIMENTS = {"h200-tiny", "h200-8b"}
+
+
 def test_the_snapshot_covers_every_experiment_and_group_file():
     conf = Path(__file__).resolve().parents[2] / "conf"
-    experiments = {p.stem for p in (conf / "experiment").glob("*.yaml")}
+    experiments = {p.stem for p in (conf / "experiment").glob("*.yaml")} - NEWER_EXPERIMENTS
     cases = {case["overrides"][0].split("=", 1)[1] for case in SNAPSHOT.values()
              if case["overrides"] and case["overrides"][0].startswith("experiment=")}
     assert experiments <= cases
@@ -78,6 +88,7 @@ def test_composed_values_are_the_snapshots(case, monkeypatch):
     now = _flat(OmegaConf.to_container(compose(SNAPSHOT[case]["overrides"] + FIXED)))
     changed = {key: (value, now.get(MOVED.get(key, key), "<absent>")) for key, value in before.items()
                if key not in REMOVED and now.get(MOVED.get(key, key), "<absent>") != value}
+    changed = {key: values for key, values in changed.items() if CHANGED.get(key) != values}
     assert changed == {}, changed
     assert not (REMOVED | set(MOVED)) & set(now)
     new = {key: now[key] for key in set(now) - set(before)}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ from atlas_lightning.demo.tiny_orchestrator import (
 from atlas_lightning.env.episode import Episode
 
 TINY_RECIPE = SFTRecipe(demos_per_question=1, train_questions=2, steps=3, batch_size=2, warmup_steps=1,
-                        eval_questions=1)
+                        eval_questions=1, val_loss_questions=1)
 
 
 def _demo(ids, mask, prompt_length=1):
@@ -86,7 +88,8 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
 
 
 @pytest.mark.parametrize("field, value", [("steps", 0), ("batch_size", -1), ("lr", 0.0), ("lr", float("nan")),
-                                          ("train_questions", 0), ("min_lr_ratio", 1.5), ("warmup_steps", -1)])
+                                          ("train_questions", 0), ("min_lr_ratio", 1.5), ("warmup_steps", -1),
+                                          ("val_loss_questions", 0)])
 def test_recipe_refuses_bad_values_by_name(field, value):
     with pytest.raises(ValueError, match=f"SFTRecipe.{field}"):
         SFTRecipe(**{field: value})
@@ -140,10 +143,13 @@ def test_build_is_byte_identical_for_a_seed_and_replaces_the_old_folder(tmp_path
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"):
         assert (out / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
     assert weights != (tiny_model_dir / "model.safetensors").read_bytes()  # it trained
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    assert summary["eval"]["greedy"]["episodes"] == 2 and summary["eval"]["sampled"]["episodes"] == 2
 
     (out / "stray.txt").write_text("from an older build")
-    # base=None built the seed's tiny model, so starting from the same model folder is the same build.
-    second = build_tiny_orchestrator(out, seed=0, base=tiny_model_dir, recipe=TINY_RECIPE)
+    # base=None built the seed's tiny model, so starting from the same model folder is the same build;
+    # the quick evaluation only reads the trained model (left out here: the HF decoding is the slow part).
+    second = build_tiny_orchestrator(out, seed=0, base=tiny_model_dir, recipe=replace(TINY_RECIPE, eval_questions=0))
     assert (out / "model.safetensors").read_bytes() == weights
     assert not (out / "stray.txt").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["orchestrator"]  # no staging folder left behind
@@ -152,7 +158,7 @@ def test_build_is_byte_identical_for_a_seed_and_replaces_the_old_folder(tmp_path
     summary = json.loads((out / SUMMARY_FILE).read_text())
     assert summary["steps"] == 3 and summary["demos"]["count"] == 4 and summary["base"] == str(tiny_model_dir)
     assert summary["final_loss"] < summary["first_loss"]
-    assert summary["eval"]["greedy"]["episodes"] == 2 and summary["eval"]["sampled"]["episodes"] == 2
+    assert set(summary["eval"]) == {"val_demo_loss"}
     AutoModelForCausalLM.from_pretrained(out)  # loads as a Hugging Face model
 
 

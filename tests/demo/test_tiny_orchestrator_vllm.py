@@ -1,55 +1,19 @@
 """The SFT warm start on a real engine: vLLM's CPU build serving it through the trainer's own
 datamodule and agent loop, on the validation split, greedy and sampled.
 
-The warm-started model (``DEFAULT_RECIPE``, seed 0) takes minutes to build, so it is built once
-into pytest's cache under a key of the code and library versions that make it; later runs reuse it.
+The warm-started model (``DEFAULT_RECIPE``, seed 0) is built in the background while the other
+tests run, and cached (``orchestrator_dir`` in ``conftest.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-from pathlib import Path
 
 import pytest
 
-from atlas_lightning.demo.tiny_orchestrator import build_tiny_orchestrator, summarize_episodes
+from atlas_lightning.demo.tiny_orchestrator import summarize_episodes
 
 pytestmark = pytest.mark.vllm
-
-_PACKAGE = Path(__file__).resolve().parents[2] / "atlas_lightning"
-#: What the built model depends on: its code (data, runtime, chat format) and the libraries.
-_SOURCES = ("data/demos.py", "data/tiny_orchestrator.py", "data/tiny_model.py", "data/tiny_tokenizer.py",
-            "data/tiny_corpus.py", "data/sample.py", "data/sample_texts.py", "rollout/chat.py", "env")
-
-
-def _build_key() -> str:
-    import tokenizers
-    import torch
-    import transformers
-
-    digest = hashlib.sha256()
-    for name in _SOURCES:
-        path = _PACKAGE / name
-        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            digest.update(file.relative_to(_PACKAGE).as_posix().encode() + b"\0" + file.read_bytes())
-    digest.update(f"{torch.__version__} {transformers.__version__} {tokenizers.__version__} "
-                  f"{torch.get_num_threads()}".encode())
-    return digest.hexdigest()[:16]
-
-
-@pytest.fixture(scope="session")
-def orchestrator_dir(request, tiny_model_dir) -> Path:
-    import shutil
-
-    cache = request.config.cache.mkdir(f"tiny-orchestrator-{_build_key()}")
-    for stale in cache.parent.glob("tiny-orchestrator-*"):  # builds of older code
-        if stale != cache:
-            shutil.rmtree(stale, ignore_errors=True)
-    folder = cache / "model"
-    if not (folder / "sft_summary.json").is_file():
-        build_tiny_orchestrator(folder, seed=0, base=tiny_model_dir)
-    return folder
 
 
 def _rollout(cfg_overrides: list[str], engine) -> dict:

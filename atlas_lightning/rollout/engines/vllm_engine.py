@@ -11,6 +11,19 @@ Contract:
   with a new folder would silently serve the old adapter), and the previous one is removed.
 - Log-probs are vLLM's ``processed_logprobs``: of the distribution sampled from (temperature
   applied), which is what the trainer recomputes.
+- The engine core always runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the weight
+  sync hands the worker a generator (``_reload_weights``), which cannot cross a process boundary.
+  Under a training process group (Lightning's ``ModelParallelStrategy``, world 1 included) the
+  engine joins it through ``external_launcher``.
+- Sleep (GPUs, ``enable_sleep_mode``): ``sleep`` frees the weights and the KV cache for the
+  update; level 1 keeps a host copy of the weights (a pinned copy made at every sleep), level 2
+  drops them, for a sync that reloads every weight anyway (merged); an engine whose dropped
+  weights were not reloaded refuses to generate. ``wake_up`` first returns the trainer's cached
+  blocks to the driver (``torch.cuda.empty_cache``): vLLM maps its memory outside PyTorch's
+  caching allocator, so memory PyTorch merely caches is not free for it.
+- Versions: written against vLLM 0.32 (CPU build) and 0.26 (CUDA, torch 2.11): the same
+  ``LLM`` arguments, ``LLMEngine`` request API, worker ``reload_weights`` and LoRA manager
+  internals (``_held_lora``) in both.
 """
 
 from __future__ import annotations
@@ -126,12 +139,20 @@ class VLLMEngine(Engine):
 
     name = "vllm"
 
-    def __init__(self, args: EngineArgs, *, external_launcher: bool = False) -> None:
+    def __init__(self, args: EngineArgs, *, external_launcher: bool = False, sleep_level: int = 1) -> None:
         """Start ``vllm.LLM`` with ``args`` (collective over a TP group). ``external_launcher``:
-        this process is one of several training processes (vLLM's ``external_launcher``)."""
+        this process is one of several training processes, or one under a training process
+        group (vLLM's ``external_launcher``). ``sleep_level``: vLLM's 1 (keep a host copy of the
+        weights while asleep) or 2 (drop them: a merged sync reloads every weight anyway)."""
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             prepare_cpu_environment(args.cpu_kvcache_gib)
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level={sleep_level}: vLLM's levels are 1 (keep a host copy of the weights) "
+                             f"and 2 (drop them)")
+        # the engine core in this process: collective_rpc hands the worker live objects (a
+        # generator of weights); with external_launcher vLLM requires it anyway
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         kwargs = args.vllm_kwargs(on_cpu=on_cpu)
@@ -139,6 +160,8 @@ class VLLMEngine(Engine):
             kwargs["distributed_executor_backend"] = "external_launcher"
         self.args = args
         self._sleep_enabled = args.enable_sleep_mode and not on_cpu
+        self._sleep_level = sleep_level
+        self._weights_dropped = False  # level-2 sleep dropped the weights; a load_weights brings them back
         self._lora_enabled = args.lora_rank is not None
         self.llm = LLM(**kwargs)
         self._engine = self.llm.llm_engine
@@ -172,6 +195,9 @@ class VLLMEngine(Engine):
 
         if self._asleep:
             raise EngineError("vllm engine is asleep: wake_up() before submitting requests")
+        if self._weights_dropped:
+            raise EngineError("vllm engine slept at level 2 (weights dropped) and no load_weights() brought "
+                              "them back: refusing to generate from undefined weights")
         self._engine.add_request(
             request.request_id,
             TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
@@ -220,6 +246,8 @@ class VLLMEngine(Engine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self._asleep or self._weights_dropped:
+            raise EngineError("vllm engine is asleep or its weights were dropped: no probe possible")
         params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         output = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params,
                                    lora_request=self._lora, use_tqdm=False)[0]
@@ -232,6 +260,8 @@ class VLLMEngine(Engine):
 
         if not self._lora_enabled:
             raise EngineError("this vllm engine was built without LoRA (rollout.weight_sync must be 'lora')")
+        if self._asleep:
+            raise EngineError("vllm engine is asleep: wake_up() before setting an adapter")
         if self._lora is not None:
             self._engine.remove_lora(self._lora.lora_int_id)
             self._lora = None
@@ -264,20 +294,32 @@ class VLLMEngine(Engine):
         """Every base weight of one sync (a stream, consumed once, in one reload; see
         ``_reload_weights``). The iterator reaches the worker as it is: this engine runs its
         worker in this process (in-process engine core on CPU, ``external_launcher`` on GPUs)."""
+        if self._asleep:
+            raise EngineError("vllm engine is asleep: wake_up() before loading weights")
         entries = self.llm.collective_rpc(_reload_weights, args=(weights,))[0]
         self._engine.reset_prefix_cache()
+        self._weights_dropped = False
         return SyncReport(tensor_count=len(entries), digest=WeightDigest(entries),
                           held="received by the engine's weight loader", form={"kind": "tensors"})
 
     # -- memory ---------------------------------------------------------------------------
 
+    @property
+    def sleeps(self) -> bool:
+        """True where ``sleep`` frees memory (GPUs with ``enable_sleep_mode``)."""
+        return self._sleep_enabled
+
     def sleep(self) -> None:
+        """Free the weights and the KV cache (module doc); a no-op without sleep mode."""
         if self._sleep_enabled and not self._asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self._sleep_level)
             self._asleep = True
+            self._weights_dropped = self._sleep_level == 2
 
     def wake_up(self) -> None:
+        """Map the engine's memory again (after returning PyTorch's cached blocks, module doc)."""
         if self._asleep:
+            torch.cuda.empty_cache()
             self.llm.wake_up()
             self._asleep = False
 

@@ -1,0 +1,492 @@
+"""The end-to-end RL step benchmark: ``atlas-lightning fit`` itself, timed phase by phase.
+
+    python -m atlas_lightning.bench.step --out DIR -- experiment=h200-8b [overrides]
+    python -m atlas_lightning.bench.step --out DIR --build dense8b --model-dir /tmp/dense8b \\
+        --tokenizer-from ~/.cache/atlas-lightning/tiny-model -- experiment=h200-8b model.path=/tmp/dense8b
+
+What runs: the ``fit`` verb through the CLI's own entry (``atlas_lightning.cli.main``), with one
+callback more, ``StepBenchCallback``, added the documented way (``+callbacks.step_bench``).
+Everything else is the run as configured: the engine, sleep and wake, the weight sync and its
+checks, records, validation, checkpoints. ``--build SHAPE`` first writes a random-weight model
+of that shape (``bench/shapes.py``, built on the GPU; the tokenizer of ``--tokenizer-from``) to
+``--model-dir``, once: trainer and engine then load the same weights.
+
+What the callback measures, per RL step (rank 0's clocks; every rank runs the same phases):
+
+* the step's wall time: from the start of its rollout to the start of the next one (the last
+  step: to the end of training), so that every callback (weight sync, records, validation,
+  figures, checkpoint) is inside it;
+* each phase's seconds and peak memory, as the run logs them (``timing_s/*`` and ``memory/*``
+  of ``runs/<name>/<id>/history.csv``): ``wake_rollout``, ``gen`` (the agent loop), ``sleep``,
+  ``assemble``, ``old_log_prob``, ``values``, ``ref``, ``adv``, ``update_critic``,
+  ``update_actor``; ``wake`` and ``update_weights`` (the weight sync); ``testing`` (validation);
+* each callback's own seconds (its ``on_train_batch_end``), and the rest of the step
+  (``other``: Lightning's loop, the data hand-over);
+* shares: generation (``gen``), update compute (the five forward/backward phases) and the
+  rest, with validation apart and amortised (its seconds / ``trainer.val_every``).
+
+Generation against plain vLLM: the train rollout of ``replay_step`` (default 1) is recorded
+request by request (prompt tokens, sampling, the tokens each produced); at the end of that step
+(after its weight sync and validation; its seconds are not counted in the step), on the same
+engine with the step's new adapter and an emptied prefix cache, the same requests go through
+one ``vllm.LLM.generate`` call, each forced to the length it had (``min_tokens = max_tokens``,
+``ignore_eos``). ``gen_vs_plain`` is the agent loop's generated tokens a second over plain
+``generate``'s on the same requests: what the loop's turn-by-turn scheduling and Python work
+cost against an engine that gets everything at once.
+
+Memory beside the plan: ``atlas-lightning plan``'s per-phase tensors for the same config, at the
+configured token budgets and at the micro-batch sizes the step really ran (the planner's own
+partition of the step's sequence lengths).
+
+Output: ``DIR/step_bench.json`` (rewritten after every step, so a run cut short keeps what it
+measured) and ``DIR/step_bench.md`` (printed last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+
+GIB = 2**30
+#: Phases of one step as the run logs them (``timing_s/<phase>``), in the order they run.
+PHASES = ("wake_rollout", "gen", "sleep", "assemble", "old_log_prob", "values", "ref", "adv", "update_critic",
+          "update_actor", "wake", "update_weights", "testing")
+UPDATE_COMPUTE = ("old_log_prob", "values", "ref", "update_critic", "update_actor")
+#: Plan phase for a measured phase (``planning.estimate``'s names).
+PLAN_PHASES = {"old_log_prob": "old_log_prob", "values": "values", "ref": "ref", "update_critic": "update_critic",
+               "update_actor": "update_actor", "gen": "generation", "update_weights": "update_weights"}
+
+
+class _RecordingEngine:
+    """The run's engine, unchanged, with the requests of the labelled rollout recorded (and the
+    token count each produced). Everything else is the wrapped engine's."""
+
+    def __init__(self, engine) -> None:
+        self.inner = engine
+        self.label: Optional[str] = None
+        self.requests: dict[str, dict[str, Any]] = {}
+        self.produced: dict[str, dict[str, int]] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def submit(self, request) -> None:
+        if self.label is not None:
+            self.requests.setdefault(self.label, {})[request.request_id] = request  # a retry replaces
+        self.inner.submit(request)
+
+    def poll(self):
+        results = self.inner.poll()
+        if self.label is not None:
+            produced = self.produced.setdefault(self.label, {})
+            for result in results:
+                if result.error is None:
+                    produced[result.request_id] = len(result.token_ids)
+        return results
+
+
+class StepBenchCallback(L.Callback):
+    """Times every phase of every RL step of a ``fit`` (module doc); writes ``out``."""
+
+    def __init__(self, out: str, replay_step: int = 1, replay: bool = True) -> None:
+        self.out = Path(out)
+        self.replay_step = int(replay_step)
+        self.replay = bool(replay)
+        self.recorder: Optional[_RecordingEngine] = None
+        self.rollout_start: dict[int, float] = {}
+        self.callback_s: dict[int, dict[str, float]] = {}
+        self.lengths: dict[int, list[int]] = {}
+        self.responses: dict[int, list[int]] = {}
+        self.generated: dict[int, int] = {}
+        self.peak_tflops: Optional[float] = None
+        self.ended: Optional[float] = None
+        self.replayed: dict[str, Any] = {"done": False, "why": "not run yet"}
+
+    # -- wiring -----------------------------------------------------------------------------
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        import torch
+
+        if torch.cuda.is_available():  # the card's bf16 matmul rate, the MFU denominator
+            from .measure import matmul_peak
+
+            self.peak_tflops = matmul_peak(torch.device("cuda"), reps=10)["tflops"]
+        dm = trainer.datamodule
+        if dm is None or getattr(dm, "engine", None) is None:
+            raise ValueError("StepBenchCallback needs the RolloutDataModule's engine (fit builds it in setup)")
+        self.recorder = _RecordingEngine(dm.engine)
+        dm.engine = self.recorder
+        rollout = dm.rollout
+
+        def timed_rollout(step: int):
+            self.rollout_start[step] = time.monotonic()
+            self.recorder.label = f"train{step}" if step == self.replay_step else None
+            try:
+                return rollout(step)
+            finally:
+                self.recorder.label = None
+
+        dm.rollout = timed_rollout
+        for callback in trainer.callbacks:
+            if callback is not self:
+                self._time_hook(callback, "on_train_batch_end", step_of=lambda args: args[3].step)
+                self._time_hook(callback, "on_train_start", step_of=lambda args: 0)
+
+    def _time_hook(self, callback, hook: str, step_of) -> None:
+        original = getattr(callback, hook)
+        name = type(callback).__name__
+
+        def timed(*args, **kwargs):
+            started = time.monotonic()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds = self.callback_s.setdefault(step_of(args), {})
+                seconds[name] = seconds.get(name, 0.0) + time.monotonic() - started
+
+        setattr(callback, hook, timed)
+
+    # -- per step ---------------------------------------------------------------------------
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.lengths[batch.step] = batch.sequence_lengths()
+        self.responses[batch.step] = [len(r.response_ids) for r in batch.records]
+        self.generated[batch.step] = int(batch.stats.generated_tokens)
+        if self.replay and batch.step == self.replay_step:
+            # now, so that a run cut short keeps it; its seconds are taken out of the step's wall time
+            started = time.monotonic()
+            self.replayed = self._replay()
+            self.replayed["excluded_s"] = time.monotonic() - started
+        if trainer.global_rank == 0:
+            self._write(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.ended = time.monotonic()
+        if trainer.global_rank == 0:
+            report = self._write(trainer, pl_module)
+            print(markdown(report), file=sys.stderr)
+
+    # -- plain vLLM on the same requests ----------------------------------------------------
+
+    def _replay(self) -> dict[str, Any]:
+        label = f"train{self.replay_step}"
+        engine = self.recorder.inner if self.recorder is not None else None
+        llm = getattr(engine, "llm", None)
+        if llm is None:
+            return {"done": False, "why": f"the engine ({type(engine).__name__}) is not an in-process vllm.LLM"}
+        requests = self.recorder.requests.get(label, {})
+        produced = self.recorder.produced.get(label, {})
+        chosen = [(request, produced[rid]) for rid, request in requests.items() if produced.get(rid)]
+        if not chosen:
+            return {"done": False, "why": f"no finished request recorded for step {self.replay_step}"}
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts, params = [], []
+        for request, n in chosen:
+            spec = request.sampling
+            prompts.append(TokensPrompt(prompt_token_ids=list(request.prompt_ids)))
+            params.append(SamplingParams(n=1, temperature=spec.temperature, top_p=spec.top_p,
+                                         top_k=spec.top_k if spec.top_k > 0 else 0, seed=spec.seed, max_tokens=n,
+                                         min_tokens=n, ignore_eos=True, logprobs=0, detokenize=False,
+                                         skip_special_tokens=False))
+        engine.wake_up()
+        llm.reset_prefix_cache()
+        started = time.monotonic()
+        outputs = llm.generate(prompts, params, lora_request=getattr(engine, "_lora", None), use_tqdm=False)
+        seconds = time.monotonic() - started
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return {"done": True, "step": self.replay_step, "requests": len(prompts), "generated_tokens": tokens,
+                "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts), "seconds": seconds,
+                "tokens_per_s": tokens / seconds if seconds > 0 else None}
+
+    # -- the report -------------------------------------------------------------------------
+
+    def _write(self, trainer, pl_module) -> dict:
+        report = build_report(pl_module.cfg, _history(trainer), rollout_start=self.rollout_start,
+                              ended=self.ended, callback_s=self.callback_s, lengths=self.lengths,
+                              generated=self.generated, replayed=self.replayed, responses=self.responses,
+                              peak_tflops=self.peak_tflops)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "step_bench.json").write_text(json.dumps(report, indent=1) + "\n")
+        (self.out / "step_bench.md").write_text(markdown(report) + "\n")
+        return report
+
+
+def _history(trainer) -> dict[int, dict[str, float]]:
+    """Every metric the run logged, by RL step (the run export's rows)."""
+    for logger in trainer.loggers:
+        if hasattr(logger, "history"):
+            return {int(row["_step"]): {k: v for k, v in row.items() if not k.startswith("_")}
+                    for row in logger.history()}
+    return {}
+
+
+def _plan_at(cfg, update_tokens: Optional[int], forward_tokens: Optional[int]) -> Optional[dict]:
+    """``plan``'s per-phase tensors (GiB) for ``cfg``, with the token budgets replaced where given."""
+    from omegaconf import OmegaConf
+
+    from atlas_lightning.planning import make_plan
+
+    try:
+        import torch
+
+        card = torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else None
+        plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        if update_tokens:
+            plain.algorithm.ppo_max_token_len_per_gpu = int(update_tokens)
+        if forward_tokens:
+            plain.algorithm.forward_max_token_len_per_gpu = int(forward_tokens)
+        plan = make_plan(plain, card_gib=card)
+    except Exception as err:  # a plan is a comparison, never a reason to lose the measurement
+        return {"error": f"{type(err).__name__}: {err}"}
+    return {phase.name: {"tensors_gib": phase.tensors / GIB, "card_gib": phase.card / GIB}
+            for phase in plan.phases if phase.cards != "serving cards"}
+
+
+def _largest_micro_batches(cfg, lengths: list[int]) -> tuple[Optional[int], Optional[int]]:
+    """Tokens of the largest update and forward micro-batch the step ran (the planner's own cut)."""
+    from atlas_lightning.algorithms.partition import plan_micro_batches
+
+    if not lengths:
+        return None, None
+    a = cfg.algorithm
+    mini = a.train_batch_size // a.ppo_mini_batch_size
+    size = -(-len(lengths) // mini)
+    update = 0
+    for start in range(0, len(lengths), size):
+        chunk = lengths[start:start + size]
+        for mb in plan_micro_batches(chunk, a.ppo_max_token_len_per_gpu, allow_oversized=True).micro_batches:
+            update = max(update, sum(chunk[i] for i in mb))
+    forward = max(sum(lengths[i] for i in mb) for mb in
+                  plan_micro_batches(lengths, a.forward_max_token_len_per_gpu, allow_oversized=True).micro_batches)
+    return update, forward
+
+
+def phase_flops(cfg, lengths: list[int], responses: list[int]) -> Optional[dict[str, float]]:
+    """Useful FLOPs (``bench/flops.py``) of the step's compute phases on these sequences: actor and
+    critic forward passes over every sequence (scored: the response tokens), and ``ppo_epochs``
+    forward + backward passes of each; None where the model's shape cannot be read."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from .flops import model_flops
+
+        config = AutoConfig.from_pretrained(cfg.model.path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        flops = model_flops(model, int(cfg.model.lora.rank))
+    except Exception:  # noqa: BLE001 - a figure beside the measurement, never a reason to lose it
+        return None
+    scored, epochs = int(sum(responses)), int(cfg.algorithm.ppo_epochs)
+    return {"old_log_prob": flops.forward("actor", lengths, scored), "values": flops.forward("critic", lengths, scored),
+            "ref": flops.forward("base", lengths, scored),
+            "update_critic": epochs * flops.train_step("critic", lengths, scored),
+            "update_actor": epochs * flops.train_step("actor", lengths, scored)}
+
+
+def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: dict[int, float],
+                 ended: Optional[float], callback_s: dict[int, dict[str, float]], lengths: dict[int, list[int]],
+                 generated: dict[int, int], replayed: dict[str, Any], responses: Optional[dict[int, list[int]]] = None,
+                 peak_tflops: Optional[float] = None) -> dict:
+    """The benchmark's figures (module doc) from what the run logged and the callback timed."""
+    steps = sorted(s for s in rollout_start if s in lengths)
+    responses = responses or {}
+    val_every = int(cfg.trainer.val_every) or int(cfg.trainer.total_steps)
+    rows = []
+    for i, step in enumerate(steps):
+        logged = history.get(step, {})
+        end = rollout_start.get(steps[i + 1]) if i + 1 < len(steps) else ended
+        wall = end - rollout_start[step] if end is not None else None
+        if wall is not None and replayed.get("step") == step:
+            wall -= replayed.get("excluded_s", 0.0)
+        phases = {p: logged.get(f"timing_s/{p}") for p in PHASES if f"timing_s/{p}" in logged}
+        callbacks = dict(callback_s.get(step, {}))
+        gen = phases.get("gen", 0.0)
+        update = sum(phases.get(p, 0.0) for p in UPDATE_COMPUTE)
+        validation = callbacks.get("ValidationCallback", 0.0)
+        row: dict[str, Any] = {
+            "step": step, "wall_s": wall, "phases_s": phases, "callbacks_s": callbacks,
+            "memory_gib": {k[len("memory/"):]: v for k, v in logged.items() if k.startswith("memory/")},
+            "trajectories": len(lengths[step]), "tokens": int(sum(lengths[step])),
+            "generated_tokens": generated.get(step), "longest_sequence": max(lengths[step], default=0),
+            "metrics": {k: v for k, v in logged.items() if k.startswith(("perf/", "rollout/", "response_length/",
+                                                                           "critic/score", "actor/", "critic/"))},
+        }
+        if wall:
+            inside = sum(phases.get(p, 0.0) for p in ("wake_rollout", "gen", "sleep", "assemble") + UPDATE_COMPUTE
+                         + ("adv",)) + sum(callbacks.values())
+            row["other_s"] = wall - inside
+            overhead = wall - gen - update - validation
+            amortised = overhead + validation / max(val_every, 1) if validation else overhead
+            row["shares"] = {"generation": gen / wall, "update_compute": update / wall,
+                             "overhead": overhead / wall, "validation": validation / wall,
+                             "overhead_with_validation_amortised": amortised / (wall - validation + validation / max(val_every, 1))}
+            row["gen_tokens_per_s"] = (generated.get(step) or 0) / gen if gen else None
+        flops = phase_flops(cfg, lengths[step], responses.get(step, [])) if step in responses else None
+        if flops:
+            row["useful_tflop"] = {p: f / 1e12 for p, f in flops.items() if p in phases}
+            if peak_tflops:
+                row["useful_mfu"] = {p: f / phases[p] / (peak_tflops * 1e12) for p, f in flops.items()
+                                     if phases.get(p)}
+        update_tokens, forward_tokens = _largest_micro_batches(cfg, lengths[step])
+        row["micro_batch_tokens"] = {"update": update_tokens, "forward": forward_tokens}
+        row["plan_tensors_gib"] = {"configured_budgets": _plan_at(cfg, None, None),
+                                   "step_micro_batches": _plan_at(cfg, update_tokens, forward_tokens)}
+        rows.append(row)
+    if replayed.get("done"):
+        step_row = next((r for r in rows if r["step"] == replayed["step"]), None)
+        if step_row and step_row.get("gen_tokens_per_s") and replayed.get("tokens_per_s"):
+            replayed["gen_vs_plain"] = step_row["gen_tokens_per_s"] / replayed["tokens_per_s"]
+    return {
+        "name": cfg.name, "model": cfg.model.path, "engine": {
+            "weight_sync": cfg.rollout.weight_sync, "enforce_eager": bool(cfg.rollout.enforce_eager),
+            "sleep_mode": bool(cfg.rollout.enable_sleep_mode), "max_in_flight": int(cfg.rollout.max_in_flight),
+            "gpu_memory_utilization": float(cfg.rollout.gpu_memory_utilization)},
+        "batch": {"questions": int(cfg.algorithm.train_batch_size), "samples": int(cfg.rollout.n),
+                  "mini_batch_questions": int(cfg.algorithm.ppo_mini_batch_size),
+                  "ppo_epochs": int(cfg.algorithm.ppo_epochs),
+                  "ppo_max_token_len_per_gpu": int(cfg.algorithm.ppo_max_token_len_per_gpu),
+                  "forward_max_token_len_per_gpu": int(cfg.algorithm.forward_max_token_len_per_gpu),
+                  "max_tokens_per_turn": int(cfg.rollout.max_tokens_per_turn)},
+        "environment": _environment(), "peak_bf16_tflops": peak_tflops, "steps": rows, "plain_generate": replayed,
+    }
+
+
+def _environment() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("vllm", "transformers", "peft", "lightning"):
+        try:
+            module = __import__(name)
+            out[name] = getattr(module, "__version__", "?")
+        except Exception:  # noqa: BLE001 - absent is a fine answer here
+            out[name] = None
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+        out["gpu_gib"] = torch.cuda.get_device_properties(0).total_memory / GIB
+    return out
+
+
+def _fmt(value: Optional[float], spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(report: dict) -> str:
+    """Per step: each phase's seconds, share of the step and peak memory beside the plan; then
+    the shares and generation against plain vLLM."""
+    lines = [f"# step benchmark: {report['name']}", ""]
+    for row in report["steps"]:
+        wall = row.get("wall_s")
+        plan = row["plan_tensors_gib"].get("step_micro_batches") or {}
+        lines += [f"## RL step {row['step']}: {_fmt(wall)} s, {row['trajectories']} trajectories, "
+                  f"{row['tokens']:,} tokens ({row['generated_tokens'] or 0:,} generated); largest micro-batches "
+                  f"{row['micro_batch_tokens']['update'] or 0:,} (update) / {row['micro_batch_tokens']['forward'] or 0:,} "
+                  f"(forward) tokens", "",
+                  "| phase | s | share | peak allocated GiB | plan GiB (tensors; gen: card) | useful MFU |",
+                  "|---|---|---|---|---|---|"]
+        for phase, seconds in row["phases_s"].items():
+            peak = row["memory_gib"].get(f"peak_allocated_gib/{phase}")
+            if phase == "gen":
+                peak = row["memory_gib"].get("card_used_gib/gen")
+            planned = plan.get(PLAN_PHASES.get(phase, "")) if isinstance(plan, dict) else None
+            if isinstance(planned, dict):  # the engine's card use against the plan's card; tensors elsewhere
+                planned = planned["card_gib" if phase == "gen" else "tensors_gib"]
+            mfu = (row.get("useful_mfu") or {}).get(phase)
+            label = phase + {"gen": " (card used)", "wake": " (in the weight sync)", "update_weights":
+                             " (in the weight sync)", "testing": " (in validation)"}.get(phase, "")
+            lines.append(f"| {label} | {_fmt(seconds, '.2f')} | "
+                         f"{_fmt(seconds / wall * 100 if wall else None)}% | {_fmt(peak, '.2f')} | {_fmt(planned, '.2f')} | "
+                         f"{_fmt(mfu * 100 if mfu else None)}{'%' if mfu else ''} |")
+        for name, seconds in row["callbacks_s"].items():
+            lines.append(f"| callback {name} | {_fmt(seconds, '.2f')} | {_fmt(seconds / wall * 100 if wall else None)}% | | | |")
+        if "other_s" in row:
+            lines.append(f"| other (loop, hand-over) | {_fmt(row['other_s'], '.2f')} | "
+                         f"{_fmt(row['other_s'] / wall * 100)}% | | | |")
+        shares = row.get("shares")
+        if shares:
+            lines += ["", f"generation {shares['generation']:.1%}, update compute {shares['update_compute']:.1%}, "
+                          f"the rest {shares['overhead']:.1%} (validation {shares['validation']:.1%} apart; with "
+                          f"validation amortised over its period: {shares['overhead_with_validation_amortised']:.1%}); "
+                          f"asleep the card held {_fmt(row['memory_gib'].get('card_used_gib/asleep'), '.2f')} GiB", ""]
+    plain = report.get("plain_generate", {})
+    if plain.get("done"):
+        lines.append(f"plain vllm.LLM.generate on step {plain['step']}'s {plain['requests']} requests: "
+                     f"{plain['generated_tokens']:,} tokens in {plain['seconds']:.1f} s ({plain['tokens_per_s']:,.0f} "
+                     f"tokens/s); the agent loop reached {_fmt((plain.get('gen_vs_plain') or 0) * 100)}% of it")
+    else:
+        lines.append(f"plain vllm.LLM.generate: not measured ({plain.get('why')})")
+    env = report.get("environment", {})
+    lines += ["", "versions: " + ", ".join(f"{k} {v}" for k, v in env.items())]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def build_model_folder(shape: str, folder: Path, tokenizer_from: Path, layers: Optional[int] = None) -> Path:
+    """A random-weight model of ``shape`` (``bench/shapes.py``, bf16, built on the GPU where there is
+    one) saved as a Hugging Face folder with ``tokenizer_from``'s tokenizer; kept when it exists."""
+    import torch
+
+    from .shapes import build_model, shape_by_name
+
+    if (folder / "config.json").is_file():
+        return folder
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_model(shape_by_name(shape), device=device, dtype=torch.bfloat16, attn_implementation="sdpa",
+                        layers=layers)
+    model.config.use_cache = True
+    tmp = folder.parent / f".{folder.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (tokenizer_from / name).is_file():
+            shutil.copy(tokenizer_from / name, tmp / name)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    tmp.rename(folder)
+    return folder
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m atlas_lightning.bench.step", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="where step_bench.json and step_bench.md go")
+    parser.add_argument("--build", default=None, help="a bench/shapes.py shape to build into --model-dir first")
+    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--layers", type=int, default=None, help="with --build: the first N decoder layers")
+    parser.add_argument("--tokenizer-from", type=Path, default=None, help="with --build: a model folder's tokenizer")
+    parser.add_argument("--replay-step", type=int, default=1)
+    parser.add_argument("overrides", nargs="*", help="the fit's overrides (after --)")
+    args = parser.parse_args(argv)
+    if args.build:
+        if args.model_dir is None or args.tokenizer_from is None:
+            parser.error("--build needs --model-dir and --tokenizer-from")
+        started = time.monotonic()
+        build_model_folder(args.build, args.model_dir, args.tokenizer_from, args.layers)
+        print(f"model folder {args.model_dir} ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    from atlas_lightning.cli import main as cli_main
+
+    out = args.out.resolve()
+    code = cli_main(["fit", *args.overrides, "+callbacks.step_bench._target_=atlas_lightning.bench.step.StepBenchCallback",
+                     f"+callbacks.step_bench.out={out}", f"+callbacks.step_bench.replay_step={args.replay_step}"])
+    report = out / "step_bench.md"
+    if report.is_file():
+        print(report.read_text())
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""FSDP2 for the PPO module: Lightning's ``ModelParallelStrategy`` whose checkpoints hold the
+trainable tensors only, and load back.
+
+``PPOModule.on_save_checkpoint`` drops the frozen base from the state it saves (the base comes
+from ``model.path``; a 27B base is 54 GB a step). Lightning's ``ModelParallelStrategy`` loads a
+torch.distributed checkpoint by asking for EVERY key of the module, and refuses a checkpoint that
+lacks one (``Missing key in checkpoint state_dict``): a run could save but never resume, and the
+NaN guard could never roll back. ``TrainableStateStrategy.load_checkpoint`` loads the keys the
+checkpoint holds, after checking that it holds every key the module trains (a checkpoint
+missing a trainable tensor is refused, naming it), then the optimizers' states and the rest
+(loops, callbacks, the data cursor) as Lightning does. Saving is Lightning's own. A full
+(non-sharded) checkpoint file goes to Lightning's own loader.
+
+Who calls it: ``run/wiring.build_strategy`` (every run on GPUs, and on CPU with several
+processes), tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+STATE_PREFIX = "state_dict."
+
+
+class CheckpointKeysError(RuntimeError):
+    """A checkpoint lacks tensors the module trains."""
+
+
+class TrainableStateStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` (FSDP2 over the data-parallel ranks) that resumes from the
+    trainable-only checkpoints the PPO module saves (module doc)."""
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        from lightning.fabric.strategies.fsdp import _METADATA_FILENAME
+        from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
+        from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, load
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_sharded_checkpoint(path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        module = self.model
+        saved = {key[len(STATE_PREFIX):] for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata
+                 if key.startswith(STATE_PREFIX)}
+        trainable = {name for name, param in module.named_parameters() if param.requires_grad}
+        missing = sorted(trainable - saved)
+        if missing:
+            raise CheckpointKeysError(f"checkpoint {path} lacks {len(missing)} trained tensor(s), e.g. {missing[:3]}: "
+                                      f"not a checkpoint of this model and adapters")
+        state = {"state_dict": get_model_state_dict(module)}
+        load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+        module.load_state_dict(state["state_dict"], strict=False)
+        for index, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{index}"
+            optim_state = {key: get_optimizer_state_dict(module, optimizer)}
+            load(optim_state, checkpoint_id=path)
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key],
+                                     options=StateDictOptions(cpu_offload=True))
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)

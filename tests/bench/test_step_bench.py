@@ -1,0 +1,43 @@
+"""The end-to-end step benchmark on CPU (the tiny model, vLLM's CPU build): one ``fit`` through the
+CLI with the benchmark's callback; every phase of the step is timed, the callbacks' own time and
+the rest add up to the step's wall time, and the step's requests replayed through plain
+``vllm.LLM.generate`` give the comparison. The numbers are not checked (they are CPU numbers);
+what the report holds is."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_one_step_is_timed_phase_by_phase_and_compared_with_plain_generate(tiny_model_dir, sample_data_dir,
+                                                                          tmp_path):
+    from atlas_lightning.bench.step import main
+
+    out = tmp_path / "bench"
+    code = main(["--out", str(out), "--", "experiment=tiny-cpu", f"model.path={tiny_model_dir}",
+                 f"data.root={sample_data_dir}", f"paths.root={tmp_path}", "name=stepbench", "logger.mode=disabled",
+                 "trainer.total_steps=1", "trainer.val_before_train=false", "trainer.save_every=0",
+                 "data.val_max_questions=1", "rollout.val_n=1", "rollout.n=2", "algorithm.train_batch_size=2",
+                 "algorithm.ppo_mini_batch_size=1", "rollout.max_tokens_per_turn=16", "rollout.max_turns=3"])
+    assert code == 0
+    report = json.loads((out / "step_bench.json").read_text())
+    assert [row["step"] for row in report["steps"]] == [1]
+    row = report["steps"][0]
+    assert row["trajectories"] == 4 and row["generated_tokens"] > 0
+    for phase in ("gen", "assemble", "old_log_prob", "values", "adv", "update_critic", "update_actor", "wake",
+                  "update_weights", "testing"):
+        assert row["phases_s"][phase] >= 0.0, phase
+    assert {"WeightSyncCallback", "ValidationCallback", "StepCheckpoint", "ArtifactDumpCallback"} <= set(row["callbacks_s"])
+    inside = sum(row["phases_s"].get(p, 0.0) for p in ("wake_rollout", "gen", "sleep", "assemble", "old_log_prob",
+                                                       "values", "ref", "adv", "update_critic", "update_actor"))
+    assert row["other_s"] == pytest.approx(row["wall_s"] - inside - sum(row["callbacks_s"].values()))
+    assert 0 < row["shares"]["generation"] < 1 and 0 < row["shares"]["update_compute"] < 1
+    assert row["micro_batch_tokens"]["update"] > 0 and row["plan_tensors_gib"]["configured_budgets"]
+    plain = report["plain_generate"]
+    assert plain["done"] and plain["step"] == 1 and plain["generated_tokens"] == row["generated_tokens"]
+    assert plain["gen_vs_plain"] > 0
+    assert "| gen (card used) |" in (out / "step_bench.md").read_text()

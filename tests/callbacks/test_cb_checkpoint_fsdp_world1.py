@@ -1,0 +1,116 @@
+"""One GPU trains under FSDP2 at world 1 (``TrainableStateStrategy``, as ``run/wiring.py`` sets it up
+for GPU runs): its Lightning state is a torch.distributed checkpoint folder, as at world 8, and
+``trainer.resume`` finds it and continues the run. Here through gloo on CPU, one process.
+
+Two defects this guards against. The format followed the world size, so a one-GPU run saved a
+distributed checkpoint *folder* named ``lightning/state.ckpt``, which ``lightning_state_path``
+(looking for a file there) passed over. And Lightning's ``ModelParallelStrategy`` asked the
+checkpoint for every key of the module, the frozen base too, which the PPO module never saves:
+no FSDP2 run (eight cards either) could resume ("Missing key in checkpoint state_dict")."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+
+from atlas_lightning.callbacks.checkpoint import StepCheckpoint
+from atlas_lightning.config import run_dirs
+from atlas_lightning.run.strategy import TrainableStateStrategy
+from atlas_lightning.store.checkpoints import STATE_DIR, latest_complete, lightning_state_path
+
+
+@pytest.fixture
+def gloo_world_one():
+    yield
+    if dist.is_available() and dist.is_initialized():  # later tests must not find a process group
+        dist.destroy_process_group()
+
+
+def _sharded_module(h, cfg):
+    from atlas_lightning.ppo.module import PPOModule
+
+    class Sharded(h.ScriptedModule):
+        """The scripted module with a frozen base beside its trainable tensors, sharded, and
+        PPOModule's own checkpoint contents: trainable tensors only (the base comes from
+        ``model.path``), Adam's states, the RL step."""
+
+        _trainable_keys = PPOModule._trainable_keys
+        on_save_checkpoint = PPOModule.on_save_checkpoint
+        on_load_checkpoint = PPOModule.on_load_checkpoint
+
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.base = torch.nn.Linear(8, 8)
+            self.base.requires_grad_(False)
+            self.strict_loading = False
+            self.skipped_optimizer_steps = {"actor": 0, "critic": 0}
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.critic.parameters(), lr=0.05)
+
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+
+            if not hasattr(self.critic.weight, "full_tensor"):
+                fully_shard(self.base, mesh=self.device_mesh["data_parallel"])
+                fully_shard(self.critic, mesh=self.device_mesh["data_parallel"])
+
+        def save_adapters(self, step_dir):
+            full = self.critic.weight.full_tensor()  # collective: every rank
+            if self.trainer.is_global_zero:
+                h.write_adapters(step_dir, full)
+
+    return Sharded(cfg)
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+class _CrashAt(L.Callback):
+    """The process dies during step ``step`` (after its update, before anything is saved)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch.step == self.step:
+            raise _Crash(f"crash during step {self.step}")
+
+
+def _fit(h, cfg, chat, callbacks=(), ckpt_path=None):
+    module, dm = _sharded_module(h, cfg), h.ScriptedDataModule(cfg, chat)
+    trainer = h.make_trainer([*callbacks, StepCheckpoint(every_n_steps=2)],
+                             strategy=TrainableStateStrategy(data_parallel_size=1, tensor_parallel_size=1))
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    return module, dm
+
+
+def test_world_one_fsdp2_saves_a_distributed_checkpoint_and_resumes(tmp_path, h, chat, gloo_world_one):
+    cfg = h.make_cfg(tmp_path, total_steps=4)
+    with pytest.raises(_Crash):
+        _fit(h, cfg, chat, callbacks=[_CrashAt(3)])
+    folder = latest_complete(run_dirs(cfg)["checkpoints"])
+    assert folder is not None and folder.name == "global_step_2"
+    state = lightning_state_path(folder)
+    assert state == folder / STATE_DIR and state.is_dir()
+    assert (state / ".metadata").is_file()  # torch.distributed.checkpoint's own index
+
+    from safetensors.torch import load_file
+
+    saved = load_file(str(folder / "critic" / "lora_adapter" / "adapter_model.safetensors"))["weight"]
+    resumed, dm = _fit(h, cfg, chat, callbacks=[_RestoredWeights()], ckpt_path=str(state))
+    assert sorted(resumed.outputs) == [3, 4]  # steps 1-2 are not sampled again
+    assert dm.next_step == 5 and resumed.optimizer_steps == 2
+    assert torch.equal(resumed.restored_weight, saved)  # step 3 started from the saved weights
+    assert resumed.restored_adam_steps == [2.0]  # and from Adam's state after step 2
+    assert resumed.rl_step == 4
+
+
+class _RestoredWeights(L.Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        pl_module.restored_weight = pl_module.critic.weight.full_tensor().detach().clone()
+        optimizer = trainer.optimizers[0]
+        pl_module.restored_adam_steps = [float(state["step"]) for state in optimizer.state.values()]

@@ -1,0 +1,75 @@
+"""A bf16 engine holds the adapter in bf16 (vLLM casts a loaded adapter to the model's dtype),
+while the trainer's LoRA masters are fp32: the sync's digest must compare like with like. The
+engine reports the dtype it holds (``SyncReport.form``) and the trainer digests what it sent in
+that form (``rollout.digest.lora_digest(dtype=, scale_b=)``); compared as written, every sync
+of a bf16 run (every GPU run) would be refused.
+
+The same setting shows why GPU runs need a looser log-prob gap than fp32 CPU runs: with the same
+weights on both sides, bf16 rounding alone moved the probe by 0.098 here (0.06-0.11 on the H200),
+over the 0.05 every GPU run was configured with."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from atlas_lightning.config import compose
+
+pytestmark = pytest.mark.vllm
+
+_SCRIPT = """
+import json, sys
+import torch
+from atlas_lightning.config import compose
+from atlas_lightning.callbacks.weight_sync import export_actor_adapter
+from atlas_lightning.models.build import build_actor_critic
+from atlas_lightning.models.probe import probe_logprobs
+from atlas_lightning.rollout.digest import dtype_named, lora_digest
+from atlas_lightning.rollout.engine import AdapterVersion
+from atlas_lightning.rollout.engines.args import EngineArgs
+from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
+
+model_dir, root = sys.argv[1:3]
+cfg = compose(["experiment=tiny-cpu", f"model.path={model_dir}", f"paths.root={root}", "model.dtype=bfloat16",
+               "rollout.max_model_len=1024", "rollout.max_prompt_length=512", "rollout.max_response_length=512",
+               "rollout.max_tokens_per_turn=128"])
+model = build_actor_critic(cfg.model, seed=0)
+generator = torch.Generator().manual_seed(3)
+with torch.no_grad():
+    for param in model.actor_parameters():
+        param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+folder = f"{root}/adapter"
+sent = export_actor_adapter(model, folder)
+engine = VLLMEngine(EngineArgs.from_config(cfg))
+report = engine.set_adapter(AdapterVersion(folder, version=1))
+form = report.form
+expected = lora_digest(sent, dtype=dtype_named(form["dtype"]), scale_b=bool(form.get("scale_b")))
+as_written = lora_digest(sent)
+probe = [(37 * i) % 1900 + 20 for i in range(300)]
+gap = max(abs(a - b) for a, b in zip(engine.prompt_logprobs(probe), probe_logprobs(model, probe, torch.device("cpu"))))
+print("RESULT", json.dumps({"held_dtype": form["dtype"], "count": report.tensor_count, "expected_count": len(expected),
+                            "held_equal": report.digest.total == expected.total,
+                            "written_equal": report.digest.total == as_written.total,
+                            "masters": str(next(iter(model.actor_parameters())).dtype), "gap": gap}))
+"""
+
+
+def test_the_trainers_checksum_matches_what_a_bf16_engine_holds(tiny_model_dir, tmp_path):
+    result = subprocess.run([sys.executable, "-c", _SCRIPT, str(tiny_model_dir), str(tmp_path)], capture_output=True,
+                            text=True, timeout=600, env=dict(os.environ))
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result.returncode == 0 and lines, result.stderr[-4000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["masters"] == "torch.float32" and "bfloat16" in out["held_dtype"]
+    assert out["count"] == out["expected_count"] > 0
+    assert out["held_equal"]  # what the engine holds is exactly what was sent, in its form
+    # the fp32 masters as written differ from what the engine holds: the defect this guards against
+    assert not out["written_equal"]
+    # the same weights on both sides, bf16: the probe's gap is rounding, within the GPU threshold
+    gpu = compose(["experiment=h200-tiny"]).rollout.max_logprob_gap
+    print(f"bf16 probe gap, same weights: {out['gap']:.4f} (threshold on GPUs {gpu})")
+    assert 0 < out["gap"] < gpu
