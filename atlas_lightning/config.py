@@ -54,14 +54,31 @@ class LoraConfig:
 
 
 @dataclass
+class CriticLoraConfig:
+    """The critic's LoRA when it starts fresh: a field left null is ``model.lora``'s (all are by
+    default: the critic takes ``model.lora``; ``store.lora_shapes.fresh_lora_spec`` resolves it)."""
+
+    rank: Optional[int] = None
+    alpha: Optional[int] = None
+    dropout: Optional[float] = None
+    target_modules: Any = None
+
+
+@dataclass
 class ModelConfig:
-    """The base model (frozen) and the two LoRA adapters on it."""
+    """The base model (frozen) and the two LoRA adapters on it. An adapter that starts from a
+    PEFT folder (``actor_adapter``/``critic_adapter`` or ``trainer.init_from``) trains the LoRA
+    shape that folder's ``adapter_config.json`` gives, whatever ``lora`` says
+    (``store/lora_shapes.py``); ``lora`` and ``critic_lora`` shape the adapters that start fresh."""
 
     #: A local folder in Hugging Face layout (config.json, weights, tokenizer). Never a hub id:
     #: nothing is downloaded at run time.
     path: str = "${paths.cache}/tiny-model"
     dtype: str = "bfloat16"
     lora: LoraConfig = field(default_factory=LoraConfig)
+    #: The critic's LoRA when it starts fresh, e.g. ``model.critic_lora.rank=32`` or
+    #: ``model.critic_lora={rank: 32, target_modules: [q_proj, v_proj]}``; a field left null is ``lora``'s.
+    critic_lora: CriticLoraConfig = field(default_factory=CriticLoraConfig)
     gradient_checkpointing: bool = True
     #: Tokens a chunk when computing log-probs/entropy/values from hidden states, so that
     #: full-vocabulary logits never exist for a whole micro-batch.

@@ -177,6 +177,13 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "model.lora.target_modules": Either(
         (OneOf(("all-linear",)), Items(_MODULE_NAME, min_length=1, unique=True)),
         "'all-linear' or a non-empty list of module names (e.g. [q_proj, v_proj])"),
+    # the critic's LoRA when it starts fresh: null takes model.lora's (store/lora_shapes.py)
+    "model.critic_lora.rank": Int(1, 512, optional=True),
+    "model.critic_lora.alpha": Int(1, optional=True),
+    "model.critic_lora.dropout": Real(0.0, 1.0, high_open=True, optional=True),
+    "model.critic_lora.target_modules": Either(
+        (OneOf((None, "all-linear")), Items(_MODULE_NAME, min_length=1, unique=True)),
+        "null (model.lora's), 'all-linear' or a non-empty list of module names"),
     "model.logprob_chunk_tokens": Int(1),
     "model.attn_implementation": OneOf(("sdpa", "sdpa_varlen", "eager", "flash_attention_2", "flash_attention_3")),
     "model.sequence_layout": OneOf(("auto", "packed", "padded")),

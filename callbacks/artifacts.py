@@ -5,11 +5,12 @@ On disk (seed section 2), under ``artifacts/<name>/``:
 - ``run.json`` at fit start: the resolved config, the code revision (``git rev-parse HEAD`` of
   the package's own checkout, else the package version), package versions, hosts and cards
   (every rank's hostname and device), the start time, the starting adapters
-  (``model.actor_adapter``, ``model.critic_adapter``, ``trainer.init_from``) and ``launches``:
+  (``model.actor_adapter``, ``model.critic_adapter``, ``trainer.init_from``, and the LoRA shape
+  each adapter trains with where it was read) and ``launches``:
   one entry per launch of this run name, the earlier ones kept from the previous ``run.json``
   (a resumed run adds one).
-- ``train/step_N/`` after each training step whose output is finite: one record a trajectory,
-  ``tensors.npz`` (the records' token ids, response mask and rollout log-probs plus the step
+- ``train/step_N/`` after each training step whose output is finite: one record a trajectory
+  (its JSON carries the four per-token arrays, ``store/records.py``), ``tensors.npz`` (the records' token ids, response mask and rollout log-probs plus the step
   output's ``tensors``: values, returns, advantages, old log-probs, token rewards, ...) and
   ``manifest.json``; the folder appears only when complete (``_step_dump``). A non-finite step
   is left to ``NaNGuardCallback`` (its update was skipped; it is not a training step of record).
@@ -135,10 +136,15 @@ class ArtifactDumpCallback(L.Callback):
         path = run_dirs(cfg)["artifacts"] / RUN_JSON
         started = utc_now()
         revision = code_revision()
+        from atlas_lightning.store.lora_shapes import lora_shapes_or_config
+
+        shapes, _ = lora_shapes_or_config(cfg)
         adapters = {
             "actor_adapter": cfg.model.actor_adapter, "critic_adapter": cfg.model.critic_adapter,
             "init_from": cfg.trainer.init_from, "init_critic": cfg.trainer.init_critic,
             "resume": cfg.trainer.resume,
+            # the LoRA each adapter trains and where it was read (a starting folder's own config)
+            "lora": {role: {"shape": shape.describe(), "source": shape.source} for role, shape in shapes.items()},
         }
         cards = {"world_size": int(world_size), "hostnames": sorted({h["hostname"] for h in hosts}), "ranks": hosts}
         launch = {"start_time": started, "command": list(sys.argv), "pid": os.getpid(),

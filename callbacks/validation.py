@@ -21,7 +21,8 @@ seeds. Then, with every rank's records gathered on rank 0:
   ``input`` (decoded prompt), ``output`` (decoded response, tool responses included), ``gts``,
   ``score`` (training reward), ``step``, ``uid`` and every reward-breakdown key; decoded with
   ``trainer.datamodule.chat.tokenizer`` and ``skip_special_tokens=True`` as verl does;
-- ``artifacts/<name>/val/step_N/``: the records, tensors.npz and manifest (``_step_dump``).
+- ``artifacts/<name>/val/step_N/``: the records (with their four per-token arrays), tensors.npz
+  and manifest (``_step_dump``).
 
 Other callbacks hear of it: every ``RLCallback`` (``base.py``) gets ``on_rl_validation_end(trainer,
 pl_module, step, metrics, rows)`` on every rank (``rows``: the per-trajectory rows of

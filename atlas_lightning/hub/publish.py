@@ -6,11 +6,20 @@ the root is sent. Never sent: symbolic links (W&B's ``latest-run`` and ``debug*.
 at folders that are sent anyway) and hidden files and folders (names starting with ``.``: the
 temporary files of atomic writes, half-written ``.tmp-step_N-*`` folders).
 
-Without ``weights`` these are left out too (and counted in the README's section 5):
+Without ``weights`` the publish is the reading copy (README, "On-disk layout"); these are left out too
+(and counted in the README's section 5):
 
 - inside ``checkpoints/<name>/global_step_N/``, every folder except ``val_dumps/``: the actor and
   critic adapters, the Lightning/optimizer state, whatever else the checkpoint callback keeps;
-- anywhere, files ending ``.safetensors``, ``.pt``, ``.pth``, ``.bin``, ``.ckpt``, ``.distcp``.
+- anywhere, files ending ``.safetensors``, ``.pt``, ``.pth``, ``.bin``, ``.ckpt``, ``.distcp``;
+- every step folder's ``tensors.npz`` (``artifacts/<name>/<partition>/step_N/``: per-token arrays);
+
+and the trajectory records of those step folders are sent without their per-token arrays
+(``records.strip_token_arrays``: ``prompt_ids``, ``response_ids``, ``response_mask``,
+``response_logprobs``), from stripped copies made in a temporary folder (the root is never
+changed); the step's ``manifest.json`` is sent rewritten to match what was sent (sizes and
+sha256 of the stripped records, ``tensors.npz`` dropped, a ``reading_copy`` note saying so).
+With ``weights`` everything is sent as it is on disk.
 
 README.md: a README in the root that does not start with ``hub_readme.GENERATED_MARK`` was written
 by a person and is published as it is; otherwise it is (re)generated. FILES.txt is always
@@ -23,11 +32,13 @@ the token) when the Hub fails for good; ``ConfigError`` from ``publish_from_conf
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -45,6 +56,7 @@ from atlas_lightning.hub.readme import (
     render_readme,
 )
 from atlas_lightning.store.atomic import atomic_write_text
+from atlas_lightning.store.records import MANIFEST_NAME, TENSORS_NAME, TOKEN_ARRAY_FIELDS, strip_token_arrays
 from atlas_lightning.config import ConfigError, run_dirs
 
 log = logging.getLogger(__name__)
@@ -53,6 +65,9 @@ TOP_LEVEL_FOLDERS = ("artifacts", "checkpoints", "outputs", "logs", "wandb", "ru
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".distcp")
 _STEP_SUBFOLDER = re.compile(r"^checkpoints/[^/]+/global_step_\d+/(?P<sub>[^/]+)/")
 _KEPT_STEP_SUBFOLDERS = ("val_dumps",)
+#: A file directly inside a step folder of records: ``artifacts/<name>/<partition>/step_N/<file>``.
+_STEP_FILE = re.compile(r"^artifacts/[^/]+/[^/]+/step_\d+/(?P<file>[^/]+)$")
+TENSORS_REASON = "artifacts/*/*/step_N/tensors.npz (per-token arrays)"
 
 
 @dataclass
@@ -70,7 +85,88 @@ def weight_reason(path: str) -> Optional[str]:
         return f"checkpoints/*/global_step_N/{match.group('sub')}/ (weights or trainer state)"
     if path.endswith(WEIGHT_SUFFIXES):
         return f"*{Path(path).suffix} files (weights)"
+    step_file = _STEP_FILE.match(path)
+    if step_file and step_file.group("file") == TENSORS_NAME:
+        return TENSORS_REASON
     return None
+
+
+def is_step_record(path: str) -> bool:
+    """``path`` (relative, POSIX) is a trajectory record of a step folder."""
+    match = _STEP_FILE.match(path)
+    return bool(match) and match.group("file").endswith(".json") and match.group("file") != MANIFEST_NAME
+
+
+def reading_copy(selection: Selection, staging: Path) -> Selection:
+    """The reading copy of ``selection`` (a selection without weights): each step record that
+    carries per-token arrays replaced by a stripped copy written under ``staging``, and each
+    step manifest of the same folders rewritten to list what is sent (module doc). Files are
+    read from the root and never changed there."""
+    published: list[tuple[str, Path, int]] = []
+    changed: dict[str, dict[str, tuple[int, str]]] = {}  # step folder -> {file: (bytes, sha256)}
+    manifests: list[tuple[str, Path]] = []
+    for rel, local, size in selection.published:
+        folder, _, name = rel.rpartition("/")
+        if is_step_record(rel):
+            text = local.read_text(encoding="utf-8")
+            if any(f'"{field}"' in text for field in TOKEN_ARRAY_FIELDS):
+                stripped = strip_token_arrays(text, where=f"record {local}")
+                if stripped != text:
+                    local = _stage(staging, rel, stripped)
+                    size = local.stat().st_size
+                    changed.setdefault(folder, {})[name] = (size, hashlib.sha256(stripped.encode()).hexdigest())
+        elif _STEP_FILE.match(rel) and name == MANIFEST_NAME:
+            manifests.append((rel, local))
+            continue
+        published.append((rel, local, size))
+    dropped = {item.path.rpartition("/")[0] for item in selection.left_out if item.reason == TENSORS_REASON}
+    for rel, local in manifests:
+        folder = rel.rpartition("/")[0]
+        text = local.read_text(encoding="utf-8")
+        rewritten = _reading_copy_manifest(text, changed.get(folder, {}), TENSORS_NAME if folder in dropped else None)
+        if rewritten is not None:
+            local = _stage(staging, rel, rewritten)
+        published.append((rel, local, local.stat().st_size))
+    published.sort(key=lambda item: item[0])
+    return Selection(published, list(selection.left_out))
+
+
+def _stage(staging: Path, rel: str, text: str) -> Path:
+    path = staging / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _reading_copy_manifest(text: str, changed: dict[str, tuple[int, str]], dropped: Optional[str]) -> Optional[str]:
+    """A step manifest (``records.write_manifest``'s format) rewritten for the reading copy;
+    None when nothing changed or it is not in that format (then it is sent as it is)."""
+    if not changed and dropped is None:
+        return None
+    try:
+        manifest = json.loads(text)
+        entries = manifest["files"]
+        if not isinstance(entries, list) or not all(isinstance(e, dict) and "path" in e for e in entries):
+            return None
+    except (ValueError, KeyError, TypeError):
+        return None
+    kept = []
+    for entry in entries:
+        if entry["path"] == dropped:
+            continue
+        if entry["path"] in changed:
+            entry = {**entry, "bytes": changed[entry["path"]][0], "sha256": changed[entry["path"]][1]}
+        kept.append(entry)
+    manifest["files"] = kept
+    if isinstance(manifest.get("counts"), dict):
+        manifest["counts"] = {**manifest["counts"], "files": len(kept), "bytes": sum(int(e.get("bytes", 0)) for e in kept)}
+    manifest["reading_copy"] = {
+        "token_arrays": f"stripped from the records ({', '.join(TOKEN_ARRAY_FIELDS)}); sizes and sha256 are the "
+                        f"stripped files'",
+        "left_out": [dropped] if dropped else [],
+        "full_copy": "publish --weights sends the step as written",
+    }
+    return json.dumps(manifest, indent=1, ensure_ascii=True, allow_nan=False) + "\n"
 
 
 def select_files(root: Union[str, os.PathLike], weights: bool = False) -> Selection:
@@ -145,7 +241,17 @@ def publish_data_root(
     check_repo_id(repo_id, repo_type)
     uploader = HubUploader(repo_id, repo_type=repo_type, endpoint=endpoint, token=token, private=private,
                            retries=retries, backoff_s=backoff_s, use_xet=use_xet)
-    selection = select_files(root, weights=weights)
+    with tempfile.TemporaryDirectory(prefix="atlas-reading-copy-") as staging:
+        selection = select_files(root, weights=weights)
+        if not weights:
+            selection = reading_copy(selection, Path(staging))
+        return _publish(root, uploader, selection, repo_id=repo_id, repo_type=repo_type, weights=weights, name=name,
+                        question=question)
+
+
+def _publish(root: Path, uploader: HubUploader, selection: Selection, *, repo_id: str, repo_type: str,
+             weights: bool, name: Optional[str], question: Optional[str]) -> dict:
+    """README.md and FILES.txt, then the upload (``publish_data_root``'s second half)."""
     names = discover_names(root)
     if name is not None:
         names = [name] + [n for n in names if n != name]

@@ -377,10 +377,15 @@ def render_readme(inputs: ReadmeInputs) -> str:
             + "; episode (the runtime's record: generations, proposed calls, events with each explore's explore_k, "
               "candidate_idx, offsets, charged_cost_usd, tool_response, and the submit's payload; terminal_reason, "
               "token counts); reward (the breakdown: " + ", ".join(_REWARD_FIELDS) + "); reward_trace (offsets, "
-              "values: where each reward piece lands, in response-token positions). The per-token arrays "
-            + ", ".join(TOKEN_ARRAY_FIELDS) + " are in the step's tensors.npz (each name X flat, with "
-              "X__offsets giving trajectory i as X[offsets[i]:offsets[i+1]], plus uid and session_id), beside the "
-              "trainer's values, returns, advantages and token rewards.", "",
+              "values: where each reward piece lands, in response-token positions); and the per-token arrays "
+            + ", ".join(TOKEN_ARRAY_FIELDS) + (
+                " (last in the record, one line each; a null log-prob was not finite), also in the step's "
+                "tensors.npz (each name X flat, with X__offsets giving trajectory i as X[offsets[i]:offsets[i+1]], "
+                "plus uid and session_id) beside the trainer's values, returns, advantages and token rewards."
+                if inputs.weights else
+                ": stripped from the records of this repository, and the steps' tensors.npz left out "
+                "(the full publish, `atlas-lightning publish --weights`, keeps them); each step's manifest.json "
+                "lists the files as sent here."), "",
             "Terminal reason codes: " + ", ".join(f"{code} {reason}" for reason, code in TERMINAL_REASON_CODES.items())
             + ".", "",
             "A validation dump row (checkpoints/<name>/global_step_N/val_dumps/N.jsonl): input, output, gts, score, "

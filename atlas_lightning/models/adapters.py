@@ -15,6 +15,16 @@ reader sees the old folder or the new one, never a half-written one). Under FSDP
 tensors are gathered whole (a collective every rank calls) and rank 0 alone writes; all
 ranks leave together (barrier).
 
+Starting from a folder: the model builder gives each adapter the LoRA its folder describes
+(``adapter_lora_config``: rank, alpha, target modules, per-module patterns), so actor and
+critic may differ. Folders as other trainers write them are taken as they are: tensor names in
+the base checkpoint's own naming (a Qwen3.5/3.6 checkpoint's ``model.language_model.layers``,
+where transformers loads ``model.layers``) are renamed through the base's name map
+(``checkpoint_names.py``), and a critic whose value head was saved inside
+``adapter_model.safetensors`` as a peft ``modules_to_save`` module (a ``(1, hidden)`` weight and
+a ``(1,)`` bias, e.g. ``base_model.model.score``) gets its head from there when the folder has
+no ``value_head.safetensors`` (``check_adapter_fits``).
+
 Loading first checks a folder against what it says it is (``read_adapter_folder``): every
 file readable and whole (an empty or truncated safetensors, an invalid ``adapter_config.json``
 or a damaged ``atlas_base.json`` is an ``AdapterError`` naming the folder and the file), every
@@ -153,6 +163,29 @@ def _replace_folder(tmp: Path, folder: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def adapter_lora_config(folder: str | Path):
+    """The ``peft.LoraConfig`` an adapter starting from the PEFT folder ``folder`` is built with:
+    its ``adapter_config.json`` as it is, made trainable (``inference_mode`` off) and without
+    ``modules_to_save`` (a value head saved there is the critic's head, taken by
+    ``load_adapter``; the task type is set by the builder). ``FileNotFoundError`` or
+    ``AdapterMismatchError`` naming the folder."""
+    from peft import LoraConfig
+
+    folder = Path(folder)
+    if not (folder / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{folder}: no {CONFIG_FILE} (not a PEFT adapter folder)")
+    saved = json.loads((folder / CONFIG_FILE).read_text())
+    if saved.get("peft_type", "LORA") != "LORA":
+        raise AdapterMismatchError(f"{folder}: peft_type={saved.get('peft_type')!r}, expected 'LORA'")
+    try:
+        config = LoraConfig.from_pretrained(str(folder))
+    except (TypeError, ValueError) as err:
+        raise AdapterMismatchError(f"{folder}: {CONFIG_FILE} is not a LoRA config this peft reads ({err})") from None
+    config.inference_mode = False
+    config.modules_to_save = None
+    return config
+
+
 def _adapted_modules(keys) -> set[str]:
     """Module paths that carry LoRA factors, from PEFT-style keys (``...q_proj.lora_A.weight``)."""
     return {key.split(".lora_")[0] for key in keys if ".lora_" in key}
@@ -269,6 +302,10 @@ def check_adapter_fits(model: ActorCritic, role: str, data: AdapterFolder, *, re
     _check_base(model, folder, data.identity, data.config)
     _check_lora_fields(model, role, folder, data.config)
     targets = _peft_named_parameters(model, role)
+    # folders as other trainers wrote them (module doc): checkpoint names, a head in modules_to_save
+    data.tensors = _renamed_to_loaded(model, data.tensors, targets)
+    if role == CRITIC and data.value_head is None:
+        data.value_head = _value_head_from_modules_to_save(model, folder, data.config, data.tensors)
     expected_modules, found_modules = _adapted_modules(targets), _adapted_modules(data.tensors)
     if expected_modules != found_modules:
         missing, extra = sorted(expected_modules - found_modules), sorted(found_modules - expected_modules)
@@ -295,8 +332,8 @@ def check_adapter_fits(model: ActorCritic, role: str, data: AdapterFolder, *, re
                     )
         elif require_value_head:
             raise FileNotFoundError(
-                f"{folder}: no {VALUE_HEAD_FILE} (the critic's value head); "
-                f"pass require_value_head=False to start a fresh head"
+                f"{folder}: no {VALUE_HEAD_FILE} (the critic's value head) and no value head among "
+                f"{CONFIG_FILE}'s modules_to_save; pass require_value_head=False to start a fresh head"
             )
     return targets
 
@@ -317,6 +354,56 @@ def load_adapter(model: ActorCritic, adapter_name: str, folder: str | Path, *, r
         if data.value_head is not None:
             for name, param in model.value_head.named_parameters():
                 _copy_full_into(param, data.value_head[name])
+
+
+def _renamed_to_loaded(model: ActorCritic, tensors: dict[str, Tensor], targets: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``tensors`` with keys in the base checkpoint's naming renamed to this model's (module
+    doc): ``base_model.model.<checkpoint module>.lora_A.weight`` -> the live key whose base
+    weight is stored under that checkpoint name. Keys already this model's are kept."""
+    names = model.checkpoint_names
+    if not names or set(tensors) <= set(targets):
+        return tensors
+    prefix = "base_model.model."
+    by_checkpoint = {}
+    for key in targets:
+        module, found, rest = key[len(prefix):].partition(".lora_")
+        stored = names.get(f"{module}.weight") if key.startswith(prefix) and found else None
+        if stored and stored.endswith(".weight"):
+            by_checkpoint[f"{prefix}{stored[:-len('.weight')]}.lora_{rest}"] = key
+    return {(key if key in targets else by_checkpoint.get(key, key)): tensor for key, tensor in tensors.items()}
+
+
+def _value_head_from_modules_to_save(model: ActorCritic, folder: Path, saved: dict,
+                                     tensors: dict[str, Tensor]) -> dict[str, Tensor] | None:
+    """The critic's value head saved in ``adapter_model.safetensors`` as a peft
+    ``modules_to_save`` module (module doc), as ``{"weight": (1, H), "bias": (1,)}``, its keys
+    removed from ``tensors``; None when ``modules_to_save`` names no module in the file.
+    ``AdapterMismatchError`` when the named module is not a ``(1, hidden)`` linear."""
+    names = saved.get("modules_to_save") or []
+    names = {str(n).split(".")[-1] for n in ([names] if isinstance(names, str) else names)}
+    found: dict[str, dict[str, str]] = {}
+    for key in tensors:
+        module, _, leaf = key.rpartition(".")
+        if ".lora_" not in key and module.split(".")[-1] in names:
+            found.setdefault(module, {})[leaf] = key
+    if not found:
+        return None
+    hidden = int(model.value_head.weight.shape[1])
+    if len(found) != 1:
+        raise AdapterMismatchError(f"{folder}: modules_to_save names several modules in {WEIGHTS_FILE} "
+                                   f"({sorted(found)}); the critic has one value head")
+    (module, keys), = found.items()
+    weight = tensors[keys["weight"]] if "weight" in keys else None
+    bias = tensors[keys["bias"]] if "bias" in keys else torch.zeros(1)
+    if weight is None or tuple(weight.shape) != (1, hidden) or tuple(bias.shape) != (1,) or set(keys) - {"weight", "bias"}:
+        shapes = {leaf: tuple(tensors[k].shape) for leaf, k in keys.items()}
+        raise AdapterMismatchError(f"{folder}: {module} (modules_to_save) holds {shapes}; a value head is a "
+                                   f"weight (1, {hidden}) and a bias (1,)")
+    for key in keys.values():
+        del tensors[key]
+    if "bias" not in keys:
+        log.warning("%s: %s has no bias; the value head starts with bias 0", folder, module)
+    return {"weight": weight, "bias": bias}
 
 
 def _check_base(model: ActorCritic, folder: Path, identity: Optional[dict], saved: dict) -> None:

@@ -9,21 +9,24 @@ the peak bytes a card holds. Notation (bytes unless said):
 * ``W`` training processes (FSDP2 ranks) = ``trainer.devices x trainer.num_nodes``;
 * ``b`` base dtype bytes (``model.dtype``); ``c`` compute dtype bytes (bf16 -> 2, fp32 -> 4);
 * ``P`` base parameters, ``P_root`` embeddings + final norm + head, ``P_layer`` the largest
-  decoder layer, ``R`` one adapter's LoRA parameters (rank x (in + out) over adapted linears),
+  decoder layer, ``R_a``, ``R_c`` the actor's and the critic's LoRA parameters (rank x (in + out)
+  over each one's adapted linears: the two may differ, each read from its starting adapter's
+  ``adapter_config.json`` when it has one, ``store/lora_shapes.py``), ``R`` the role's own,
   ``H`` hidden, ``V`` vocabulary, ``L`` layers (``L_ck`` of them checkpointed);
 * ``T`` tokens of a micro-batch: ``algorithm.ppo_max_token_len_per_gpu`` for updates,
   ``algorithm.forward_max_token_len_per_gpu`` for forward-only passes (padded layouts count
   ``n x max_len``, which the packer bounds by the same budget); ``N <= T`` response tokens,
   taken as ``T`` (an upper bound); ``C = min(model.logprob_chunk_tokens, N)``;
 * ``a(kind)``, ``f(kind)``: saved and forward working-set bytes per token of one layer
-  (``activations.py``, which gives their formulas).
+  (``activations.py``, which gives their formulas), with the rank and adapted linears of the
+  role that runs (actor passes: the actor's LoRA; values and the critic update: the critic's).
 
 Terms of a training card. Held together (summed):
 
     base weights            P b / W
     FSDP root unsharded     P_root c                (W > 1: the root unit stays gathered)
     FSDP gathered layers    2 P_layer c             (W > 1: the running layer and the prefetched one)
-    LoRA states             2 R (4 + 4 + 8) / W     (actor + critic: fp32 params, grads, Adam moments)
+    LoRA states             (R_a + R_c)(4 + 4 + 8) / W  (actor + critic: fp32 params, grads, Adam moments)
     layer inputs            L_ck T H c              (update: what checkpointing keeps)
     saved activations       T sum a(kind)           (update: layers that are not checkpointed)
     embeddings, final norm  T H (2c + 4) + N H c    (update: layer-0 input, fp32 norm copy, head input)
@@ -51,7 +54,7 @@ Engine (vLLM): its budget is ``rollout.gpu_memory_utilization x card``; inside i
 head_dim x 2`` bytes a token, plus the linear-attention state of each sequence. Generation on
 a colocated card = trainer resident (weights, LoRA states) + the engine budget.
 
-Weight sync: ``lora`` gathers one full adapter (``4 R``); ``merged`` holds the engine's weights
+Weight sync: ``lora`` gathers the actor's full adapter (``4 R_a``); ``merged`` holds the engine's weights
 awake, a bucket (``max(bucket_mb, largest tensor)``) and one merged copy of the largest tensor.
 Separate layout, merged (vLLM's weight-transfer API, ``rollout/weight_transfer.py``): the
 sender (training rank 0) also holds vLLM's ``NCCL_NUM_BUFFERS`` packed send buffers of a bucket
@@ -75,6 +78,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from atlas_lightning.rollout.engines.args import EngineArgs
+from atlas_lightning.store.lora_shapes import lora_shapes_or_config
 
 from .activations import forward_bytes_per_token, saved_bytes_per_token
 from .shapes import FULL, ModelShape
@@ -176,8 +180,8 @@ class Inputs:
     colocated: bool
     dtype_bytes: int
     compute_bytes: int
-    rank: int
-    target_modules: Any
+    #: ``{"actor": LoraShape, "critic": LoraShape}`` (``store.lora_shapes``): what each adapter trains.
+    lora: dict
     checkpointing: bool
     checkpoint_layers: Optional[int]
     chunk_tokens: int
@@ -229,8 +233,7 @@ class Inputs:
             colocated=cfg.layout.mode == "colocated",
             dtype_bytes=DTYPE_BYTES[dtype],
             compute_bytes=DTYPE_BYTES[dtype],
-            rank=int(model.lora.rank),
-            target_modules=model.lora.target_modules,
+            lora=lora_shapes_or_config(cfg)[0],
             checkpointing=bool(model.gradient_checkpointing),
             checkpoint_layers=None if layers is None else int(layers),
             chunk_tokens=int(model.logprob_chunk_tokens),
@@ -256,19 +259,21 @@ class _Model:
     def __init__(self, shape: ModelShape, inputs: Inputs, linear_kernel: str) -> None:
         self.s, self.i, self.kernel = shape, inputs, linear_kernel
         self.c = inputs.compute_bytes
-        self.adapted = {kind: len(shape.adapted_linears(kind, inputs.target_modules)) for kind in set(shape.layer_types)}
-        self.lora = shape.lora_params(inputs.rank, inputs.target_modules)
+        #: per role: adapted linears of each layer kind, and LoRA parameters
+        self.adapted = {role: {kind: len(shape.adapted_linears(kind, lora.target_modules)) for kind in set(shape.layer_types)}
+                        for role, lora in inputs.lora.items()}
+        self.lora = {role: shape.lora_params(lora.rank, lora.target_modules) for role, lora in inputs.lora.items()}
         count = shape.num_layers if inputs.checkpoint_layers is None else inputs.checkpoint_layers
         self.checkpointed = list(shape.layer_types[:count]) if inputs.checkpointing else []
         self.kept = list(shape.layer_types[len(self.checkpointed):])
 
-    def _saved(self, kind: str) -> float:
-        return saved_bytes_per_token(self.s, kind, c=self.c, rank=self.i.rank, adapted=self.adapted[kind],
-                                     linear_kernel=self.kernel)
+    def _saved(self, kind: str, role: str) -> float:
+        return saved_bytes_per_token(self.s, kind, c=self.c, rank=self.i.lora[role].rank,
+                                     adapted=self.adapted[role][kind], linear_kernel=self.kernel)
 
-    def _forward(self, kind: str) -> float:
-        return forward_bytes_per_token(self.s, kind, c=self.c, rank=self.i.rank, adapted=self.adapted[kind],
-                                       linear_kernel=self.kernel)
+    def _forward(self, kind: str, role: str) -> float:
+        return forward_bytes_per_token(self.s, kind, c=self.c, rank=self.i.lora[role].rank,
+                                       adapted=self.adapted[role][kind], linear_kernel=self.kernel)
 
     def resident(self) -> dict[str, float]:
         s, i, c = self.s, self.i, self.c
@@ -276,7 +281,8 @@ class _Model:
         if i.world > 1:
             terms["FSDP root unsharded"] = s.root_params * c
             terms["FSDP gathered layers"] = 2 * s.largest_layer_params * c
-        terms["LoRA states (actor+critic)"] = (2 * self.lora * 16 + 2 * (s.hidden_size + 1) * 16) / i.world
+        terms["LoRA states (actor+critic)"] = ((self.lora["actor"] + self.lora["critic"]) * 16
+                                               + 2 * (s.hidden_size + 1) * 16) / i.world
         return terms
 
     def _mask(self, tokens: int) -> float:
@@ -294,7 +300,7 @@ class _Model:
         if self.checkpointed:
             terms["layer inputs (checkpointed)"] = len(self.checkpointed) * t * h * c
         if self.kept:
-            terms["saved activations"] = t * sum(self._saved(kind) for kind in self.kept)
+            terms["saved activations"] = t * sum(self._saved(kind, role) for kind in self.kept)
         terms["embeddings, final norm"] = t * h * (2 * c + 4) + n * h * c
         mask = self._mask(tokens)
         if mask:
@@ -305,7 +311,7 @@ class _Model:
             sequential["log-prob chunks"] = LOGPROB_BYTES_PER_ENTRY * chunk * s.vocab_size + n * h * c
         else:
             sequential["value head input"] = n * h * (4 + c)
-        recompute = t * max(self._saved(kind) for kind in set(self.checkpointed)) if self.checkpointed else 0.0
+        recompute = t * max(self._saved(kind, role) for kind in set(self.checkpointed)) if self.checkpointed else 0.0
         sequential["one layer recomputed + gradients" if self.checkpointed else "gradients"] = (
             recompute + GRADIENT_STREAMS * t * h * c)
         return terms, sequential
@@ -319,7 +325,8 @@ class _Model:
         mask = self._mask(tokens)
         if mask:
             terms["attention mask"] = mask
-        sequential = {"one layer working set": t * max(self._forward(kind) for kind in set(s.layer_types))}
+        lora_role = "critic" if role == "critic" else "actor"  # the base pass ("ref") runs the actor's shape, adapter off
+        sequential = {"one layer working set": t * max(self._forward(kind, lora_role) for kind in set(s.layer_types))}
         if role == "critic":
             sequential["value head input"] = t * h * 4
         else:
@@ -367,13 +374,15 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = N
         name=name or str(cfg.name),
         device=inputs.device,
         card_bytes=card,
-        model={"model_type": s.model_type, "base_params": s.base_params, "lora_params_per_adapter": model.lora,
+        model={"model_type": s.model_type, "base_params": s.base_params, "lora_params": dict(model.lora),
+               "lora": {role: f"{lora.describe()} ({lora.source})" for role, lora in inputs.lora.items()},
                "layers": s.num_layers, "linear_attention_layers": s.count("linear_attention"),
                "hidden_size": s.hidden_size, "vocab_size": s.vocab_size,
                "layout": "padded" if inputs.padded else "packed",
                "linear_attention_kernel": linear_kernel if s.recurrent else None,
                "checkpointed_layers": len(model.checkpointed), "world_size": inputs.world},
     )
+    plan.notes.extend(lora_shapes_or_config(cfg)[1])
     train_cards = "every card" if inputs.colocated else "training cards"
     slack = ALLOCATOR_SLACK if inputs.device == "gpu" else 1.0
     overhead = {}
@@ -422,7 +431,7 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = N
             sync[f"send buffers ({NCCL_NUM_BUFFERS} x bucket, rank 0)"] = NCCL_NUM_BUFFERS * bucket
             plan.phases.append(_receive_phase(s, inputs, engine, bucket))
     else:
-        sync["gathered adapter"] = model.lora * 4
+        sync["gathered adapter"] = model.lora["actor"] * 4
         sync_overhead = dict(overhead)
     plan.phases.append(Phase("update_weights", train_cards, sync, sync_overhead, slack=slack))
 

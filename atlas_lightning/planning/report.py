@@ -22,7 +22,8 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"plan for {plan.name}: {m['model_type']}, {m['base_params'] / 1e9:.2f}B parameters "
         f"({m['layers']} layers, {m['linear_attention_layers']} linear-attention; {m['layout']} layout), "
-        f"LoRA {m['lora_params_per_adapter'] / 1e6:.1f}M per adapter, FSDP2 world {m['world_size']}, {card}",
+        f"FSDP2 world {m['world_size']}, {card}",
+        *(f"  {role} LoRA {m['lora'][role]}: {m['lora_params'][role] / 1e6:.1f}M parameters" for role in m["lora"]),
         "",
         f"{'phase':<16}{'cards':<16}{'tokens':>8}{'tensors GiB':>13}{'card GiB':>10}  largest terms (GiB)",
     ]

@@ -152,14 +152,12 @@ class PPOModule(L.LightningModule):
     def _starting_adapters(self) -> tuple[Optional[str], Optional[str]]:
         """(actor, critic) PEFT folders to start from: ``model.actor_adapter`` /
         ``critic_adapter``, else those of ``trainer.init_from`` (another run's ``global_step_N``;
-        the critic only with ``trainer.init_critic``)."""
-        actor, critic = self.cfg.model.actor_adapter, self.cfg.model.critic_adapter
-        if self.cfg.trainer.init_from:
-            step_dir = Path(self.cfg.trainer.init_from)
-            actor = actor or str(step_dir / "actor" / "lora_adapter")
-            if self.cfg.trainer.init_critic:
-                critic = critic or str(step_dir / "critic" / "lora_adapter")
-        return actor, critic
+        the critic only with ``trainer.init_critic``); each brings its own LoRA shape
+        (``store/lora_shapes.py``, the one place this is resolved)."""
+        from atlas_lightning.store.lora_shapes import starting_adapters
+
+        folders = starting_adapters(self.cfg)
+        return folders.get("actor"), folders.get("critic")
 
     def configure_optimizers(self):
         a = self.cfg.algorithm

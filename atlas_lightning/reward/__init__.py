@@ -21,13 +21,19 @@ from atlas_lightning.reward.scorer import CostReward, RewardScorer, ScoredTrajec
 
 
 def score_episode(episode: Mapping[str, Any], cost_per_usd: float, no_submit_reward: float = 0.0) -> dict:
-    """``{"reward": breakdown, "reward_trace": trace, "invariants": per-trajectory invariants}``."""
+    """``{"reward": breakdown, "reward_trace": trace, "invariants": per-trajectory invariants}``.
+
+    The invariants here are taken on the float32 array the trace gives over the episode's
+    response (``token_counts.response``, or up to the last offset when that is later); the
+    rollout recomputes them on the array it hands PPO (``rollout/batch.py``)."""
     breakdown = reward_breakdown(episode, cost_per_usd, no_submit_reward)
     trace = place_rewards(episode, breakdown)
+    counted = int((episode.get("token_counts") or {}).get("response") or 0)
+    length = max([counted] + [int(o) + 1 for o in trace["offsets"]])
     return {
         "reward": breakdown,
         "reward_trace": trace,
-        "invariants": trajectory_invariants(episode, breakdown, trace),
+        "invariants": trajectory_invariants(episode, breakdown, trace, token_level_rewards(trace, length)),
     }
 
 

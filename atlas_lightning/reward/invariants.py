@@ -1,15 +1,32 @@
-"""The two reward invariants logged every step (SPEC section 4), per trajectory and per batch.
+"""The two reward invariants logged every step (README, "How one RL step runs"), per trajectory
+and per batch, measured on what PPO actually receives: the float32 per-token reward array of the
+trajectory (``placement.token_level_rewards``; ``RolloutBatch.padded("token_rewards")`` copies
+it into the step's ``(bs, response_length)`` float32 tensor unchanged).
 
-Per trajectory (definitions of *reward event* and *mapped slot* in ``placement.py``):
+Per trajectory, with ``r`` that float32 array, the scorer's ``reward_trace`` (offsets ``o_i``,
+values ``v_i``) and the runtime's reward events (``placement.designated_slots``: each charged
+explore's turn end and the last generated token, from the event log alone):
 
-- ``mapping_sum_error`` = | sum of the placed values - ``final_reward`` |;
-- ``mapped_slots_minus_events`` = (number of mapped slots) - (number of reward events).
+- ``mapping_sum_error`` = | (sum_t r[t] - sum_i f32(v_i)) + (sum_i v_i - final_reward) |: what
+  PPO receives against the trace rounded once to float32 (the dtype PPO trains on; an exact
+  ``math.fsum``), plus the trace against ``final_reward`` (the values' correctly rounded sum,
+  which is how ``breakdown.py`` defines ``final_reward``). The float32 rounding of
+  the values themselves (at most half a float32 ulp each, ~1e-8 for these rewards) is a
+  property of the dtype, not of the mapping, and is not counted: the error is 0 exactly on
+  every clean episode. A reward piece the trace could not place (a terminal reward with no
+  generated token, listed in ``unplaced``) shows here.
+- ``mapped_slots_minus_events`` = (mapped slots) - (reward events), where a *mapped slot* is a
+  position where PPO receives a non-zero reward, or where the trace places a reward that is 0
+  in float32. The second kind is a reward event of value exactly 0 (a $0.00 candidate's explore,
+  a wrong submit with no shaping): the token it sits on receives nothing, so no dense array can
+  tell it from no event at all, and the trace is its only record; ``place_rewards`` writes one
+  trace entry on every event, values 0 included.
 
-Both are 0 for every episode whose trace came from ``place_rewards``. They are worth logging
-because they recompute the expectation from the event log and compare it with what was actually
-placed: pass the dense per-token rewards PPO trains on (``token_rewards``) and a dropped or
-doubled reward, or a stray nonzero value, shows up. A reward moved onto another free token
-changes neither number: these are sanity checks, not proofs.
+A non-zero reward dropped on its way to the tokens moves BOTH numbers (one slot fewer, the sum
+short by its value); a stray non-zero value moves both the other way; a value altered in place
+moves the sum; a reward moved onto another free token changes neither (these are sanity checks,
+not proofs). A scorer (``scorer.py``) that places a reward off the events, or none on one,
+moves the count too.
 
 Per batch (``batch_invariants``): ``reward/mapping_sum_error_max`` is the largest error;
 ``reward/mapped_slots_minus_events_max`` is the per-trajectory value of largest magnitude with its
@@ -31,27 +48,23 @@ def trajectory_invariants(
     episode: Mapping[str, Any],
     breakdown: Mapping[str, float],
     trace: Mapping[str, Any],
-    token_rewards: np.ndarray | None = None,
+    token_rewards: np.ndarray,
 ) -> dict:
-    """``{"mapping_sum_error": float, "mapped_slots_minus_events": int}`` for one trajectory.
-
-    ``token_rewards``: optional ``(response_length,)`` dense rewards; when given, the mapped slots
-    are the trace offsets plus every nonzero position of it, and the sum is taken over it.
-    """
+    """``{"mapping_sum_error": float, "mapped_slots_minus_events": int}`` for one trajectory
+    (module doc). ``token_rewards``: the ``(response_length,)`` float32 array PPO receives;
+    ``ValueError`` for any other array (a float64 twin is not what PPO sees)."""
+    dense = np.asarray(token_rewards)
+    if dense.ndim != 1 or dense.dtype != np.float32:
+        raise ValueError(f"token_rewards must be the 1-D float32 array PPO receives, got {dense.dtype} "
+                         f"of shape {dense.shape}")
     slots, _ = designated_slots(read_event_log(episode))
-    mapped = set(int(o) for o in trace["offsets"])
-    if token_rewards is None:
-        placed_sum = math.fsum(float(v) for v in trace["values"])
-    else:
-        dense = np.asarray(token_rewards, dtype=np.float64)
-        if dense.ndim != 1:
-            raise ValueError(f"token_rewards must be 1-D (response_length,), got shape {dense.shape}")
-        mapped |= set(np.flatnonzero(dense).tolist())
-        placed_sum = math.fsum(dense.tolist())
-    return {
-        "mapping_sum_error": abs(placed_sum - float(breakdown["final_reward"])),
-        "mapped_slots_minus_events": len(mapped) - len(slots),
-    }
+    values = [float(v) for v in trace["values"]]
+    rounded = [float(np.float32(v)) for v in values]
+    received = dense.astype(np.float64).tolist()
+    error = math.fsum(received + [-v for v in rounded]) + (math.fsum(values) - float(breakdown["final_reward"]))
+    mapped = set(np.flatnonzero(dense).tolist())
+    mapped |= {int(o) for o, v in zip(trace["offsets"], rounded) if v == 0.0}
+    return {"mapping_sum_error": abs(error), "mapped_slots_minus_events": len(mapped) - len(slots)}
 
 
 def batch_invariants(rows: Iterable[Mapping[str, float]]) -> dict:

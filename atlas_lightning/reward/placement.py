@@ -18,15 +18,16 @@ Reward events and mapped slots (the invariants in ``invariants.py``):
 
 - the *reward events* of an episode are its distinct designated slots: one per charged explore
   plus one for the terminal piece, minus one when the two coincide as above;
-- a *mapped slot* is a response position that holds a placed reward: an offset of the trace, or
-  (for a dense per-token array) any position with a nonzero value.
+- a *mapped slot* is a position of the float32 per-token reward array PPO receives
+  (``token_level_rewards``) that holds a non-zero value; ``invariants.py`` compares them with
+  the events of non-zero value (a zero-valued event leaves no trace a dense array can show).
 
 ``place_rewards`` puts one trace entry on every reward event's slot, even when its value is 0
-(a $0.00 candidate, a wrong submit), so ``mapped_slots - reward_events`` is 0 and the sum of the
-placed values is exactly ``final_reward`` (which ``breakdown.py`` defines as the correctly
-rounded sum of these slot values). The only piece that can go unplaced is the terminal piece of
-an episode that generated no token at all (``last_generated`` null): it is listed in
-``unplaced`` and shows up in ``mapping_sum_error`` if it is nonzero.
+(a $0.00 candidate, a wrong submit), and the sum of the trace's values is exactly
+``final_reward`` (which ``breakdown.py`` defines as the correctly rounded sum of these slot
+values). The only piece that can go unplaced is the terminal piece of an episode that generated
+no token at all (``last_generated`` null): it is listed in ``unplaced`` and shows up in
+``mapping_sum_error`` if it is nonzero.
 """
 
 from __future__ import annotations
@@ -73,9 +74,9 @@ def place_rewards(episode: Mapping[str, Any], breakdown: Mapping[str, float]) ->
 
 
 def token_level_rewards(trace: Mapping[str, Any], response_length: int) -> np.ndarray:
-    """The trace as a dense ``(response_length,)`` float64 array (zeros elsewhere), for PPO.
-
-    float64 so that the array's sum equals ``final_reward`` exactly; cast after summing checks.
+    """The trace as a dense ``(response_length,)`` float32 array (zeros elsewhere): exactly what
+    PPO receives (float32, the dtype of its token rewards), so that the invariants
+    (``invariants.py``) are measured on it. Each value is rounded once to float32.
     ``ValueError`` if an offset falls outside the response or appears twice.
     """
     offsets, values = list(trace["offsets"]), list(trace["values"])
@@ -83,7 +84,7 @@ def token_level_rewards(trace: Mapping[str, Any], response_length: int) -> np.nd
         raise ValueError(f"reward_trace: {len(offsets)} offsets but {len(values)} values")
     if len(set(offsets)) != len(offsets):
         raise ValueError(f"reward_trace: repeated offsets {offsets}")
-    rewards = np.zeros(int(response_length), dtype=np.float64)
+    rewards = np.zeros(int(response_length), dtype=np.float32)
     for offset, value in zip(offsets, values):
         if not 0 <= offset < response_length:
             raise ValueError(f"reward_trace: offset {offset} outside the response (length {response_length})")

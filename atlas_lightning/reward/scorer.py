@@ -23,10 +23,11 @@ Contract of a scorer: ``scorer(episode) -> {"reward": breakdown, "reward_trace":
 
 What the framework does with it (``score_trajectory``, called by ``rollout.batch.assemble_batch``
 for every trajectory): checks the contract (``ValueError`` naming the scorer, the trajectory and
-the field), spreads the trace into the dense per-token rewards PPO receives
+the field), spreads the trace into the dense float32 per-token rewards PPO receives
 (``placement.token_level_rewards``) and computes the two invariants on those (``invariants.py``):
-``mapping_sum_error`` (their sum against ``final_reward``) and ``mapped_slots_minus_events``
-(their nonzero or placed positions against the runtime's reward events: each charged explore's
+``mapping_sum_error`` (their sum against ``final_reward``, the float32 rounding of the trace's
+values aside) and ``mapped_slots_minus_events`` (the positions holding a non-zero reward, and
+the trace's zero-valued entries, against the runtime's reward events: each charged explore's
 turn end and the last generated token, ``placement.designated_slots``). A scorer that places
 a reward elsewhere, or none on a reward event, shows in ``reward/mapped_slots_minus_events_max``
 every step: put a zero on an event that earns nothing (``placement.place_rewards`` does).
@@ -71,7 +72,7 @@ class CostReward:
 @dataclass(frozen=True)
 class ScoredTrajectory:
     """One trajectory as scored: ``reward`` (breakdown) and ``reward_trace`` as the scorer gave
-    them, ``token_rewards`` (float64, one a response token) and ``invariants``."""
+    them, ``token_rewards`` (float32, one a response token: what PPO receives) and ``invariants``."""
 
     reward: dict
     reward_trace: dict

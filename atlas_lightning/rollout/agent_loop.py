@@ -220,7 +220,9 @@ class AgentLoop:
             context_left = limits.max_model_len - len(traj.prompt_ids) - end
             response_left = limits.max_response_length - end
             reason = "context_overflow" if context_left <= 0 and context_left < response_left else "response_length"
-            traj.episode.stop(reason, end - 1)
+            # recorded as a truncated generation (never executed), so that the episode's token
+            # counts cover every token the record's arrays hold
+            traj.episode.stop(reason, end - 1, text=self.chat.decode_turn(result.token_ids), start=start)
             return
         reply = traj.episode.on_assistant_turn(self.chat.decode_turn(result.token_ids), start, end)
         if reply is None or traj.episode.done:

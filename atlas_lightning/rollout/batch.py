@@ -33,6 +33,7 @@ class RolloutBatch:
     records: list[TrajectoryRecord]
     #: float32 ``(len(response_ids),)`` per trajectory, the reward on each response token.
     token_rewards: list[np.ndarray]
+    #: ``reward.trajectory_invariants`` of each trajectory, taken on its ``token_rewards`` array.
     invariants: list[dict]
     stats: LoopStats
     weights_version: Optional[int] = None
@@ -104,6 +105,7 @@ def assemble_batch(
         episode = traj.episode.to_record_episode()
         scored = reward_lib.score_trajectory(scorer, episode, len(traj.response_ids),
                                              where=f"trajectory {traj.uid}/{traj.session_id} of step {step}")
+        # float32: the very array PPO receives (``padded`` copies it); the invariants were taken on it
         dense = scored.token_rewards
         invariants.append(scored.invariants)
         question = traj.episode.question
@@ -118,6 +120,6 @@ def assemble_batch(
             response_mask=np.asarray(traj.response_mask, dtype=np.int8),
             response_logprobs=np.asarray(traj.response_logprobs, dtype=np.float32),
         ))
-        rewards.append(dense.astype(np.float32))
+        rewards.append(dense)
     return RolloutBatch(step=step, partition=partition, records=records, token_rewards=rewards,
                         invariants=invariants, stats=stats, weights_version=weights_version)

@@ -27,9 +27,17 @@ default true), each rank builds its engine (``rollout.factory.build_engine``), g
 burst of requests (``max_in_flight / engines`` prompts of the synthetic prompt length, up to
 256, ``max_tokens_per_turn`` tokens each) and reports the
 card's used memory (GPU) or the peak resident set (CPU), then puts the engine to sleep where it
-can, so the update phases see what a colocated step sees. Otherwise (and in the separate
-layout, whose training cards never generate) the report says "not measured" and why; nothing
-is ever estimated in its place.
+can, so the update phases see what a colocated step sees. Otherwise the report says "not
+measured" and why; nothing is ever estimated in its place.
+
+Separate layout (``layout.mode=separate``; ``memory_check_separate.py``): the training cards
+never generate; instead the layout's server is started as ``fit`` starts it, the weights move
+to it after every step through ``fit``'s own weight sync (merged weights in buckets of
+``rollout.bucket_mb`` through vLLM's weight-transfer API: ``gloo`` on CPU, ``nccl`` on GPUs),
+verified, and a generation burst runs on it. The training ranks add the ``update_weights``
+phase (the send side); the report's ``serving`` section gives the serving side's memory during
+generation and during each receive, and each transfer's buckets. With ``generation`` off
+(``trainer.memory_check_generation=false``) no server is started and only the update phases run.
 
 Steady state: before the first step, both optimizers take one step at learning rate 0 with zero
 gradients, so Adam's moments and both adapters' gradients are allocated as they are from the
@@ -73,6 +81,8 @@ GENERATED_SPAN = 2048
 PHASE_NAMES = {"actor": "old_log_prob", "critic": "values", "base": "ref"}
 #: The step's phases that are measured (``adv``, a few element-wise ops, is not).
 MEASURED_PHASES = (*PHASE_NAMES.values(), "update_critic", "update_actor")
+PROBE_TEXT = ("Which of the following is closest to the boiling point of water at sea level? (A) 50 C (B) 100 C "
+              "(C) 150 C (D) 200 C. Explore a candidate answer, then submit the letter you trust most.")
 
 
 # ----------------------------------------------------------------------------- synthetic data
@@ -213,7 +223,8 @@ class MemoryCheckModule(PPOModule):
     """``PPOModule`` in memory-check mode: its phase hook puts each measured phase (forward-only
     passes, updates) in a ``PhaseProbe`` phase; the step is the same. At train start it makes
     the probe, measures an engine first when ``generation`` (module doc) and primes the
-    optimizers; at train end it closes that engine."""
+    optimizers; in the separate layout it then runs the serving side (server, weight syncs,
+    generation burst: module doc); at train end it closes the engines."""
 
     def __init__(self, cfg: DictConfig, generation: bool = True) -> None:
         super().__init__(cfg, phase_hook=self.measure_phase)
@@ -227,6 +238,21 @@ class MemoryCheckModule(PPOModule):
         self.generation = self._measure_generation() if self.measure_generation else {
             "measured": False, "why": "not measured (generation=False)"}
         _prime_optimizers(self.optimizers())
+        if self.cfg.layout.mode == "separate" and self.measure_generation:
+            from atlas_lightning.run.memory_check_separate import ServingSide
+
+            self._engine_box["serving"] = ServingSide(self.cfg)
+            self._engine_box["serving"].start(self.trainer, self)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        serving = self._engine_box.get("serving")
+        if serving is not None:  # the step's weight sync, as fit's callback runs it
+            serving.sync(self.trainer, self, version=batch.step)
+
+    @property
+    def serving(self):
+        """The separate layout's ``ServingSide`` (None elsewhere)."""
+        return self._engine_box.get("serving")
 
     def measure_phase(self, name: str, step: int):
         """The phase hook: the probe's context for a measured phase, else nothing."""
@@ -240,9 +266,9 @@ class MemoryCheckModule(PPOModule):
         if importlib.util.find_spec("vllm") is None:
             return {"measured": False, "why": "not measured (vllm not installed)"}
         if self.cfg.layout.mode == "separate":
-            return {"measured": False, "why": "not measured on the training cards: in the separate layout the "
-                                              "engine runs on the serving cards (plan: the generation and "
-                                              "receive_weights phases of the serving cards)"}
+            return {"measured": False, "why": "not run on the training cards: in the separate layout the engine "
+                                              "runs on the serving cards (the report's serving section measures "
+                                              "it there)"}
         from atlas_lightning.rollout.engine import GenerationRequest, SamplingSpec
         from atlas_lightning.rollout.factory import build_engine
 
@@ -279,6 +305,11 @@ class MemoryCheckModule(PPOModule):
         engine = self._engine_box.pop("engine", None)
         if engine is not None:
             engine.close()
+        # the serving side: _Collect (a callback, so it runs first) gathered its report and closed
+        # it; closing again is a no-op, and stops the server where no _Collect ran
+        serving = self._engine_box.pop("serving", None)
+        if serving is not None:
+            serving.close()
 
 
 def _prime_optimizers(optimizers) -> None:
@@ -317,6 +348,21 @@ class SyntheticData(L.LightningDataModule):
     def __init__(self, cfg: DictConfig, steps: int, vocab_size: int, sequence_tokens: Optional[int] = None) -> None:
         super().__init__()
         self.cfg, self.steps, self.vocab_size, self.sequence_tokens = cfg, steps, vocab_size, sequence_tokens
+        #: The separate layout's engine (``memory_check_separate``) and the version it serves, as
+        #: the weight sync reads and writes them on ``RolloutDataModule``.
+        self.engine = None
+        self.weights_version: Optional[int] = None
+
+    def probe_token_ids(self) -> list[int]:
+        """The weight sync's probe sequence (identical on every rank): a fixed text in the base's
+        tokenizer, or fixed ids where the folder has none."""
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
+            return list(tokenizer.encode(PROBE_TEXT, add_special_tokens=False))[:96]
+        except (OSError, ValueError):
+            return [int(t) for t in np.random.default_rng(0).integers(0, self.vocab_size, 64)]
 
     def batch(self, step: int) -> RolloutBatch:
         rank = self.trainer.global_rank if self.trainer is not None else 0
@@ -333,9 +379,13 @@ class _Collect(L.Callback):
         self.gathered: Optional[list] = None
 
     def on_train_end(self, trainer, pl_module) -> None:
+        serving = getattr(pl_module, "serving", None)
         mine = {"rank": trainer.global_rank, "device": str(pl_module.device), "phases": pl_module.probe.records,
-                "measures": pl_module.probe.measures, "generation": pl_module.generation}
+                "measures": pl_module.probe.measures, "generation": pl_module.generation,
+                "serving": serving.report() if serving is not None and trainer.global_rank == 0 else None}
         self.gathered = dist_utils.gather_objects(mine)
+        if serving is not None:
+            serving.close()  # stops the server rank 0 started
 
 
 # ----------------------------------------------------------------------------- the verb
@@ -391,7 +441,7 @@ def build_report(cfg: DictConfig, ranks: list[dict], *, seconds: float = 0.0, pl
     is the GPU allocator's (the CPU's resident set is not comparable)."""
     if plan is None:
         plan = _plan_for(cfg)
-    predicted = {p.name: p for p in plan.phases} if plan is not None else {}
+    predicted = {p.name: p for p in plan.phases if p.cards != "serving cards"} if plan is not None else {}
     summary = []
     for rank in ranks:
         by_phase: dict[str, dict] = {}
@@ -408,8 +458,14 @@ def build_report(cfg: DictConfig, ranks: list[dict], *, seconds: float = 0.0, pl
                 if "peak_allocated_gib" in record:
                     row["plan_error"] = row["plan_tensors_gib"] / record["peak_allocated_gib"] - 1.0
             summary.append(row)
+    from atlas_lightning.run.memory_check_separate import serving_rows
+    from atlas_lightning.store.lora_shapes import lora_shapes_or_config
+
+    serving = next((r["serving"] for r in ranks if r.get("serving")), None)
     return {
         "name": cfg.name, "steps": int(cfg.trainer.memory_check_steps), "seconds": seconds,
+        "lora": {role: f"{shape.describe()} ({shape.source})" for role, shape in lora_shapes_or_config(cfg)[0].items()},
+        "serving": ({**serving, "summary": serving_rows(serving, plan)} if serving else None),
         "budgets": {"ppo_max_token_len_per_gpu": int(cfg.algorithm.ppo_max_token_len_per_gpu),
                     "forward_max_token_len_per_gpu": int(cfg.algorithm.forward_max_token_len_per_gpu)},
         "measures": ranks[0]["measures"] if ranks else "",
@@ -435,6 +491,7 @@ def format_report(report: dict) -> str:
     lines = [f"memory check {report['name']}: {report['steps']} synthetic step(s) at "
              f"{report['budgets']['ppo_max_token_len_per_gpu']:,} tokens a micro-batch "
              f"(forward-only {report['budgets']['forward_max_token_len_per_gpu']:,}), {report['seconds']:.0f} s",
+             *(f"{role} LoRA: {text}" for role, text in report.get("lora", {}).items()),
              f"measured: {report['measures']}", "",
              f"{'rank':>4}  {'phase':<14}{'peak GiB':>10}{'reserved':>10}{'plan GiB':>10}{'plan err':>10}"]
     for row in report["summary"]:
@@ -442,6 +499,25 @@ def format_report(report: dict) -> str:
         planned = f"{row['plan_tensors_gib']:.2f}" if "plan_tensors_gib" in row else "-"
         error = f"{row['plan_error']:+.1%}" if "plan_error" in row else "-"
         lines.append(f"{row['rank']:>4}  {row['phase']:<14}{row['peak_gib']:>10.2f}{reserved:>10}{planned:>10}{error:>10}")
+    serving = report.get("serving")
+    if serving:
+        lines += ["", f"serving side: {serving['measures']}",
+                  f"{'phase':<16}{'step':>5}{'peak GiB':>10}{'end GiB':>10}{'plan card':>11}"]
+        for row in serving["summary"]:
+            if not row["measured"]:
+                lines.append(f"{row['phase']:<16}{row['step']:>5}  not measured: {row.get('why')}")
+                continue
+            planned = f"{row['plan_card_gib']:.2f}" if "plan_card_gib" in row else "-"
+            lines.append(f"{row['phase']:<16}{row['step']:>5}{row['peak_gib']:>10.2f}{row['end_gib']:>10.2f}{planned:>11}")
+        for t in serving["transfers"]:
+            buckets = f"{t['buckets']} bucket(s), largest {t['largest_bucket_mib']:.1f} MiB of {t['bucket_mb']:g}" \
+                if t.get("buckets") is not None else "adapter folder"
+            lines.append(f"weight sync v{t['version']} ({t['weight_sync']}, {t.get('backend') or 'http'}): "
+                         f"{t['tensors']} tensors, {buckets}, log-prob gap {t['logprob_gap']:.2g}, {t['seconds']:.1f} s")
+        gen = serving["generation"]
+        if gen.get("measured"):
+            lines.append(f"generation on the server: {gen['ranks']} rank(s) x {gen['requests_per_rank']} requests, "
+                         f"{gen['generated_tokens']} tokens in {gen['seconds']:.1f} s")
     for rank, gen in enumerate(report["generation"]):
         if gen.get("measured"):
             peak = gen.get("card_used_gib", gen.get("peak_rss_gib", float("nan")))

@@ -10,11 +10,15 @@ Checks, in order (each prints one line; the exit code is 0 when all pass, 2 othe
 3. ``data``: the train and validation splits of every benchmark load (``data.loader.load_split``:
    a bad file, row or field is named);
 4. ``adapters``: the starting adapters (``trainer.init_from``'s ``actor``/``critic``, or
-   ``model.actor_adapter``/``critic_adapter``) are PEFT folders whose rank, alpha and target
-   modules are this run's, whose base (``atlas_base.json``, when present) has this base's
-   config fields, and whose tensors (read from the safetensors header only) have the shapes
-   this base and rank imply; the critic's value head too. The weights fingerprint needs the
-   weights and is checked when the trainer loads them (``models/adapters.py``);
+   ``model.actor_adapter``/``critic_adapter``) are PEFT folders whose base (``atlas_base.json``,
+   when present) has this base's config fields, and whose tensors (read from the safetensors
+   header only) have the shapes their own ``adapter_config.json`` (rank, target modules, per-
+   module ranks) and this base imply; the critic's value head too (``value_head.safetensors``,
+   or a module of ``modules_to_save``). Each adapter trains its folder's LoRA shape, actor and
+   critic alike, whatever ``model.lora`` says: the line printed names the shape, and says so
+   when the config's differs. Fresh adapters print the shape the config gives them. The
+   weights fingerprint needs the weights and is checked when the trainer loads them
+   (``models/adapters.py``);
 5. ``plan``: ``planning.make_plan`` passes (layouts and memory; cards of ``plan.card_gib``
    GiB, default 80, or ``--card-gib``);
 6. ``environment``: enough GPUs on this node for ``trainer.devices``, vLLM importable when the
@@ -83,51 +87,39 @@ def check_data(cfg) -> str:
 
 
 def starting_adapters(cfg) -> dict[str, Path]:
-    """The adapter folders the trainer will start from, as ``PPOModule`` resolves them."""
-    actor, critic = cfg.model.actor_adapter, cfg.model.critic_adapter
-    if cfg.trainer.init_from:
-        step = Path(cfg.trainer.init_from)
-        actor = actor or str(step / "actor" / "lora_adapter")
-        if cfg.trainer.init_critic:
-            critic = critic or str(step / "critic" / "lora_adapter")
-    return {name: Path(folder) for name, folder in (("actor", actor), ("critic", critic)) if folder}
+    """The adapter folders the trainer will start from (``store.lora_shapes.starting_adapters``,
+    as ``PPOModule`` resolves them)."""
+    from atlas_lightning.store.lora_shapes import starting_adapters as resolve
+
+    return {role: Path(folder) for role, folder in resolve(cfg).items()}
 
 
 _LORA_KEY = re.compile(r"layers\.(\d+)\.(?:.*\.)?([A-Za-z0-9_]+)\.lora_([AB])\.weight$")
 
 
 def check_adapter(cfg, shape, role: str, folder: Path) -> str:
-    """One starting adapter against this run's LoRA settings and base (module doc, check 4)."""
+    """One starting adapter against this base (module doc, check 4): its LoRA shape is its own
+    ``adapter_config.json``'s (the trainer builds the adapter with it), its tensors must have the
+    shapes that LoRA and this base imply. Returns the line pre-flight prints: the shape it will
+    train, and where ``model.lora`` (or ``model.critic_lora``) says otherwise, that the folder's wins."""
     from atlas_lightning.planning.shapes import safetensors_header
+    from atlas_lightning.store.lora_shapes import (AdapterConfigError, config_lora_shape, read_adapter_config,
+                                                   shape_from_adapter_config, starting_adapter_source)
 
-    source = "trainer.init_from" if cfg.trainer.init_from and not cfg.model.get(f"{role}_adapter") else f"model.{role}_adapter"
+    source = starting_adapter_source(cfg, role)
     config_file = folder / "adapter_config.json"
-    if not config_file.is_file():
-        raise PreflightError(f"{source}: {folder} has no adapter_config.json (not a PEFT adapter folder)")
-    saved = json.loads(config_file.read_text())
-    lora = cfg.model.lora
-    wanted = {"peft_type": "LORA", "r": lora.rank, "lora_alpha": lora.alpha}
-    for key, value in wanted.items():
-        found = saved.get(key, "LORA" if key == "peft_type" else None)
-        if (float(found) != float(value)) if key == "lora_alpha" and found is not None else found != value:
-            config_key = {"r": "model.lora.rank", "lora_alpha": "model.lora.alpha"}.get(key, key)
-            raise PreflightError(f"{source}: {config_file} has {key}={found!r}, this run has {config_key}={value!r}")
-    expected_modules = shape.linear_names() if lora.target_modules == "all-linear" else set(lora.target_modules)
-    found_modules = saved.get("target_modules")
-    # peft writes the expanded list of module paths (model.layers.0.self_attn.q_proj): compare leaf names
-    found_set = (shape.linear_names() if found_modules == "all-linear"
-                 else {str(name).split(".")[-1] for name in ([found_modules] if isinstance(found_modules, str)
-                                                             else found_modules or [])})
-    if found_set != expected_modules:
-        raise PreflightError(f"{source}: {config_file} adapts {sorted(found_set)}, this run's "
-                             f"model.lora.target_modules={lora.target_modules!r} means {sorted(expected_modules)}")
+    try:
+        saved = read_adapter_config(folder)
+        lora = shape_from_adapter_config(saved, str(config_file))
+    except AdapterConfigError as err:
+        raise PreflightError(f"{source}: {err}") from None
     _check_adapter_base(shape, folder, source)
 
     weights = folder / "adapter_model.safetensors"
     if not weights.is_file():
         raise PreflightError(f"{source}: {folder} has no adapter_model.safetensors")
     header = safetensors_header(weights)
-    seen = 0
+    seen, found_modules = 0, set()
     for key, info in header.items():
         match = _LORA_KEY.search(key)
         if not match:
@@ -138,23 +130,71 @@ def check_adapter(cfg, shape, role: str, folder: Path) -> str:
         linear = {lin.name: lin for lin in shape.linears(shape.layer_types[layer])}.get(module)
         if linear is None:
             raise PreflightError(f"{source}: {weights} has {key}: the base's layer {layer} has no linear {module}")
-        expect = [lora.rank, linear.in_features] if which == "A" else [linear.out_features, lora.rank]
+        rank = _module_rank(lora, key)
+        expect = [rank, linear.in_features] if which == "A" else [linear.out_features, rank]
         if list(info.get("shape", [])) != expect:
-            raise PreflightError(f"{source}: {weights} {key} has shape {info.get('shape')}, this base and rank "
-                                 f"imply {expect} (a different base model or rank)")
+            raise PreflightError(f"{source}: {weights} {key} has shape {info.get('shape')}, this base and the "
+                                 f"folder's r={rank} imply {expect} (a different base model, or tensors that do "
+                                 f"not match their own adapter_config.json)")
         seen += 1
-    count = 2 * sum(len(shape.adapted_linears(t, lora.target_modules)) for t in shape.layer_types)
-    if seen != count:
+        found_modules.add(module)
+    expected_modules = {lin.name for t in set(shape.layer_types) for lin in shape.adapted_linears(t, lora.target_modules)}
+    if isinstance(lora.target_modules, str) and lora.target_modules != "all-linear":
+        expected_modules = found_modules  # a regex: peft matches it on full names; the tensors say what it matched
+    if found_modules != expected_modules:
+        raise PreflightError(f"{source}: {weights} adapts {sorted(found_modules)}, its adapter_config.json's "
+                             f"target_modules={saved.get('target_modules')!r} mean {sorted(expected_modules)} on this base")
+    count = 2 * sum(len(shape.adapted_linears(t, sorted(found_modules))) for t in shape.layer_types)
+    if seen != count and not saved.get("layers_to_transform"):
         raise PreflightError(f"{source}: {weights} holds {seen} LoRA tensors, this base and target modules need {count}")
-    if role == "critic":
-        head = folder / "value_head.safetensors"
-        if not head.is_file():
-            raise PreflightError(f"{source}: {folder} has no value_head.safetensors (the critic's value head)")
+    head = _check_value_head(shape, folder, saved, header, source) if role == "critic" else ""
+    line = f"{role} {folder}: {lora.describe()}, {seen} tensors{head}"
+    configured = config_lora_shape(cfg, role)
+    if (configured.rank, configured.alpha, _named(configured, shape)) != (lora.rank, lora.alpha, _named(lora, shape)):
+        line += f" (the folder's shape; {configured.source} says {configured.describe()})"
+    return line
+
+
+def _module_rank(lora, key: str) -> int:
+    """The rank peft gives the module of ``key``: ``rank_pattern``'s (a key matching the module
+    path's end, as peft matches it) or the adapter's ``r``."""
+    module = key.split(".lora_")[0]
+    for pattern, rank in lora.rank_pattern.items():
+        if re.search(rf"(^|\.){pattern}$", module):
+            return int(rank)
+    return lora.rank
+
+
+def _named(lora, shape):
+    """``lora.target_modules`` as a sorted tuple of this base's linear names (``all-linear`` expanded)."""
+    if lora.target_modules == "all-linear":
+        return tuple(sorted(shape.linear_names()))
+    return lora.target_modules if isinstance(lora.target_modules, str) else tuple(sorted(lora.target_modules))
+
+
+def _check_value_head(shape, folder: Path, saved: dict, header: dict, source: str) -> str:
+    """The critic's value head: ``value_head.safetensors``, or a ``(1, hidden)`` module among
+    ``modules_to_save`` inside ``adapter_model.safetensors`` (what ``models/adapters.py`` loads)."""
+    from atlas_lightning.planning.shapes import safetensors_header
+
+    head = folder / "value_head.safetensors"
+    if head.is_file():
         shapes = {k: v.get("shape") for k, v in safetensors_header(head).items()}
         if shapes.get("weight") != [1, shape.hidden_size]:
             raise PreflightError(f"{source}: {head} weight has shape {shapes.get('weight')}, expected "
                                  f"[1, {shape.hidden_size}]")
-    return f"{role} {folder} (r{lora.rank}, alpha {lora.alpha}, {seen} tensors)"
+        return ""
+    names = saved.get("modules_to_save") or []
+    names = {str(n).split(".")[-1] for n in ([names] if isinstance(names, str) else names)}
+    weights = {k: v.get("shape") for k, v in header.items()
+               if ".lora_" not in k and k.rpartition(".")[0].split(".")[-1] in names and k.endswith(".weight")}
+    if not weights:
+        raise PreflightError(f"{source}: {folder} has no value_head.safetensors and no value head among "
+                             f"adapter_config.json's modules_to_save (the critic's value head)")
+    if len(weights) != 1 or next(iter(weights.values())) != [1, shape.hidden_size]:
+        raise PreflightError(f"{source}: {folder}'s modules_to_save hold {weights}; a value head is a weight "
+                             f"[1, {shape.hidden_size}]")
+    return f", value head {next(iter(weights))} (modules_to_save)"
 
 
 def _check_adapter_base(shape, folder: Path, source: str) -> None:
@@ -188,11 +228,13 @@ def _base_config_fields(shape) -> dict[str, Any]:
 def check_adapters(cfg) -> str:
     from atlas_lightning.planning.shapes import read_model_shape
 
+    from atlas_lightning.store.lora_shapes import ROLES, config_lora_shape
+
     folders = starting_adapters(cfg)
-    if not folders:
-        return "fresh adapters (nothing to start from)"
-    shape = read_model_shape(cfg.model.path)
-    return "; ".join(check_adapter(cfg, shape, role, folder) for role, folder in folders.items())
+    shape = read_model_shape(cfg.model.path) if folders else None
+    return "; ".join(check_adapter(cfg, shape, role, folders[role]) if role in folders
+                     else f"{role} fresh: {config_lora_shape(cfg, role).describe()} ({config_lora_shape(cfg, role).source})"
+                     for role in ROLES)
 
 
 def check_plan(cfg, card_gib: Optional[float]) -> str:

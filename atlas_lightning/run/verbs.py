@@ -17,7 +17,7 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from atlas_lightning import distributed as dist_utils
-from atlas_lightning.run.wiring import build_trainer, check_inputs, prepare_run
+from atlas_lightning.run.wiring import RUN_LOG, build_trainer, check_inputs, prepare_run
 
 log = logging.getLogger("atlas_lightning")
 
@@ -46,12 +46,16 @@ def fit(cfg: DictConfig) -> int:
 def _closing_summary(cfg: DictConfig, dirs: dict[str, Path], seconds: float) -> None:
     from atlas_lightning.store.checkpoints import latest_complete
 
+    from atlas_lightning.store.lora_shapes import lora_shapes_or_config
+
     latest = latest_complete(dirs["checkpoints"])
+    shapes, _ = lora_shapes_or_config(cfg)
     lines = [
         f"atlas-lightning fit {cfg.name}: done in {seconds / 60:.1f} min",
-        f"  model        {cfg.model.path} (LoRA r{cfg.model.lora.rank}, actor + critic)",
+        f"  model        {cfg.model.path} (LoRA actor {shapes['actor'].describe()}; "
+        f"critic {shapes['critic'].describe()})",
         f"  config       {dirs['outputs'] / 'config.yaml'}",
-        f"  log          {dirs['outputs'] / 'main.log'}",
+        f"  log          {dirs['outputs'] / RUN_LOG}",
         f"  artifacts    {dirs['artifacts']}",
         f"  checkpoints  {latest if latest else dirs['checkpoints']}",
         f"  W&B export   {dirs['runs']}",

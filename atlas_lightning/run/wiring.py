@@ -38,10 +38,14 @@ def _launch_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0")) if node == 0 else 1
 
 
+#: The run's log under ``outputs/<name>/`` (README, "On-disk layout"), appended to by every launch.
+RUN_LOG = "main_ppo.log"
+
+
 def prepare_run(cfg: DictConfig, verb: str) -> dict[str, Path]:
     """Folders of seed section 2, the resolved config (``outputs/<name>/config.yaml``) and the
-    logs (``outputs/<name>/main.log`` across launches, ``logs/<name>-<time>-<verb>.log`` for this
-    launch). Rank 0 writes; other ranks only get the paths."""
+    logs (``outputs/<name>/main_ppo.log``, the name report 28's runs wrote, across launches;
+    ``logs/<name>-<time>-<verb>.log`` for this launch). Rank 0 writes; other ranks only get the paths."""
     dirs = run_dirs(cfg)
     if _launch_rank() != 0:
         return dirs
@@ -50,7 +54,7 @@ def prepare_run(cfg: DictConfig, verb: str) -> dict[str, Path]:
     atomic_write_text(dirs["outputs"] / "config.yaml", OmegaConf.to_yaml(cfg))
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for path in (dirs["outputs"] / "main.log", dirs["logs"] / f"{cfg.name}-{stamp}-{verb}.log"):
+    for path in (dirs["outputs"] / RUN_LOG, dirs["logs"] / f"{cfg.name}-{stamp}-{verb}.log"):
         handler = logging.FileHandler(path)
         handler.setFormatter(formatter)
         for name in ("atlas_lightning", "lightning", "lightning.pytorch"):

@@ -9,10 +9,19 @@ On disk (seed section 2)::
                                   advantages, ... given by the caller), ragged, see below
         manifest.json             every file of the folder with its size and sha256, counts
 
-A record's JSON holds every field of ``RECORD_FIELDS`` and may hold ``extra`` (a dict for
-additions that do not need a new version). The per-token arrays ride on the record object but
-never enter its JSON. ``read_record`` refuses an unknown ``file_version``, a missing or unknown
-field and a field of the wrong type, naming the file and the field (``RecordError``).
+A record's JSON holds every field of ``RECORD_FIELDS``, then the four per-token arrays
+``TOKEN_ARRAY_FIELDS`` (``prompt_ids``, ``response_ids``, ``response_mask``,
+``response_logprobs``) when the record carries them (every record the trainer writes does; the
+reading copy that ``publish`` sends without ``--weights`` strips them, ``strip_token_arrays``),
+and may hold ``extra`` (a dict for additions that do not need a new version). Each array is one
+JSON line of numbers (the rest of the record is indented, one field a line, so that it reads by
+hand): token ids and mask as integers, log-probs as the shortest decimal that reads back to the
+same float32 (``null`` for a non-finite one; ``tensors.npz`` holds it exactly). When a record
+carries the arrays their lengths must agree with the episode's ``token_counts``: ``prompt_ids``
+with ``prompt``, ``response_ids`` with ``response``, the ones of ``response_mask`` with
+``generated`` and its zeros with ``tool_response``. ``read_record`` refuses an unknown
+``file_version``, a missing or unknown field and a field of the wrong type or length, naming
+the file and the field (``RecordError``).
 
 ``tensors.npz`` keeps ragged per-trajectory arrays flat: for each array name ``X`` it holds ``X``
 (all trajectories' arrays concatenated, in record order) and ``X__offsets`` (int64, length
@@ -48,9 +57,13 @@ RECORD_FIELDS = (
     "data_source", "benchmark", "question_id", "permutation_id", "candidate_fingerprint",
     "ground_truth", "reward_score", "num_turns", "written_at", "episode", "reward", "reward_trace",
 )
-OPTIONAL_FIELDS = ("extra",)
-#: Per-token arrays: on the record object, in tensors.npz, never in the JSON.
+#: Per-token arrays: on the record object, in its JSON (after ``reward_trace``)
+#: and in the step's tensors.npz; stripped from the reading copy.
 TOKEN_ARRAY_FIELDS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs")
+OPTIONAL_FIELDS = ("extra",) + TOKEN_ARRAY_FIELDS
+#: The dtype each per-token array has on a record object.
+TOKEN_ARRAY_DTYPES = {"prompt_ids": np.int64, "response_ids": np.int64, "response_mask": np.int8,
+                      "response_logprobs": np.float32}
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _STR_FIELDS = ("run_id", "data_source", "benchmark", "question_id", "candidate_fingerprint", "ground_truth", "written_at")
@@ -175,10 +188,33 @@ class TrajectoryRecord:
                 raise RecordError(f"{where}: reward_trace offsets {offsets} fall outside the response (length {length})")
         if self.response_mask is not None and not np.isin(self.response_mask, (0, 1)).all():
             raise RecordError(f"{where}: response_mask must hold only 0 and 1")
+        self._validate_token_counts(where)
+
+    def _validate_token_counts(self, where: str) -> None:
+        """The arrays against the episode's ``token_counts`` (module doc), where both exist."""
+        counts = self.episode.get("token_counts") if isinstance(self.episode, dict) else None
+        if not isinstance(counts, dict):
+            return
+        checks = []
+        if self.prompt_ids is not None:
+            checks.append(("len(prompt_ids)", len(self.prompt_ids), "prompt"))
+        if self.response_ids is not None:
+            checks.append(("len(response_ids)", len(self.response_ids), "response"))
+        if self.response_mask is not None:
+            ones = int(np.count_nonzero(self.response_mask))
+            checks += [("ones of response_mask", ones, "generated"),
+                       ("zeros of response_mask", len(self.response_mask) - ones, "tool_response")]
+        for what, value, key in checks:
+            expected = counts.get(key)
+            if expected is not None and value != expected:
+                raise RecordError(f"{where}: {what} is {value}, the episode's token_counts.{key} is {expected}")
 
     def to_json_dict(self) -> dict:
-        """The JSON content: ``RECORD_FIELDS`` in order, then ``extra`` if non-empty."""
+        """The JSON content: ``RECORD_FIELDS`` in order, the per-token arrays that are set (as
+        lists: ``token_array_json``), then ``extra`` if non-empty."""
         data = {name: getattr(self, name) for name in RECORD_FIELDS}
+        for name, array in self.token_arrays().items():
+            data[name] = token_array_json(name, array)
         if self.extra:
             data["extra"] = self.extra
         return data
@@ -210,8 +246,38 @@ class TrajectoryRecord:
             setattr(record, f.name, data.get(f.name))
         if record.extra is None:
             record.extra = {}
+        for name in TOKEN_ARRAY_FIELDS:
+            if name in data:
+                setattr(record, name, _token_array_from_json(name, data[name], where))
         record.validate(where)
         return record
+
+
+def token_array_json(name: str, array: np.ndarray) -> list:
+    """A per-token array as the JSON list written in a record: integers for ids and mask; for
+    log-probs the shortest decimal that reads back to the same float32, None if not finite."""
+    array = np.asarray(array)
+    if name != "response_logprobs":
+        return array.astype(np.int64).tolist()
+    values = array.astype(np.float32)
+    # numpy's str of a float32 is its shortest round-tripping decimal; float() keeps that digit
+    # string as the JSON number (float64's repr of it is the same digits)
+    return [float(text) if finite else None for text, finite in zip(values.astype(str), np.isfinite(values))]
+
+
+def _token_array_from_json(name: str, value: Any, where: str) -> np.ndarray:
+    """The record object's array from its JSON list; ``RecordError`` naming the field."""
+    if not isinstance(value, list):
+        raise RecordError(f"{where}: field {name} must be a list of numbers, got {type(value).__name__}")
+    if name == "response_logprobs":
+        bad = next((v for v in value if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))), None)
+        if bad is not None:
+            raise RecordError(f"{where}: field {name} holds {bad!r}, not a number")
+        return np.asarray([np.nan if v is None else v for v in value], dtype=np.float32)
+    bad = next((v for v in value if isinstance(v, bool) or not isinstance(v, int)), None)
+    if bad is not None:
+        raise RecordError(f"{where}: field {name} holds {bad!r}, not an integer")
+    return np.asarray(value, dtype=TOKEN_ARRAY_DTYPES[name])
 
 
 def build_record(
@@ -252,25 +318,51 @@ def build_record(
 
 
 
-def write_record(folder: str | os.PathLike, record: TrajectoryRecord) -> Path:
-    """Write ``folder/<uid>_<session_id>.json`` atomically; stamps ``written_at`` if empty.
-
-    JSON is ASCII-escaped (a lone surrogate in model text cannot break the write) and refuses
+def record_json_text(data: Mapping[str, Any], where: str = "record") -> str:
+    """A record's JSON text (module doc): one field a line, indented, each per-token array on a
+    single line. ASCII-escaped (a lone surrogate in model text cannot break the write); refuses
     NaN/Infinity (``RecordError``)."""
+    arrays = [(name, data[name]) for name in TOKEN_ARRAY_FIELDS if name in data]
+    rest = {key: value for key, value in data.items() if key not in TOKEN_ARRAY_FIELDS}
+    try:
+        text = json.dumps(rest, ensure_ascii=True, allow_nan=False, indent=1)
+        lines = [f" {json.dumps(name)}: {json.dumps(list(value), allow_nan=False, separators=(',', ':'))}"
+                 for name, value in arrays]
+    except (TypeError, ValueError) as err:
+        raise RecordError(f"{where}: cannot be written as JSON ({err})") from None
+    if lines:
+        # the arrays go last, after the fields a reader looks at first
+        text = text[:-2] + ",\n" + ",\n".join(lines) + "\n}" if rest else "{\n" + ",\n".join(lines) + "\n}"
+    return text + "\n"
+
+
+def strip_token_arrays(text: str, where: str = "record") -> str:
+    """The reading copy of a record's JSON text: the same record without its per-token arrays
+    (what ``publish`` without ``--weights`` sends). ``RecordError`` if it is not
+    a JSON object."""
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise RecordError(f"{where}: cannot be read ({err})") from None
+    if not isinstance(data, dict):
+        raise RecordError(f"{where}: the JSON is a {type(data).__name__}, not an object")
+    return record_json_text({k: v for k, v in data.items() if k not in TOKEN_ARRAY_FIELDS}, where)
+
+
+def write_record(folder: str | os.PathLike, record: TrajectoryRecord) -> Path:
+    """Write ``folder/<uid>_<session_id>.json`` atomically (``record_json_text``); stamps
+    ``written_at`` if empty."""
     record.validate()
     data = record.to_json_dict()
     if not data["written_at"]:
         data["written_at"] = utc_now()
     path = Path(folder) / record.filename
-    try:
-        text = json.dumps(data, ensure_ascii=True, allow_nan=False, indent=1)
-    except (TypeError, ValueError) as err:
-        raise RecordError(f"record {path}: cannot be written as JSON ({err})") from None
-    return atomic_write(path, lambda handle: handle.write(text + "\n"))
+    text = record_json_text(data, where=f"record {path}")
+    return atomic_write(path, lambda handle: handle.write(text))
 
 
 def read_record(path: str | os.PathLike) -> TrajectoryRecord:
-    """Read a record file (its per-token arrays are in the step's tensors.npz, not here)."""
+    """Read a record file (with its per-token arrays when it carries them)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

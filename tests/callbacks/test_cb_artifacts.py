@@ -76,6 +76,7 @@ def test_train_steps_are_dumped_as_the_seed_lays_them_out(tmp_path, h, chat):
             assert record.written_at
             mine = original.to_json_dict()
             assert {k: v for k, v in data.items() if k != "written_at"} == {k: v for k, v in mine.items() if k != "written_at"}
+            _assert_token_arrays(record, original)
 
         tensors = read_step_tensors(folder / "tensors.npz")
         output = module.outputs[step]
@@ -91,6 +92,20 @@ def test_train_steps_are_dumped_as_the_seed_lays_them_out(tmp_path, h, chat):
             reward_to_go = np.cumsum(rewards[::-1])[::-1]
             np.testing.assert_allclose(tensors["returns"][i][mask], reward_to_go[mask], atol=1e-5)
             assert np.isclose(rewards.sum(), record.reward["final_reward"], atol=1e-6)
+
+
+def _assert_token_arrays(record, original=None) -> None:
+    """The record read back carries the four per-token arrays, of the lengths
+    the episode's token counts give; ``original``: the in-memory record they must equal."""
+    counts = record.episode["token_counts"]
+    assert set(record.token_arrays()) == {"prompt_ids", "response_ids", "response_mask", "response_logprobs"}
+    assert len(record.prompt_ids) == counts["prompt"] > 0
+    assert len(record.response_ids) == len(record.response_logprobs) == counts["response"] > 0
+    assert int(record.response_mask.sum()) == counts["generated"]
+    assert int((record.response_mask == 0).sum()) == counts["tool_response"]
+    if original is not None:
+        for name, array in original.token_arrays().items():
+            np.testing.assert_array_equal(getattr(record, name), array)
 
 
 def test_run_json_names_code_packages_hosts_and_starting_adapters(tmp_path, h, chat):
@@ -113,6 +128,9 @@ def test_run_json_names_code_packages_hosts_and_starting_adapters(tmp_path, h, c
     assert run["starting_adapters"]["actor_adapter"] == "/runs/r25/global_step_29/actor/lora_adapter"
     assert run["starting_adapters"]["critic_adapter"] is None
     assert run["starting_adapters"]["init_from"] == "/runs/r25/global_step_29"
+    # (the folders do not exist here: the shapes recorded are the config's, named as such)
+    assert run["starting_adapters"]["lora"]["critic"]["source"] == "model.lora"
+    assert run["starting_adapters"]["lora"]["actor"]["shape"].startswith(f"r{cfg.model.lora.rank} ")
     assert run["config"]["name"] == cfg.name and run["config"]["trainer"]["total_steps"] == 1
     assert run["start_time"].endswith("Z") and len(run["launches"]) == 1
 

@@ -69,6 +69,11 @@ def test_validation_runs_before_training_every_n_steps_and_at_the_last(tmp_path,
         assert verify_manifest(folder) == []
         records = [read_record(p) for p in sorted(folder.glob("*_*.json"))]
         assert len(records) == 5
+        for record in records:  # the four per-token arrays, as long as the token counts say
+            counts = record.episode["token_counts"]
+            assert len(record.prompt_ids) == counts["prompt"] > 0
+            assert len(record.response_ids) == len(record.response_logprobs) == counts["response"] > 0
+            assert int(record.response_mask.sum()) == counts["generated"]
         assert all(r.partition == "val" and r.global_steps == step for r in records)
         assert {r.uid: r.reward["acc"] for r in records} == EXPECTED_ACC
 

@@ -102,5 +102,6 @@ def test_outputs_go_under_paths_root_and_name(tmp_path):
     dirs = prepare_run(cfg, "fit")
     assert dirs["outputs"] == tmp_path / "outputs" / "demo" and dirs == run_dirs(cfg)
     assert OmegaConf.load(dirs["outputs"] / "config.yaml") == cfg
-    assert (dirs["outputs"] / "main.log").exists()
+    assert (dirs["outputs"] / "main_ppo.log").exists()  # the name report 28's runs wrote
+    assert not (dirs["outputs"] / "main.log").exists()
     assert len(list((tmp_path / "logs").glob("demo-*-fit.log"))) == 1

@@ -14,7 +14,9 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
   (``ATLAS_CARD_GIB``, ``ATLAS_MEMORY_CHECK_GENERATION``): now keys, with those variables' defaults;
   ``hub.description`` was read by ``publish`` but was no key, so nothing could set it: now one;
 * ``rollout.max_logprob_gap`` of the GPU engines (``CHANGED``);
-* ``reward._target_`` names the reward scorer (``CostReward``, the reward every snapshot had).
+* ``reward._target_`` names the reward scorer (``CostReward``, the reward every snapshot had);
+* ``model.critic_lora.{rank,alpha,dropout,target_modules}``, all null: a fresh critic takes
+  ``model.lora``'s, as every snapshot's did.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ MOVED = {"rollout.tensor_parallel_size": "layout.engine_tp"}
 REMOVED = {"algorithm.adv_estimator", "algorithm.shuffle_minibatches", "trainer.log_every"}
 ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.description": None,
          "reward._target_": "atlas_lightning.reward.CostReward", "rollout.logprob_gap_factor": 4.0,
-         "model.linear_attention_kernel": "auto", "model.layer_recompute": None}
+         "model.linear_attention_kernel": "auto", "model.layer_recompute": None,
+         "model.critic_lora.rank": None, "model.critic_lora.alpha": None, "model.critic_lora.dropout": None,
+         "model.critic_lora.target_modules": None}
 
 
 def _flat(node, prefix: str = "") -> dict:

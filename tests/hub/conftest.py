@@ -23,6 +23,24 @@ TOKEN = "hf_testTOKENdoNotPrint0123456789"
 RUN = "r-test"
 
 
+def _record(uid: str, score: float) -> str:
+    """A step record in the trainer's JSON layout, with its four per-token arrays."""
+    from atlas_lightning.store.records import record_json_text
+
+    return record_json_text({"uid": uid, "reward_score": score, "prompt_ids": [5, 6, 7], "response_ids": [8, 9, 2],
+                             "response_mask": [1, 0, 1], "response_logprobs": [-0.25, 0.0, -1.5]})
+
+
+def _manifest(files: dict) -> str:
+    """``records.write_manifest``'s format over ``{name: bytes}``."""
+    import hashlib
+
+    entries = [{"path": n, "bytes": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in sorted(files.items())]
+    return json.dumps({"file_version": 1, "counts": {"files": len(entries), "records": 1,
+                                                      "bytes": sum(e["bytes"] for e in entries)},
+                       "files": entries, "step": 1}, indent=1)
+
+
 @pytest.fixture
 def hub(tmp_path):
     """A fake Hub that requires ``TOKEN`` and makes every file from 4 KiB on (or binary) LFS."""
@@ -59,10 +77,11 @@ PUBLISHED = {
                                              "start_time": "2026-09-12T07:47:00Z",
                                              "hosts": {"world_size": 8, "hostnames": ["node-1"]},
                                              "packages": {"torch": "2.13.0", "vllm": "0.32.0"}}),
-    f"artifacts/{RUN}/train/step_1/u1_s0.json": json.dumps({"uid": "u1", "reward_score": 0.9}),
-    f"artifacts/{RUN}/train/step_1/tensors.npz": _npz_bytes(),
-    f"artifacts/{RUN}/train/step_1/manifest.json": json.dumps({"files": {}}),
+    f"artifacts/{RUN}/train/step_1/u1_s0.json": _record("u1", 0.9),
+    f"artifacts/{RUN}/train/step_1/manifest.json": _manifest({"u1_s0.json": _record("u1", 0.9).encode(),
+                                                              "tensors.npz": _npz_bytes()}),
     f"artifacts/{RUN}/train/step_2/u1_s0.json": json.dumps({"uid": "u1", "reward_score": 0.1}),
+    f"artifacts/{RUN}/train/step_2/manifest.json": json.dumps({"files": {}}),
     f"artifacts/{RUN}/train_figures/reward.png": b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4,
     f"artifacts/{RUN}/val/step_2/big.json": json.dumps({"text": "x" * 6000}),  # text, but LFS by size
     f"checkpoints/{RUN}/global_step_2/val_dumps/2.jsonl": '{"input": "q", "output": "a", "score": 1.0}\n',
@@ -79,6 +98,7 @@ PUBLISHED = {
 }
 #: Files only a publish with weights sends.
 WEIGHTS = {
+    f"artifacts/{RUN}/train/step_1/tensors.npz": _npz_bytes(),
     f"checkpoints/{RUN}/global_step_2/actor/lora_adapter/adapter_config.json": json.dumps({"r": 8}),
     f"checkpoints/{RUN}/global_step_2/actor/lora_adapter/adapter_model.safetensors": os.urandom(9000),
     f"checkpoints/{RUN}/global_step_2/critic/lora_adapter/adapter_config.json": json.dumps({"r": 8}),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 
@@ -29,13 +30,25 @@ def test_publish_without_weights_sends_exactly_the_data_root(hub, hf_env, fake_r
 
     files = hub.files(REPO)
     assert set(files) == fake_run.published | {"README.md", "FILES.txt"}
-    for rel in fake_run.published:
+    run = fake_run.name
+    record, manifest = f"artifacts/{run}/train/step_1/u1_s0.json", f"artifacts/{run}/train/step_1/manifest.json"
+    for rel in fake_run.published - {record, manifest}:
         assert files[rel] == (fake_run.root / rel).read_bytes(), rel
+    # the reading copy: the record without its per-token arrays, tensors.npz left out, the
+    # step's manifest rewritten to what was sent; the root itself unchanged
+    local_record = (fake_run.root / record).read_text()
+    assert '"response_logprobs"' in local_record
+    assert json.loads(files[record]) == {"uid": "u1", "reward_score": 0.9}
+    sent = json.loads(files[manifest])
+    assert [e["path"] for e in sent["files"]] == ["u1_s0.json"]
+    assert sent["files"][0]["bytes"] == len(files[record])
+    assert sent["files"][0]["sha256"] == hashlib.sha256(files[record]).hexdigest()
+    assert sent["counts"]["files"] == 1 and sent["reading_copy"]["left_out"] == ["tensors.npz"]
+    assert [e["path"] for e in json.loads((fake_run.root / manifest).read_text())["files"]] == ["tensors.npz", "u1_s0.json"]
     assert files["README.md"] == (fake_run.root / "README.md").read_bytes()
     _check_files_txt(files["FILES.txt"].decode(), files)
     # Binary or large files went through the LFS batch API (no Xet here), small text inline.
-    run = fake_run.name
-    assert hub.is_lfs(REPO, f"artifacts/{run}/train/step_1/tensors.npz")
+    assert hub.is_lfs(REPO, f"artifacts/{run}/train_figures/reward.png")
     assert hub.is_lfs(REPO, f"artifacts/{run}/val/step_2/big.json")
     assert not hub.is_lfs(REPO, f"artifacts/{run}/train/step_1/u1_s0.json")
     assert any(path.endswith("/info/lfs/objects/batch") for _, path in hub.requests)
@@ -54,6 +67,8 @@ def test_publish_without_weights_sends_exactly_the_data_root(hub, hf_env, fake_r
     assert f"{hub.endpoint}/datasets/{REPO}/resolve/main/<path>" in readme
     assert "checkpoints/*/global_step_N/actor/ (weights or trainer state): 2 files" in readme
     assert "checkpoints/*/global_step_N/trainer_state/ (weights or trainer state): 2 files" in readme
+    assert "artifacts/*/*/step_N/tensors.npz (per-token arrays): 1 file," in readme
+    assert "stripped from the records of this repository" in readme
     assert "*.pt files (weights): 1 file," in readme
     assert "W&B: offline run abcd1234" in readme and "Saved steps: 2" in readme
     assert "base model `/models/tiny`" in readme and "started 2026-09-12T07:47:00Z; code abc123" in readme
@@ -64,10 +79,11 @@ def test_publish_with_weights_adds_the_adapters(hub, hf_env, fake_run):
     publish_data_root(fake_run.root, REPO, endpoint=hub.endpoint, weights=True, backoff_s=0.01)
     files = hub.files(REPO)
     assert set(files) == fake_run.published | fake_run.weights | {"README.md", "FILES.txt"}
-    for rel in fake_run.weights:
+    for rel in fake_run.published | fake_run.weights:  # the full copy: every file as written, arrays kept
         assert files[rel] == (fake_run.root / rel).read_bytes(), rel
     _check_files_txt(files["FILES.txt"].decode(), files)
     assert "snapshot_download" in files["README.md"].decode()
+    assert "also in the step's tensors.npz" in files["README.md"].decode()
 
 
 def test_what_was_published_downloads_back_identical(hub, hf_env, fake_run, tmp_path):

@@ -1,6 +1,5 @@
 """Placement of reward pieces on response tokens, and the two invariants."""
 
-import copy
 import math
 
 import numpy as np
@@ -94,29 +93,82 @@ def _scored(build):
 def test_dense_rewards(build):
     record, breakdown, trace = _scored(build)
     dense = token_level_rewards(trace, 29)
-    assert dense.shape == (29,) and dense.dtype == np.float64
+    assert dense.shape == (29,) and dense.dtype == np.float32  # what PPO receives
     assert np.flatnonzero(dense).tolist() == [4, 16, 28]
+    assert dense[[4, 16, 28]].tolist() == [float(np.float32(v)) for v in trace["values"]]
     assert trajectory_invariants(record, breakdown, trace, dense) == ZERO
     with pytest.raises(ValueError, match="outside the response"):
         token_level_rewards(trace, 28)
     with pytest.raises(ValueError, match="repeated offsets"):
         token_level_rewards({"offsets": [1, 1], "values": [0.5, 0.5]}, 10)
+    with pytest.raises(ValueError, match="float32 array PPO receives"):
+        trajectory_invariants(record, breakdown, trace, dense.astype(np.float64))
 
 
-def test_invariants_catch_dropped_stray_and_merged_rewards(build):
+def test_float32_rounding_of_final_reward_is_not_a_mapping_error(build):
+    # -0.1 * 0.12 is not a float32: the array's exact sum differs from the float64 final_reward,
+    # by the rounding of the pieces alone, and the invariant (taken against the float32 pieces) is 0.
     record, breakdown, trace = _scored(build)
-    dropped = copy.deepcopy(trace)
-    del dropped["offsets"][0], dropped["values"][0]
-    assert trajectory_invariants(record, breakdown, dropped) == {
-        "mapping_sum_error": pytest.approx(0.1 * 0.12, abs=1e-15), "mapped_slots_minus_events": -1}
     dense = token_level_rewards(trace, 29)
-    dense[10] = 0.3  # a stray value, e.g. a reward mis-sliced onto a tool-response token
-    assert trajectory_invariants(record, breakdown, trace, dense)["mapped_slots_minus_events"] == 1
+    float32_sum = math.fsum(dense.astype(np.float64).tolist())
+    assert float32_sum != breakdown["final_reward"]
+    assert abs(float32_sum - breakdown["final_reward"]) <= 3 * np.finfo(np.float32).eps / 2
+    assert trajectory_invariants(record, breakdown, trace, dense)["mapping_sum_error"] == 0.0
+
+
+def test_one_token_reward_dropped_or_altered_after_placement_moves_both_invariants(build):
+    record, breakdown, trace = _scored(build)
+    lost = token_level_rewards(trace, 29)
+    lost[16] = 0.0  # the second explore's reward lost between placement and PPO
+    result = trajectory_invariants(record, breakdown, trace, lost)
+    assert result["mapped_slots_minus_events"] == -1
+    assert result["mapping_sum_error"] == pytest.approx(0.1 * 0.5, rel=1e-6)
+
+    altered = token_level_rewards(trace, 29)
+    altered[4] = np.float32(-0.5)  # a value changed in place: the sum moves, the slot count cannot
+    result = trajectory_invariants(record, breakdown, trace, altered)
+    assert result["mapped_slots_minus_events"] == 0
+    assert result["mapping_sum_error"] == pytest.approx(0.5 - 0.1 * 0.12, rel=1e-6)
+
+    terminal = token_level_rewards(trace, 29)
+    terminal[28] = np.float32(0.0)  # the terminal reward (1.0) dropped
+    result = trajectory_invariants(record, breakdown, trace, terminal)
+    assert result == {"mapping_sum_error": pytest.approx(1.0, rel=1e-6), "mapped_slots_minus_events": -1}
+
+    stray = token_level_rewards(trace, 29)
+    stray[10] = np.float32(0.3)  # a stray value, e.g. a reward mis-sliced onto a tool-response token
+    result = trajectory_invariants(record, breakdown, trace, stray)
+    assert result["mapped_slots_minus_events"] == 1 and result["mapping_sum_error"] == pytest.approx(0.3, rel=1e-6)
+
     merged = token_level_rewards(trace, 29)
     merged[16] += merged[4]
-    merged[4] = 0.0  # the sum is kept, one slot lost
-    result = trajectory_invariants(record, breakdown, {"offsets": [], "values": []}, merged)
-    assert result["mapped_slots_minus_events"] == -1 and result["mapping_sum_error"] < 1e-15
+    merged[4] = 0.0  # the sum is kept (to float32 rounding), one slot lost
+    result = trajectory_invariants(record, breakdown, trace, merged)
+    assert result["mapped_slots_minus_events"] == -1 and result["mapping_sum_error"] < 1e-8
+
+
+def test_zero_valued_events_are_counted_on_neither_side(build):
+    # A $0.00 candidate then a wrong submit: two events of value 0, nothing non-zero to place.
+    question = build.question(costs=(0.0, 0.1, 0.1, 0.1), permutations=[(0, 1, 2, 3)])
+    episode = Episode(question, 0)
+    build.run(episode, [build.call("explore"), build.call("submit", {"answer": "A"})])
+    record = episode.to_record_episode()
+    breakdown = reward_breakdown(record, 0.1)
+    trace = place_rewards(record, breakdown)
+    dense = token_level_rewards(trace, 17)
+    assert not dense.any() and trajectory_invariants(record, breakdown, trace, dense) == ZERO
+    stray = dense.copy()
+    stray[10] = np.float32(1.0)  # a reward off every event
+    assert trajectory_invariants(record, breakdown, trace, stray) == {"mapping_sum_error": 1.0,
+                                                                      "mapped_slots_minus_events": 1}
+    on_event = dense.copy()
+    on_event[16] = np.float32(1.0)  # on the wrong submit's own token: a slot it already is; the sum tells
+    assert trajectory_invariants(record, breakdown, trace, on_event) == {"mapping_sum_error": 1.0,
+                                                                         "mapped_slots_minus_events": 0}
+    # a trace that leaves the zero-valued explore out (a scorer forgetting an event): one slot short
+    partial = {"offsets": [16], "values": [0.0]}
+    assert trajectory_invariants(record, breakdown, partial, token_level_rewards(partial, 17)) == {
+        "mapping_sum_error": 0.0, "mapped_slots_minus_events": -1}
 
 
 def test_batch_aggregation_keeps_the_sign_of_the_largest():

@@ -5,6 +5,7 @@ each with its reason, and the verb exits 2 on a refusal."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,68 @@ def test_27b_adapter_size_is_the_reports_actor_adapter(qwen27b_dir):
     tensors plus a safetensors header of ~150 KB."""
     tensors = read_model_shape(qwen27b_dir).lora_params(64) * 4
     assert 0 < 1_867_797_544 - tensors < 300_000
+
+
+_DTYPE_BYTES = {"F32": 4, "BF16": 2}
+
+
+def _safetensors_bytes(entries: list[tuple[str, tuple, str]], metadata: dict | None = None) -> int:
+    """The size of a ``.safetensors`` file of ``(name, shape, dtype)`` tensors, without writing
+    it: 8 bytes of header length, the JSON header (``__metadata__`` first, then the tensors
+    ordered by dtype size, largest first, then name, each with its ``data_offsets``), padded with
+    spaces to a multiple of 8, then the data. Checked against ``safetensors`` itself below."""
+    ordered = sorted(entries, key=lambda e: (-_DTYPE_BYTES[e[2]], e[0]))
+    parts = [f'"__metadata__":{json.dumps(metadata, separators=(",", ":"))}'] if metadata else []
+    offset = 0
+    for name, shape, dtype in ordered:
+        size = _DTYPE_BYTES[dtype] * math.prod(shape)
+        parts.append(f'{json.dumps(name)}:{{"dtype":"{dtype}","shape":{json.dumps(list(shape), separators=(",", ":"))},'
+                     f'"data_offsets":[{offset},{offset + size}]}}')
+        offset += size
+    header = len(("{" + ",".join(parts) + "}").encode())
+    return 8 + header + (-header) % 8 + offset
+
+
+def _lora_entries(shape, rank: int, targets, prefix: str = "base_model.model.model.language_model.") -> list:
+    """PEFT's fp32 LoRA tensors of one adapter on ``shape``, named as a Qwen3.6 checkpoint (VLM) names them."""
+    entries = []
+    for index, kind in enumerate(shape.layer_types):
+        block = "linear_attn" if kind == "linear_attention" else "self_attn"
+        for lin in shape.adapted_linears(kind, targets):
+            module = f"{prefix}layers.{index}.{'mlp' if lin.name.endswith(('gate_proj', 'up_proj', 'down_proj')) else block}.{lin.name}"
+            entries += [(f"{module}.lora_A.weight", (rank, lin.in_features), "F32"),
+                        (f"{module}.lora_B.weight", (lin.out_features, rank), "F32")]
+    return entries
+
+
+def test_the_safetensors_size_formula_is_safetensors_own(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    entries = [("b.lora_A.weight", (3, 5), "F32"), ("a.x.lora_B.weight", (7, 3), "F32"), ("score.bias", (1,), "BF16"),
+               ("score.weight", (1, 9), "BF16")]
+    path = tmp_path / "x.safetensors"
+    save_file({n: torch.zeros(s, dtype=torch.float32 if d == "F32" else torch.bfloat16) for n, s, d in entries},
+              str(path), metadata={"format": "pt"})
+    assert path.stat().st_size == _safetensors_bytes(entries, {"format": "pt"})
+
+
+def test_27b_adapter_sizes_are_the_reports_byte_for_byte(qwen27b_dir):
+    """Report 28's starting adapters, from their byte counts alone (README, "The runs of report
+    28"): the actor is LoRA r64 on every linear (1,867,797,544 bytes); the critic is LoRA r64 on
+    q_proj, k_proj, v_proj, o_proj (the 16 full-attention layers) and gate/up/down_proj (all 64
+    layers), the linear-attention mixers untouched, plus a bf16 value head (weight (1, 5120) and
+    bias (1,)) saved as a modules_to_save module: 1,275,155,586 bytes, 318,767,104 LoRA
+    parameters. Both fp32, in the VLM checkpoint's tensor names."""
+    shape = read_model_shape(qwen27b_dir)
+    meta = {"format": "pt"}
+    assert _safetensors_bytes(_lora_entries(shape, 64, "all-linear"), meta) == 1_867_797_544
+    critic_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    head = [("base_model.model.score.weight", (1, shape.hidden_size), "BF16"), ("base_model.model.score.bias", (1,), "BF16")]
+    assert _safetensors_bytes(_lora_entries(shape, 64, critic_targets) + head, meta) == 1_275_155_586
+    assert shape.lora_params(64, critic_targets) == 318_767_104
+    # the same LoRA without the 2-byte-odd head cannot reach that size: its data is a multiple of 4
+    assert _safetensors_bytes(_lora_entries(shape, 64, critic_targets), meta) % 8 == 0 != 1_275_155_586 % 8
 
 
 def test_unknown_family_and_missing_folder_are_named(tmp_path):

@@ -37,11 +37,11 @@ def tiny8(tiny_model_dir, tmp_path_factory):
     return folder
 
 
-def _save_adapters(base, step_dir: Path, rank: int, alpha: int) -> Path:
+def _save_adapters(base, step_dir: Path, rank: int, alpha: int, critic: dict | None = None) -> Path:
     from atlas_lightning.models.actor_critic import ActorCritic
     from atlas_lightning.models.adapters import save_adapter
 
-    model = ActorCritic(str(base), {"rank": rank, "alpha": alpha})
+    model = ActorCritic(str(base), {"rank": rank, "alpha": alpha}, critic_lora=critic)
     for role in ("actor", "critic"):
         save_adapter(model, role, step_dir / role / "lora_adapter")
     return step_dir
@@ -131,18 +131,56 @@ def test_broken_configs_are_caught_and_named(tiny8, sample_data_dir, step29, tmp
     no_model = _failures(_gpu_run(tmp_path / "no-model", sample_data_dir, tmp_path), capsys)
     assert "model" in no_model and "no-model: no such folder" in no_model["model"]
 
-    other_rank = _failures(good + ["model.lora.rank=32"], capsys)
-    assert list(other_rank) == ["adapters"]
-    assert "r=64" in other_rank["adapters"] and "model.lora.rank=32" in other_rank["adapters"]
-
-    other_modules = _failures(good + ["model.lora.target_modules=[q_proj,v_proj]"], capsys)
-    assert list(other_modules) == ["adapters"] and "target_modules" in other_modules["adapters"]
+    # the starting adapters bring their own shape: model.lora does not have to agree
+    assert _failures(good + ["model.lora.rank=32"], capsys) == {}
+    assert _failures(good + ["model.lora.target_modules=[q_proj,v_proj]"], capsys) == {}
 
     no_step = _failures(_gpu_run(tiny8, sample_data_dir, tmp_path, f"trainer.init_from={tmp_path}/nowhere"), capsys)
     assert list(no_step) == ["adapters"] and "nowhere" in no_step["adapters"]
 
     refused = _failures(good + ["algorithm.ppo_max_token_len_per_gpu=16384"], capsys)
     assert list(refused) == ["plan"] and "ppo_max_token_len_per_gpu=16,384" in refused["plan"]
+
+
+def _details(overrides) -> dict[str, str]:
+    return {c.name: c.detail for c in run_preflight(overrides, cpu=True, echo=lambda line: None)}
+
+
+def test_preflight_prints_the_shapes_each_adapter_trains(tiny8, sample_data_dir, tmp_path):
+    """A critic of another rank and targets than the actor, both unlike model.lora: pre-flight
+    passes, prints each folder's shape and says the config's is not what trains; the plan
+    sizes the critic's LoRA states from its folder."""
+    critic = {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]}
+    step = _save_adapters(tiny8, tmp_path / "r25" / "global_step_29", rank=64, alpha=128, critic=critic)
+    details = _details(_gpu_run(tiny8, sample_data_dir, tmp_path, f"trainer.init_from={step}", "model.lora.rank=32"))
+    line = details["adapters"]
+    assert "actor " in line and "r64 alpha 128, down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj" in line
+    assert "critic " in line and "r16 alpha 32, q_proj,v_proj" in line and "value head" not in line
+    assert line.count("the folder's shape; model.lora says r32 alpha 128, all-linear") == 2
+
+    from atlas_lightning.config import compose
+    from atlas_lightning.planning import make_plan
+
+    cfg = compose(_gpu_run(tiny8, sample_data_dir, tmp_path, f"trainer.init_from={step}", "model.lora.rank=32"))
+    plan = make_plan(cfg)
+    hidden, layers = 128, 2
+    kv = 2 * 16  # two KV heads of 16
+    assert plan.model["lora_params"]["critic"] == layers * 16 * ((hidden + 8 * 16) + (hidden + kv))
+    assert plan.model["lora_params"]["actor"] > 10 * plan.model["lora_params"]["critic"]
+    assert "r16 alpha 32, q_proj,v_proj" in plan.model["lora"]["critic"]
+
+    fresh = _details(_gpu_run(tiny8, sample_data_dir, tmp_path, "trainer.init_from=null",
+                              "model.critic_lora={rank:8,target_modules:[q_proj]}"))
+    assert fresh["adapters"] == ("actor fresh: r64 alpha 128, all-linear (model.lora); "
+                                 "critic fresh: r8 alpha 128, q_proj (model.critic_lora)")
+
+
+def test_an_adapter_whose_tensors_disagree_with_its_config_is_caught(tiny8, sample_data_dir, tmp_path):
+    step = _save_adapters(tiny8, tmp_path / "r25" / "global_step_29", rank=64, alpha=128)
+    config = step / "critic" / "lora_adapter" / "adapter_config.json"
+    config.write_text(config.read_text().replace('"r": 64', '"r": 32'))
+    details = _details(_gpu_run(tiny8, sample_data_dir, tmp_path, f"trainer.init_from={step}"))
+    assert "folder's r=32 imply" in details["adapters"] and "trainer.init_from" in details["adapters"]
 
 
 def test_an_adapter_of_another_base_is_caught(tiny8, tiny_model_dir, sample_data_dir, tmp_path, capsys):

@@ -52,8 +52,9 @@ def test_fields_are_the_seeds(build):
     assert list(RECORD_FIELDS) == SEED_SECTION_4
     record = make_record(build)
     data = record.to_json_dict()
-    assert list(data) == SEED_SECTION_4
-    assert not set(data) & {"prompt_ids", "response_ids", "response_mask", "response_logprobs"}
+    assert list(data) == SEED_SECTION_4 + ["prompt_ids", "response_ids", "response_mask", "response_logprobs"]
+    assert data["response_ids"] == list(range(100, 117)) and data["response_logprobs"][:6] == [-0.5] * 5 + [0.0]
+    assert list(make_record(build, with_arrays=False).to_json_dict()) == SEED_SECTION_4
     assert data["reward_score"] == data["reward"]["training_reward"] == pytest.approx(1 - 0.012, abs=1e-15)
     assert data["episode"]["events"][0]["explore_k"] == 1 and data["num_turns"] == 2
     assert data["candidate_fingerprint"] == data["episode"]["candidate_fingerprint"]
@@ -68,7 +69,41 @@ def test_write_then_read_round_trip(build, tmp_path):
     assert back.to_json_dict() == {**record.to_json_dict(), "written_at": back.written_at}
     assert back.written_at.endswith("Z") and back.file_version == FILE_VERSION
     assert back.episode["generations"][0]["text"].endswith("\udcff")  # lone surrogate survives
-    assert back.response_ids is None  # arrays live in tensors.npz
+    for name, array in record.token_arrays().items():  # the four arrays ride in the JSON
+        np.testing.assert_array_equal(getattr(back, name), array)
+        assert getattr(back, name).dtype == array.dtype
+    bare = read_record(write_record(tmp_path / "bare", make_record(build, with_arrays=False)))
+    assert bare.response_ids is None and bare.token_arrays() == {}
+
+
+def test_arrays_are_one_line_each_and_log_probs_round_trip_as_float32(build, tmp_path):
+    record = make_record(build)
+    record.response_logprobs = np.where(record.response_mask == 1, np.float32(-0.123456789), 0).astype(np.float32)
+    record.response_logprobs[1] = -np.inf
+    text = write_record(tmp_path, record).read_text()
+    lines = text.splitlines()
+    assert ' "response_mask": [1,1,1,1,1,0,0,0,0,0,0,0,1,1,1,1,1],' in lines
+    assert any(line.startswith(' "response_logprobs": [-0.12345679,null,-0.12345679,') for line in lines)
+    assert lines[1] == ' "file_version": 1,' and lines[-1] == "}"
+    back = read_record(tmp_path / record.filename)
+    expected = record.response_logprobs.copy()
+    expected[1] = np.nan  # a non-finite log-prob is null in JSON (tensors.npz keeps it exactly)
+    np.testing.assert_array_equal(back.response_logprobs, expected)
+
+
+def test_strip_token_arrays_gives_the_reading_copy(build, tmp_path):
+    from atlas_lightning.store.records import strip_token_arrays
+
+    path = write_record(tmp_path, make_record(build))
+    stripped = strip_token_arrays(path.read_text())
+    data = json.loads(stripped)
+    assert list(data) == SEED_SECTION_4
+    assert data == {k: v for k, v in json.loads(path.read_text()).items() if k in SEED_SECTION_4}
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / path.name).write_text(stripped)
+    assert read_record(tmp_path / "copy" / path.name).token_arrays() == {}
+    with pytest.raises(RecordError, match="not an object"):
+        strip_token_arrays("[1, 2]")
 
 
 def _rewrite(path, mutate):
@@ -88,6 +123,11 @@ def _rewrite(path, mutate):
     (lambda d: d.update(episode=[]), "episode must be an object"),
     (lambda d: d["reward_trace"].update(values=[1.0]), "reward_trace needs lists"),
     (lambda d: d.update(uid="../evil"), "uid"),
+    (lambda d: d.update(response_ids=d["response_ids"][:-1]), "response arrays differ"),
+    (lambda d: d.update(prompt_ids=d["prompt_ids"][:-1]), r"len\(prompt_ids\) is 5, the episode's token_counts.prompt is 6"),
+    (lambda d: d["episode"]["token_counts"].update(generated=9), "ones of response_mask is 10.*generated is 9"),
+    (lambda d: d.update(response_ids=[1.5] * 17), "response_ids holds 1.5, not an integer"),
+    (lambda d: d.update(response_logprobs="x"), "response_logprobs must be a list"),
 ])
 def test_reader_refuses_clearly(build, tmp_path, mutate, message):
     path = write_record(tmp_path, make_record(build))

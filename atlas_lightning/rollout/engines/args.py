@@ -57,13 +57,16 @@ class EngineArgs:
     enforce_eager: bool
     #: The CPU engine's KV cache in GiB (``VLLM_CPU_KVCACHE_SPACE``, read at vLLM's start).
     cpu_kvcache_gib: int
-    #: LoRA rank served (``model.lora.rank``) with ``rollout.weight_sync=lora``; None: no LoRA
-    #: (merged weights arrive in the base).
+    #: LoRA rank served with ``rollout.weight_sync=lora``: the actor's (its starting adapter's
+    #: ``adapter_config.json`` when it has one, else ``model.lora.rank``; ``store/lora_shapes.py``;
+    #: the critic never reaches an engine). None: no LoRA (merged weights arrive in the base).
     lora_rank: Optional[int]
 
     @classmethod
     def from_config(cls, cfg: Any) -> "EngineArgs":
         """The arguments of every engine of ``cfg`` (a composed config)."""
+        from atlas_lightning.store.lora_shapes import lora_shapes_or_config
+
         r = cfg.rollout
         return cls(
             model=str(cfg.model.path),
@@ -76,7 +79,7 @@ class EngineArgs:
             enable_sleep_mode=bool(r.enable_sleep_mode),
             enforce_eager=bool(r.enforce_eager),
             cpu_kvcache_gib=int(r.cpu_kvcache_gib),
-            lora_rank=int(cfg.model.lora.rank) if r.weight_sync == "lora" else None,
+            lora_rank=lora_shapes_or_config(cfg)[0]["actor"].max_rank if r.weight_sync == "lora" else None,
         )
 
     def vllm_kwargs(self, *, on_cpu: bool) -> dict[str, Any]:
