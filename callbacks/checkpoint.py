@@ -1,4 +1,4 @@
-"""Checkpoints named by the RL step: ``checkpoints/<name>/global_step_N/`` (SPEC 9, seed 2).
+"""Checkpoints named by the RL step: ``checkpoints/<name>/global_step_N/`` (README, "On-disk layout").
 
 A checkpoint folder holds ``actor/lora_adapter/`` and ``critic/lora_adapter/`` (PEFT folders
 that ``PeftModel.from_pretrained`` loads), ``lightning/`` (Lightning's resumable state: the

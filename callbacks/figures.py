@@ -1,6 +1,6 @@
 """``FiguresCallback``: training and validation curves as PNGs, and the terminal-reason history.
 
-Files (seed section 2), each rewritten atomically with the whole history so far:
+Files (README, "On-disk layout"), each rewritten atomically with the whole history so far:
 
 - ``artifacts/<name>/train_figures/``: ``reward.png`` (mean training reward, objective and
   accuracy over steps), ``explores.png`` (mean explores per episode over steps; the latest

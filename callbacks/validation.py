@@ -1,5 +1,5 @@
 """``ValidationCallback``: the validation sets through the agent loop every ``val_every`` RL steps
-(SPEC section 6).
+(README, "Validation").
 
 When: after the update of step ``N`` when ``N % val_every == 0`` (and at the last step,
 ``trainer.total_steps``, when ``val_on_last_step``, as verl does), and before the first step as

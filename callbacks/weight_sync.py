@@ -1,4 +1,4 @@
-"""Weight sync: after every update the actor's weights reach the engines, verified (SPEC 7).
+"""Weight sync: after every update the actor's weights reach the engines, verified (README, "The separate layout").
 
 Order of work, all ranks together (FSDP gathers are collective):
 

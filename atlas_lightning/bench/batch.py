@@ -1,4 +1,4 @@
-"""The batch benchmark (issue 20): one actor update over a whole batch of trajectories, with its
+"""The batch benchmark (``bench/NOTES.md``): one actor update over a whole batch of trajectories, with its
 optimizer step, ours against the baseline, in bounded memory.
 
 The batch is ``workload.sample_batch`` (32 trajectories of the length mix by default). One

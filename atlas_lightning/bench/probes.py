@@ -3,7 +3,7 @@
 * ``profile_micro_step``: ``torch.profiler`` over one actor micro-step (forward + backward) of a
   runner; the device time of every kernel, summed by category (``CATEGORIES``: GEMMs, the
   attention kernels, fla's Gated DeltaNet kernels, its conv, norms, element-wise and copies),
-  and the top kernels by name. Profiling first is what chooses the next change (issue 20).
+  and the top kernels by name. Profiling first is what chooses the next change (``bench/NOTES.md``).
 * ``autotune_probe``: one actor micro-step on a micro-batch of a NEW length (the update's
   sequences less the last one) after the update ran: its seconds, and how many autotune entries
   fla's kernels added (``models/fla_tuning.tuned_entries``): 0 when no length re-tunes.

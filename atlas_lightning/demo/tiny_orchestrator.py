@@ -232,7 +232,7 @@ def summarize_episodes(episodes: Iterable[dict], cost_per_usd: float = COST_PER_
     """Behaviour of ended episodes (``Episode.to_record_episode()`` dicts or records' ``episode``):
     ``{"episodes", "terminal_reasons": {reason: n}, "explores": {k: n}, "acc", "cost_usd",
     "objective", "by_benchmark": {bench: {"episodes", "acc", "objective", "mean_explores"}}}``.
-    ``objective`` is the mean of ``acc - cost_per_usd * dollars`` (SPEC 4)."""
+    ``objective`` is the mean of ``acc - cost_per_usd * dollars`` (README, "The reward")."""
     from atlas_lightning.reward import reward_breakdown
 
     rows = []

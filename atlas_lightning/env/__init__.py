@@ -1,4 +1,4 @@
-"""The explore-cost runtime (SPEC section 3): tools, parsing, grading, terminal reasons, events.
+"""The explore-cost runtime (README, "An episode"): tools, parsing, grading, terminal reasons, events.
 
 Pure Python; no torch. ``Episode`` is the one object the rollout layer drives; the reward
 (``atlas_lightning.reward``) reads only the event log it records.

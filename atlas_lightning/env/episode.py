@@ -1,4 +1,4 @@
-"""One trajectory's explore-cost runtime (SPEC section 3). Pure Python: it knows nothing of tokens
+"""One trajectory's explore-cost runtime (README, "An episode"). Pure Python: it knows nothing of tokens
 except the response-token offsets the rollout layer tells it.
 
 How the rollout layer drives it::

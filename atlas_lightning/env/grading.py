@@ -1,4 +1,4 @@
-"""Offline grading of a submit (SPEC section 3). Model output is read, never executed.
+"""Offline grading of a submit (README, "An episode"). Model output is read, never executed.
 
 Correctness comes only from cached data: the question's ``ground_truth`` letter (GPQA) or the
 ``is_correct`` of the revealed candidate the submit names (LCB).

@@ -1,4 +1,4 @@
-"""Why an episode ended, with stable integer codes (SPEC section 3).
+"""Why an episode ended, with stable integer codes (README, "An episode").
 
 The codes are part of the on-disk contract (``reward.terminal_reason_code`` in every record and
 the ``terminal_reasons.json`` history): never renumber, only append.

@@ -1,6 +1,6 @@
 """Publishing a data root to the Hugging Face Hub (``atlas-lightning publish [--weights]``).
 
-What goes (seed section 2): ``<root>/{artifacts,checkpoints,outputs,logs,wandb,runs}/`` and the
+What goes (README, "On-disk layout"): ``<root>/{artifacts,checkpoints,outputs,logs,wandb,runs}/`` and the
 ``README.md`` and ``FILES.txt`` this module writes into the root before uploading. Nothing else in
 the root is sent. Never sent: symbolic links (W&B's ``latest-run`` and ``debug*.log`` links point
 at folders that are sent anyway) and hidden files and folders (names starting with ``.``: the

@@ -1,4 +1,4 @@
-"""The data root's README.md and FILES.txt, written by the closing publish (seed sections 1-5).
+"""The data root's README.md and FILES.txt, written by the closing publish (the report's data-root README, as the README's "On-disk layout" describes).
 
 ``render_readme`` builds the README from what is on disk (never from memory of the run): each
 run's resolved config (``runs/<name>/<id>/config.json``, else ``artifacts/<name>/run.json``'s

@@ -1,4 +1,4 @@
-"""The run export: ``runs/<name>/<run id>/{history.csv, config.json, summary.json}`` (seed section 2).
+"""The run export: ``runs/<name>/<run id>/{history.csv, config.json, summary.json}`` (README, "On-disk layout").
 
 ``RunExportLogger`` is a Lightning ``Logger`` that writes the same three files W&B's export
 would, without asking W&B: the files exist for offline and disabled runs too, and no network

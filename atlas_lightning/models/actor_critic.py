@@ -53,7 +53,7 @@ Attention and sequence boundaries (what transformers 5.19 does, checked in its s
   exact by causality (padding only follows real tokens), at the cost of padding compute;
   the layers run transformers' own forward.
 
-Speed paths (issue 9; ``bench/README.md`` has the measurements):
+Speed paths (``bench/README.md`` has the measurements):
 
 * ``fused_lora=True`` (default): every LoRA-wrapped linear runs as one autograd function in
   the compute dtype (``fused_lora.py``) instead of peft's separate fp32 adapter path;

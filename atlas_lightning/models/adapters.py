@@ -1,6 +1,6 @@
 """Adapter folders: save a run's adapter as a PEFT folder, start an adapter from one.
 
-A saved folder (``global_step_N/actor/lora_adapter/``, seed section 2 and SPEC 9):
+A saved folder (``global_step_N/actor/lora_adapter/``, README, "On-disk layout"):
 
 * ``adapter_config.json`` and ``adapter_model.safetensors``: exactly what
   ``PeftModel.from_pretrained(base, folder)`` loads (keys without the adapter name,

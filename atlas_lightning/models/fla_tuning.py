@@ -2,7 +2,7 @@
 
 fla's Triton kernels are autotuned at their first call for each value of their autotune key
 (Triton times every listed config; the Gated DeltaNet forward and backward of the 27B shape
-took ~114 s the first time on an H200, issue 20). Most keys are head counts and dims, fixed for
+took ~114 s the first time on an H200, ``bench/NOTES.md``). Most keys are head counts and dims, fixed for
 a model; a few also hold a count derived from the row length (``NB = cdiv(T x heads, 65536)``
 in the l2norm and gated-norm kernels, ``T``/``NT``/``B`` elsewhere). A packed micro-batch has a
 new length nearly every time, so those kernels would be timed again on most micro-batches.

@@ -4,7 +4,7 @@ peft's ``lora.Linear.forward`` (peft 0.21) computes ``base(x) + lora_B(lora_A(dr
 scaling`` as separate autograd nodes, and first casts ``x`` to the adapter's dtype. With a
 bf16 base and fp32 adapters (peft's default ``autocast_adapter_dtype``) that is a full-size
 fp32 copy of every linear's input, fp32 matmuls (no bf16 tensor cores) and fp32
-intermediates, all saved for the backward: measured on an H200 (issue 9) it costs about a
+intermediates, all saved for the backward: measured on an H200 (``bench/NOTES.md``) it costs about a
 third of an update's time. Here, for a vanilla LoRA adapter (no dropout, no DoRA, no
 variant) the layer's forward is one ``torch.autograd.Function``:
 

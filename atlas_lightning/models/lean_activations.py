@@ -1,7 +1,7 @@
 """Leaner saved activations for the decoder layers that are NOT recomputed in the backward.
 
 A decoder layer kept out of gradient checkpointing (``checkpoint_layers=k`` < all) saves every
-activation its backward needs: 6.6 GiB a layer for the 8B shape at 47K tokens (issue 9, H200
+activation its backward needs: 6.6 GiB a layer for the 8B shape at 47K tokens (``bench/NOTES.md``, H200
 run 1), which caps how many layers can skip the recomputation. Two places hold most of it:
 
 * transformers' RMSNorm computes in fp32 and autograd saves that fp32 copy of its input

@@ -3,7 +3,7 @@
 Why a kernel: merged-weight sync is memory-bound (a LoRA delta has rank 64, so the GEMM is
 tiny next to reading and writing W). The best torch can do is ``torch.addmm(W, B, A, out=dst)``,
 and with ``dst`` not W it first copies W into ``dst`` and then runs the GEMM in place: four
-passes over the weight where two suffice (measured on the H200 in issue 9: 252 copies plus 252
+passes over the weight where two suffice (measured on the H200, ``bench/NOTES.md``: 252 copies plus 252
 GEMMs, 20 ms of device time for the 8B shape's 16.4 GB). Here each program loads a tile of W,
 computes that tile of ``B @ A`` (the whole rank in one ``tl.dot``, fp32 accumulation), adds,
 rounds once and stores: W is read once and ``out`` written once; A and B are re-read per tile
@@ -23,7 +23,7 @@ added in fp32 and the sum is rounded once to ``out``'s dtype (``rounding_bound``
 far from the exact value that may land). One fixed tile (``TILE``, no autotuning), so every
 rank and every run computes the same bits; on CPU the kernel and ``addmm`` differ at most in
 the last bit where the accumulation order differs. On the card cuBLAS's bf16 ``addmm`` is not
-correctly rounded (100x outside the bound, issue 9), which is why CUDA never takes it.
+correctly rounded (100x outside the bound, ``bench/NOTES.md``), which is why CUDA never takes it.
 
 Shapes: ``weight (M, N)``, ``lora_b (M, r)``, ``lora_a (r, N)``, any strides (transposed views
 for ``fan_in_fan_out`` included), ``out (M, N)``. Who calls it: ``weights``' merges.

@@ -3,7 +3,7 @@ the whole layer), ``mixer``, ``mlp`` or ``none`` (``RECOMPUTE``).
 
 Whole-layer checkpointing keeps 2 bytes x hidden a token and replays the whole layer (for the
 8B shape ~435 MFLOP a token of ~920 useful); an uncheckpointed lean layer keeps ~85 KB a token
-(H200, issue 9), two thirds of it the MLP's ``gate(x)`` and ``up(x)``. Finer tools between them:
+(H200, ``bench/NOTES.md``), two thirds of it the MLP's ``gate(x)`` and ``up(x)``. Finer tools between them:
 
 * ``SwiGLUDownFunction``: ``down(act(g) * u)`` for a LoRA-wrapped (or plain) down projection
   as one autograd function that saves ``g``, ``u`` and the low-rank ``(act(g) * u) A^T``

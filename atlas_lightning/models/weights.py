@@ -109,7 +109,7 @@ def _merged(layer: BaseTunerLayer | None, adapter: str, weight: Tensor) -> Tenso
 def _merge_plan(model: ActorCritic) -> list[tuple[str, nn.Module, str, BaseTunerLayer | None]]:
     """``(checkpoint name, owning module, parameter name, tuner layer or None)`` for every base
     parameter, in module order, tied duplicates once. Built on first use and kept on the model:
-    walking the peft model's ~5,000 modules cost 10 ms a sync on the 8B shape (H200, issue 9).
+    walking the peft model's ~5,000 modules cost 10 ms a sync on the 8B shape (H200, ``bench/NOTES.md``).
     Modules never change after construction (FSDP2 swaps parameters, not modules), so the plan
     holds modules and names, and each sync reads the parameters afresh."""
     plan = getattr(model, "_merge_plan_cache", None)

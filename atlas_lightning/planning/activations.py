@@ -47,7 +47,7 @@ model, 8,192 and 16,384 tokens without checkpointing) the whole update's peak ca
 to 1.4 % of them. The torch fallback's linear-attention counts over-estimate: measured on the
 27B shape's first 8 layers (transformers 5.17) the saved bytes were 0.83 to 0.87 of the count
 (checkpointed and not) and a forward's working set 0.55 of it; those two factors are applied.
-The ``fla`` path, measured on an H200 (issue 20, ``bench/results/run13-27b.json``): the first
+The ``fla`` path, measured on an H200 (``bench/results/run13-27b.json``, ``bench/NOTES.md``): the first
 4 layers of the 27B shape (3 Gated DeltaNet on fla + 1 gated full attention, packed, lean
 activations) at 46,950 tokens, critic + actor update without an optimizer step, peaked at
 52.2 GiB with no layer checkpointed and 24.8 GiB with all of them; uncalibrated, the plan said

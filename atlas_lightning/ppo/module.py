@@ -1,6 +1,6 @@
 """``PPOModule``: one RL step of PPO with verl's semantics, under Lightning's manual optimization.
 
-Per RL step (one ``RolloutBatch`` of this rank's trajectories; SPEC section 5):
+Per RL step (one ``RolloutBatch`` of this rank's trajectories; README, "PPO"):
 
 1. ``old_log_prob``: actor log-probs and entropy of every response token (no grad);
    ``values``: the critic's values; ``ref``: base log-probs (adapter off) when a KL is on.
@@ -482,7 +482,7 @@ class PPOModule(L.LightningModule):
         out = dist_utils.broadcast_object(out)
         out.update({f"timing_s/{k}": float(v) for k, v in timing.items()})
         out["rollout/weights_version"] = float(batch.weights_version if batch.weights_version is not None else -1)
-        if batch.staleness is not None:  # versions the rollout lags the trained policy (SPEC 7)
+        if batch.staleness is not None:  # versions the rollout lags the trained policy (README, "The separate layout")
             out["rollout/staleness"] = float(dist_utils.all_reduce_max([float(batch.staleness)])[0])
         out["rollout/gen_tokens_per_s"] = batch.stats.tokens_per_second
         return out

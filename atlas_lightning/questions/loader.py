@@ -1,4 +1,4 @@
-"""Read and write question parquets: ``<root>/<benchmark>/<split>.parquet`` (SPEC section 10).
+"""Read and write question parquets: ``<root>/<benchmark>/<split>.parquet`` (README, "Question data").
 
 The column schema is documented in ``schema.py``. Files named differently are read through a
 column mapping, ``data.columns`` in the config: *our name -> the file's name*. Keys are

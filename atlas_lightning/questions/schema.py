@@ -1,4 +1,4 @@
-"""The question data model (SPEC section 10): one row a question with its cached candidates.
+"""The question data model (README, "Question data"): one row a question with its cached candidates.
 
 Parquet schema of ``<root>/<benchmark>/<split>.parquet`` (documented in the README):
 

@@ -1,4 +1,4 @@
-"""The reward of SPEC section 4: breakdown, placement on response tokens, invariants.
+"""The reward of README, "The reward": breakdown, placement on response tokens, invariants.
 
 Pure Python + numpy. Everything is computed from a runtime event log (the record's ``episode``
 field, ``Episode.to_record_episode()``), never from the model's text.

@@ -1,4 +1,4 @@
-"""The per-trajectory reward breakdown of SPEC section 4, from the event log alone.
+"""The per-trajectory reward breakdown of README, "The reward", from the event log alone.
 
 With ``lam = cost_per_usd`` (``reward.cost_per_usd``, 0.1 points per dollar) and ``c_k`` the
 ``charged_cost_usd`` of the k-th charged explore:
@@ -42,7 +42,7 @@ from typing import Any, Mapping
 from atlas_lightning.reward.events import read_event_log
 from atlas_lightning.reward.placement import designated_slots, slot_value
 
-#: ``explore_reward_1..8`` are always present (the seed's field names), more if max_explores > 8.
+#: ``explore_reward_1..8`` are always present (the report's field names), more if max_explores > 8.
 MIN_EXPLORE_FIELDS = 8
 #: The largest finite float32: PPO receives the rewards in float32.
 FLOAT32_MAX = 3.4028234663852886e38

@@ -1,4 +1,4 @@
-"""Where each reward piece lands on the response tokens (SPEC section 4), from the event log alone.
+"""Where each reward piece lands on the response tokens (README, "The reward"), from the event log alone.
 
 Pieces and their slots (response-token positions, the same offsets the runtime was told):
 

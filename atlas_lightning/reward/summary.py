@@ -1,4 +1,4 @@
-"""Per-trajectory rows and their aggregates: the validation metrics (SPEC section 6) and the
+"""Per-trajectory rows and their aggregates: the validation metrics (README, "Validation") and the
 figures' per-step history.
 
 A row is the few numbers of a record that the metrics and figures need (small enough to gather

@@ -1,6 +1,6 @@
 """``RolloutBatch``: what one RL step's rollout hands the trainer, and how it is assembled.
 
-One batch holds this rank's trajectories of one step: their records (seed section 4, with the
+One batch holds this rank's trajectories of one step: their records (README, "On-disk layout", with the
 per-token arrays attached), the token-level rewards placed by ``atlas_lightning.reward``, the
 reward invariants, the loop's statistics and the weights version the engine served while
 sampling (``weights_version``: the on-policy check reads it).

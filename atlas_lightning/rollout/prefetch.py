@@ -1,4 +1,4 @@
-"""Asynchronous rollouts with bounded staleness (the separate layout, SPEC 7).
+"""Asynchronous rollouts with bounded staleness (the separate layout, README, "The separate layout").
 
 Two pieces, both thread-level (one producer thread per training process, beside Lightning's
 loop; no collectives run on it):

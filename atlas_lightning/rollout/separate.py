@@ -1,4 +1,4 @@
-"""The separate layout's engine side (SPEC 7): ONE vLLM server on the serving cards, shared by
+"""The separate layout's engine side (README, "The separate layout"): ONE vLLM server on the serving cards, shared by
 every training process.
 
 - ``build_separate_engine`` (collective, from ``RolloutDataModule.setup``): rank 0 starts the

@@ -1,4 +1,4 @@
-"""Memory-check mode (SPEC 8): synthetic RL steps with the real model at the full token budget,
+"""Memory-check mode (README, "Scale"): synthetic RL steps with the real model at the full token budget,
 and each card's peak memory for generation, forward-only and backward passes.
 
     atlas-lightning memory-check experiment=r28-continued-cost-8gpu-t49152-memory

@@ -43,7 +43,7 @@ RUN_LOG = "main_ppo.log"
 
 
 def prepare_run(cfg: DictConfig, verb: str) -> dict[str, Path]:
-    """Folders of seed section 2, the resolved config (``outputs/<name>/config.yaml``) and the
+    """Folders of README, "On-disk layout", the resolved config (``outputs/<name>/config.yaml``) and the
     logs (``outputs/<name>/main_ppo.log``, the name report 28's runs wrote, across launches;
     ``logs/<name>-<time>-<verb>.log`` for this launch). Rank 0 writes; other ranks only get the paths."""
     dirs = run_dirs(cfg)

@@ -1,6 +1,6 @@
-"""Trajectory records (the seed's section 4), the step's ``tensors.npz`` and ``manifest.json``.
+"""Trajectory records (README, "On-disk layout"), the step's ``tensors.npz`` and ``manifest.json``.
 
-On disk (seed section 2)::
+On disk (README, "On-disk layout")::
 
     artifacts/<name>/{train,val}/step_N/
         <uid>_<session_id>.json   one TrajectoryRecord a trajectory (JSON, ``file_version`` 1)
@@ -97,7 +97,7 @@ def step_folder(artifacts: str | os.PathLike, partition: str, global_step: int) 
 
 @dataclass
 class TrajectoryRecord:
-    """One trajectory: the seed's section 4 fields plus its per-token arrays (kept out of JSON).
+    """One trajectory: the record fields of the README's "On-disk layout" plus its per-token arrays (kept out of JSON).
 
     ``reward_score`` is ``reward["training_reward"]``; ``reward_trace`` offsets index the response
     arrays. ``written_at`` empty means "stamp it when written".

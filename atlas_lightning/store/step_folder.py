@@ -1,4 +1,4 @@
-"""A step folder of trajectory records (seed section 2), gathered from every rank, written whole.
+"""A step folder of trajectory records (README, "On-disk layout"), gathered from every rank, written whole.
 
 ``artifacts/<name>/{train,val}/step_N/`` (and ``nonfinite/step_N/``) hold one record a
 trajectory (``records.write_record``), ``tensors.npz`` (``records.write_step_tensors``: the

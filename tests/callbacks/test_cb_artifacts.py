@@ -1,4 +1,4 @@
-"""ArtifactDumpCallback: run.json and train/step_N/ against the seed's sections 2 and 4, driven by a
+"""ArtifactDumpCallback: run.json and train/step_N/ against the README's "On-disk layout" (folders and record fields), driven by a
 real Lightning Trainer; step folders appear whole or not at all."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""FiguresCallback: the PNGs and terminal_reasons.json of seed section 2, their history across a
+"""FiguresCallback: the PNGs and terminal_reasons.json of README, "On-disk layout", their history across a
 resume, and their cost."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The CLI and config composition: every run of SPEC section 2 composes, bad input fails before
+"""The CLI and config composition: every run of README, "The runs of report 28" composes, bad input fails before
 any work naming the key, printing the config does no work, user configs and callbacks plug in."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from atlas_lightning.cli import main
 from atlas_lightning.config import ConfigError, compose, config_dir, run_dirs
 
 EXPERIMENTS = sorted(p.stem for p in (Path(config_dir()) / "experiment").glob("*.yaml"))
-SPEC_RUNS = {
+REPORT_RUNS = {
     "r28-continued-cost-8gpu-n32", "r28-continued-cost-8gpu-t49152-memory", "r28-continued-cost-8gpu-t73728-memory",
     "r28-continued-cost-8gpu-t49152-tp8-memory", "r28-continued-cost-8gpu-t49152-n16-memory",
     "r28-continued-cost-8gpu-t49152-n16-separate4-4-memory", "r28-continued-cost-8gpu-t98304-separate6-2-memory",
@@ -24,7 +24,7 @@ SPEC_RUNS = {
 
 
 def test_every_run_of_the_spec_has_an_experiment_file():
-    assert SPEC_RUNS <= set(EXPERIMENTS)
+    assert REPORT_RUNS <= set(EXPERIMENTS)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

@@ -1,7 +1,7 @@
 """How much spending matters on the bundled sample at several lambdas (reward.cost_per_usd).
 
 Reference policies on the train questions and their eight stored reveal orders, scored with the
-SPEC's objective ``acc - lambda * dollars``: explore none (GPQA guesses: 0.25), explore a fixed k,
+the report's objective ``acc - lambda * dollars``: explore none (GPQA guesses: 0.25), explore a fixed k,
 explore all, an adaptive stop (a confident expensive answer, or a confident agreement), and an
 oracle that stops at the first correct candidate (or explores nothing if that costs more than it
 earns). Run with ``-s`` to see the table the report quotes.
@@ -94,7 +94,7 @@ def test_lambda_half_makes_the_stop_decision_matter(benchmark):
               f"{row['best_fixed']:+.3f}  uniform k {row['uniform_k']:+.3f}  adaptive {row['adaptive']:+.3f}  "
               f"oracle {row['oracle']:+.3f}")
     low, half = table[0.1], table[0.5]
-    # At the SPEC's 0.1, exploring everything is within ~0.05 of the best policy found: spending barely matters.
+    # At the report's 0.1, exploring everything is within ~0.05 of the best policy found: spending barely matters.
     assert max(low["adaptive"], low["best_fixed"]) - low["all"] < 0.06
     # At 0.5 it costs more than 0.2, the best fixed count is interior, and a good stop rule beats it.
     assert max(half["adaptive"], half["best_fixed"]) - half["all"] > 0.2

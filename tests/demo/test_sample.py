@@ -102,7 +102,7 @@ def test_texts_are_short_for_a_2048_token_context(sample, tiny_model_dir):
                 assert 8 <= len(tokenizer.encode(c.answer)) <= 130, (q.question_id, c.answer)
 
 
-# A reference orchestrator on the stored permutations, with the SPEC's reward: acc - lambda * dollars.
+# A reference orchestrator on the stored permutations, with the report's reward: acc - lambda * dollars.
 
 
 def _key(benchmark, candidate):

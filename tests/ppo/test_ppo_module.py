@@ -108,7 +108,7 @@ def test_engine_serving_the_trained_adapter_agrees_with_the_trainer(step_inputs,
     out = _run(step_inputs, 1)
     folder = out / "actor" / "lora_adapter"
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    trained = PeftModel.from_pretrained(base, str(folder)).eval()  # a PEFT folder, as SPEC 9 asks
+    trained = PeftModel.from_pretrained(base, str(folder)).eval()  # a PEFT folder, as the README's "On-disk layout" promises
     assert any(float(p.abs().sum()) > 0 for n, p in trained.named_parameters() if "lora_B" in n)
 
     vllm_engine.set_adapter(AdapterVersion(str(folder), version=101))

@@ -1,4 +1,4 @@
-"""Exact reward arithmetic on hand-built episodes (SPEC section 4)."""
+"""Exact reward arithmetic on hand-built episodes (README, "The reward")."""
 
 import copy
 

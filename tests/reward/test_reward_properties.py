@@ -1,5 +1,5 @@
 """Property tests: for any sequence of turns the invariants are exactly 0 and the breakdown matches
-an independent simulation of the rules (SPEC sections 3 and 4)."""
+an independent simulation of the rules (README, "An episode" and "The reward")."""
 
 import json
 import math

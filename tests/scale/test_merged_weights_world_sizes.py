@@ -1,4 +1,4 @@
-"""Merged weights exact at FSDP2 world sizes 4 and 6 (issue 8, part 3; SPEC 7), on gloo processes.
+"""Merged weights exact at FSDP2 world sizes 4 and 6 (README, "The separate layout"), on gloo processes.
 
 Report 28's six-rank layout got NaN entropies from wrong merged weights: FSDP2 shards every
 parameter on dim 0 over the ranks, unevenly when a dim does not divide by 6. Here the dims
