@@ -86,7 +86,7 @@ class SharedServerEngine(ServerEngine):
         super().close()
 
 
-def _serving_cards(cfg: DictConfig) -> Optional[str]:
+def serving_cards(cfg: DictConfig) -> Optional[str]:
     """``CUDA_VISIBLE_DEVICES`` for the server: the cards after the training ones."""
     if not torch.cuda.is_available():
         return None
@@ -118,7 +118,7 @@ def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> Shared
             if r.get("server_url"):
                 url = r.server_url
             else:
-                cards = _serving_cards(cfg)
+                cards = serving_cards(cfg)
                 server = VLLMServer(
                     EngineArgs.from_config(cfg), log_path=run_dirs(cfg)["logs"] / f"vllm-server-{cfg.name}-separate.log",
                     start_timeout_s=r.server_start_timeout_s,

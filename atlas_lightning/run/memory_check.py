@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -73,6 +74,7 @@ from atlas_lightning.ppo.module import PPOModule
 from atlas_lightning.store.records import TrajectoryRecord
 from atlas_lightning.rollout.agent_loop import LoopStats
 from atlas_lightning.rollout.batch import RolloutBatch
+from atlas_lightning.run.serving_memory import status_kib
 
 GIB = 2**30
 PROMPT_TOKENS = 1536
@@ -197,23 +199,12 @@ def _reset_cpu_peak() -> bool:
         return False
 
 
-def _status_kib(field: str) -> int:
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 def _rss_bytes() -> int:
-    return _status_kib("VmRSS") * 1024
+    return status_kib(os.getpid(), "VmRSS") * 1024
 
 
 def _peak_rss_bytes() -> int:
-    return _status_kib("VmHWM") * 1024
+    return status_kib(os.getpid(), "VmHWM") * 1024
 
 
 # ----------------------------------------------------------------------------- the module

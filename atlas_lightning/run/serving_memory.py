@@ -33,7 +33,8 @@ from typing import Callable, Optional
 GIB = 2**30
 
 
-def _status_kib(pid: int, field: str) -> int:
+def status_kib(pid: int, field: str) -> int:
+    """``field`` (``VmRSS``, ``VmHWM``, ...) of ``/proc/<pid>/status`` in KiB; 0 where unreadable."""
     try:
         with open(f"/proc/{pid}/status") as handle:
             for line in handle:
@@ -122,7 +123,7 @@ class ServingMemory:
             return []
 
     def _tree_rss(self) -> int:
-        return sum(_status_kib(pid, "VmRSS") for pid in self._processes()) * 1024
+        return sum(status_kib(pid, "VmRSS") for pid in self._processes()) * 1024
 
     # -- windows --------------------------------------------------------------------------
 
@@ -172,16 +173,16 @@ class ServingMemory:
                     "cards_gib": dict(zip(self.cards, per_card)), "samples": len(samples)}
         processes = self._processes()
         return {"start_gib": samples[0][0] / GIB, "end_gib": samples[-1][0] / GIB,
-                "peak_gib": sum(_status_kib(pid, "VmHWM") for pid in processes) * 1024 / GIB,
+                "peak_gib": sum(status_kib(pid, "VmHWM") for pid in processes) * 1024 / GIB,
                 "sampled_peak_gib": max(s[0] for s in samples) / GIB, "processes": len(processes),
                 "samples": len(samples)}
 
 
 def serving_cards_of(cfg) -> Optional[list[str]]:
     """The serving cards' ``CUDA_VISIBLE_DEVICES`` entries (None on CPU)."""
-    from atlas_lightning.rollout.separate import _serving_cards
+    from atlas_lightning.rollout.separate import serving_cards
 
-    cards = _serving_cards(cfg)
+    cards = serving_cards(cfg)
     return cards.split(",") if cards else None
 
 

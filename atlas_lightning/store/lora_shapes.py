@@ -28,11 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from atlas_lightning.errors import InputError
+
 ROLES = ("actor", "critic")
 CONFIG_FILE = "adapter_config.json"
 
 
-class AdapterConfigError(ValueError):
+class AdapterConfigError(InputError):
     """A starting adapter's ``adapter_config.json`` that cannot give a LoRA shape; names file and field."""
 
 
