@@ -17,7 +17,7 @@ validation (``on_rl_validation_end``, called by ``ValidationCallback``). Non-fin
 left out (no update happened; the NaN guard owns them).
 
 Each figure is also logged to W&B with ``atlas_lightning.loggers.wandb_logger.log_image(trainer, key, path,
-step)`` (key ``train_figures/<stem>`` or ``val_figures/<stem>``) when that function exists. An
+step)`` (key ``train_figures/<stem>`` or ``val_figures/<stem>``) when the trainer has a W&B logger. An
 upload that fails is a warning (the W&B service must never end a run); drawing or writing that
 fails is an error, raised on every rank (it is a bug here, found by the tests, not weather).
 
@@ -44,6 +44,7 @@ from atlas_lightning.store.records import FILE_VERSION, utc_now
 from atlas_lightning.distributed import on_rank_zero
 from atlas_lightning.store.files import atomic_write, atomic_write_json
 from atlas_lightning.callbacks.base import RLCallback
+from atlas_lightning.loggers.wandb_logger import log_image
 from atlas_lightning.ppo.step_output import read_step_output
 from atlas_lightning.reward.summary import step_summary, trajectory_row
 
@@ -53,16 +54,6 @@ TRAIN_FIGURES = ("reward", "explores", "cost_vs_accuracy", "terminal_reasons")
 VAL_FIGURES = TRAIN_FIGURES + ("accuracy_views",)
 TERMINAL_JSON = "terminal_reasons.json"
 _BENCH_MARKERS = ("o", "s", "^", "D", "v")
-
-
-def _image_logger() -> Optional[Callable]:
-    """``atlas_lightning.loggers.wandb_logger.log_image`` if that module and function exist."""
-    try:
-        from atlas_lightning.loggers.wandb_logger import wandb_logger as loggers
-    except ImportError:
-        return None
-    function = getattr(loggers, "log_image", None)
-    return function if callable(function) else None
 
 
 # ----------------------------------------------------------------------------- drawing
@@ -284,8 +275,7 @@ class FiguresCallback(RLCallback):
         return paths
 
     def _log_images(self, trainer: Optional[L.Trainer], prefix: str, paths: list[Path], step: int) -> None:
-        log_image = _image_logger()
-        if log_image is None or trainer is None:
+        if trainer is None:
             return
         for path in paths:
             try:

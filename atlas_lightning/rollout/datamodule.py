@@ -25,7 +25,7 @@ Contract:
   of the step), and a batch sampled ahead but not trained on is sampled again, never lost or
   counted twice.
 - The engine is built in ``setup`` (after the process group exists; ``rollout.engine``,
-  ``factory.py``), or attached by a caller. The reward scorer (``reward._target_``) is built
+  ``factory.py``) and closed in ``teardown``, or attached by a caller, who closes it. The reward scorer (``reward._target_``) is built
   at construction and scores every ended episode (``batch.assemble_batch``).
 """
 
@@ -120,6 +120,8 @@ class RolloutDataModule(L.LightningDataModule):
         super().__init__()
         self.cfg = cfg
         self.engine = engine
+        #: The engine ``setup`` built, which ``teardown`` closes (None for one passed in).
+        self._built_engine: Optional[Engine] = None
         self.next_step = 1
         self.total_steps = cfg.trainer.total_steps
         #: The weights version the engine serves (``weights_version``); the weight sync bumps it.
@@ -173,7 +175,7 @@ class RolloutDataModule(L.LightningDataModule):
             from atlas_lightning.rollout.factory import build_engine
 
             allocated = _allocated_bytes()
-            self.engine = build_engine(self.cfg, self.rank, self.local_rank, self.world_size)
+            self.engine = self._built_engine = build_engine(self.cfg, self.rank, self.local_rank, self.world_size)
             self.engine_allocated_bytes = _allocated_bytes() - allocated
 
     def _fitting(self, questions: list[Question], split: str) -> list[Question]:
@@ -343,10 +345,17 @@ class RolloutDataModule(L.LightningDataModule):
         self.next_step = int(state["next_step"])
 
     def teardown(self, stage: Optional[str] = None) -> None:
-        """Stop the producer (what it sampled ahead is dropped)."""
+        """Stop the producer (what it sampled ahead is dropped) and close the engine ``setup``
+        built (one passed in belongs to its maker). Lightning calls this while the process group
+        still exists, which an in-process engine's shutdown needs."""
         if self.producer is not None:
             self.producer.stop(timeout_s=0)
             self.producer = None
+        if self._built_engine is not None:
+            engine, self._built_engine = self._built_engine, None
+            if self.engine is engine:
+                self.engine = None
+            engine.close()
 
 
 def _identity(batch):

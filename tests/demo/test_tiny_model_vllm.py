@@ -17,9 +17,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def test_vllm_greedy_tokens_and_logprobs_match_transformers(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from atlas_lightning.env.tools import tool_schemas
+    from atlas_lightning.rollout.engines.vllm_lifetime import shut_down_llm, start_llm
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     messages = [
@@ -31,11 +32,15 @@ def test_vllm_greedy_tokens_and_logprobs_match_transformers(tiny_model_dir):
     )
 
     started = time.perf_counter()
-    llm = LLM(model=str(tiny_model_dir), enforce_eager=True, dtype="float32", max_model_len=2048, seed=0)
+    llm = start_llm(model=str(tiny_model_dir), enforce_eager=True, dtype="float32", max_model_len=2048, seed=0)
     loaded = time.perf_counter()
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
     sampled = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, logprobs=0, seed=1234)
-    greedy_out, sampled_out = (o.outputs[0] for o in llm.generate([{"prompt_token_ids": prompt}] * 2, [greedy, sampled]))
+    try:
+        outputs = llm.generate([{"prompt_token_ids": prompt}] * 2, [greedy, sampled])
+    finally:
+        shut_down_llm(llm)
+    greedy_out, sampled_out = (o.outputs[0] for o in outputs)
     generated = time.perf_counter()
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -52,4 +57,3 @@ def test_vllm_greedy_tokens_and_logprobs_match_transformers(tiny_model_dir):
         trainer = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert torch.allclose(engine, trainer, atol=1e-4, rtol=0), (engine - trainer).abs().max()
     print(f"vLLM LLM() {loaded - started:.1f} s, two 24-token generations {generated - loaded:.1f} s")
-    del llm

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import lightning as L
@@ -32,14 +33,12 @@ class _NaNAtActorMiniBatch(PPOModule):
         if batch.step == self.nan_step:
             self.actor_before = {k: v.clone() for k, v in adapter_state(self.model, "actor").items()}
 
-    def _micro_step(self, role, seqs, prompts, width, indices, mask, old_log_prob, values, returns, advantages,
-                    ref_log_prob, total_tokens, world):
+    def _micro_step(self, role, data, indices, total_tokens, world):
         if role == "actor" and indices:
             self.actor_calls += 1
             if self.rl_step == self.nan_step and self.actor_calls == self.nan_mini_batch:
-                advantages = advantages * float("nan")
-        return super()._micro_step(role, seqs, prompts, width, indices, mask, old_log_prob, values, returns,
-                                   advantages, ref_log_prob, total_tokens, world)
+                data = dataclasses.replace(data, advantages=data.advantages * float("nan"))
+        return super()._micro_step(role, data, indices, total_tokens, world)
 
 
 @pytest.fixture

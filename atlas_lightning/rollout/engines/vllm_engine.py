@@ -34,6 +34,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from atlas_lightning.rollout.digest import WeightDigest
+from atlas_lightning.rollout.engines.vllm_lifetime import shut_down_llm, start_llm
 from atlas_lightning.rollout.engine import (
     AdapterVersion,
     Engine,
@@ -153,8 +154,6 @@ class VLLMEngine(Engine):
         # the engine core in this process: collective_rpc hands the worker live objects (a
         # generator of weights); with external_launcher vLLM requires it anyway
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
-
         kwargs = args.vllm_kwargs(on_cpu=on_cpu)
         if external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
@@ -163,7 +162,7 @@ class VLLMEngine(Engine):
         self._sleep_level = sleep_level
         self._weights_dropped = False  # level-2 sleep dropped the weights; a load_weights brings them back
         self._lora_enabled = args.lora_rank is not None
-        self.llm = LLM(**kwargs)
+        self.llm = start_llm(**kwargs)
         self._engine = self.llm.llm_engine
         self._lora = None  # the LoRARequest every request carries
         self._pending: set[str] = set()
@@ -324,7 +323,11 @@ class VLLMEngine(Engine):
             self._asleep = False
 
     def close(self) -> None:
+        """Abort what is pending and end the engine now (``vllm_lifetime``: not when the garbage
+        collector reaches it, which would pull process groups from under whatever runs then)."""
+        if self.llm is None:
+            return
         if self._pending:
             self.abort(list(self._pending))
-        self.llm = None
-        self._engine = None
+        llm, self.llm, self._engine = self.llm, None, None
+        shut_down_llm(llm)
