@@ -18,6 +18,24 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+#: What torch.distributed reads to rendezvous, and Lightning and vLLM write into os.environ.
+_RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                         "NODE_RANK", "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def rendezvous_environment_per_test():
+    """Each test ends with the rendezvous variables it began with. A test that runs Lightning
+    in this process leaves ``MASTER_PORT`` set; a later test's child processes would inherit it
+    and try to listen on a port a process group of this one may still hold (EADDRINUSE)."""
+    saved = {name: os.environ.get(name) for name in _RENDEZVOUS_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
