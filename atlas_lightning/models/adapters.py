@@ -46,7 +46,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import os
 import shutil
 import uuid
@@ -58,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from atlas_lightning.errors import InputError
+from atlas_lightning.store.lora_shapes import CONFIG_FILE, AdapterError, read_adapter_config, shape_from_adapter_config
 
 from .actor_critic import ADAPTERS, CRITIC, ActorCritic
 from .identity import identity_mismatch
@@ -66,7 +65,6 @@ from .weights import adapter_state, full_tensor
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 VALUE_HEAD_FILE = "value_head.safetensors"
 BASE_FILE = "atlas_base.json"
@@ -75,11 +73,6 @@ BASE_FILE = "atlas_base.json"
 COMPARED_FIELDS = (
     "r", "lora_alpha", "use_rslora", "use_dora", "fan_in_fan_out", "bias", "rank_pattern", "alpha_pattern",
 )
-
-
-class AdapterError(InputError):
-    """A damaged adapter folder (unreadable or truncated file, bad config or identity file,
-    non-finite weights); the message names the folder and the file."""
 
 
 class AdapterMismatchError(AdapterError):
@@ -239,21 +232,6 @@ def _json_object(folder: Path, name: str) -> dict:
     return value
 
 
-def _check_config_fields(folder: Path, config: dict) -> None:
-    """The fields of ``adapter_config.json`` that loading relies on, with their types."""
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterMismatchError(f"{folder}: {CONFIG_FILE} peft_type={config.get('peft_type')!r}, expected 'LORA'")
-    rank, alpha = config.get("r"), config.get("lora_alpha")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise AdapterError(f"{folder}: {CONFIG_FILE} field r={rank!r} is not a positive integer")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
-        raise AdapterError(f"{folder}: {CONFIG_FILE} field lora_alpha={alpha!r} is not a positive number")
-    targets = config.get("target_modules")
-    if not (isinstance(targets, str) and targets) and not (
-            isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)):
-        raise AdapterError(f"{folder}: {CONFIG_FILE} field target_modules={targets!r} names no module")
-
-
 def _check_identity(folder: Path, identity: dict, role: str) -> None:
     """``atlas_base.json``: its fields, and the role it says the folder holds."""
     config, fingerprint, name = identity.get("config"), identity.get("fingerprint"), identity.get("adapter_name")
@@ -278,8 +256,8 @@ def read_adapter_folder(folder: str | Path, role: str) -> AdapterFolder:
     for needed in (CONFIG_FILE, WEIGHTS_FILE):
         if not (folder / needed).is_file():
             raise FileNotFoundError(f"{folder}: no {needed} (not a PEFT adapter folder)")
-    config = _json_object(folder, CONFIG_FILE)
-    _check_config_fields(folder, config)
+    config = read_adapter_config(folder)
+    shape_from_adapter_config(config, f"{folder}: {CONFIG_FILE}")
     identity = _json_object(folder, BASE_FILE) if (folder / BASE_FILE).exists() else None
     if identity is not None:
         _check_identity(folder, identity, role)

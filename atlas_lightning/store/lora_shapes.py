@@ -24,6 +24,7 @@ Who calls it: ``ppo.module`` (the starting folders), ``models.build`` (through i
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -34,8 +35,14 @@ ROLES = ("actor", "critic")
 CONFIG_FILE = "adapter_config.json"
 
 
-class AdapterConfigError(InputError):
-    """A starting adapter's ``adapter_config.json`` that cannot give a LoRA shape; names file and field."""
+class AdapterError(InputError):
+    """A damaged adapter folder (unreadable or truncated file, bad config or identity file,
+    non-finite weights); the message names the folder and the file."""
+
+
+class AdapterConfigError(AdapterError):
+    """An ``adapter_config.json`` that cannot be read or gives no LoRA shape; names file and field.
+    The one reader of that file: ``read_adapter_config`` then ``shape_from_adapter_config``."""
 
 
 @dataclass(frozen=True)
@@ -103,9 +110,9 @@ def read_adapter_config(folder: str | Path) -> dict:
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise AdapterConfigError(f"{path}: cannot be read as JSON ({err})") from None
+        raise AdapterConfigError(f"{folder}: {CONFIG_FILE} is not readable JSON ({type(err).__name__}: {err})") from None
     if not isinstance(saved, dict):
-        raise AdapterConfigError(f"{path}: not a JSON object")
+        raise AdapterConfigError(f"{folder}: {CONFIG_FILE} holds a JSON {type(saved).__name__}, not an object")
     return saved
 
 
@@ -115,15 +122,15 @@ def shape_from_adapter_config(saved: dict, where: str) -> LoraShape:
         raise AdapterConfigError(f"{where}: peft_type={saved.get('peft_type')!r}, expected 'LORA'")
     rank, alpha = saved.get("r"), saved.get("lora_alpha")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
-        raise AdapterConfigError(f"{where}: field r={rank!r} must be a positive integer")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
-        raise AdapterConfigError(f"{where}: field lora_alpha={alpha!r} must be a positive number")
+        raise AdapterConfigError(f"{where}: field r={rank!r} is not a positive integer")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+        raise AdapterConfigError(f"{where}: field lora_alpha={alpha!r} is not a positive number")
     targets = saved.get("target_modules")
-    if isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) for t in targets):
+    if isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) and t for t in targets):
         # peft writes the names it matched; a dotted entry names a module path: its leaf is the linear
         targets = tuple(sorted({t.split(".")[-1] for t in targets}))
     elif not (isinstance(targets, str) and targets):
-        raise AdapterConfigError(f"{where}: field target_modules={targets!r} must be a list of module names or a string")
+        raise AdapterConfigError(f"{where}: field target_modules={targets!r} names no module")
     patterns = {}
     for key in ("rank_pattern", "alpha_pattern"):
         value = saved.get(key) or {}
