@@ -4,8 +4,8 @@
     python -m atlas_lightning.bench.step --out DIR --build dense8b --model-dir /tmp/dense8b \\
         --tokenizer-from ~/.cache/atlas-lightning/tiny-model -- experiment=h200-8b model.path=/tmp/dense8b
 
-What runs: the ``fit`` verb through the CLI (``python -m atlas_lightning.cli fit``, a child
-process, as a user launches it), with one callback more, ``StepBenchCallback``, added the documented way (``+callbacks.step_bench``).
+What runs: the ``fit`` verb (``run.verbs.fit`` on the config composed from the overrides, as
+``atlas-lightning fit`` runs it), with one callback more, ``StepBenchCallback``, added the documented way (``+callbacks.step_bench``).
 Everything else is the run as configured: the engine, sleep and wake, the weight sync and its
 checks, records, validation, checkpoints. ``--build SHAPE`` first writes a random-weight model
 of that shape (``bench/shapes.py``, built on the GPU; the tokenizer of ``--tokenizer-from``) to
@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -478,10 +477,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         started = time.monotonic()
         build_model_folder(args.build, args.model_dir, args.tokenizer_from, args.layers)
         print(f"model folder {args.model_dir} ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    from atlas_lightning.config import compose
+    from atlas_lightning.run.verbs import fit
+
     out = args.out.resolve()
-    code = subprocess.call([sys.executable, "-m", "atlas_lightning.cli", "fit", *args.overrides,
-                            "+callbacks.step_bench._target_=atlas_lightning.bench.step.StepBenchCallback",
-                            f"+callbacks.step_bench.out={out}", f"+callbacks.step_bench.replay_step={args.replay_step}"])
+    code = fit(compose([*args.overrides, "+callbacks.step_bench._target_=atlas_lightning.bench.step.StepBenchCallback",
+                        f"+callbacks.step_bench.out={out}", f"+callbacks.step_bench.replay_step={args.replay_step}"]))
     report = out / "step_bench.md"
     if report.is_file():
         print(report.read_text())
