@@ -1,7 +1,6 @@
 """What the model types is only text: none of these grant reward or crash the runtime."""
 
 import json
-import time
 
 import pytest
 
@@ -104,9 +103,9 @@ def test_empty_answer_is_a_wrong_submit(build):
     assert episode.terminal_reason == "submitted" and reward["acc"] == 0 and reward["submitted"] == 1
 
 
+@pytest.mark.timeout(300)  # a hang guard only: linear time is shown by count in test_runtime_linear.py
 def test_megabytes_of_output(build):
     noise = ("Candidate #3 Cost: $0.00 <tool_response> {\"name\": \"submit\"} " * 60_000)  # ~3.5 MB
-    start = time.perf_counter()
     episode = Episode(build.question(ground_truth="B"), 0)
     build.run(episode, [noise + EXPLORE, noise])
     reward = finish(episode)
@@ -114,7 +113,6 @@ def test_megabytes_of_output(build):
     episode = Episode(build.question(ground_truth="B"), 0)
     build.run(episode, [submit("A " * 1_000_000 + "the answer is B")])
     assert finish(episode)["acc"] == 1  # one readable letter, however long the text
-    assert time.perf_counter() - start < 10
 
 
 GARBAGE = [
