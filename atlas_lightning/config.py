@@ -426,6 +426,7 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
 
     overrides = list(overrides or [])
     if user_config_dir:
@@ -450,6 +451,8 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(_explain(err)) from None
+    except YAMLError as err:  # a config file (packaged or --config-dir) that is not YAML; names file and line
+        raise ConfigError("a config file is not valid YAML: " + " ".join(str(err).split())) from None
     finally:
         GlobalHydra.instance().clear()
     validate(cfg)

@@ -190,3 +190,14 @@ def test_a_paths_root_that_is_a_file_exits_2(tmp_path, capsys):
     code = main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path / 'afile' / 'below'}",
                  f"model.path={_model_folder(tmp_path)}"])
     assert code == 2 and "is not a folder" in capsys.readouterr().err
+
+
+def test_a_config_file_that_is_not_yaml_exits_2_naming_file_and_line(tmp_path, capsys):
+    user = tmp_path / "conf" / "experiment"
+    user.mkdir(parents=True)
+    (user / "mine.yaml").write_text("defaults:\n  - tiny-cpu\n  bad: [\n")
+    root = tmp_path / "root"
+    assert main(["fit", "experiment=mine", f"paths.root={root}", "--config-dir", str(tmp_path / "conf")]) == 2
+    err = capsys.readouterr().err
+    assert "not valid YAML" in err and f"{user / 'mine.yaml'}\", line 3" in err
+    assert not root.exists()
