@@ -4,8 +4,10 @@ loading anything. It lives here, low in the house, because ``plan`` reads the sa
 ``config.json`` (``shapes.py``) and every floor above may call it.
 
 It must be a folder holding a ``config.json`` (a JSON object naming its ``model_type``) and,
-for the verbs that load the model, a tokenizer (``tokenizer.json``, ``tokenizer_config.json`` or ``tokenizer.model``) and weight
-files (``*.safetensors``, each with a readable header, or ``*.bin``). Anything else is a
+for the verbs that load the model, a tokenizer (``tokenizer.json``, ``tokenizer_config.json`` or ``tokenizer.model``), weight
+files (``*.safetensors``, each with a readable header, or ``*.bin``; every shard a
+``*.index.json`` names), and every other ``*.json`` beside them (tokenizer, generation config)
+a readable JSON object: the loaders read them all. Anything else is a
 ``ConfigError`` naming ``model.path`` and what is missing, so the CLI exits 2 before a config,
 a log or a model is written or loaded. Nothing here imports torch.
 """
@@ -37,23 +39,39 @@ def check_model_folder(path: str | Path, key: str = "model.path", *, loads: bool
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{where}: no config.json there (not a Hugging Face model folder)")
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{where}: {config_file.name} is not readable JSON ({err})") from None
-    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+    config = _json_object(config_file, where)
+    if not isinstance(config.get("model_type"), str):
         raise ConfigError(f"{where}: {config_file.name} is not a model config (no model_type)")
     if not loads:
         return config
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(f"{where}: no tokenizer ({', '.join(TOKENIZER_FILES)})")
+    others = {file.name: _json_object(file, where) for file in sorted(folder.glob("*.json")) if file != config_file}
     weights = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
     if not weights:
         raise ConfigError(f"{where}: no weight files (*.safetensors or *.bin)")
+    for name, index in others.items():
+        if name.endswith(".index.json"):
+            shards = index.get("weight_map")
+            if not isinstance(shards, dict):
+                raise ConfigError(f"{where}: {name} has no weight_map object")
+            missing = sorted({str(shard) for shard in shards.values()} - {file.name for file in weights})
+            if missing:
+                raise ConfigError(f"{where}: {name} names shard(s) not in the folder: {', '.join(missing[:5])}")
     for file in weights:
         if file.suffix == ".safetensors":
             _check_safetensors_header(file, where)
     return config
+
+
+def _json_object(file: Path, where: str) -> dict:
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{where}: {file.name} is not readable JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: {file.name} holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def _check_safetensors_header(file: Path, where: str) -> None:

@@ -136,7 +136,9 @@ def _model_folder(tmp_path, **drop):
 _FOLDER_DAMAGE = [("missing", "no such folder"), ("no_config", "no config.json"),
                   ("bad_config", "config.json is not readable JSON")]
 _WEIGHTS_DAMAGE = [("no_tokenizer", "no tokenizer"), ("no_weights", "no weight files"),
-                   ("truncated", "model.safetensors is truncated")]
+                   ("truncated", "model.safetensors is truncated"), ("bad_tokenizer", "tokenizer.json is not readable JSON"),
+                   ("missing_shard", "model.safetensors.index.json names shard(s) not in the folder: "
+                                     "model-00002-of-00002.safetensors")]
 
 
 # plan reads config.json alone (it may run before the weights are fetched)
@@ -157,6 +159,11 @@ def test_every_verb_refuses_a_bad_model_folder_before_writing(verb, damage, mess
             (path / "tokenizer.json").unlink()
         elif damage == "no_weights":
             (path / "model.safetensors").unlink()
+        elif damage == "bad_tokenizer":
+            (path / "tokenizer.json").write_text('{"model": ')  # cut short in the copy
+        elif damage == "missing_shard":
+            shards = {"w": "model.safetensors", "v": "model-00002-of-00002.safetensors"}
+            (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shards}))
         else:
             data = (path / "model.safetensors").read_bytes()
             (path / "model.safetensors").write_bytes(data[:-4])
