@@ -1,7 +1,8 @@
-"""What the exact weight-sync digests cost (``rollout/digest.py``: sha256 per tensor, threads
-over tensors, device tensors copied to the host first), standalone (torch only):
+"""What the exact weight-sync digests cost: the first digest (sha256 per tensor, threads over
+tensors, device tensors copied to the host first: ``h`` below) and the one ``rollout/digest.py``
+computes now (``tensor_digest``: an integer fingerprint on the tensor's own device):
 
-    python bench/digest_cost.py > bench/results/digest-cost-h200.json     # on the H200 machine
+    PYTHONPATH=. python bench/digest_cost.py > bench/results/digest-cost-h200.json     # on the H200 machine
 
 Measures sha256 of host memory (one thread, 16 threads: what checkpoint verification runs per
 file), a 27B-class actor adapter digested as written and as vLLM holds it (bf16, B scaled),
@@ -9,6 +10,9 @@ and the 8B shape's merged weights (16.4 GB of bf16 in 252 tensors) digested from
 Seen on the H200 machine (16 cores): sha256 1.26 GB/s a thread, 15.4 GB/s on 16; adapter of
 299M fp32 values 0.41 s as written, 1.14 s as held; merged 16.4 GB 12 s (the device-to-host
 copies dominate), which is why the nccl transfer, which reports nothing back, digests nothing.
+In the RL step the merged sync digested one tensor at a time on both sides: 55 s of a 179 s step
+(``bench/results/step-h200-run2-b-merged.*``). ``fingerprint_*``: the current digest, not yet
+run on the card.
 """
 import hashlib, os, time, json, torch
 from concurrent.futures import ThreadPoolExecutor as P
@@ -67,4 +71,11 @@ W = [torch.empty(int(16.4e9 / 2 / 252), dtype=torch.bfloat16, device='cuda').nor
 r['merged_GB'] = sum(w.numel() * 2 for w in W) / 1e9
 r['merged_digest_s'] = T(lambda: dig(W))
 r['merged_digest_again_s'] = T(lambda: dig(W))
+try:
+    from atlas_lightning.rollout.digest import tensor_digest
+
+    r['fingerprint_merged_s'] = T(lambda: [tensor_digest(w) for w in W])
+    r['fingerprint_merged_again_s'] = T(lambda: [tensor_digest(w) for w in W])
+except ImportError as err:  # run outside the repository root
+    r['fingerprint_merged_s'] = f"not measured: {err}"
 print(json.dumps(r, indent=1))

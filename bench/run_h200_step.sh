@@ -91,7 +91,7 @@ EOF
   note "$label: done"
 }
 
-stage_a() { kill_resume a h200-tiny 5 "$A_S" experiment=h200-tiny $COMMON; }
+stage_a() { kill_resume a h200-tiny "${A_KILL_AT:-5}" "$A_S" experiment=h200-tiny $COMMON; }
 
 # merged sync (sleep level 2), SIGKILL after step 1, resume to step 2: a smaller batch (KR_N samples)
 stage_kr() {

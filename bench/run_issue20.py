@@ -9,7 +9,7 @@
    ours under a 60 GiB cap against transformers + peft;
 4. the 27B baseline (transformers + peft, its torch Gated DeltaNet), timed on its first update.
 
-    python3 bench/run_issue20.py --out $OUT [--budget-s 560]
+    python3 bench/run_issue20.py --out $OUT [--budget-s 560] [--skip-test] [--only 27b,27b-baseline]
 
 Each step writes ``$OUT/run<N>-*.json`` and ``.md`` as it goes; a step starts only if the time
 left allows, and the last lines printed are the summary table.
@@ -37,6 +37,7 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=560.0)
     p.add_argument("--skip-test", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU plumbing check on toy shapes")
+    p.add_argument("--only", default="", help="comma-separated steps to run (27b, dense, 27b-baseline; default all)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -71,6 +72,11 @@ def main() -> int:
         steps = [(label, ["--tiny", "--batch-budgets", "1024,800", *[swap.get(a, a) for a in argv]], 0, 0)
                  for label, argv, _, _ in steps]
     # (label, bench arguments, seconds a step needs to start, seconds it leaves to the steps after it)
+    if args.only:
+        unknown = set(args.only.split(",")) - {label for label, *_ in steps}
+        if unknown:
+            p.error(f"--only: no step {', '.join(sorted(unknown))}")
+        steps = [step for step in steps if step[0] in args.only.split(",")]
     for label, argv, needs, keep in steps:
         if left() < needs:
             print(f"[issue20] {label}: skipped, {left():.0f} s left", flush=True)

@@ -13,12 +13,13 @@ Order of work, all ranks together (FSDP gathers are collective):
    ``takes_weight_packs`` (a server, through vLLM's weight-transfer API,
    ``rollout/engines/weight_transfer.py``);
 2. load: each engine serves version ``K`` (a new LoRA id, never a reused one);
-3. verify, exactly (``rollout/digest.py``: a sha256 per tensor over dtype, shape and bytes):
+3. verify, exactly (``rollout/digest.py``: a fingerprint per tensor over dtype, shape and
+   bytes, computed on the tensor's device):
    with LoRA, the exported folder against what the trainer sent (a tensor dropped, altered or
    swapped between layers is named with the folder, before any engine reads it), then what
    the engine holds against what was sent: the in-process engine reads back the factors its
    worker holds, in the dtype it holds them and with the scaling folded in as vLLM does it; a
-   server reports its folder (LoRA) or the sha256 of each bucket its workers received (merged,
+   server reports its folder (LoRA) or the digest of each bucket its workers received (merged,
    gloo). Then the trainer's and the engine's log-probs of a probe sequence are compared
    (``rollout/logprob_gap``) against a bound set from the noise measured at this process's
    first sync (``rollout/logprob_gap_bound``: ``rollout.logprob_gap_factor`` times that gap,
@@ -48,7 +49,7 @@ from atlas_lightning import distributed as dist_utils
 from atlas_lightning.callbacks.base import RLCallback
 from atlas_lightning.config import run_dirs
 from atlas_lightning.ppo.step_output import read_step_output
-from atlas_lightning.rollout.digest import WeightDigest, bucket_digest, dtype_named, lora_digest, tensor_sha256
+from atlas_lightning.rollout.digest import WeightDigest, bucket_digest, dtype_named, lora_digest, tensor_digest
 from atlas_lightning.rollout.engine import AdapterVersion
 
 #: float32's relative resolution (2**-23): the finest gap two float32 log-probs can show.
@@ -165,7 +166,7 @@ class WeightSyncCallback(RLCallback):
                 def stream():  # one reload for the whole sync (vllm_engine._reload_weights), bucket by bucket
                     for bucket in merged_weight_buckets(pl_module.model, "actor", cfg.rollout.bucket_mb * 2**20):
                         for name, tensor in bucket:
-                            named.append((name, tensor_sha256(tensor)))
+                            named.append((name, tensor_digest(tensor)))
                             yield name, tensor
                     finished[0] = True
 

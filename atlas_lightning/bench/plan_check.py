@@ -13,6 +13,9 @@ Who calls it: ``cli.py``. Pure Python (the planner never imports torch).
 
 from __future__ import annotations
 
+from omegaconf import OmegaConf
+
+from atlas_lightning.config import RootConfig
 from atlas_lightning.planning import estimate, shape_from_config
 
 GIB = 2.0**30
@@ -27,11 +30,13 @@ def plan_tensors_gib(shape_config: dict, arch: str, layers: int, tokens: int, ch
     elif arch == "qwen3_5":
         raw["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
     shape = shape_from_config(raw, where=f"bench shape ({layers} layers)")
-    cfg = {"model": {"dtype": "bfloat16", "lora": {"rank": rank, "target_modules": "all-linear"},
-                     "gradient_checkpointing": True, "checkpoint_layers": checkpoint_layers,
-                     "logprob_chunk_tokens": chunk, "attn_implementation": "sdpa_varlen"},
-           "algorithm": {"ppo_max_token_len_per_gpu": tokens, "forward_max_token_len_per_gpu": tokens},
-           "trainer": {"devices": 1, "num_nodes": 1, "accelerator": "gpu"}}
+    settings = {"model": {"dtype": "bfloat16", "lora": {"rank": rank, "target_modules": "all-linear"},
+                          "gradient_checkpointing": True, "checkpoint_layers": checkpoint_layers,
+                          "logprob_chunk_tokens": chunk, "attn_implementation": "sdpa_varlen"},
+                "algorithm": {"ppo_max_token_len_per_gpu": tokens, "forward_max_token_len_per_gpu": tokens},
+                "trainer": {"devices": 1, "num_nodes": 1, "accelerator": "gpu"}}
+    # the planner reads the typed config (every other setting at its schema default)
+    cfg = OmegaConf.merge(OmegaConf.structured(RootConfig), settings)
     plan = estimate(shape, cfg, card_gib=1e6, linear_kernel=linear_kernel)
     adam = 2 * 2 * shape.lora_params(rank) * 4  # two fp32 moments of both adapters: no optimizer step here
     return (plan.phase("update_actor").tensors - adam) / GIB

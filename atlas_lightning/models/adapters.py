@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from atlas_lightning.store.files import read_json_object
 from atlas_lightning.store.lora_shapes import CONFIG_FILE, AdapterError, read_adapter_config, shape_from_adapter_config
 
 from .actor_critic import ADAPTERS, CRITIC, ActorCritic
@@ -221,17 +222,6 @@ def _safetensors(folder: Path, name: str) -> dict[str, Tensor]:
     return tensors
 
 
-def _json_object(folder: Path, name: str) -> dict:
-    path = folder / name
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise AdapterError(f"{folder}: {name} is not readable JSON ({type(err).__name__}: {err})") from None
-    if not isinstance(value, dict):
-        raise AdapterError(f"{folder}: {name} holds a JSON {type(value).__name__}, not an object")
-    return value
-
-
 def _check_identity(folder: Path, identity: dict, role: str) -> None:
     """``atlas_base.json``: its fields, and the role it says the folder holds."""
     config, fingerprint, name = identity.get("config"), identity.get("fingerprint"), identity.get("adapter_name")
@@ -258,7 +248,7 @@ def read_adapter_folder(folder: str | Path, role: str) -> AdapterFolder:
             raise FileNotFoundError(f"{folder}: no {needed} (not a PEFT adapter folder)")
     config = read_adapter_config(folder)
     shape_from_adapter_config(config, f"{folder}: {CONFIG_FILE}")
-    identity = _json_object(folder, BASE_FILE) if (folder / BASE_FILE).exists() else None
+    identity = read_json_object(folder / BASE_FILE, AdapterError, folder) if (folder / BASE_FILE).exists() else None
     if identity is not None:
         _check_identity(folder, identity, role)
     has_head = (folder / VALUE_HEAD_FILE).exists()

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from atlas_lightning.config import ConfigError
+from atlas_lightning.store.files import read_json_object
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: A safetensors header larger than this is not one (the 27B's is about 100 KB).
@@ -39,14 +40,15 @@ def check_model_folder(path: str | Path, key: str = "model.path", *, loads: bool
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{where}: no config.json there (not a Hugging Face model folder)")
-    config = _json_object(config_file, where)
+    config = read_json_object(config_file, ConfigError, where)
     if not isinstance(config.get("model_type"), str):
         raise ConfigError(f"{where}: {config_file.name} is not a model config (no model_type)")
     if not loads:
         return config
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(f"{where}: no tokenizer ({', '.join(TOKENIZER_FILES)})")
-    others = {file.name: _json_object(file, where) for file in sorted(folder.glob("*.json")) if file != config_file}
+    others = {file.name: read_json_object(file, ConfigError, where)
+              for file in sorted(folder.glob("*.json")) if file != config_file}
     weights = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
     if not weights:
         raise ConfigError(f"{where}: no weight files (*.safetensors or *.bin)")
@@ -62,16 +64,6 @@ def check_model_folder(path: str | Path, key: str = "model.path", *, loads: bool
         if file.suffix == ".safetensors":
             _check_safetensors_header(file, where)
     return config
-
-
-def _json_object(file: Path, where: str) -> dict:
-    try:
-        value = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{where}: {file.name} is not readable JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where}: {file.name} holds a JSON {type(value).__name__}, not an object")
-    return value
 
 
 def _check_safetensors_header(file: Path, where: str) -> None:

@@ -1,10 +1,14 @@
 """Exact digests of weights, as the trainer sent them and as an engine holds or received them.
 
-A digest is a sha256 per named tensor over its dtype, shape and raw bytes (``WeightDigest``),
-combined in name order. Any change of any bit, a tensor missing or extra, two tensors swapped
-between names: each changes the digest, and ``WeightDigest.differences`` names the tensors.
-(A float sum, what this replaced, could not see a swap and was compared at a tolerance that a
-``lora_B`` scaled by 1.5 passed.)
+A digest is a fingerprint per named tensor over its dtype, shape and raw bytes (``tensor_digest``),
+combined in name order by one sha256 (``WeightDigest``). It is computed where the tensor lives
+(the GPU for a merged sync: nothing is copied to the host) in exact integer arithmetic, so the
+trainer's GPU, an engine's GPU and a CPU give the same string for the same bytes. What it sees:
+any change of one value (any bit), any two values swapped inside a tensor (within 2^32 words), a
+tensor missing or extra, two tensors swapped between names; ``WeightDigest.differences`` names
+the tensors. (A float sum, what an early version used, could not see a swap and was compared at
+a tolerance that a ``lora_B`` scaled by 1.5 passed.) It is a checksum against faults, not a
+cryptographic hash: changes crafted to cancel in all three sums would pass.
 
 LoRA adapters are digested per module (``lora_digest``), named by ``canonical_module`` (from
 ``layers.<i>.`` on, so that PEFT's ``base_model.model.model.layers.0.self_attn.q_proj`` and
@@ -16,13 +20,14 @@ vLLM's ``model.layers.0.self_attn.q_proj`` are one name), in one of two forms:
   ``lora_b`` in place), so the trainer can compute, bit for bit, what a faithful engine holds.
 
 Merged weights sent in packed buckets are compared a bucket at a time (``bucket_digest``):
-the server's workers answer with one sha256 per bucket received.
+the server's workers answer with one sha256 (over the bucket's entries) per bucket received.
 
-Cost (``bench/digest_cost.py``, H200 machine): sha256 at 1.26 GB/s a thread; tensors are
-hashed in parallel threads (hashlib releases the GIL). An actor adapter of 299M fp32 values
-took 0.41 s as written and 1.14 s as held (bf16): the 27B's (467M) a second or two a side, a
-sync. The 8B's merged weights (16.4 GB bf16 on the GPU) took 12 s, the copies to the host
-dominating: the nccl transfer, which reports nothing back, is not digested.
+Cost: the first digest, a sha256 of each tensor's bytes on the host, took 12 s for the 8B's
+merged weights (16.4 GB of bf16 on the GPU, 16 threads: ``bench/digest_cost.py``) and, one
+tensor at a time on both sides of the in-process merged sync, 55 s of a 179 s RL step on the
+H200 (``bench/results/step-h200-run2-b-merged.*``): the copies to the host dominated. The
+fingerprint reads each tensor on its own device (one float64 conversion and one matrix product
+a pass); on this repository's 2-core CPU machine 0.6 GB/s (sha256: 1.7 GB/s a thread).
 
 Who calls it: the weight-sync callback (what was sent), the engines (what they hold), tests.
 """
@@ -30,9 +35,7 @@ Who calls it: the weight-sync callback (what was sent), the engines (what they h
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
@@ -41,27 +44,77 @@ import torch
 _LAYER = re.compile(r"(?:^|\.)(layers\.\d+\..+)$")
 
 
-def tensor_sha256(tensor: torch.Tensor) -> str:
-    """sha256 of ``dtype``, ``shape`` and the raw bytes of ``tensor`` (row-major, on CPU)."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    digest = hashlib.sha256(f"{str(flat.dtype).removeprefix('torch.')}{tuple(tensor.shape)}".encode())
-    if flat.numel():
-        digest.update(flat.view(torch.uint8).numpy())
-    return digest.hexdigest()
+#: Words (16-bit, or bytes where a tensor has an odd byte count) a row: a row's words sit at
+#: positions ``i`` with the same ``i >> 16``, column ``c`` at ``i = c (mod 2^16)``.
+_ROW = 1 << 16
+#: Rows converted at a time (8M words: a float64 working copy of 64 MB).
+_CHUNK_ROWS = 128
+#: Rows summed at a time in int64: every per-row term is below 2^48, so 2^15 rows stay below 2^63.
+_SEGMENT_ROWS = 1 << 15
 
 
-def _hash_all(tensors: list[torch.Tensor]) -> list[str]:
-    if len(tensors) < 4:
-        return [tensor_sha256(t) for t in tensors]
-    with ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1))) as pool:
-        return list(pool.map(tensor_sha256, tensors))
+def _position_weights(start: int, count: int, device) -> torch.Tensor:
+    """``w(k) = (40503 k mod 2^16) + 1`` for ``k`` in ``[start, start + count)``: a bijection of
+    ``k mod 2^16`` onto ``1..2^16`` (40503 is odd), so two positions share a weight only 2^16 apart."""
+    k = torch.arange(start, start + count, device=device, dtype=torch.int64)
+    return ((k & 0xFFFF) * 40503 & 0xFFFF) + 1
+
+
+def _words(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The raw bytes of ``tensor`` (row-major) as 16-bit words (bytes if their count is odd), and
+    the mask that reads a word as an unsigned value."""
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if raw.numel() % 2:
+        return raw, 0xFF
+    try:
+        return raw.view(torch.int16), 0xFFFF
+    except RuntimeError:  # a byte view at an odd offset
+        return raw.clone().view(torch.int16), 0xFFFF
+
+
+def _unsigned_float64(words: torch.Tensor, mask: int) -> torch.Tensor:
+    """``words`` read as unsigned integers, in float64 (exact: below 2^16)."""
+    if words.dtype == torch.int16:
+        try:
+            return words.view(torch.uint16).to(torch.float64)
+        except (RuntimeError, TypeError):  # a build without uint16 casts: the same values
+            pass
+    return (words.to(torch.int32) & mask).to(torch.float64)
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """``<dtype><shape>:<s1>.<s2>.<s3>`` (hex) over the raw bytes of ``tensor``, read as unsigned
+    words ``x_i``: ``s1 = sum x_i``, ``s2 = sum x_i w(i)``, ``s3 = sum x_i w(i >> 16)``
+    (``_position_weights``). A changed value moves ``s1``; a swap of ``x_i`` and ``x_j`` moves
+    ``s2`` unless ``i = j mod 2^16``, and then ``s3`` unless ``i = j mod 2^32``.
+
+    Computed on the tensor's device, exactly: each row of 2^16 words goes through one float64
+    matrix product (every product and partial sum is an integer below 2^48, which float64 holds
+    exactly in any summation order), the rows' sums are combined in int64, and the host reads
+    three integers per 2^31 words. Same bytes, same string, on any device."""
+    words, mask = _words(tensor)
+    device, n = words.device, words.numel()
+    head = f"{str(tensor.dtype).removeprefix('torch.')}{tuple(tensor.shape)}:"
+    if n == 0:
+        return head + "0.0.0"
+    column_weights = torch.stack([torch.ones(_ROW, dtype=torch.float64, device=device),
+                                  _position_weights(0, _ROW, device).to(torch.float64)], 1)
+    per_row = []  # (rows, 2) int64: each row's sum x and sum x w(i)
+    for start in range(0, n, _CHUNK_ROWS * _ROW):
+        block = _unsigned_float64(words[start:start + _CHUNK_ROWS * _ROW], mask)
+        if block.numel() % _ROW:  # zeros add nothing to any sum
+            block = torch.cat([block, block.new_zeros(_ROW - block.numel() % _ROW)])
+        per_row.append((block.view(-1, _ROW) @ column_weights).to(torch.int64))
+    rows = torch.cat(per_row)
+    terms = torch.stack([rows[:, 0], rows[:, 1], rows[:, 0] * _position_weights(0, rows.shape[0], device)], 1)
+    parts = torch.stack([terms[i:i + _SEGMENT_ROWS].sum(0) for i in range(0, rows.shape[0], _SEGMENT_ROWS)])
+    sums = [sum(column) for column in zip(*parts.tolist())]
+    return head + ".".join(f"{value:x}" for value in sums)
 
 
 @dataclass
 class WeightDigest:
-    """``entries``: name -> ``tensor_sha256``. ``total``: one sha256 over the sorted entries."""
+    """``entries``: name -> ``tensor_digest``. ``total``: one sha256 over the sorted entries."""
 
     entries: dict[str, str] = field(default_factory=dict)
 
@@ -102,7 +155,7 @@ def digest_named(named: Iterable[tuple[str, torch.Tensor]]) -> WeightDigest:
         tensors.append(tensor)
     if len(set(names)) != len(names):
         raise ValueError(f"digest_named: names given twice: {sorted({n for n in names if names.count(n) > 1})[:3]}")
-    return WeightDigest(dict(zip(names, _hash_all(tensors))))
+    return WeightDigest(dict(zip(names, map(tensor_digest, tensors))))
 
 
 def bucket_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:

@@ -75,7 +75,7 @@ class AdapterVersion:
 class SyncReport:
     """What an engine reports holding after a weight or adapter sync, exactly (``digest.py``).
 
-    ``digest``: per-tensor sha256 of what the engine holds (or received; ``held`` says which);
+    ``digest``: per-tensor fingerprint (``digest.tensor_digest``) of what the engine holds (or received; ``held`` says which);
     ``form``: how the trainer computes the same digest of what it sent: ``{"kind": "lora",
     "dtype": "float32" | None, "scale_b": bool}`` (``digest.lora_digest``), ``{"kind":
     "tensors"}`` (``digest.digest_named`` over HF names) or ``{"kind": "buckets"}`` (one

@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 
 from atlas_lightning.errors import InputError
 from atlas_lightning.store.atomic import atomic_write_text
+from atlas_lightning.store.files import read_json_object
 
 MARKER = "checkpoint.json"
 LATEST = "latest_checkpointed_iteration.txt"
@@ -116,11 +117,8 @@ def _marker(folder: Path) -> dict:
     path = folder / MARKER
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {MARKER} (not a complete checkpoint: the save did not finish)")
-    try:
-        marker = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{folder}: {MARKER} is not readable JSON ({err})") from None
-    files = marker.get("files") if isinstance(marker, dict) else None
+    marker = read_json_object(path, CheckpointError, folder)
+    files = marker.get("files")
     if not isinstance(files, dict) or not files or not all(
             isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
             for v in files.values()):

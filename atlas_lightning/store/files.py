@@ -34,6 +34,20 @@ def fsync_folder(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def read_json_object(path: str | os.PathLike, error: type[Exception], where: object) -> dict:
+    """The JSON object in ``path``. Unreadable, not JSON, not UTF-8, or a JSON value other than an
+    object: ``error("<where>: <file name> is not readable JSON (...)" / "holds a JSON list, not an
+    object")``, so every loader names the folder and the file the same way."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise error(f"{where}: {path.name} is not readable JSON ({type(err).__name__}: {err})") from None
+    if not isinstance(value, dict):
+        raise error(f"{where}: {path.name} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
 def json_safe(value: Any) -> Any:
     """``value`` with non-finite floats as the strings ``"nan"``, ``"inf"``, ``"-inf"`` and numpy
     / torch scalars as plain numbers, so a diagnostic of a NaN step can still be written as JSON."""

@@ -23,13 +23,13 @@ Who calls it: ``ppo.module`` (the starting folders), ``models.build`` (through i
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from atlas_lightning.errors import InputError
+from atlas_lightning.store.files import read_json_object
 
 ROLES = ("actor", "critic")
 CONFIG_FILE = "adapter_config.json"
@@ -107,13 +107,7 @@ def read_adapter_config(folder: str | Path) -> dict:
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
         raise AdapterConfigError(f"{folder}: no {CONFIG_FILE} (not a PEFT adapter folder)")
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise AdapterConfigError(f"{folder}: {CONFIG_FILE} is not readable JSON ({type(err).__name__}: {err})") from None
-    if not isinstance(saved, dict):
-        raise AdapterConfigError(f"{folder}: {CONFIG_FILE} holds a JSON {type(saved).__name__}, not an object")
-    return saved
+    return read_json_object(path, AdapterConfigError, folder)
 
 
 def shape_from_adapter_config(saved: dict, where: str) -> LoraShape:

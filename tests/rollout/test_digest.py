@@ -4,8 +4,6 @@ compares what came back with what was sent (CPU, no engine)."""
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ from atlas_lightning.rollout.digest import (
     held_form,
     lora_digest,
     lora_modules,
-    tensor_sha256,
+    tensor_digest,
 )
 from atlas_lightning.rollout.engine import SyncReport
 
@@ -30,11 +28,54 @@ def _modules(seed=0, layers=3):
             for i in range(layers)}
 
 
-def test_tensor_sha256_is_the_sha256_of_dtype_shape_and_bytes():
+def _reference_digest(t: torch.Tensor) -> str:
+    """tensor_digest's definition, written out in plain Python over the tensor's bytes."""
+    raw = bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
+    if len(raw) % 2:
+        words = list(raw)
+    else:
+        words = [int.from_bytes(raw[i:i + 2], "little") for i in range(0, len(raw), 2)]
+
+    def w(k):
+        return (40503 * k) % 65536 + 1
+
+    sums = (sum(words), sum(x * w(i) for i, x in enumerate(words)), sum(x * w(i >> 16) for i, x in enumerate(words)))
+    return f"{str(t.dtype).removeprefix('torch.')}{tuple(t.shape)}:" + ".".join(f"{v:x}" for v in sums)
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+    torch.randn(3, 70_000, generator=torch.Generator().manual_seed(0)),  # rows past the first 2^16 words
+    torch.tensor([1, 2, 3], dtype=torch.uint8),  # an odd byte count: bytes, not words
+    torch.tensor([True, False]),
+    torch.zeros(0, 4),
+    torch.tensor(-2.5, dtype=torch.float64),
+])
+def test_tensor_digest_is_its_definition_over_the_raw_bytes(tensor):
+    assert tensor_digest(tensor) == _reference_digest(tensor)
+
+
+def test_tensor_digest_sees_dtype_shape_any_swap_and_reads_views_in_row_major_order():
     t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
-    expected = hashlib.sha256(b"bfloat16(2, 3)" + t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    assert tensor_sha256(t) == expected.hexdigest()
-    assert tensor_sha256(t) != tensor_sha256(t.reshape(3, 2)) != tensor_sha256(t.float())
+    assert tensor_digest(t) != tensor_digest(t.reshape(3, 2)) != tensor_digest(t.float())
+    assert tensor_digest(t.t()) == tensor_digest(t.t().contiguous())
+    big = torch.randn(3 * 2**16 + 5, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for i, j in [(0, 1), (3, 2**16 + 3), (7, 2 * 2**16 + 7)]:  # same low 16 bits of position: s3 sees it
+        swapped = big.clone()
+        swapped[i], swapped[j] = big[j], big[i]
+        assert tensor_digest(swapped) != tensor_digest(big), (i, j)
+    odd_offset = torch.arange(9, dtype=torch.uint8)[1:]  # a byte view at an odd offset, read as words
+    assert tensor_digest(odd_offset) == tensor_digest(odd_offset.clone())
+
+
+def test_tensor_digest_is_the_same_in_chunks_and_segments(monkeypatch):
+    from atlas_lightning.rollout import digest
+
+    t = torch.randn(5 * 2**16 + 3, generator=torch.Generator().manual_seed(2))
+    whole = digest.tensor_digest(t)
+    monkeypatch.setattr(digest, "_CHUNK_ROWS", 1)
+    monkeypatch.setattr(digest, "_SEGMENT_ROWS", 2)
+    assert digest.tensor_digest(t) == whole == _reference_digest(t)
 
 
 def test_one_bit_anywhere_changes_the_digest_and_is_named():
@@ -125,6 +166,6 @@ def test_an_engine_in_another_dtype_is_compared_in_its_dtype():
 
 def test_merged_tensors_digest_by_name():
     named = [("a", torch.ones(2)), ("b", torch.zeros(3))]
-    assert digest_named(named).entries == {"a": tensor_sha256(torch.ones(2)), "b": tensor_sha256(torch.zeros(3))}
+    assert digest_named(named).entries == {"a": tensor_digest(torch.ones(2)), "b": tensor_digest(torch.zeros(3))}
     with pytest.raises(ValueError, match="names given twice"):
         digest_named(named + [("a", torch.ones(2))])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -111,10 +110,8 @@ def test_seeded_sampling_matches_in_process(server_engine, vllm_engine, hf_engin
              SamplingSpec(max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=11)]
     requests = [GenerationRequest(f"s{i}-{j}", tuple(p), spec)
                 for j, spec in enumerate(specs) for i, p in enumerate(PROMPTS)]
-    started = time.monotonic()
     for request in requests:
         server_engine.submit(request)
-    assert time.monotonic() - started < 1.0  # submit does not wait for the server
     assert server_engine.num_pending() == len(requests)
     results = {}
     while server_engine.num_pending():

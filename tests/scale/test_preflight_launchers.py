@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -67,14 +66,11 @@ def test_launcher_preflight_on_cpu_with_the_tiny_model(run, tiny8, tiny_model_di
         args.append(f"trainer.init_from={step29}")
     env = {**os.environ, "ATLAS_PREFLIGHT_ONLY": "1", "ATLAS_CPU_PREFLIGHT": "1", "ATLAS_ROOT": str(tmp_path),
            "ATLAS_PYTHON": str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv").is_dir() else "python3"}
-    started = time.monotonic()
     result = subprocess.run(["bash", str(LAUNCH / f"{run}.sh"), *args], env=env, capture_output=True, text=True,
                             timeout=120)
-    seconds = time.monotonic() - started
     out = result.stdout + result.stderr
     logs = list((tmp_path / "logs").glob(f"{run}-*.log"))
     assert len(logs) == 1 and "== plan" in logs[0].read_text()  # everything went to logs/ too
-    assert seconds < 60, seconds
     # every run passes its pre-flight, the asynchronous separate layouts included
     assert result.returncode == 0, out[-3000:]
     assert "pre-flight passed" in out and "ATLAS_PREFLIGHT_ONLY set" in out
@@ -111,9 +107,7 @@ def _gpu_run(tiny8, sample_data_dir, tmp_path, *extra):
 
 
 def _failures(overrides, capsys) -> dict[str, str]:
-    started = time.monotonic()
     results = run_preflight(overrides, cpu=True, echo=lambda line: None)
-    assert time.monotonic() - started < 20
     return {c.name: c.detail for c in results if not c.ok}
 
 

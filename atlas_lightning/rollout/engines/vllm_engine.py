@@ -63,7 +63,7 @@ def _held_lora(worker, lora_id: int) -> Optional[dict]:
     module name) of the LoRA factors it holds for ``lora_id``, exactly as held, with their dtype
     and whether ``B`` carries its scaling (vLLM folds it in on load); None if it holds none.
     Packed modules (``qkv_proj``, ``gate_up_proj``) are named by their parts."""
-    from atlas_lightning.rollout.digest import canonical_module, tensor_sha256
+    from atlas_lightning.rollout.digest import canonical_module, tensor_digest
 
     manager = worker.model_runner.lora_manager._adapter_manager
     model = manager.get_adapter(lora_id)
@@ -82,7 +82,7 @@ def _held_lora(worker, lora_id: int) -> Optional[dict]:
             if a is None:  # a part without LoRA
                 continue
             key = canonical_module(name)
-            entries[f"{key}.lora_A"], entries[f"{key}.lora_B"] = tensor_sha256(a), tensor_sha256(b)
+            entries[f"{key}.lora_A"], entries[f"{key}.lora_B"] = tensor_digest(a), tensor_digest(b)
             dtypes.add(str(a.dtype).removeprefix("torch."))
             folded = folded and scaling == 1
     return {"entries": entries, "dtype": dtypes.pop() if len(dtypes) == 1 else sorted(dtypes), "scale_b": folded}
@@ -111,7 +111,7 @@ def check_adapter_folder(folder: str) -> None:
 
 def _reload_weights(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
     """Runs inside the vLLM worker: load HF-named tensors through the model's own loader, in ONE
-    ``reload_weights`` call; returns the digest entries (``digest.tensor_sha256`` by name) of
+    ``reload_weights`` call; returns the digest entries (``digest.tensor_digest`` by name) of
     what the loader consumed.
 
     One call for a whole sync, never one per bucket: vLLM 0.32's layerwise reload materialises a
@@ -119,7 +119,7 @@ def _reload_weights(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> dict
     of its parts and writes it back, so a bucket boundary inside a layer corrupts the part that
     arrives in the other call (seen: greedy output all token 0). A streamed iterator keeps
     memory at what the caller holds (a bucket) while vLLM sees every weight of every layer."""
-    from atlas_lightning.rollout.digest import tensor_sha256
+    from atlas_lightning.rollout.digest import tensor_digest
 
     entries: dict[str, str] = {}
 
@@ -127,7 +127,7 @@ def _reload_weights(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> dict
         for name, tensor in weights:
             if name in entries:
                 raise RuntimeError(f"reload_weights: {name} arrived twice in one sync")
-            entries[name] = tensor_sha256(tensor)
+            entries[name] = tensor_digest(tensor)
             yield name, tensor
 
     worker.reload_weights(weights_iterator=counted())
