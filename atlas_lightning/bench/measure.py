@@ -77,7 +77,6 @@ def matmul_peak(device: torch.device, n: int = 8192, reps: int = 20) -> dict:
     for _ in range(reps):
         times.append(timed(device, lambda: torch.mm(a, b, out=c)))
     median = statistics.median(times)
-    del a, b, c
     return {"n": n, "dtype": str(dtype), "median_s": median, "tflops": 2.0 * n**3 / median / 1e12}
 
 
@@ -89,7 +88,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 * 2**30, reps: int = 10
         dst.copy_(src)
     times = [timed(device, lambda: dst.copy_(src)) for _ in range(reps)]
     median = statistics.median(times)
-    del src, dst
     return {"bytes": nbytes, "median_s": median, "gbps": 2.0 * nbytes / median / 1e9}
 
 
