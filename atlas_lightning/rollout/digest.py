@@ -34,6 +34,7 @@ Who calls it: the weight-sync callback (what was sent), the engines (what they h
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -58,6 +59,14 @@ def _position_weights(start: int, count: int, device) -> torch.Tensor:
     ``k mod 2^16`` onto ``1..2^16`` (40503 is odd), so two positions share a weight only 2^16 apart."""
     k = torch.arange(start, start + count, device=device, dtype=torch.int64)
     return ((k & 0xFFFF) * 40503 & 0xFFFF) + 1
+
+
+@functools.lru_cache(maxsize=None)
+def _column_weights(device: torch.device) -> torch.Tensor:
+    """``(2^16, 2)`` float64: ones and ``w(c)`` per column, made once per device (a sync digests
+    hundreds of tensors; the weights never change)."""
+    return torch.stack([torch.ones(_ROW, dtype=torch.float64, device=device),
+                        _position_weights(0, _ROW, device).to(torch.float64)], 1)
 
 
 def _words(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -97,8 +106,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     head = f"{str(tensor.dtype).removeprefix('torch.')}{tuple(tensor.shape)}:"
     if n == 0:
         return head + "0.0.0"
-    column_weights = torch.stack([torch.ones(_ROW, dtype=torch.float64, device=device),
-                                  _position_weights(0, _ROW, device).to(torch.float64)], 1)
+    column_weights = _column_weights(device)
     per_row = []  # (rows, 2) int64: each row's sum x and sum x w(i)
     for start in range(0, n, _CHUNK_ROWS * _ROW):
         block = _unsigned_float64(words[start:start + _CHUNK_ROWS * _ROW], mask)
