@@ -23,7 +23,8 @@ What the callback measures, per RL step (rank 0's clocks; every rank runs the sa
 * each callback's own seconds (its ``on_train_batch_end``), and the rest of the step
   (``other``: Lightning's loop, the data hand-over);
 * shares: generation (``gen``), update compute (the five forward/backward phases) and the
-  rest, with validation apart and amortised (its seconds / ``trainer.val_every``).
+  rest, with validation and the checkpoint apart (they run every ``trainer.val_every`` /
+  ``trainer.save_every`` steps) and amortised over those periods.
 
 Generation against plain vLLM: the train rollout of ``replay_step`` (default 1) is recorded
 request by request (prompt tokens, sampling, the tokens each produced); at the end of that step
@@ -58,6 +59,8 @@ GIB = 2**30
 #: Phases of one step as the run logs them (``timing_s/<phase>``), in the order they run.
 PHASES = ("wake_rollout", "gen", "sleep", "assemble", "old_log_prob", "values", "ref", "adv", "update_critic",
           "update_actor", "wake", "update_weights", "testing")
+#: the callbacks whose seconds are the checkpoint (written every ``trainer.save_every`` steps)
+CHECKPOINT_CALLBACKS = ("StepCheckpoint", "HubCheckpointCallback")
 UPDATE_COMPUTE = ("old_log_prob", "values", "ref", "update_critic", "update_actor")
 #: Plan phase for a measured phase (``planning.estimate``'s names).
 PLAN_PHASES = {"old_log_prob": "old_log_prob", "values": "values", "ref": "ref", "update_critic": "update_critic",
@@ -301,6 +304,7 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
     steps = sorted(s for s in rollout_start if s in lengths)
     responses = responses or {}
     val_every = int(cfg.trainer.val_every) or int(cfg.trainer.total_steps)
+    save_every = int(cfg.trainer.save_every) or int(cfg.trainer.total_steps)
     rows = []
     for i, step in enumerate(steps):
         logged = history.get(step, {})
@@ -325,11 +329,16 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
             inside = sum(phases.get(p, 0.0) for p in ("wake_rollout", "gen", "sleep", "assemble") + UPDATE_COMPUTE
                          + ("adv",)) + sum(callbacks.values())
             row["other_s"] = wall - inside
-            overhead = wall - gen - update - validation
-            amortised = overhead + validation / max(val_every, 1) if validation else overhead
+            # validation and checkpoints run every val_every / save_every steps: a step that has one
+            # shows it apart, and the amortised share spreads each over its period
+            checkpoint = sum(callbacks.get(name, 0.0) for name in CHECKPOINT_CALLBACKS)
+            overhead = wall - gen - update - validation - checkpoint
+            periodic = validation / max(val_every, 1) + checkpoint / max(save_every, 1)
             row["shares"] = {"generation": gen / wall, "update_compute": update / wall,
                              "overhead": overhead / wall, "validation": validation / wall,
-                             "overhead_with_validation_amortised": amortised / (wall - validation + validation / max(val_every, 1))}
+                             "checkpoint": checkpoint / wall,
+                             "overhead_with_periodic_amortised": (overhead + periodic)
+                             / (wall - validation - checkpoint + periodic)}
             row["gen_tokens_per_s"] = (generated.get(step) or 0) / gen if gen else None
         flops = phase_flops(cfg, lengths[step], responses.get(step, [])) if step in responses else None
         if flops:
@@ -417,8 +426,9 @@ def markdown(report: dict) -> str:
         shares = row.get("shares")
         if shares:
             lines += ["", f"generation {shares['generation']:.1%}, update compute {shares['update_compute']:.1%}, "
-                          f"the rest {shares['overhead']:.1%} (validation {shares['validation']:.1%} apart; with "
-                          f"validation amortised over its period: {shares['overhead_with_validation_amortised']:.1%}); "
+                          f"the rest {shares['overhead']:.1%} (validation {shares['validation']:.1%} and checkpoint "
+                          f"{shares['checkpoint']:.1%} apart; with both amortised over their periods: "
+                          f"{shares['overhead_with_periodic_amortised']:.1%}); "
                           f"asleep the card held {_fmt(row['memory_gib'].get('card_used_gib/asleep'), '.2f')} GiB", ""]
     plain = report.get("plain_generate", {})
     if plain.get("done"):

@@ -8,8 +8,13 @@ lacks one (``Missing key in checkpoint state_dict``): a run could save but never
 NaN guard could never roll back. ``TrainableStateStrategy.load_checkpoint`` loads the keys the
 checkpoint holds, after checking that it holds every key the module trains (a checkpoint
 missing a trainable tensor is refused, naming it), then the optimizers' states and the rest
-(loops, callbacks, the data cursor) as Lightning does. Saving is Lightning's own. A full
-(non-sharded) checkpoint file goes to Lightning's own loader.
+(loops, callbacks, the data cursor) as Lightning does. A full (non-sharded) checkpoint file goes
+to Lightning's own loader.
+
+Saving is Lightning's own but for one thing: ``lightning_module_state_dict`` gathers the
+trainable tensors only. Lightning's copies every tensor of the module to the host
+(``cpu_offload``) before the module drops the frozen ones: on the 8B shape that copied the
+16 GB base at every checkpoint, most of the 27-36 s a checkpoint took on the H200.
 
 Who calls it: ``run/wiring.build_strategy`` (every run on GPUs, and on CPU with several
 processes), tests.
@@ -33,6 +38,14 @@ class CheckpointKeysError(RuntimeError):
 class TrainableStateStrategy(ModelParallelStrategy):
     """``ModelParallelStrategy`` (FSDP2 over the data-parallel ranks) that resumes from the
     trainable-only checkpoints the PPO module saves (module doc)."""
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's trainable tensors (and buffers), on the host: what ``on_save_checkpoint`` keeps."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True,
+                                   ignore_frozen_params=True)
+        return get_model_state_dict(self.model, options=options)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         from lightning.fabric.strategies.fsdp import _METADATA_FILENAME

@@ -1,0 +1,29 @@
+"""The step benchmark's shares (``bench.step.build_report``) from a step's logged phases and
+callback seconds: generation, update compute, the rest, and validation and the checkpoint apart,
+each amortised over its period (``trainer.val_every`` / ``trainer.save_every``). The figures are
+built by hand here so that every share can be checked against arithmetic done independently."""
+
+from __future__ import annotations
+
+import pytest
+
+from atlas_lightning.bench.step import build_report
+from atlas_lightning.config import compose
+
+
+def test_validation_and_checkpoint_are_apart_and_amortised_over_their_periods():
+    cfg = compose(["experiment=tiny-cpu", "trainer.total_steps=10", "trainer.val_every=5", "trainer.save_every=2"])
+    phases = {"gen": 10.0, "sleep": 1.0, "assemble": 0.5, "old_log_prob": 4.0, "values": 4.0, "adv": 0.5,
+              "update_critic": 30.0, "update_actor": 30.0}
+    callbacks = {"WeightSyncCallback": 3.0, "ValidationCallback": 8.0, "StepCheckpoint": 6.0}
+    wall = 100.0  # 10 gen + 68 update + 8 validation + 6 checkpoint + 8 of everything else
+    report = build_report(cfg, {1: {f"timing_s/{p}": s for p, s in phases.items()}}, rollout_start={1: 0.0},
+                          ended=wall, callback_s={1: callbacks}, lengths={1: [100, 200]}, generated={1: 150},
+                          replayed={})
+    shares = report["steps"][0]["shares"]
+    assert shares["generation"] == pytest.approx(0.10) and shares["update_compute"] == pytest.approx(0.68)
+    assert shares["validation"] == pytest.approx(0.08) and shares["checkpoint"] == pytest.approx(0.06)
+    assert shares["overhead"] == pytest.approx(0.08)
+    # a typical step: 86 s of gen, update and the rest, plus 8/5 s of validation and 6/2 s of checkpoint
+    periodic = 8.0 / 5 + 6.0 / 2
+    assert shares["overhead_with_periodic_amortised"] == pytest.approx((8.0 + periodic) / (86.0 + periodic))
