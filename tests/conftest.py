@@ -16,6 +16,12 @@ import pytest
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Idle OpenMP threads sleep instead of spinning. The suite shares two cores with the background
+# build of the tiny orchestrator (tests/demo/conftest.py); spinning threads of one process then
+# burn the core another needs: the kill-and-resume test took 199 s and 206 CPU-s beside the build,
+# 71 s and 72 CPU-s with this (61 s alone). Read when torch first loads OpenMP: set before any
+# test imports torch, and inherited by every process a test starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
