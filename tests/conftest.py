@@ -142,8 +142,8 @@ def randomize():
 
 
 def run_fsdp_worker(world_size: int, arch: str, dims: dict, tmp_path, timeout: int) -> tuple[dict, float]:
-    """``tests/models/fsdp_worker.py`` under ``torch.distributed.run`` at ``world_size`` ranks
-    on a tiny ``arch`` base of ``dims``; (the report its rank 0 wrote, wall seconds)."""
+    """``tests/models/fsdp_worker.py`` at ``world_size`` ranks (forked by ``tests/forked_ranks.py``,
+    torchrun's variables) on a tiny ``arch`` base of ``dims``; (the report its rank 0 wrote, wall seconds)."""
     import json
     import subprocess
     import sys
@@ -152,15 +152,15 @@ def run_fsdp_worker(world_size: int, arch: str, dims: dict, tmp_path, timeout: i
 
     from atlas_lightning.demo.tiny_causal_lm import save_tiny_causal_lm
 
-    worker = Path(__file__).resolve().parent / "models" / "fsdp_worker.py"
+    here = Path(__file__).resolve().parent
+    worker = here / "models" / "fsdp_worker.py"
     base = save_tiny_causal_lm(tmp_path / "base", arch=arch, **dims)
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-         str(worker), str(base), str(out)],
+        [sys.executable, str(here / "forked_ranks.py"), str(world_size), str(worker), str(base), str(out)],
         env=env, capture_output=True, text=True, timeout=timeout,
     )
     assert result.returncode == 0, result.stderr[-4000:]

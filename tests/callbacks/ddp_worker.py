@@ -1,6 +1,7 @@
-"""One rank of the two-process callback test (``test_cb_ddp.py``), run under torch.distributed.run:
+"""One rank of the two-process callback test (``test_cb_ddp.py``), run at two ranks by
+``tests/forked_ranks.py`` (torchrun's variables; ``torch.distributed.run`` runs it the same way):
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 ddp_worker.py ROOT NAME NAN_STEP
+    python tests/forked_ranks.py 2 ddp_worker.py ROOT NAME NAN_STEP
 
 Trains ``cb_harness``'s scripted module with DDP on gloo, with the four callbacks and a folder
 checkpoint every 2 steps; ``NAN_STEP`` 0 means no non-finite step. Each rank writes

@@ -16,13 +16,14 @@ from atlas_lightning.store.records import read_record, verify_manifest
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
+#: torchrun's rendezvous for the two ranks, forked after one import of the worker's modules.
+FORKED_RANKS = Path(__file__).resolve().parents[1] / "forked_ranks.py"
 
 
 def _launch(root: Path, name: str, nan_step: int) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(WORKER), str(root), name, str(nan_step)],
+        [sys.executable, str(FORKED_RANKS), "2", str(WORKER), str(root), name, str(nan_step)],
         capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((root / f"{name}_rank_{r}.json").read_text()) for r in (0, 1)]

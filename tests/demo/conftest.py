@@ -3,12 +3,11 @@ warm-started model itself (``orchestrator_dir``).
 
 The warm-started model (``DEFAULT_RECIPE``, seed 0: what ``make demo`` builds) takes about 13 CPU
 minutes to build. When a selected test needs it, the build starts in a child process as soon as
-collection ends, on one thread, while the other tests run (the suite alone leaves much of two
-cores idle), and the tests that need it are moved to the end of the run. It goes into pytest's
-cache under a key of the code and library versions that make it: later runs reuse it. One thread
-gives the same bytes as two (the build's kernels reduce in a fixed order whatever the thread
-count; checked over 120 steps of the recipe), and the key holds the builder's thread count all
-the same.
+collection ends (``background_build.py``: lowest priority, a second torch thread whenever the
+other tests leave a core idle) while the other tests run, and the tests that need it are moved
+to the end of the run. It goes into pytest's cache under a key of the code and library versions
+that make it: later runs reuse it. The thread count does not change the bytes (see
+``background_build.py``); the key names the pacing all the same.
 """
 
 from __future__ import annotations
@@ -29,8 +28,10 @@ _PACKAGE = Path(__file__).resolve().parents[2] / "atlas_lightning"
 _SOURCES = ("demo/demos.py", "demo/tiny_orchestrator.py", "demo/tiny_model.py", "demo/tiny_tokenizer.py",
             "demo/tiny_corpus.py", "demo/sample.py", "demo/sample_texts.py", "questions", "rollout/chat.py",
             "rollout/agent_loop.py", "rollout/engine.py", "rollout/engines/hf_engine.py", "env", "reward")
-#: The builder's torch threads (one: the other core runs the rest of the suite meanwhile).
-BUILD_THREADS = 1
+#: The builder's torch threads: one, two while a core is idle (``background_build.IdleCorePacer``).
+BUILD_THREADS = "paced-1-2"
+#: The builder the suite runs (``atlas-lightning data tiny-orchestrator --seed 0``, paced).
+_BUILDER = Path(__file__).with_name("background_build.py")
 #: How long the test waiting for the build waits at most (the build is ~13 CPU minutes).
 BUILD_TIMEOUT_S = 3600
 _FIXTURE = "orchestrator_dir"
@@ -67,14 +68,15 @@ class _Build:
         self.log = cache / "build.log"
         self.process: subprocess.Popen | None = None
         if not (self.folder / "sft_summary.json").is_file():
-            threads = str(BUILD_THREADS)
-            env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
+            env = dict(os.environ, OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
+            # A waiting thread of the two spins briefly (OpenMP's default) instead of sleeping at once
+            # (the suite's PASSIVE): 0.49 s a step on two threads against 0.63 (1.0 and 0.98 CPU-s).
+            env.pop("OMP_WAIT_POLICY", None)
             with self.log.open("w") as log:
-                # base=None: the build makes the seed's tiny model itself, the same bytes as tiny_model_dir
+                # the build makes the seed's tiny model itself, the same bytes as tiny_model_dir
                 self.process = subprocess.Popen(
-                    [sys.executable, "-m", "atlas_lightning.cli", "data", "tiny-orchestrator", "--seed", "0",
-                     "--out", str(self.folder)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env=env)
+                    [sys.executable, str(_BUILDER), str(self.folder)], stdout=log, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, env=env)
 
     def wait(self) -> Path:
         if self.process is not None:

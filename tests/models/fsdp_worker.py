@@ -1,6 +1,7 @@
-"""One rank of the FSDP2 equivalence check, run by ``torch.distributed.run`` (gloo, CPU).
+"""One rank of the FSDP2 equivalence check (gloo, CPU), run at W ranks by ``tests/forked_ranks.py``
+(torchrun's variables; ``torch.distributed.run`` runs it the same way):
 
-    python -m torch.distributed.run --standalone --nproc_per_node W fsdp_worker.py BASE OUT
+    python tests/forked_ranks.py W fsdp_worker.py BASE OUT
 
 Every rank builds the same ActorCritic (same seed, adapters set to deterministic non-zero
 values), shards it over W ranks and runs, on ITS OWN packed batch, actor, critic and base

@@ -3,7 +3,7 @@ save/load equal one unsharded process, at world sizes whose shards are uneven.
 
 The dims (hidden 80, intermediate 136, vocab 131, LoRA rank 5) divide by none of 3 or 4,
 so shards are uneven; at 4 ranks the rank-5 LoRA factors leave one rank an empty shard.
-Each case starts ``fsdp_worker.py`` under ``torch.distributed.run`` and asserts on the
+Each case starts ``fsdp_worker.py`` at W ranks (``tests/forked_ranks.py``) and asserts on the
 report its rank 0 writes (see that file for what is compared).
 """
 

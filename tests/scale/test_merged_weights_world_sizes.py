@@ -5,7 +5,7 @@ parameter on dim 0 over the ranks, unevenly when a dim does not divide by 6. Her
 (hidden 74, MLP 130, vocabulary 131, LoRA rank 5; q_proj 64 and k/v 32 wide) divide by
 neither 4 nor 6 wherever it matters, so shards are uneven and, for the rank-5 LoRA factors,
 some ranks hold nothing. Each case runs the models room's worker (``tests/models/fsdp_worker.py``,
-imported by path, unchanged) under ``torch.distributed.run``: it shards an ActorCritic over W
+imported by path, unchanged) at W forked ranks (``tests/forked_ranks.py``): it shards an ActorCritic over W
 ranks and compares, on rank 0, ``merged_weights`` of both adapters with the one-process export
 bit for bit (and with peft's ``merge_and_unload()`` up to fp32 rounding), and the sharded
 passes and gradients with one process.
