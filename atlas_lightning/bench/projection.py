@@ -43,6 +43,8 @@ from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from .step_names import CHECKPOINT_CALLBACKS, SYNC_CALLBACK, VALIDATION_CALLBACK
+
 #: The benchmark's length mix (bench/README.md): 7 trajectories, 46,950 tokens, 12,100 generated.
 MIX_TOKENS = 46950 / 7
 MIX_GENERATED = 12100 / 7
@@ -103,7 +105,7 @@ def inputs_from_bench(bench: dict, step: Optional[int] = None) -> Measured:
     plain = bench.get("plain_generate", {})
     phases, callbacks = row["phases_s"], row.get("callbacks_s", {})
     rest = row.get("other_s", 0) + phases.get("assemble", 0) + phases.get("adv", 0) + sum(
-        s for name, s in callbacks.items() if name not in ("WeightSyncCallback", "ValidationCallback", "StepCheckpoint"))
+        s for name, s in callbacks.items() if name not in (SYNC_CALLBACK, VALIDATION_CALLBACK, *CHECKPOINT_CALLBACKS))
     return Measured(
         peak_tflops=bench.get("peak_bf16_tflops") or 790.0,
         update_mfu=(mfu.get("update_critic", 0) + mfu.get("update_actor", 0)) / 2,
@@ -111,7 +113,7 @@ def inputs_from_bench(bench: dict, step: Optional[int] = None) -> Measured:
         decode_tokens_per_s=plain.get("tokens_per_s") or row.get("gen_tokens_per_s"),
         loop_efficiency=plain.get("gen_vs_plain") or 1.0,
         sleep_s=phases.get("sleep", 0) + phases.get("wake", 0) + phases.get("wake_rollout", 0),
-        sync_s=phases.get("update_weights", 0), checkpoint_s=callbacks.get("StepCheckpoint", 0),
+        sync_s=phases.get("update_weights", 0), checkpoint_s=sum(callbacks.get(name, 0) for name in CHECKPOINT_CALLBACKS),
         rest_s=rest, rest_trajectories=max(int(row["trajectories"]), 1), step=row["step"])
 
 

@@ -55,12 +55,12 @@ from typing import Any, Optional
 
 import lightning as L
 
+from .step_names import CHECKPOINT_CALLBACKS, VALIDATION_CALLBACK
+
 GIB = 2**30
 #: Phases of one step as the run logs them (``timing_s/<phase>``), in the order they run.
 PHASES = ("wake_rollout", "gen", "sleep", "assemble", "old_log_prob", "values", "ref", "adv", "update_critic",
           "update_actor", "wake", "update_weights", "testing")
-#: the callbacks whose seconds are the checkpoint (written every ``trainer.save_every`` steps)
-CHECKPOINT_CALLBACKS = ("StepCheckpoint", "HubCheckpointCallback")
 UPDATE_COMPUTE = ("old_log_prob", "values", "ref", "update_critic", "update_actor")
 #: Plan phase for a measured phase (``planning.estimate``'s names).
 PLAN_PHASES = {"old_log_prob": "old_log_prob", "values": "values", "ref": "ref", "update_critic": "update_critic",
@@ -316,7 +316,7 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
         callbacks = dict(callback_s.get(step, {}))
         gen = phases.get("gen", 0.0)
         update = sum(phases.get(p, 0.0) for p in UPDATE_COMPUTE)
-        validation = callbacks.get("ValidationCallback", 0.0)
+        validation = callbacks.get(VALIDATION_CALLBACK, 0.0)
         row: dict[str, Any] = {
             "step": step, "wall_s": wall, "phases_s": phases, "callbacks_s": callbacks,
             "memory_gib": {k[len("memory/"):]: v for k, v in logged.items() if k.startswith("memory/")},

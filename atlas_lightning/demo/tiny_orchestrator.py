@@ -326,16 +326,14 @@ def _move_into_place(staging: Path, out: Path) -> None:
 
 
 def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, *,
-                            recipe: SFTRecipe = DEFAULT_RECIPE, sample_seed: int = 0,
-                            on_step: Callable[[int, float], None] | None = None) -> dict:
+                            recipe: SFTRecipe = DEFAULT_RECIPE, sample_seed: int = 0) -> dict:
     """SFT the tiny model on scripted episodes and save it under ``out`` (see the module docstring).
 
     ``base``: a tiny model folder (``build_tiny_model``'s layout) to start from; ``None`` builds
     one with ``build_tiny_model(seed=seed)``. ``sample_seed``: the bundled sample whose train
     questions are demonstrated and whose validation questions are evaluated. The global torch
-    RNG and thread settings are left as they were. ``on_step(step, loss)``: called after each
-    optimizer step (``train_on_demos``), e.g. to report progress; it must not touch the model.
-    Returns the summary also written to ``out/sft_summary.json``.
+    RNG and thread settings are left as they were. Returns the summary also written to
+    ``out/sft_summary.json``.
     """
     import torch
     import transformers
@@ -375,7 +373,7 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="sdpa")
-            losses = train_on_demos(model, demos, recipe, seed, pad_id, on_step=on_step)
+            losses = train_on_demos(model, demos, recipe, seed, pad_id)
             trained = time.monotonic()
             model.save_pretrained(staging)
             for name in _TOKENIZER_FILES:

@@ -34,3 +34,13 @@ def test_the_projection_carries_each_phase_by_its_rule():
     assert project(half)["inputs"]["decode_s"] == pytest.approx(2 * result["inputs"]["decode_s"])
     text = markdown(result)
     assert "**step**" in text and "assumptions:" in text
+
+
+def test_every_checkpoint_callback_is_the_checkpoint_not_the_rest():
+    """A run that also pushes checkpoints to the Hub: both callbacks' seconds are the checkpoint
+    (as ``bench/step.py`` counts them), none of them ``rest_s``."""
+    row = {**BENCH["steps"][0], "callbacks_s": {**BENCH["steps"][0]["callbacks_s"], "HubCheckpointCallback": 2.5}}
+    with_hub = inputs_from_bench({**BENCH, "steps": [row]})
+    without = inputs_from_bench(BENCH)
+    assert with_hub.checkpoint_s == pytest.approx(5.0 + 2.5) and without.checkpoint_s == pytest.approx(5.0)
+    assert with_hub.rest_s == pytest.approx(without.rest_s) == pytest.approx(1.0 + 0.5 + 0.1 + 1.0)
