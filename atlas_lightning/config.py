@@ -92,6 +92,15 @@ class ModelConfig:
     #: (transformers' reference code, run per sequence inside packed rows) or ``auto`` (``fla``
     #: where it imports and the model is on a GPU). The model and ``plan`` both report the choice.
     linear_attention_kernel: str = "auto"
+    #: The decoder layers' memory-bound kernels (RMSNorms, the SwiGLU product, Qwen3's rotary):
+    #: ``liger`` (liger-kernel's fused Triton kernels, extra ``liger``; CUDA only), ``torch``
+    #: (PyTorch's ops) or ``auto`` (``liger`` where liger-kernel and Triton import and the model is
+    #: on a GPU). Equal within bf16 rounding (``models/fused_kernels.py``); the model reports the choice.
+    elementwise_kernels: str = "auto"
+    #: ``attn_implementation=sdpa_varlen``: each sequence's attention length padded up to a
+    #: multiple of this (exact by causality; 0: exact lengths). cuDNN's attention builds an
+    #: execution graph per new length (~0.1 s on an H200); null: 1024 on CUDA, 0 elsewhere.
+    attention_length_bucket: Optional[int] = None
     #: With gradient checkpointing, one recompute policy a decoder layer, finer than
     #: ``checkpoint_layers`` (which it overrides): ``layer`` (the whole layer), ``mixer`` (the
     #: attention or Gated DeltaNet alone), ``mlp`` (the MLP's gate and up projections) or ``none``

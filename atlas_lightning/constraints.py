@@ -188,6 +188,8 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "model.attn_implementation": OneOf(("sdpa", "sdpa_varlen", "eager", "flash_attention_2", "flash_attention_3")),
     "model.sequence_layout": OneOf(("auto", "packed", "padded")),
     "model.linear_attention_kernel": OneOf(("auto", "fla", "torch")),
+    "model.elementwise_kernels": OneOf(("auto", "liger", "torch")),
+    "model.attention_length_bucket": Int(0, optional=True),
     "model.layer_recompute": Either((OneOf((None,)), Items(OneOf(("layer", "mixer", "mlp", "none")), min_length=1)),
                                     "null or a list of layer, mixer, mlp, none (one a decoder layer)"),
     "model.checkpoint_layers": Int(0, optional=True),

@@ -10,6 +10,13 @@
 4. the 27B baseline (transformers + peft, its torch Gated DeltaNet), timed on its first update.
 
     python3 bench/run_issue20.py --out $OUT [--budget-s 560] [--skip-test] [--only 27b,27b-baseline]
+    python3 bench/run_issue20.py --out $OUT --run run15e --skip-test --only dense,dense-torch \
+        --dense-cap-gib 58 --batch-repeats 2        # run 15: the dense goal, with PyTorch's ops beside
+
+``dense-torch`` (only when named): our dense batch again with ``--elementwise-kernels torch``
+(the fused kernels' share); ``--elementwise-kernels`` sets our path's kernels everywhere,
+``--dense-cap-gib`` the dense plan's cap, ``--batch-repeats`` how many times ours updates the
+same batch (the second: every attention length bucket seen).
 
 Each step writes ``$OUT/run<N>-*.json`` and ``.md`` as it goes; a step starts only if the time
 left allows, and the last lines printed are the summary table.
@@ -37,7 +44,12 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=560.0)
     p.add_argument("--skip-test", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU plumbing check on toy shapes")
-    p.add_argument("--only", default="", help="comma-separated steps to run (27b, dense, 27b-baseline; default all)")
+    p.add_argument("--only", default="",
+                   help="comma-separated steps to run (27b, dense, dense-torch, 27b-baseline; default all but dense-torch)")
+    p.add_argument("--elementwise-kernels", default="auto", choices=("auto", "liger", "torch"),
+                   help="our path's norm/SwiGLU/rotary kernels (model.elementwise_kernels)")
+    p.add_argument("--batch-repeats", type=int, default=1, help="timed updates of ours on the dense batch")
+    p.add_argument("--dense-cap-gib", type=float, default=60.0, help="the dense batch's memory cap for the plan")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -62,7 +74,13 @@ def main() -> int:
                  "--sections", "peak,update,autotune,profile"], 60, 140),
         ("dense", ["--models", "dense8b", "--sweep-layers", "4", "--sweep", "ours,ours_none,ours_mixer,ours_mlp",
                    "--sweep-warmup", "0", "--sections", "peak,batch,profile", "--batch-sequences", "32",
-                   "--batch-cap-gib", "60"], 100, 0),
+                   "--batch-cap-gib", str(args.dense_cap_gib), "--elementwise-kernels", args.elementwise_kernels,
+                   "--batch-repeats", str(args.batch_repeats)], 100, 0),
+        # ours alone with PyTorch's element-wise ops: the same plan search, for the fused kernels' share
+        ("dense-torch", ["--models", "dense8b", "--sweep-layers", "4", "--sweep", "ours,ours_none,ours_mixer,ours_mlp",
+                         "--sweep-warmup", "0", "--sections", "peak,batch", "--batch-sequences", "32",
+                         "--batch-cap-gib", str(args.dense_cap_gib), "--elementwise-kernels", "torch",
+                         "--paths", "ours"], 80, 0),
         ("27b-baseline", ["--models", "qwen3_6_27b", "--layers", "qwen3_6_27b=16", "--sweep-layers", "0",
                           "--reps", "1", "--baseline-warmup", "0", "--paths", "baseline",
                           "--sections", "peak,update"], 55, 0),
@@ -77,6 +95,8 @@ def main() -> int:
         if unknown:
             p.error(f"--only: no step {', '.join(sorted(unknown))}")
         steps = [step for step in steps if step[0] in args.only.split(",")]
+    else:
+        steps = [step for step in steps if step[0] != "dense-torch"]
     for label, argv, needs, keep in steps:
         if left() < needs:
             print(f"[issue20] {label}: skipped, {left():.0f} s left", flush=True)
@@ -89,7 +109,7 @@ def main() -> int:
 
     print("\n[issue20] summary", json.dumps(summary))
     rows = [("shape", "path", "s", "tokens/s", "MFU", "peak GiB", "plan")]
-    for label in ("27b", "27b-baseline", "dense"):
+    for label in ("27b", "27b-baseline", "dense", "dense-torch"):
         path = out / f"{args.run}-{label}.json"
         if not path.exists():
             continue
@@ -102,11 +122,11 @@ def main() -> int:
                                  f"{100 * update.get('useful_mfu', 0):.1f}%", f"{update.get('peak_gib') or 0:.1f}",
                                  _short(plan)))
             batch = model.get("batch", {})
-            for which in ("ours", "baseline"):
-                update = batch.get(which, {}).get("update", {})
+            for which, key in (("ours", "update"), ("ours", "update_2"), ("baseline", "update")):
+                update = batch.get(which, {}).get(key, {})
                 if update.get("seconds"):
                     attempt = batch[which]["attempts"][-1]
-                    rows.append((f"{name} batch", which, f"{update['seconds']:.2f}", f"{update['tokens_per_s']:.0f}",
+                    rows.append((f"{name} batch ({label})", which + ("" if key == "update" else f" ({key})"), f"{update['seconds']:.2f}", f"{update['tokens_per_s']:.0f}",
                                  f"{100 * update.get('useful_mfu', 0):.1f}%", f"{update.get('peak_gib') or 0:.1f}",
                                  f"{attempt.get('budget', '')} {_short(attempt.get('layer_recompute', ''))}"))
     for row in rows:

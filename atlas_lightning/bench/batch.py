@@ -24,7 +24,7 @@ Who calls it: ``cli.py`` (section ``batch``).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -77,9 +77,24 @@ class ActorUpdate:
         return measure.peak_gib(self.runner.device)
 
     def __call__(self) -> None:
+        #: the running peak (GiB) after each micro-step: which micro-batch set the update's peak
+        self.running_peak_gib = []
+        cuda = self.runner.device.type == "cuda"
+        #: CUDA events around each micro-step (no sync in the loop): ``micro_step_s`` after it
+        self.events = [torch.cuda.Event(enable_timing=True)] if cuda else []
+        if cuda:
+            self.events[0].record()
         for indices in self.micro_batches:
             _micro_step(self.runner, self.inputs, indices, self.total)
+            if cuda:  # the allocator's host-side count: no sync
+                self.running_peak_gib.append(round(measure.peak_gib(self.runner.device), 2))
+                self.events.append(torch.cuda.Event(enable_timing=True))
+                self.events[-1].record()
         self._step()
+
+    def micro_step_s(self) -> list[float]:
+        """Seconds of each micro-step of the last ``__call__`` (after a sync)."""
+        return [round(a.elapsed_time(b) / 1e3, 3) for a, b in zip(self.events, self.events[1:])]
 
 
 def packed_micro_batches(inputs: PPOInputs, budget: int) -> list[list[int]]:
@@ -95,17 +110,22 @@ def timed_update(update: ActorUpdate, flops: float, peak_tflops) -> dict:
     entry = {"seconds": seconds, "tokens_per_s": tokens / seconds, "useful_tflops": flops / seconds / 1e12,
              "peak_gib": measure.peak_gib(device), "micro_batches": len(update.micro_batches),
              "micro_batch_tokens": [sum(int(update.inputs.sequences[i].numel()) for i in mb)
-                                    for mb in update.micro_batches]}
+                                    for mb in update.micro_batches],
+             "micro_batch_sequences": [len(mb) for mb in update.micro_batches],
+             "running_peak_gib": getattr(update, "running_peak_gib", []),
+             "micro_step_s": update.micro_step_s() if device.type == "cuda" else []}
     if peak_tflops:
         entry["useful_mfu"] = entry["useful_tflops"] / peak_tflops
     return entry
 
 
-def run_with_fallbacks(attempts: list[tuple[str, Callable[[], tuple]]], cap_gib, log) -> tuple:
+def run_with_fallbacks(attempts: list[tuple[str, Callable[[], tuple]]], cap_gib, log,
+                       tried: Optional[list] = None) -> tuple:
     """Try each ``(label, build)`` in turn; ``build()`` returns ``(runner, update, info)``. The
     first whose warm-up peak is within ``cap_gib`` (None: no cap) is returned with the list of
-    what was tried; the others are freed."""
-    tried = []
+    what was tried (``tried``, if given, is that list: a later ``build`` may read it); the
+    others are freed."""
+    tried = [] if tried is None else tried
     for label, build in attempts:
         runner = update = None
         try:

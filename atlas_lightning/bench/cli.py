@@ -124,9 +124,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "one-time costs then count against the baseline)")
     p.add_argument("--sections", default="peak,logprob,update,forward,sync",
                    help="of peak, logprob, update, forward, sync, autotune, profile, batch")
+    p.add_argument("--elementwise-kernels", default="auto", choices=("auto", "liger", "torch"),
+                   help="our path's norm/SwiGLU/rotary kernels (model.elementwise_kernels; models/fused_kernels.py)")
     p.add_argument("--paths", default="ours,baseline", help="which of ours, baseline the update and batch run")
     p.add_argument("--batch-sequences", type=int, default=32, help="trajectories of the batch benchmark")
     p.add_argument("--batch-cap-gib", type=float, default=60.0, help="peak memory the batch update must stay within")
+    p.add_argument("--batch-repeats", type=int, default=1,
+                   help="timed updates of our path on the same batch (the second: every length seen once)")
     p.add_argument("--batch-budgets", default="49152,40960,32768,24576,16384",
                    help="micro-batch token budgets the batch update may choose from (at most --tokens)")
     p.add_argument("--memory-margin-gib", type=float, default=16.0)
@@ -261,7 +265,7 @@ class Bench:
 
     def _ours(self, base, fused: bool, layer_recompute):
         return OursRunner(base, self.args.rank, self.args.tokens, fused_lora=fused, layer_recompute=layer_recompute,
-                          chunk_tokens=self.args.chunk)
+                          chunk_tokens=self.args.chunk, elementwise_kernels=self.args.elementwise_kernels)
 
     def run_model(self, name: str) -> None:
         shape = shape_by_name(name)
@@ -296,7 +300,8 @@ class Bench:
                     plan = sweep_plan(rule, sweep_layers)
                     runner = self._ours(base, fused, plan)
                     entry.update(fused_lora=fused, attention=attention, layer_recompute=plan,
-                                 linear_attention_kernel=runner.model.linear_attention_kernel)
+                                 linear_attention_kernel=runner.model.linear_attention_kernel,
+                                 elementwise_kernels=runner.model.elementwise_kernels)
                     entry.update(parameter_bytes(runner.model))
                     if rule in ("layer", "none"):  # what the plan can express: all or no layer checkpointed
                         with measure.section(entry, "plan", self.device) as planned:
@@ -377,7 +382,8 @@ class Bench:
                 entry["options"] = {"fused_lora": True, "attention": attention,
                                     "layer_recompute": runner.model.layer_recompute,
                                     "sequence_layout": runner.model.sequence_layout,
-                                    "linear_attention_kernel": runner.model.linear_attention_kernel}
+                                    "linear_attention_kernel": runner.model.linear_attention_kernel,
+                                    "elementwise_kernels": runner.model.elementwise_kernels}
             else:
                 runner = BaselineRunner(base, self.args.rank, self.args.tokens, logits_bytes_limit=self._logits_limit())
                 entry["options"] = {"attention": attention, "micro_batch_sequences": runner.micro_batch_size(inputs),
@@ -423,6 +429,24 @@ class Bench:
         capacity = torch.cuda.get_device_properties(self.device).total_memory
         return 0.5 * (capacity - torch.cuda.memory_allocated(self.device))
 
+    def _rechoose(self, out: dict, tried: list, sweep: dict, layers: int, budgets, cap: float, shape, make):
+        """A second plan when the chosen one's warm-up peak went over the cap: the prediction's
+        token-driven part scaled by what the warm-up measured (measured / predicted, both less the
+        static part), i.e. the choice under ``static + (cap - static) / ratio``."""
+        def build():
+            chosen = next((t for t in tried if t.get("attempt") == "chosen"), {})
+            measured, predicted = chosen.get("warm_up_peak_gib"), out["choice"].get("predicted_peak_gib")
+            static = static_gib(sweep["ours"], layers, grads=1, adam=1)
+            if not (measured and predicted) or measured <= cap or predicted <= static:
+                raise RuntimeError("no over-cap chosen plan to correct")
+            ratio = (measured - static) / (predicted - static)
+            again = self._choose(sweep, layers, budgets, static + (cap - static) / ratio, shape, grads=1, adam=1)
+            out["rechoice"] = again | {"ratio_measured_to_predicted": ratio, "static_gib": static}
+            if not again.get("plan"):
+                raise RuntimeError("nothing fits the corrected cap")
+            return make(again["plan"], again["tokens"])
+        return build
+
     def run_batch(self, name: str, shape, layers: int, sweep: Optional[dict]) -> dict:
         """The batch benchmark (``batch.py``): ours under the cap, then the baseline."""
         trajectories = sample_batch(self.args.seed, self.args.batch_sequences, scale=self.scale)
@@ -444,9 +468,12 @@ class Bench:
                                    layers=layers, seed=self.args.seed)
                 out.setdefault("flops", model_flops(base, self.args.rank).train_step("actor", seq_lens, scored))
                 if path == "ours":
-                    runner = OursRunner(base, self.args.rank, budget, layer_recompute=plan, chunk_tokens=self.args.chunk)
+                    runner = OursRunner(base, self.args.rank, budget, layer_recompute=plan, chunk_tokens=self.args.chunk,
+                                        elementwise_kernels=self.args.elementwise_kernels)
                     micro = packed_micro_batches(inputs, budget)
-                    info = {"budget": budget, "layer_recompute": runner.model.layer_recompute}
+                    info = {"budget": budget, "layer_recompute": runner.model.layer_recompute,
+                            "elementwise_kernels": runner.model.elementwise_kernels,
+                            "attention_length_bucket": runner.model.attention_length_bucket}
                 else:
                     runner = BaselineRunner(base, self.args.rank, self.args.tokens, logits_bytes_limit=self._logits_limit())
                     micro = runner.micro_batches(inputs)
@@ -458,21 +485,29 @@ class Bench:
             if self.out_of_time():
                 out[path] = {"skipped": "deadline"}
                 continue
-            attempts = []
+            attempts, tried = [], []
             choice = out.get("choice") or {}
             if path == "ours":
                 if choice.get("plan"):
                     attempts.append(("chosen", build(choice["plan"], choice["tokens"], path)))
+                    attempts.append(("re-chosen", self._rechoose(out, tried, sweep, layers, budgets, cap, shape,
+                                                                 lambda plan, budget: build(plan, budget, path)())))
                 attempts.append(("every layer checkpointed", build(None, max(budgets or [self.args.tokens]), path)))
             else:
                 attempts.append(("baseline", build(None, self.args.tokens, path)))
-            runner, update, tried = run_with_fallbacks(attempts, cap if path == "ours" else None, self.log)
+            runner, update, tried = run_with_fallbacks(attempts, cap if path == "ours" else None, self.log, tried)
             entry = {"attempts": tried}
             if update is not None:
                 with measure.section(entry, "update", self.device) as timed:
                     timed.update(timed_update(update, out["flops"], peak_tflops))
                     self.log(f"{name} batch {path}: {timed['seconds']:.2f} s, {timed['tokens_per_s']:.0f} tok/s, "
                              f"MFU {timed.get('useful_mfu', 0):.3f}, peak {timed['peak_gib']}")
+                for again in range(1, self.args.batch_repeats if path == "ours" else 1):
+                    with measure.section(entry, f"update_{again + 1}", self.device) as timed:
+                        timed.update(timed_update(update, out["flops"], peak_tflops))
+                        self.log(f"{name} batch {path} update {again + 1}: {timed['seconds']:.2f} s, "
+                                 f"{timed['tokens_per_s']:.0f} tok/s, MFU {timed.get('useful_mfu', 0):.3f}, "
+                                 f"peak {timed['peak_gib']}")
                 if path == "ours" and "profile" in self.sections and not self.out_of_time():
                     with measure.section(entry, "profile", self.device) as prof:
                         prof.update(profile_micro_step(runner, inputs, update.largest))

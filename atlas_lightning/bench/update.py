@@ -74,11 +74,14 @@ class OursRunner:
 
     def __init__(self, base: nn.Module, rank: int, budget: int, *, fused_lora: bool = True,
                  checkpoint_layers: Optional[int] = None, chunk_tokens: int = 1024,
-                 layer_recompute: Optional[list[str]] = None, linear_attention_kernel: str = "auto") -> None:
+                 layer_recompute: Optional[list[str]] = None, linear_attention_kernel: str = "auto",
+                 elementwise_kernels: str = "auto", attention_length_bucket: Optional[int] = None) -> None:
         self.device = next(base.parameters()).device
         self.model = ActorCritic(base, lora_spec(rank), gradient_checkpointing=True, logprob_chunk_tokens=chunk_tokens,
                                  fused_lora=fused_lora, checkpoint_layers=checkpoint_layers,
-                                 layer_recompute=layer_recompute, linear_attention_kernel=linear_attention_kernel)
+                                 layer_recompute=layer_recompute, linear_attention_kernel=linear_attention_kernel,
+                                 elementwise_kernels=elementwise_kernels,
+                                 attention_length_bucket=attention_length_bucket)
         self.budget = budget
         # B starts at zero (a no-op adapter): give it values so the low-rank path is real work
         with torch.no_grad():

@@ -18,6 +18,9 @@ Modules (one responsibility each):
   (``model.linear_attention_kernel``); ``fla_tuning``: fla's autotuning once per shape.
 * ``recompute``: per-layer recomputation finer than a whole layer (mixer, MLP gate/up, the
   SwiGLU tail without a GEMM replay).
+* ``fused_kernels``: liger-kernel's fused RMSNorm, SwiGLU product and rotary on CUDA
+  (``model.elementwise_kernels``); ``attention``: ``sdpa_varlen``, per-sequence attention over
+  packed rows, lengths bucketed on CUDA (``model.attention_length_bucket``).
 
 Submodules import torch, transformers and peft; this package file imports nothing heavy.
 """

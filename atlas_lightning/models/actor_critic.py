@@ -67,6 +67,12 @@ Speed paths (``bench/README.md`` has the measurements):
   ``checkpoint_layers``): ``layer`` (checkpointed whole), ``mixer`` (only the attention or
   Gated DeltaNet recomputed), ``mlp`` (only the MLP's gate and up projections recomputed) or
   ``none`` (``recompute.py``);
+* ``elementwise_kernels="auto"`` (default): liger-kernel's fused Triton kernels for the RMSNorms,
+  the SwiGLU product and Qwen3's rotary embedding where liger-kernel and Triton import and the
+  model is on a CUDA device, else PyTorch's ops (``fused_kernels.py``); equal within bf16 rounding;
+* ``attention_length_bucket=None``: ``sdpa_varlen`` pads each sequence's q/k/v to a multiple of
+  it (None: 1024 on CUDA, exact lengths elsewhere): cuDNN's attention builds a graph per new
+  length (~0.1 s), bucketed lengths reuse a few (``attention.py``); exact by causality;
 * ``lean_activations=True`` (default): RMSNorms that save their input in bf16 rather than
   fp32 and, in the layers kept out of checkpointing, an MLP tail whose product (the down
   projection's input) is recomputed element-wise in the backward, not saved: about half a
@@ -90,6 +96,8 @@ from torch import Tensor, nn
 from . import attention
 from .adapter_switch import checkpoint_keeping_adapter, selected_adapter, tuner_layers
 from .checkpoint_names import name_map
+from .fused_kernels import install_fused_kernels
+from .fused_kernels import resolve as resolve_elementwise_kernels
 from .fused_lora import install_fused_lora
 from .lean_activations import install_lean_activations
 from .linear_attention import CU_SEQLENS_KWARG, install_packed_linear_attention, linear_attention_modules
@@ -176,6 +184,8 @@ class ActorCritic(nn.Module):
         lean_activations: bool = True,
         linear_attention_kernel: str = "auto",
         layer_recompute: Optional[Sequence[str]] = None,
+        elementwise_kernels: str = "auto",
+        attention_length_bucket: Optional[int] = None,
     ) -> None:
         """``base_path``: a local Hugging Face folder, or an already built transformers causal LM
         (benchmarks build random ones in place; it is used as given: ``dtype``, ``device`` and
@@ -240,6 +250,18 @@ class ActorCritic(nn.Module):
             on = next(base.parameters()).device.type
             self.linear_attention_kernel = resolve_linear_kernel(linear_attention_kernel, on)
             install_packed_linear_attention(self.decoder_layers(), self.linear_attention_kernel)
+        #: Sequences' attention lengths padded up to a multiple of this (0: exact lengths;
+        #: ``attention._causal``); None: 1024 where ``sdpa_varlen`` runs on CUDA, else 0.
+        on_cuda = next(base.parameters()).device.type == "cuda"
+        if attention_length_bucket is None:
+            attention_length_bucket = 1024 if on_cuda and self.varlen_attention else 0
+        self.attention_length_bucket = int(attention_length_bucket)
+        attention.set_length_bucket([m for layer in self.decoder_layers() for m in layer.modules()
+                                     if hasattr(m, "q_proj") and hasattr(m, "o_proj")], self.attention_length_bucket)
+        #: ``liger`` (fused RMSNorm, SwiGLU product and rotary kernels) or ``torch`` (``fused_kernels.py``).
+        self.elementwise_kernels = resolve_elementwise_kernels(elementwise_kernels, next(base.parameters()).device.type)
+        if self.elementwise_kernels == "liger":  # before the mixer checkpoints bind the attention forward they replay
+            install_fused_kernels(self.decoder_layers())
         #: Per decoder layer: ``layer``, ``mixer``, ``mlp`` or ``none`` (``recompute.RECOMPUTE``).
         self.layer_recompute = self._recompute_plan(gradient_checkpointing, checkpoint_layers, layer_recompute)
         #: Decoder layers recomputed whole in the backward; 0 without checkpointing.

@@ -21,6 +21,13 @@ importing this module and the model is built with ``attn_implementation="sdpa_va
   when padding only ever follows. Outputs at padded positions are garbage nobody reads.
   Left padding would be wrong; ``PackedBatch.padded_layout`` only right-pads.
 
+* length buckets (packed layout): an attention module given a bucket (``set_length_bucket``;
+  ``ActorCritic``'s ``attention_length_bucket``, 1,024 on CUDA) pads each sequence's q/k/v at
+  the end to a multiple of it and cuts the output back (``_causal``): exact by causality. On
+  Hopper PyTorch picks cuDNN's kernels, which build an execution graph per new length
+  (80-110 ms forward + backward on an H200, ~32 new lengths a 32-trajectory batch: 8.7 s of a
+  33 s update, ``bench/NOTES.md`` run 15); bucketed, a few graphs serve every length.
+
 The mask function registered with it returns ``None`` (no mask is built), so a mask that
 transformers would have made is never materialised.
 """
@@ -56,6 +63,7 @@ def sdpa_varlen_attention_forward(
     if dropout:
         raise ValueError(f"{NAME}: attention dropout {dropout} is not supported (training runs without it)")
     seq_lens: Optional[Sequence[int]] = kwargs.get(SEQ_LENS_KWARG)
+    bucket = int(getattr(module, BUCKET_ATTR, 0) or 0)
     gqa = query.shape[1] != key.shape[1]
     if seq_lens is None:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
@@ -69,14 +77,44 @@ def sdpa_varlen_attention_forward(
     for length in seq_lens:
         end = start + int(length)
         outputs.append(
-            F.scaled_dot_product_attention(
-                query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-                is_causal=True, scale=scaling, enable_gqa=gqa,
-            )
+            _causal(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], scaling, gqa, bucket)
+            .transpose(1, 2)  # (B, l, Hq, D): the flash kernels' own memory layout, so no copy
         )
         start = end
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-    return out.transpose(1, 2).contiguous(), None
+    # one copy into the (B, L, Hq, D) result, not a cat along L of (B, Hq, l, D) and then a transpose copy
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+    return out.contiguous(), None
+
+
+#: The attribute of an attention module holding its length bucket (``set_length_bucket``).
+BUCKET_ATTR = "_atlas_length_bucket"
+
+
+def _causal(query: Tensor, key: Tensor, value: Tensor, scaling, gqa: bool, bucket: int) -> Tensor:
+    """Causal SDPA of one sequence ``(B, H, l, D)``; with ``bucket`` > 0 the three are padded at the
+    end to a multiple of it and the output cut back to ``l`` rows. Exact: causality keeps every
+    real query away from the padded keys after it. Why: cuDNN's attention (PyTorch's choice on
+    Hopper) builds an execution graph for each new length, ~0.1 s forward + backward on an H200
+    (``bench/NOTES.md`` run 15); bucketed lengths reuse a few graphs instead of one per sequence."""
+    length = query.shape[2]
+    padded = -(-length // bucket) * bucket if bucket > 0 else length
+    if padded == length:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    pad = (0, 0, 0, padded - length)
+    out = F.scaled_dot_product_attention(F.pad(query, pad), F.pad(key, pad), F.pad(value, pad), is_causal=True,
+                                         scale=scaling, enable_gqa=gqa)
+    return out[:, :, :length]
+
+
+def set_length_bucket(modules, bucket: int) -> int:
+    """Give each attention module a length bucket (0: none; ``_causal``); returns how many."""
+    if bucket < 0:
+        raise ValueError(f"model.attention_length_bucket={bucket} must be 0 (off) or positive")
+    count = 0
+    for module in modules:
+        setattr(module, BUCKET_ATTR, int(bucket))
+        count += 1
+    return count
 
 
 def register() -> str:

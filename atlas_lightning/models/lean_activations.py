@@ -26,7 +26,9 @@ attributes (classes untouched), the norms of every given layer whose class compu
 ``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``). Give it False for layers that gradient
 checkpointing already replays whole (a nested checkpoint would replay the tail twice). The MLP
 tail checkpoint keeps the LoRA adapter selection in force at forward time (``adapter_switch``).
-Who calls it: ``ActorCritic`` (``lean_activations=True``, the default).
+Who calls it: ``ActorCritic`` (``lean_activations=True``, the default). With
+``model.elementwise_kernels=liger`` the same norms run liger-kernel's one-pass kernel instead
+(``fused_kernels.install_fused_kernels`` sets ``_fused_norm``; same saved tensors).
 """
 
 from __future__ import annotations
@@ -88,7 +90,11 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def _norm_forward(self, x: Tensor) -> Tensor:
-    eps, offset = self._lean_norm  # bound once by install_lean_activations
+    eps, offset = self._lean_norm  # bound once by install_lean_activations (or install_fused_kernels)
+    if getattr(self, "_fused_norm", False):  # model.elementwise_kernels=liger (fused_kernels.py)
+        from .fused_kernels import rms_norm
+
+        return rms_norm(x, self.weight, eps, offset)
     return RMSNormFunction.apply(x, self.weight, eps, offset)
 
 

@@ -23,6 +23,10 @@ Whole-layer checkpointing keeps 2 bytes x hidden a token and replays the whole l
   products; the backward recomputes ``gate(x)`` and ``up(x)`` (two GEMMs, ~200 MFLOP a token
   for the 8B shape) but not the down projection, for ~2 x MLP width x 2 bytes a token less.
 
+Both SwiGLU functions take ``fused``: the product and its backward as liger-kernel's one-pass
+kernels (``fused_kernels``; set where ``install_fused_kernels`` marked the MLP), the backward
+writing the two gradients over ``gate``/``up`` (saved or replayed, read by nothing else).
+
 Who calls it: ``lean_activations`` (the SwiGLU tail), ``ActorCritic`` (``layer_recompute``).
 """
 
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .adapter_switch import checkpoint_keeping_adapter, tuner_layers
+from .fused_kernels import fused_swiglu
 
 #: Activation modules whose function is ``silu`` (what ``SwiGLUDownFunction`` differentiates).
 SILU_MODULES = ("SiLU", "SiLUActivation")
@@ -75,14 +80,16 @@ class SwiGLUMLPFunction(torch.autograd.Function):
     ``gate(x)`` and ``up(x)`` with the forward's ops (same bits), never the down projection."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, wg, ag, bg, wu, au, bu, wd, ad, bd, sg: float, su: float, sd: float) -> Tensor:
+    def forward(ctx, x: Tensor, wg, ag, bg, wu, au, bu, wd, ad, bd, sg: float, su: float, sd: float,
+                fused: bool = False) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         gate, ga = _lora_linear(x2, wg, ag, bg, sg)
         up, ua = _lora_linear(x2, wu, au, bu, su)
-        y, ha = _lora_linear(F.silu(gate) * up, wd, ad, bd, sd)
+        y, ha = _lora_linear(_silu_mul(gate, up, fused), wd, ad, bd, sd)
         ctx.save_for_backward(x, ga, ua, ha)
         ctx.params = (wg, ag, bg, wu, au, bu, wd, ad, bd)  # parameters: held on ctx, not as saved activations
         ctx.scalings = (sg, su, sd)
+        ctx.fused = fused
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -100,18 +107,36 @@ class SwiGLUMLPFunction(torch.autograd.Function):
         up = F.linear(x2, wu.to(x.dtype))
         if au is not None:
             up.addmm_(ua, bu.to(x.dtype).t(), alpha=su)
-        act = F.silu(gate)
-        grad_h, dad, dbd = _lora_linear_backward(grad, act * up, ha, wd, ad, bd, sd, need[8], need[9])
-        del grad
-        grad_up = grad_h * act
-        del act
-        grad_gate = torch.ops.aten.silu_backward(grad_h * up, gate)
-        del grad_h, up, gate
+        if ctx.fused:  # fused_kernels: one pass each way; the gradients overwrite the replayed gate and up
+            from .fused_kernels import silu_mul_backward_
+
+            grad_h, dad, dbd = _lora_linear_backward(grad, _silu_mul(gate, up, True), ha, wd, ad, bd, sd, need[8],
+                                                     need[9])
+            del grad
+            grad_gate, grad_up = silu_mul_backward_(gate, up, grad_h)
+            del grad_h
+        else:
+            act = F.silu(gate)
+            grad_h, dad, dbd = _lora_linear_backward(grad, act * up, ha, wd, ad, bd, sd, need[8], need[9])
+            del grad
+            grad_up = grad_h * act
+            del act
+            grad_gate = torch.ops.aten.silu_backward(grad_h * up, gate)
+            del grad_h, up, gate
         dx, dag, dbg = _lora_linear_backward(grad_gate, x2, ga, wg, ag, bg, sg, need[2], need[3])
         del grad_gate
         dxu, dau, dbu = _lora_linear_backward(grad_up, x2, ua, wu, au, bu, su, need[5], need[6])
         dx.add_(dxu)
-        return dx.view(x.shape), None, dag, dbg, None, dau, dbu, None, dad, dbd, None, None, None
+        return dx.view(x.shape), None, dag, dbg, None, dau, dbu, None, dad, dbd, None, None, None, None
+
+
+def _silu_mul(gate: Tensor, up: Tensor, fused: bool) -> Tensor:
+    """``silu(gate) * up``: PyTorch's two kernels, or ``fused_kernels.silu_mul``'s one pass."""
+    if fused:
+        from .fused_kernels import silu_mul
+
+        return silu_mul(gate, up)
+    return F.silu(gate) * up
 
 
 def _projection(module: nn.Module):
@@ -140,7 +165,7 @@ def _recomputed_mlp_forward(self, x: Tensor) -> Tensor:
             or type(self.act_fn).__name__ not in SILU_MODULES:
         return type(self).forward(self, x)
     (wg, ag, bg, sg), (wu, au, bu, su), (wd, ad, bd, sd) = parts
-    return SwiGLUMLPFunction.apply(x, wg, ag, bg, wu, au, bu, wd, ad, bd, sg, su, sd)
+    return SwiGLUMLPFunction.apply(x, wg, ag, bg, wu, au, bu, wd, ad, bd, sg, su, sd, fused_swiglu(self))
 
 
 def install_mlp_recompute(decoder_layers: Sequence[nn.Module], indices: Sequence[int]) -> int:
@@ -162,17 +187,29 @@ class SwiGLUDownFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor, weight: Tensor, lora_a: Optional[Tensor], lora_b: Optional[Tensor],
-                scaling: float) -> Tensor:
-        y, ha = _lora_linear((F.silu(gate) * up).reshape(-1, gate.shape[-1]), weight, lora_a, lora_b, scaling)
+                scaling: float, fused: bool = False) -> Tensor:
+        y, ha = _lora_linear(_silu_mul(gate, up, fused).reshape(-1, gate.shape[-1]), weight, lora_a, lora_b, scaling)
         ctx.save_for_backward(gate, up, ha)
         ctx.params = (weight, lora_a, lora_b)  # parameters: held on ctx, not as saved activations
         ctx.scaling = scaling
+        ctx.fused = fused
         return y.view(*gate.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         gate, up, ha = ctx.saved_tensors
         weight, lora_a, lora_b = ctx.params
+        if ctx.fused:  # fused_kernels: one pass each way; the gradients overwrite the saved gate and up
+            from .fused_kernels import silu_mul_backward_
+
+            grad = grad_out.reshape(-1, grad_out.shape[-1]).to(gate.dtype)
+            grad_h, grad_a, grad_b = _lora_linear_backward(grad, _silu_mul(gate, up, True).reshape(-1, gate.shape[-1]),
+                                                           ha, weight, lora_a, lora_b, ctx.scaling,
+                                                           ctx.needs_input_grad[3], ctx.needs_input_grad[4])
+            del grad
+            grad_gate, grad_up = silu_mul_backward_(gate, up, grad_h.view(gate.shape))
+            need = ctx.needs_input_grad
+            return grad_gate if need[0] else None, grad_up if need[1] else None, None, grad_a, grad_b, None, None
         act = F.silu(gate)
         h = (act * up).reshape(-1, gate.shape[-1])  # the forward's bits again, for the LoRA A gradient
         grad = grad_out.reshape(-1, grad_out.shape[-1]).to(gate.dtype)
@@ -181,7 +218,7 @@ class SwiGLUDownFunction(torch.autograd.Function):
         grad_h = grad_h.view(gate.shape)
         grad_up = grad_h * act if ctx.needs_input_grad[1] else None
         grad_gate = torch.ops.aten.silu_backward(grad_h * up, gate) if ctx.needs_input_grad[0] else None
-        return grad_gate, grad_up, None, grad_a, grad_b, None
+        return grad_gate, grad_up, None, grad_a, grad_b, None, None
 
 
 def swiglu_down(mlp: nn.Module, gate: Tensor, up: Tensor) -> Optional[Tensor]:
@@ -192,7 +229,7 @@ def swiglu_down(mlp: nn.Module, gate: Tensor, up: Tensor) -> Optional[Tensor]:
     if type(mlp.act_fn).__name__ not in SILU_MODULES or down is None:
         return None
     weight, a, b, scaling = down
-    return SwiGLUDownFunction.apply(gate, up, weight, a, b, scaling)
+    return SwiGLUDownFunction.apply(gate, up, weight, a, b, scaling, fused_swiglu(mlp))
 
 
 def _checkpointed_mixer_forward(self, *args, **kwargs):

@@ -17,6 +17,8 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
 * ``reward._target_`` names the reward scorer (``CostReward``, the reward every snapshot had);
 * ``model.critic_lora.{rank,alpha,dropout,target_modules}``, all null: a fresh critic takes
   ``model.lora``'s, as every snapshot's did.
+* ``model.elementwise_kernels`` (``auto``) and ``model.attention_length_bucket`` (null): GPU speed
+  paths that leave CPU runs as they were (``models/fused_kernels.py``, ``models/attention.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.de
          "reward._target_": "atlas_lightning.reward.CostReward", "rollout.logprob_gap_factor": 4.0,
          "model.linear_attention_kernel": "auto", "model.layer_recompute": None,
          "model.critic_lora.rank": None, "model.critic_lora.alpha": None, "model.critic_lora.dropout": None,
-         "model.critic_lora.target_modules": None}
+         "model.critic_lora.target_modules": None, "model.elementwise_kernels": "auto",
+         "model.attention_length_bucket": None}
 
 
 def _flat(node, prefix: str = "") -> dict:
