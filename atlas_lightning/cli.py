@@ -7,6 +7,7 @@
     atlas-lightning data sample --out DIR
     atlas-lightning data tiny-model --out DIR
     atlas-lightning data tiny-orchestrator --out DIR --base DIR   # the SFT warm start of tiny-cpu
+                                    # [--eval-questions 0: no greedy/sampled check after training]
     atlas-lightning bench --tiny                                  # the performance benchmark (bench/)
 
 Every verb that takes a config composes and validates it first, so an unknown key or a bad
@@ -67,10 +68,24 @@ def build_parser() -> argparse.ArgumentParser:
     orchestrator.add_argument("--base", type=Path, default=None,
                               help="a tiny-model folder to start from (default: build one with --seed)")
     orchestrator.add_argument("--seed", type=int, default=0)
+    orchestrator.add_argument("--eval-questions", type=_count, default=None, metavar="N",
+                              help="validation questions a benchmark of the greedy and sampled check after "
+                                   "training (default: the recipe's 8; 0 skips it: the weights never depend on it)")
 
     verbs.add_parser("bench", help="the H200 performance benchmark: ours against transformers + peft (bench/)",
                      add_help=False)
     return parser
+
+
+def _count(text: str) -> int:
+    """argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative (0 or more)")
+    return value
 
 
 def _run_data(args: argparse.Namespace) -> int:
@@ -85,9 +100,13 @@ def _run_data(args: argparse.Namespace) -> int:
 
         summary = build_tiny_model(args.out, seed=args.seed)
     else:
-        from atlas_lightning.demo.tiny_orchestrator import build_tiny_orchestrator
+        from dataclasses import replace
 
-        summary = build_tiny_orchestrator(args.out, seed=args.seed, base=args.base)
+        from atlas_lightning.demo.tiny_orchestrator import DEFAULT_RECIPE, build_tiny_orchestrator
+
+        recipe = DEFAULT_RECIPE if args.eval_questions is None else replace(DEFAULT_RECIPE,
+                                                                            eval_questions=args.eval_questions)
+        summary = build_tiny_orchestrator(args.out, seed=args.seed, base=args.base, recipe=recipe)
     print(json.dumps(summary, indent=2, default=str))
     return 0
 

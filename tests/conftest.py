@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -29,6 +30,31 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 #: What torch.distributed reads to rendezvous, and Lightning and vLLM write into os.environ.
 _RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                          "NODE_RANK", "GROUP_RANK")
+
+
+# -- the tiny orchestrator, built beside the tests (tests/orchestrator_build.py) ------------
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import orchestrator_build  # noqa: E402
+
+
+def pytest_configure(config):
+    orchestrator_build.start_early(config)  # while the suite is collected, when it will be wanted
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    orchestrator_build.after_collection(config, items)
+
+
+def pytest_unconfigure(config):
+    orchestrator_build.stop(config)
+
+
+@pytest.fixture(scope="session")
+def orchestrator_dir(request):
+    """The warm-started tiny model's folder (``make demo``'s weights), once its build is done."""
+    return orchestrator_build.built_folder(request.config)
 
 
 @pytest.fixture(autouse=True)

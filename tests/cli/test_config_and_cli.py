@@ -105,3 +105,12 @@ def test_outputs_go_under_paths_root_and_name(tmp_path):
     assert (dirs["outputs"] / "main_ppo.log").exists()  # the name report 28's runs wrote
     assert not (dirs["outputs"] / "main.log").exists()
     assert len(list((tmp_path / "logs").glob("demo-*-fit.log"))) == 1
+
+
+@pytest.mark.parametrize("value, named", [("-1", "-1 is negative"), ("eight", "'eight' is not an integer")])
+def test_a_bad_eval_question_count_is_refused_before_any_build(value, named, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["data", "tiny-orchestrator", "--out", str(tmp_path / "o"), "--eval-questions", value])
+    assert stop.value.code == 2
+    assert f"--eval-questions: {named}" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -1,8 +1,9 @@
 """One PPO step of ``PPOModule`` under Lightning at a given world size, on CPU (gloo).
 
-Run as a script (Lightning's launcher re-runs it once per extra rank):
+Run at WORLD_SIZE ranks by ``tests/forked_ranks.py`` (torchrun's variables: Lightning takes the
+ranks as given and launches none; run alone, Lightning's own launcher re-runs it per extra rank):
 
-    python tests/ppo/fsdp_ppo_worker.py BATCH.pkl CONFIG.yaml OUT_DIR WORLD_SIZE
+    python tests/forked_ranks.py WORLD_SIZE tests/ppo/fsdp_ppo_worker.py BATCH.pkl CONFIG.yaml OUT_DIR WORLD_SIZE
 
 ``BATCH.pkl`` is a pickled ``RolloutBatch`` of the whole step; each rank trains on its share
 (contiguous, sizes differing by at most one: ``data.sampler.shard``), as the datamodule gives

@@ -20,6 +20,8 @@ from atlas_lightning.config import compose
 from atlas_lightning.rollout.datamodule import RolloutDataModule
 
 WORKER = Path(__file__).with_name("fsdp_ppo_worker.py")
+#: torchrun's rendezvous for the worker's ranks, forked after one import of its modules.
+FORKED_RANKS = Path(__file__).resolve().parents[1] / "forked_ranks.py"
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +50,9 @@ def _run(step_inputs, world: int) -> Path:
     out = tmp / f"world{world}"
     if not (out / "metrics.json").exists():
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        result = subprocess.run([sys.executable, str(WORKER), str(batch_path), str(config_path), str(out), str(world)],
-                                capture_output=True, text=True, timeout=600, env=env)
+        result = subprocess.run([sys.executable, str(FORKED_RANKS), str(world), str(WORKER), str(batch_path),
+                                 str(config_path), str(out), str(world)], capture_output=True, text=True, timeout=600,
+                                env=env)
         assert result.returncode == 0, result.stderr[-6000:]
     return out
 
