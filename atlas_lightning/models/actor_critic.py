@@ -96,10 +96,9 @@ from torch import Tensor, nn
 from . import attention
 from .adapter_switch import checkpoint_keeping_adapter, selected_adapter, tuner_layers
 from .checkpoint_names import name_map
-from .fused_kernels import install_fused_kernels
 from .fused_kernels import resolve as resolve_elementwise_kernels
 from .fused_lora import install_fused_lora
-from .lean_activations import install_lean_activations
+from .lean_activations import install_fused_kernels, install_lean_activations
 from .linear_attention import CU_SEQLENS_KWARG, install_packed_linear_attention, linear_attention_modules
 from .linear_kernels import resolve as resolve_linear_kernel
 from .recompute import RECOMPUTE, install_mixer_checkpoints, install_mlp_recompute

@@ -22,13 +22,9 @@ and the SwiGLU product with its backward. Each is one pass over its tensors when
   device, else ``torch``. ``ActorCritic.elementwise_kernels`` says which ran; the benchmark
   reports it.
 
-Contract: ``install_fused_kernels(decoder_layers)`` patches, as instance attributes (classes
-untouched), every RMSNorm of the given layers whose class ``lean_activations`` knows (its
-forward becomes ``lean_activations._norm_forward`` with the fused flag), marks every SwiGLU MLP
-(``_atlas_fused_swiglu``: ``recompute`` reads it; a SiLU MLP also gets ``mlp_forward``, which
-``lean_activations`` and policy ``mlp`` replace where they apply) and replaces the forward of each
-``Qwen3Attention`` by ``attention_forward`` (call it before ``install_mixer_checkpoints``, which
-binds the forward it replays). Returns the counts patched.
+Contract: this module holds the kernels and the choice (``resolve``) and imports nothing of
+this package; ``lean_activations.install_fused_kernels(decoder_layers)`` patches a model's layers
+to use them (``recompute`` and ``lean_activations`` call the kernels).
 
 Pure Python until a kernel is called: liger-kernel and Triton are imported only then (and by
 ``liger_problem``), so the CPU install, which has neither, never imports them.
@@ -39,8 +35,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from functools import lru_cache
-from types import MethodType
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -164,36 +159,8 @@ def attention_forward(self, hidden_states: Tensor, position_embeddings: tuple[Te
     return self.o_proj(attn_output), attn_weights
 
 
-def install_fused_kernels(decoder_layers: Sequence[nn.Module]) -> dict[str, int]:
-    """Patch norms, SwiGLU MLPs and Qwen3 attention of ``decoder_layers`` (module doc)."""
-    from .lean_activations import OFFSET_NORMS, SCALE_NORMS, SWIGLU_MLPS, _norm_forward
-    from .recompute import SILU_MODULES
-
-    counts = {"norms": 0, "swiglu": 0, "rotary": 0}
-    for layer in decoder_layers:
-        for module in layer.modules():
-            name = type(module).__name__
-            if name in SCALE_NORMS + OFFSET_NORMS and isinstance(getattr(module, "weight", None), Tensor):
-                eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
-                module._lean_norm = (float(eps), name in OFFSET_NORMS)
-                module._fused_norm = True
-                module.forward = MethodType(_norm_forward, module)
-                counts["norms"] += 1
-            elif name in SWIGLU_MLPS:
-                module._atlas_fused_swiglu = True
-                if type(getattr(module, "act_fn", None)).__name__ in SILU_MODULES and "forward" not in vars(module):
-                    # layers replayed whole (policy layer): transformers' MLP with the product fused;
-                    # lean_activations / policy mlp install their own forward over this one
-                    module.forward = MethodType(mlp_forward, module)
-                counts["swiglu"] += 1
-            elif name in ROTARY_ATTENTIONS and "forward" not in vars(module):
-                module.forward = MethodType(attention_forward, module)
-                counts["rotary"] += 1
-    return counts
-
-
 def fused_swiglu(module: nn.Module) -> bool:
-    """Whether ``install_fused_kernels`` marked this MLP."""
+    """Whether ``lean_activations.install_fused_kernels`` marked this MLP."""
     return bool(getattr(module, "_atlas_fused_swiglu", False))
 
 

@@ -28,7 +28,7 @@ checkpointing already replays whole (a nested checkpoint would replay the tail t
 tail checkpoint keeps the LoRA adapter selection in force at forward time (``adapter_switch``).
 Who calls it: ``ActorCritic`` (``lean_activations=True``, the default). With
 ``model.elementwise_kernels=liger`` the same norms run liger-kernel's one-pass kernel instead
-(``fused_kernels.install_fused_kernels`` sets ``_fused_norm``; same saved tensors).
+(``install_fused_kernels`` below sets ``_fused_norm``; same saved tensors).
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
+from . import fused_kernels
 from .adapter_switch import checkpoint_keeping_adapter, tuner_layers
-from .recompute import swiglu_down
+from .recompute import SILU_MODULES, swiglu_down
 
 #: RMSNorm classes computing ``weight * (x * rstd).to(dtype)``, weight in the model dtype.
 SCALE_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
@@ -91,10 +92,8 @@ class RMSNormFunction(torch.autograd.Function):
 
 def _norm_forward(self, x: Tensor) -> Tensor:
     eps, offset = self._lean_norm  # bound once by install_lean_activations (or install_fused_kernels)
-    if getattr(self, "_fused_norm", False):  # model.elementwise_kernels=liger (fused_kernels.py)
-        from .fused_kernels import rms_norm
-
-        return rms_norm(x, self.weight, eps, offset)
+    if getattr(self, "_fused_norm", False):  # model.elementwise_kernels=liger (install_fused_kernels)
+        return fused_kernels.rms_norm(x, self.weight, eps, offset)
     return RMSNormFunction.apply(x, self.weight, eps, offset)
 
 
@@ -132,4 +131,36 @@ def install_lean_activations(decoder_layers: Sequence[nn.Module], recompute_mlp_
         if tail and mlp is not None and type(mlp).__name__ in SWIGLU_MLPS:
             mlp.forward = MethodType(_mlp_forward, mlp)
             counts["mlp_tails"] += 1
+    return counts
+
+
+def install_fused_kernels(decoder_layers: Sequence[nn.Module]) -> dict[str, int]:
+    """``model.elementwise_kernels=liger``: patch, as instance attributes (classes untouched),
+    every RMSNorm of ``decoder_layers`` whose class this module knows (``_norm_forward`` with the
+    fused flag: liger's one-pass kernel, same saved tensors), mark every SwiGLU MLP
+    (``_atlas_fused_swiglu``: ``recompute`` reads it; a SiLU MLP also gets
+    ``fused_kernels.mlp_forward``, which ``install_lean_activations`` and policy ``mlp`` replace where
+    they apply) and replace the forward of each ``Qwen3Attention`` by
+    ``fused_kernels.attention_forward``. Call it before ``install_mixer_checkpoints``, which binds
+    the forward it replays. Returns the counts patched."""
+    counts = {"norms": 0, "swiglu": 0, "rotary": 0}
+    for layer in decoder_layers:
+        for module in layer.modules():
+            name = type(module).__name__
+            if name in SCALE_NORMS + OFFSET_NORMS and isinstance(getattr(module, "weight", None), Tensor):
+                eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+                module._lean_norm = (float(eps), name in OFFSET_NORMS)
+                module._fused_norm = True
+                module.forward = MethodType(_norm_forward, module)
+                counts["norms"] += 1
+            elif name in SWIGLU_MLPS:
+                module._atlas_fused_swiglu = True
+                if type(getattr(module, "act_fn", None)).__name__ in SILU_MODULES and "forward" not in vars(module):
+                    # layers replayed whole (policy layer): transformers' MLP with the product fused;
+                    # lean_activations / policy mlp install their own forward over this one
+                    module.forward = MethodType(fused_kernels.mlp_forward, module)
+                counts["swiglu"] += 1
+            elif name in fused_kernels.ROTARY_ATTENTIONS and "forward" not in vars(module):
+                module.forward = MethodType(fused_kernels.attention_forward, module)
+                counts["rotary"] += 1
     return counts

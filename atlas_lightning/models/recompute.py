@@ -24,7 +24,7 @@ Whole-layer checkpointing keeps 2 bytes x hidden a token and replays the whole l
   for the 8B shape) but not the down projection, for ~2 x MLP width x 2 bytes a token less.
 
 Both SwiGLU functions take ``fused``: the product and its backward as liger-kernel's one-pass
-kernels (``fused_kernels``; set where ``install_fused_kernels`` marked the MLP), the backward
+kernels (``fused_kernels``; set where ``lean_activations.install_fused_kernels`` marked the MLP), the backward
 writing the two gradients over ``gate``/``up`` (saved or replayed, read by nothing else).
 
 Who calls it: ``lean_activations`` (the SwiGLU tail), ``ActorCritic`` (``layer_recompute``).
