@@ -19,7 +19,8 @@ Modules (one responsibility each):
 * ``recompute``: per-layer recomputation finer than a whole layer (mixer, MLP gate/up, the
   SwiGLU tail without a GEMM replay).
 * ``fused_kernels``: liger-kernel's fused RMSNorm, SwiGLU product and rotary on CUDA
-  (``model.elementwise_kernels``); ``attention``: ``sdpa_varlen``, per-sequence attention over
+  (``model.elementwise_kernels``); ``kernel_choice``: the auto/package/torch rule of both kernel
+  keys; ``attention``: ``sdpa_varlen``, per-sequence attention over
   packed rows, lengths bucketed on CUDA (``model.attention_length_bucket``).
 
 Submodules import torch, transformers and peft; this package file imports nothing heavy.

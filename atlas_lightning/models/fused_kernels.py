@@ -32,13 +32,13 @@ Pure Python until a kernel is called: liger-kernel and Triton are imported only 
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from functools import lru_cache
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
+
+from .kernel_choice import choose, import_problem
 
 KERNELS = ("auto", "liger", "torch")
 KEY = "model.elementwise_kernels"
@@ -51,34 +51,15 @@ ROTARY_ATTENTIONS = ("Qwen3Attention",)
 @lru_cache(maxsize=2)
 def liger_problem(import_modules: bool = True) -> Optional[str]:
     """``None`` when liger-kernel is usable here, else the reason."""
-    for package, what in (("triton", "Triton"), ("liger_kernel", "liger-kernel (extra `liger`)")):
-        if importlib.util.find_spec(package) is None:
-            return f"{what} is not installed"
-    if not import_modules:
-        return None
-    for name in LIGER_MODULES:
-        try:
-            importlib.import_module(name)
-        except Exception as err:  # e.g. a Triton it cannot work with
-            return f"liger-kernel is installed but {name} fails to import: {type(err).__name__}: {err}"
-    return None
+    return import_problem((("triton", "Triton"), ("liger_kernel", "liger-kernel (extra `liger`)")), LIGER_MODULES,
+                          "liger-kernel", import_modules)
 
 
 def resolve(requested: str, device_type: Optional[str], *, import_modules: bool = True) -> str:
     """``liger`` or ``torch`` for ``requested`` (one of ``KERNELS``) on a device of type
     ``device_type`` (``cuda``, ``cpu``; None: not known, taken as a GPU). Raises ``ValueError``
-    naming the key when ``liger`` is asked for and cannot run here."""
-    if requested not in KERNELS:
-        raise ValueError(f"{KEY}={requested!r} is not one of {', '.join(KERNELS)}")
-    if requested == "torch":
-        return "torch"
-    problem = None if device_type in (None, "cuda") else f"its Triton kernels need a CUDA device, the model is on {device_type}"
-    problem = problem or liger_problem(import_modules)
-    if problem is None:
-        return "liger"
-    if requested == "liger":
-        raise ValueError(f"{KEY}=liger cannot run here: {problem} (use auto or torch)")
-    return "torch"
+    naming the key when ``liger`` is asked for and cannot run here (``kernel_choice.choose``)."""
+    return choose(KEY, requested, KERNELS, device_type, lambda: liger_problem(import_modules))
 
 
 # ---------------------------------------------------------------------------- kernels

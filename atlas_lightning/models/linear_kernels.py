@@ -16,10 +16,10 @@ Pure Python; torch and fla are imported only when ``importable`` asks for it.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from functools import lru_cache
 from typing import Optional
+
+from .kernel_choice import choose, import_problem
 
 KERNELS = ("auto", "fla", "torch")
 KEY = "model.linear_attention_kernel"
@@ -31,31 +31,12 @@ FLA_MODULES = ("fla.ops.gated_delta_rule", "fla.modules.causal_conv1d", "fla.mod
 def fla_problem(import_modules: bool = True) -> Optional[str]:
     """``None`` when flash-linear-attention is usable here, else the reason. ``import_modules``:
     import the kernels' modules (catches a Triton it refuses); False only looks for the package."""
-    if importlib.util.find_spec("fla") is None:
-        return "flash-linear-attention (package fla) is not installed"
-    if not import_modules:
-        return None
-    for name in FLA_MODULES:
-        try:
-            importlib.import_module(name)
-        except Exception as err:  # e.g. its version checks refuse the installed Triton
-            return f"flash-linear-attention is installed but {name} fails to import: {type(err).__name__}: {err}"
-    return None
+    return import_problem((("fla", "flash-linear-attention (package fla)"),), FLA_MODULES, "flash-linear-attention",
+                          import_modules)
 
 
 def resolve(requested: str, device_type: Optional[str], *, import_modules: bool = True) -> str:
     """``fla`` or ``torch`` for ``requested`` (one of ``KERNELS``) on a device of type
     ``device_type`` (``cuda``, ``cpu``; None: not known, taken as a GPU). Raises ``ValueError``
-    naming the key when ``fla`` is asked for and cannot run here."""
-    if requested not in KERNELS:
-        raise ValueError(f"{KEY}={requested!r} is not one of {', '.join(KERNELS)}")
-    if requested == "torch":
-        return "torch"
-    problem = fla_problem(import_modules)
-    if problem is None and device_type not in (None, "cuda"):
-        problem = f"its Triton kernels need a CUDA device, the model is on {device_type}"
-    if problem is None:
-        return "fla"
-    if requested == "fla":
-        raise ValueError(f"{KEY}=fla cannot run here: {problem} (use auto or torch)")
-    return "torch"
+    naming the key when ``fla`` is asked for and cannot run here (``kernel_choice.choose``)."""
+    return choose(KEY, requested, KERNELS, device_type, lambda: fla_problem(import_modules))
