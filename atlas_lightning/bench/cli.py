@@ -498,16 +498,13 @@ class Bench:
             runner, update, tried = run_with_fallbacks(attempts, cap if path == "ours" else None, self.log, tried)
             entry = {"attempts": tried}
             if update is not None:
-                with measure.section(entry, "update", self.device) as timed:
-                    timed.update(timed_update(update, out["flops"], peak_tflops))
-                    self.log(f"{name} batch {path}: {timed['seconds']:.2f} s, {timed['tokens_per_s']:.0f} tok/s, "
-                             f"MFU {timed.get('useful_mfu', 0):.3f}, peak {timed['peak_gib']}")
-                for again in range(1, self.args.batch_repeats if path == "ours" else 1):
-                    with measure.section(entry, f"update_{again + 1}", self.device) as timed:
+                # ours may update the same batch again (--batch-repeats): "update", then "update_2", ...
+                for repeat in range(1, (max(self.args.batch_repeats, 1) if path == "ours" else 1) + 1):
+                    section, label = ("update", "") if repeat == 1 else (f"update_{repeat}", f" update {repeat}")
+                    with measure.section(entry, section, self.device) as timed:
                         timed.update(timed_update(update, out["flops"], peak_tflops))
-                        self.log(f"{name} batch {path} update {again + 1}: {timed['seconds']:.2f} s, "
-                                 f"{timed['tokens_per_s']:.0f} tok/s, MFU {timed.get('useful_mfu', 0):.3f}, "
-                                 f"peak {timed['peak_gib']}")
+                        self.log(f"{name} batch {path}{label}: {timed['seconds']:.2f} s, {timed['tokens_per_s']:.0f} "
+                                 f"tok/s, MFU {timed.get('useful_mfu', 0):.3f}, peak {timed['peak_gib']}")
                 if path == "ours" and "profile" in self.sections and not self.out_of_time():
                     with measure.section(entry, "profile", self.device) as prof:
                         prof.update(profile_micro_step(runner, inputs, update.largest))

@@ -113,6 +113,21 @@ def _mlp_forward(self, x: Tensor) -> Tensor:
     return replay(lambda g, u: _mlp_tail(self, g, u), gate, up)
 
 
+def _patch_norm(module: nn.Module, fused: bool = False) -> bool:
+    """Give ``module`` ``_norm_forward`` if its class is an RMSNorm this module knows (binding its
+    eps and kind once; ``fused``: also mark it for liger's kernel, a mark later calls keep);
+    whether it was one."""
+    name = type(module).__name__
+    if name not in SCALE_NORMS + OFFSET_NORMS or not isinstance(getattr(module, "weight", None), Tensor):
+        return False
+    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+    module._lean_norm = (float(eps), name in OFFSET_NORMS)
+    if fused:
+        module._fused_norm = True
+    module.forward = MethodType(_norm_forward, module)
+    return True
+
+
 def install_lean_activations(decoder_layers: Sequence[nn.Module], recompute_mlp_tail: Sequence[bool]) -> dict[str, int]:
     """Patch the norms of every layer and the MLP tails where asked (module doc). Returns the
     counts ``{"norms": n, "mlp_tails": m}`` of modules patched."""
@@ -121,12 +136,7 @@ def install_lean_activations(decoder_layers: Sequence[nn.Module], recompute_mlp_
     counts = {"norms": 0, "mlp_tails": 0}
     for layer, tail in zip(decoder_layers, recompute_mlp_tail):
         for module in layer.modules():
-            name = type(module).__name__
-            if name in SCALE_NORMS + OFFSET_NORMS and isinstance(getattr(module, "weight", None), Tensor):
-                eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
-                module._lean_norm = (float(eps), name in OFFSET_NORMS)
-                module.forward = MethodType(_norm_forward, module)
-                counts["norms"] += 1
+            counts["norms"] += _patch_norm(module)
         mlp = getattr(layer, "mlp", None)
         if tail and mlp is not None and type(mlp).__name__ in SWIGLU_MLPS:
             mlp.forward = MethodType(_mlp_forward, mlp)
@@ -147,11 +157,7 @@ def install_fused_kernels(decoder_layers: Sequence[nn.Module]) -> dict[str, int]
     for layer in decoder_layers:
         for module in layer.modules():
             name = type(module).__name__
-            if name in SCALE_NORMS + OFFSET_NORMS and isinstance(getattr(module, "weight", None), Tensor):
-                eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
-                module._lean_norm = (float(eps), name in OFFSET_NORMS)
-                module._fused_norm = True
-                module.forward = MethodType(_norm_forward, module)
+            if _patch_norm(module, fused=True):
                 counts["norms"] += 1
             elif name in SWIGLU_MLPS:
                 module._atlas_fused_swiglu = True
