@@ -241,3 +241,30 @@ def build():
     """Builders of the runtime, reward and records tests: ``build.question(...)``, ``build.call(name,
     arguments)``, ``build.run(episode, texts)``."""
     return SimpleNamespace(question=make_question, call=call, run=run_turns)
+
+
+def write_fake_model_folder(folder, tensors=("w",)) -> "Path":
+    """A folder that passes the model-folder check without a loadable model (config.json naming
+    qwen3, a one-word tokenizer, one ``model.safetensors`` holding ``tensors``): for tests of what
+    the checks refuse before any model is read."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    Tokenizer(WordLevel({"a": 0}, unk_token="a")).save(str(folder / "tokenizer.json"))
+    write_fake_safetensors(folder / "model.safetensors", tensors)
+    return folder
+
+
+def write_fake_safetensors(file, tensors) -> None:
+    """A safetensors file whose header names ``tensors`` (two float32 each, zeros)."""
+    import json
+
+    header = json.dumps({name: {"dtype": "F32", "shape": [2], "data_offsets": [8 * i, 8 * i + 8]}
+                         for i, name in enumerate(tensors)}).encode()
+    file.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * (8 * len(tensors)))

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from atlas_lightning.cli import main
 from atlas_lightning.config import ConfigError, RootConfig, compose
 from atlas_lightning.constraints import CONSTRAINTS
+from tests.conftest import write_fake_model_folder, write_fake_safetensors
 
 
 @pytest.mark.parametrize("override, named", [
@@ -121,16 +122,26 @@ def test_every_rule_names_a_key_of_the_schema():
 # -- the model folder ------------------------------------------------------------------------
 
 
-def _model_folder(tmp_path, **drop):
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    (folder / "tokenizer.json").write_text("{}")
-    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
-    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
-    for name in drop:
-        (folder / name.replace("_", ".")).unlink()
-    return folder
+def _model_folder(tmp_path):
+    return write_fake_model_folder(tmp_path / "model")
+
+
+def _shard_folder(path, damage):
+    """Two shards, ``w`` and ``v`` in the first and ``u`` in the second, and an index damaged as
+    ``damage`` says (the whole class of an index that does not account for the weights)."""
+    (path / "model.safetensors").unlink()
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    write_fake_safetensors(path / first, ("w", "v"))
+    write_fake_safetensors(path / second, ("u",))
+    weight_map = {"w": first, "v": first, "u": second}
+    if damage == "shard_left_out":
+        weight_map = {"w": first, "v": first}
+    elif damage == "tensor_unmapped":
+        weight_map["v"] = second
+    elif damage == "tensor_absent":
+        weight_map["x"] = first
+    if damage != "unindexed_shards":
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
 _FOLDER_DAMAGE = [("missing", "no such folder"), ("no_config", "no config.json"),
@@ -138,7 +149,15 @@ _FOLDER_DAMAGE = [("missing", "no such folder"), ("no_config", "no config.json")
 _WEIGHTS_DAMAGE = [("no_tokenizer", "no tokenizer"), ("no_weights", "no weight files"),
                    ("truncated", "model.safetensors is truncated"), ("bad_tokenizer", "tokenizer.json is not readable JSON"),
                    ("missing_shard", "model.safetensors.index.json names shard(s) not in the folder: "
-                                     "model-00002-of-00002.safetensors")]
+                                     "model-00002-of-00002.safetensors"),
+                   ("shard_left_out", "model.safetensors.index.json leaves out weight file(s) "
+                                      "model-00002-of-00002.safetensors"),
+                   ("tensor_unmapped", "model-00001-of-00002.safetensors does not match model.safetensors.index.json: "
+                                       "it holds 1 tensor(s) the index does not map to it (v)"),
+                   ("tensor_absent", "model-00001-of-00002.safetensors does not match model.safetensors.index.json: "
+                                     "it lacks 1 tensor(s) the index maps to it (x)"),
+                   ("unindexed_shards", "2 *.safetensors files and no model.safetensors.index.json"),
+                   ("json_not_tokenizer", "tokenizer.json is not a tokenizer the tokenizers library can load")]
 
 
 # plan reads config.json alone (it may run before the weights are fetched)
@@ -164,6 +183,10 @@ def test_every_verb_refuses_a_bad_model_folder_before_writing(verb, damage, mess
         elif damage == "missing_shard":
             shards = {"w": "model.safetensors", "v": "model-00002-of-00002.safetensors"}
             (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shards}))
+        elif damage in ("shard_left_out", "tensor_unmapped", "tensor_absent", "unindexed_shards"):
+            _shard_folder(path, damage)
+        elif damage == "json_not_tokenizer":
+            (path / "tokenizer.json").write_text(json.dumps({"version": "1.0", "added_tokens": []}))
         else:
             data = (path / "model.safetensors").read_bytes()
             (path / "model.safetensors").write_bytes(data[:-4])
@@ -208,3 +231,11 @@ def test_a_config_file_that_is_not_yaml_exits_2_naming_file_and_line(tmp_path, c
     err = capsys.readouterr().err
     assert "not valid YAML" in err and f"{user / 'mine.yaml'}\", line 3" in err
     assert not root.exists()
+
+
+def test_a_complete_sharded_folder_passes_the_model_folder_check(tmp_path):
+    from atlas_lightning.planning.model_folder import check_model_folder
+
+    path = write_fake_model_folder(tmp_path / "model")
+    _shard_folder(path, "complete")
+    assert check_model_folder(path)["model_type"] == "qwen3"

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from atlas_lightning.config import ConfigError, compose
+from tests.conftest import write_fake_model_folder
 from atlas_lightning.store.checkpoints import (
     MARKER,
     CheckpointError,
@@ -123,13 +124,7 @@ def test_latest_verified_skips_damaged_and_unfinished_folders(tmp_path):
 
 
 def _model_folder(tmp_path):
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    (folder / "tokenizer.json").write_text("{}")
-    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
-    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
-    return folder
+    return write_fake_model_folder(tmp_path / "model")
 
 
 @pytest.fixture
