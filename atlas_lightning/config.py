@@ -364,24 +364,40 @@ def validate(cfg: DictConfig) -> None:
     for name, spec in (cfg.callbacks or {}).items():
         if spec is not None and "_target_" not in spec:
             raise ConfigError(f"callbacks.{name} needs a _target_ (a class path)")
+        if spec is not None:
+            _check_target(f"callbacks.{name}._target_", spec._target_)
 
 
 def _check_target(key: str, path: Any, alternative: str = "") -> None:
-    """``path`` must be a dotted ``package.module.Name`` whose module can be found (it is not
-    imported here: that happens where the object is built); ``alternative``: what else the
-    key may hold, for the message."""
-    from importlib.util import find_spec
+    """``path`` must be a dotted ``package.module.Name`` (or ``module.Class.method``) that
+    resolves to an object: its module imports and has that attribute, so that a misspelt name
+    is refused here, before anything is written, like a missing module; ``alternative``: what
+    else the key may hold, for the message. Building the object is left to its user."""
+    import importlib
+    import importlib.util
 
     parts = str(path).split(".") if isinstance(path, str) else []
     if len(parts) < 2 or not all(part.isidentifier() for part in parts):
         what = f"neither {alternative} nor" if alternative else "not"
         raise ConfigError(f"{key}={path!r} is {what} a class or factory path (package.module.Name)")
     for cut in range(len(parts) - 1, max(len(parts) - 3, 0), -1):  # module.Name or module.Class.method
+        module_name = ".".join(parts[:cut])
         try:
-            if find_spec(".".join(parts[:cut])) is not None:
-                return
+            if importlib.util.find_spec(module_name) is None:
+                continue
         except (ImportError, ValueError):
             continue
+        try:
+            target: Any = importlib.import_module(module_name)
+        except Exception as err:  # the user's module fails to import: say so, with its error
+            raise ConfigError(f"{key}={path!r}: importing {module_name} failed: {type(err).__name__}: {err}") from None
+        for depth, attribute in enumerate(parts[cut:], start=cut):
+            if not hasattr(target, attribute):
+                raise ConfigError(f"{key}={path!r}: {'.'.join(parts[:depth])} has no {attribute!r}")
+            target = getattr(target, attribute)
+        if not callable(target):
+            raise ConfigError(f"{key}={path!r} names a {type(target).__name__}, not a class or factory")
+        return
     raise ConfigError(f"{key}={path!r}: no module {'.'.join(parts[:-1])} can be found (is its package installed "
                       f"or on PYTHONPATH?)")
 

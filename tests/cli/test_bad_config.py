@@ -239,3 +239,26 @@ def test_a_complete_sharded_folder_passes_the_model_folder_check(tmp_path):
     path = write_fake_model_folder(tmp_path / "model")
     _shard_folder(path, "complete")
     assert check_model_folder(path)["model_type"] == "qwen3"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.engine=atlas_lightning.rollout.factory.no_such_engine",
+     "rollout.engine='atlas_lightning.rollout.factory.no_such_engine': atlas_lightning.rollout.factory has no 'no_such_engine'"),
+    ("reward._target_=atlas_lightning.reward.NoSuchReward",
+     "reward._target_='atlas_lightning.reward.NoSuchReward': atlas_lightning.reward has no 'NoSuchReward'"),
+    ("+callbacks.mine._target_=atlas_lightning.callbacks.validation.NoSuchCallback",
+     "callbacks.mine._target_='atlas_lightning.callbacks.validation.NoSuchCallback': "
+     "atlas_lightning.callbacks.validation has no 'NoSuchCallback'"),
+    ("+callbacks.mine._target_=no_such_pkg.Callback", "callbacks.mine._target_='no_such_pkg.Callback': no module no_such_pkg"),
+    ("reward._target_=atlas_lightning.reward.scorer.CostReward.no_method",
+     "atlas_lightning.reward.scorer.CostReward has no 'no_method'"),
+    ("reward._target_=atlas_lightning.reward.scorer.REQUIRED_FIELDS", "names a tuple, not a class or factory"),
+])
+def test_every_target_must_name_an_object_before_anything_is_written(override, message, tmp_path, capsys):
+    root = tmp_path / "root"
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}",
+                 f"model.path={write_fake_model_folder(tmp_path / 'model')}", override])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+    assert not root.exists()
