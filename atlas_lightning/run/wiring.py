@@ -126,7 +126,7 @@ def check_inputs(cfg: DictConfig, *, data: bool = True) -> StartingPoint:
     from atlas_lightning.planning.model_folder import check_model_folder
     from atlas_lightning.store.checkpoints import CheckpointError, verify_checkpoint
 
-    _check_root(Path(cfg.paths.root))
+    _check_writable(run_dirs(cfg))
     check_model_folder(cfg.model.path)
     if data:
         from atlas_lightning.questions.loader import load_split
@@ -146,15 +146,26 @@ def check_inputs(cfg: DictConfig, *, data: bool = True) -> StartingPoint:
     return resume_path(cfg)
 
 
-def _check_root(root: Path) -> None:
-    """``paths.root`` is a writable folder, or the nearest existing folder above it is."""
-    existing = root
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"paths.root={root}: {existing} is not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"paths.root={root}: {existing} is not writable")
+def _check_writable(dirs: dict[str, Path]) -> None:
+    """Every folder the run writes (``run_dirs``: root, outputs, logs, checkpoints, artifacts,
+    runs, wandb) is a folder, or the nearest existing folder above it is, and a file can be made
+    there. Tried with an unnamed temporary file rather than ``os.access``, which says yes to root
+    on a read-only mount, an immutable folder or ``/proc``."""
+    import tempfile
+
+    for key, folder in dirs.items():
+        existing = folder
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        where = f"paths.root={folder}" if key == "root" else f"the run's {key} folder {folder}"
+        if not existing.is_dir():
+            raise ConfigError(f"{where}: {existing} is not a folder")
+        try:
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as err:
+            raise ConfigError(f"{where}: {existing} is not writable ({err.strerror or err}); "
+                              f"choose another paths.root or fix the folder's permissions") from None
 
 
 def resume_path(cfg: DictConfig) -> StartingPoint:

@@ -262,3 +262,26 @@ def test_every_target_must_name_an_object_before_anything_is_written(override, m
     assert code == 2, err
     assert message in err and "Traceback" not in err
     assert not root.exists()
+
+
+@pytest.mark.parametrize("where", ["root", "outputs", "checkpoints", "logs", "artifacts"])
+def test_a_run_folder_that_cannot_be_written_exits_2_before_anything_is_written(where, tmp_path, capsys):
+    root = tmp_path / "root"
+    blocked = {"root": root, "outputs": root / "outputs" / "tiny", "checkpoints": root / "checkpoints" / "tiny",
+               "logs": root / "logs", "artifacts": root / "artifacts" / "tiny"}[where]
+    blocked.parent.mkdir(parents=True, exist_ok=True)
+    blocked.write_text("a file where the run needs a folder")
+    model = write_fake_model_folder(tmp_path / "model")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}", "name=tiny", f"model.path={model}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"{blocked} is not a folder" in err and "Traceback" not in err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_paths_root_on_a_read_only_place_exits_2(tmp_path, capsys):
+    code = main(["fit", "experiment=tiny-cpu", "paths.root=/proc/atlas",
+                 f"model.path={write_fake_model_folder(tmp_path / 'model')}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "paths.root=/proc/atlas: /proc is not writable" in err, err
