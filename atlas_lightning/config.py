@@ -134,6 +134,9 @@ class DataConfig:
     subset_columns: list[str] = field(default_factory=lambda: ["subset"])
     #: Cap on validation questions per benchmark (None: all of ``val_full``).
     val_max_questions: Optional[int] = None
+    #: A GPQA row whose ``ground_truth`` contradicts a candidate's ``is_correct``: ``refuse`` (the
+    #: loader names file, row and candidate) or ``keep`` (loaded as it is; README, "Question data").
+    label_conflicts: str = "refuse"
     shuffle: bool = True
     seed: int = 0
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from atlas_lightning.questions.rows import LABEL_CONFLICT_POLICIES
 from atlas_lightning.questions.schema import BENCHMARKS, MAX_COST_USD
 
 # ----------------------------------------------------------------------------- rule kinds
@@ -199,6 +200,7 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "data.val_split": SAFE_NAME,
     "data.subset_columns": Items(_COLUMN, unique=True),
     "data.val_max_questions": Int(1, optional=True),
+    "data.label_conflicts": OneOf(LABEL_CONFLICT_POLICIES),
     "data.seed": _SEED,
     # rollout
     "rollout.n": Int(1),

@@ -3,20 +3,7 @@
 Correctness comes only from cached data: the question's ``ground_truth`` letter (GPQA) or the
 ``is_correct`` of the revealed candidate the submit names (LCB).
 
-GPQA: the answer text is read as a choice letter the way common graders read it. Markdown
-emphasis (``*``, `````, ``$``) and ``\\boxed{X}``/``\\text{X}`` wrappers are removed first, then:
-
-1. the whole answer is one letter, optionally bracketed or followed by ``.``/``!`` and optionally
-   after "option"/"choice": ``B``, ``b``, ``(B)``, ``[B]``, ``B)``, ``B.``, ``Option B``;
-2. otherwise "answer" followed by ``is``, ``:`` or ``=`` and a capital letter standing alone:
-   ``Answer: B``, ``The answer is (B).``, ``Final answer = C``. When such phrases name different
-   letters the answer is ambiguous and reads as no letter;
-3. otherwise the answer opens with a capital letter and a delimiter: ``B) 42 m/s``, ``(B) 42``,
-   ``B. because``, ``B: 42``.
-
-Anything else (``A or B``, ``I think B``, ``ABCD``, an empty string) reads as no letter and is
-wrong. Lower-case letters count only under rule 1, where nothing else can be meant (in running text
-"the answer is a function" must not read as ``A``).
+GPQA: the answer is read as a choice letter by ``questions/letters.py`` (its rules there).
 
 LCB: the submit names one of *this trajectory's revealed* candidates, whose code is submitted:
 
@@ -35,42 +22,19 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
+from atlas_lightning.questions.letters import read_choice_letter, unwrap_markup
 from atlas_lightning.questions.schema import Candidate
 
-_MARKUP = re.compile(r"[*`$]")
-_WRAPPER = re.compile(r"\\(?:boxed|text|textbf|mathrm)\{([^{}]*)\}")
-# No two whitespace runs may meet without a character between them (``\s*[)]?\s*`` backtracks
-# quadratically on a long run of spaces): each optional piece carries its own whitespace.
-_WHOLE_LETTER = re.compile(r"^(?:(?:option|choice)\s*)?(?:[\(\[]\s*)?([A-Za-z])\s*(?:[\)\]]\s*)?[.!]?$", re.IGNORECASE)
-_ANSWER_PHRASE = re.compile(
-    r"(?i:answer)\s*(?:(?i:is)(?:\s*:)?|:|=)\s*(?:(?i:option|choice)\s*)?[\(\[]?([A-Z])(?![A-Za-z0-9])"
-)
-_LEADING_LETTER = re.compile(r"^[\(\[]?([A-Z])[\)\]:.](?:\s|$)")
+__all__ = ["read_choice_letter", "grade_gpqa", "grade_lcb", "read_candidate_reference", "normalize_code",
+           "RevealedCandidate"]
+
 # At most 6 digits: int() of a huge digit string is slow and, past 4300 digits, refused.
 _CANDIDATE_REF = re.compile(r"^(?:candidate\s*)?(?:#\s*)?(\d{1,6})\s*\.?$", re.IGNORECASE)
 
 
-def _unwrap(text: str) -> str:
-    text = _WRAPPER.sub(r"\1", text)
-    return _MARKUP.sub("", text).strip()
-
-
-def read_choice_letter(answer: str) -> str | None:
-    """The upper-case choice letter ``answer`` names under the GPQA rules above, or ``None``."""
-    text = _unwrap(answer)
-    whole = _WHOLE_LETTER.match(text)
-    if whole:
-        return whole.group(1).upper()
-    phrased = {m.group(1) for m in _ANSWER_PHRASE.finditer(text)}
-    if phrased:
-        return phrased.pop() if len(phrased) == 1 else None
-    leading = _LEADING_LETTER.match(text)
-    return leading.group(1) if leading else None
-
-
 def read_candidate_reference(answer: str) -> int | None:
     """The k of ``#k`` (LCB rule 1), or ``None``. ``k`` is not range-checked here."""
-    match = _CANDIDATE_REF.match(_unwrap(answer))
+    match = _CANDIDATE_REF.match(unwrap_markup(answer))
     return int(match.group(1)) if match else None
 
 

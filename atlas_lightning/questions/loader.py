@@ -185,6 +185,7 @@ def load_questions(
     split: str,
     columns: Mapping[str, str] | None = None,
     subset_columns: Sequence[str] = ("subset",),
+    label_conflicts: str = "refuse",
 ) -> list[Question]:
     """All questions of ``<root>/<benchmark>/<split>.parquet``, in file order, every value checked.
 
@@ -195,8 +196,9 @@ def load_questions(
     UTF-8, NaN, negative or huge cost (above ``schema.MAX_COST_USD``), confidence outside [0, 1],
     empty candidate list, duplicate question id or two ids that name their trajectories alike
     (``uid.trajectory_uid``), a GPQA ``ground_truth`` that is not one of the problem's choice
-    letters, a row of another or unknown benchmark, a permutation that is not one of
-    ``range(len(candidates))``, an empty file.
+    letters, a GPQA candidate whose ``is_correct`` contradicts the ground truth (unless
+    ``label_conflicts`` is ``keep``: ``rows.LABEL_CONFLICT_POLICIES``), a row of another or unknown
+    benchmark, a permutation that is not one of ``range(len(candidates))``, an empty file.
     """
     path = question_file(root, benchmark, split)
     label = f"{benchmark}/{split}.parquet"
@@ -234,7 +236,7 @@ def load_questions(
     first_uid: dict[str, tuple[int, str]] = {}
     for index in range(table.num_rows):
         row = {ours: column[index] for ours, column in values.items()}
-        question = question_from_row(row, f"{label} row {index}", benchmark, present_subsets)
+        question = question_from_row(row, f"{label} row {index}", benchmark, present_subsets, label_conflicts)
         if question.question_id in first_row:
             raise DataError(
                 f"{label} row {index} (question_id={question.question_id}) field question_id: "
@@ -257,7 +259,8 @@ def load_questions(
 def load_split(cfg_data: Any, split: str, max_per_benchmark: int | None = None) -> list[Question]:
     """The questions of ``split`` (a file stem, e.g. ``cfg.data.val_split``) for every benchmark.
 
-    ``cfg_data``: anything with ``root``, ``benchmarks``, ``columns`` and ``subset_columns``
+    ``cfg_data``: anything with ``root``, ``benchmarks``, ``columns``, ``subset_columns`` (and
+    optionally ``label_conflicts``)
     (``DataConfig``, its DictConfig, a namespace). Order is stable: benchmarks in configured order,
     then file order. ``max_per_benchmark`` keeps the first N of each file (e.g.
     ``data.val_max_questions``); None keeps all. Question ids are unique within a benchmark only:
@@ -279,6 +282,7 @@ def load_split(cfg_data: Any, split: str, max_per_benchmark: int | None = None) 
             split,
             columns=dict(cfg_data.columns or {}),
             subset_columns=tuple(cfg_data.subset_columns or ()),
+            label_conflicts=getattr(cfg_data, "label_conflicts", "refuse"),
         )
         questions.extend(loaded if max_per_benchmark is None else loaded[:max_per_benchmark])
     return questions

@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from atlas_lightning.errors import InputError
+from atlas_lightning.questions.letters import choice_letters, read_choice_letter
 from atlas_lightning.questions.schema import BENCHMARKS, CANDIDATE_FIELDS, MAX_COST_USD, Candidate, Question
 
 
@@ -25,27 +26,6 @@ class DataError(InputError):
 
 
 _GPQA_LETTER = re.compile(r"[A-Z]")
-#: A choice line of a GPQA problem: ``A) ...``, ``(A) ...``, ``A. ...``, ``A: ...``, ``[A] ...``.
-_CHOICE_LINE = re.compile(r"^[ \t]*[\(\[]?([A-Za-z])[\)\]\.:](?=[ \t]|$)", re.MULTILINE)
-#: Choices written inline: ``... (A) 2 atm (B) 3 atm ...``.
-_CHOICE_INLINE = re.compile(r"\(([A-Z])\)")
-
-
-def choice_letters(problem: str) -> str:
-    """The letters of a GPQA problem's choices, ``"ABCD"`` for four: the run ``A, B, C, ...`` of
-    choice lines (``A) ...``, ``(B) ...``, ``C. ...``; case-insensitive), or, when the problem has
-    no choice lines, of inline ``(A)`` markers. Letters that do not continue the run from ``A``
-    (a line starting ``I. ...`` in the statement) are not choices. ``""`` when there are none."""
-    for pattern in (_CHOICE_LINE, _CHOICE_INLINE):
-        found = {m.group(1).upper() for m in pattern.finditer(problem)}
-        run = ""
-        while chr(ord("A") + len(run)) in found:
-            run += chr(ord("A") + len(run))
-        if run:
-            return run
-    return ""
-
-
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -132,14 +112,23 @@ def _permutations(check: _RowChecker, value: Any, n_candidates: int) -> tuple[tu
     return tuple(result)
 
 
-def question_from_row(row: dict[str, Any], where: str, benchmark: str, subset_columns: tuple[str, ...]) -> Question:
+#: ``data.label_conflicts``: what a GPQA row whose ``ground_truth`` contradicts a candidate's
+#: ``is_correct`` gets: refused (``refuse``, the default), or loaded as it is (``keep``: grading
+#: then follows ``ground_truth`` while ``found_correct`` follows ``is_correct``, so the two may disagree).
+LABEL_CONFLICT_POLICIES = ("refuse", "keep")
+
+
+def question_from_row(row: dict[str, Any], where: str, benchmark: str, subset_columns: tuple[str, ...],
+                      label_conflicts: str = "refuse") -> Question:
     """Build a ``Question`` from ``row`` (our column names), checking every value.
 
     ``where`` names the row for messages, e.g. ``gpqa/train.parquet row 17``; the question id is
     appended once known. ``benchmark`` is the file's benchmark: a row naming another one is refused.
     ``subset_columns`` are the subset columns present in the file (each must hold a string).
     Optional columns may be absent from ``row`` or null: ``data_source`` -> ``""``,
-    ``permutations`` -> ``()``.
+    ``permutations`` -> ``()``. ``label_conflicts``: see ``LABEL_CONFLICT_POLICIES`` (a GPQA
+    candidate whose answer names a letter must be ``is_correct`` exactly when that letter is the
+    ``ground_truth``; answers that name no letter cannot be checked).
     """
     question_id = row.get("question_id")
     label = question_id if isinstance(question_id, str) and question_id else "?"
@@ -177,6 +166,8 @@ def question_from_row(row: dict[str, Any], where: str, benchmark: str, subset_co
     if not raw_candidates:
         raise check.fail("candidates", "empty list (a question needs at least one candidate)")
     candidates = tuple(_candidate(check, value, index) for index, value in enumerate(raw_candidates))
+    if benchmark == "gpqa" and label_conflicts == "refuse":
+        _check_gpqa_labels(check, candidates, ground_truth)
 
     return Question(
         question_id=question_id,
@@ -188,6 +179,17 @@ def question_from_row(row: dict[str, Any], where: str, benchmark: str, subset_co
         subsets=subsets,
         permutations=_permutations(check, row.get("permutations"), len(candidates)),
     )
+
+
+def _check_gpqa_labels(check: _RowChecker, candidates: tuple[Candidate, ...], ground_truth: str) -> None:
+    """Each candidate whose answer names a letter is cached correct iff that letter is the ground truth."""
+    for index, candidate in enumerate(candidates):
+        letter = read_choice_letter(candidate.answer)
+        if letter is not None and (letter == ground_truth) != candidate.is_correct:
+            raise check.fail(f"candidates[{index}].is_correct",
+                             f"{candidate.is_correct} contradicts ground_truth {ground_truth!r} (the candidate answers "
+                             f"{letter!r}): grading and found_correct would disagree; fix the row, or load such rows "
+                             f"as they are with data.label_conflicts=keep")
 
 
 def question_to_row(question: Question) -> dict[str, Any]:

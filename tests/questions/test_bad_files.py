@@ -76,6 +76,26 @@ def test_a_gpqa_problem_without_lettered_choices_is_refused(tmp_path, gpqa):
     assert "row 1 " in _refused(tmp_path) and "field problem: shows no lettered choices" in _refused(tmp_path)
 
 
+@pytest.mark.parametrize("change", ["truth_moves", "candidate_flips_wrong", "candidate_flips_right"])
+def test_a_ground_truth_that_contradicts_its_candidates_is_refused_or_kept_by_name(tmp_path, gpqa, change):
+    rows = [question_to_row(q) for q in gpqa]
+    row = rows[2]
+    right = next(k for k, c in enumerate(row["candidates"]) if c["is_correct"])
+    wrong = next(k for k, c in enumerate(row["candidates"]) if not c["is_correct"])
+    if change == "truth_moves":  # another choice, as a mislabelled row would say
+        row["ground_truth"] = next(letter for letter in "ABCD" if letter != row["ground_truth"])
+    else:
+        row["candidates"][right if change == "candidate_flips_wrong" else wrong]["is_correct"] = \
+            change == "candidate_flips_right"
+    _write(tmp_path, rows)
+    message = _refused(tmp_path)
+    assert message.startswith(f"gpqa/train.parquet row 2 (question_id={gpqa[2].question_id}) field candidates[")
+    assert ".is_correct: " in message and "contradicts ground_truth" in message
+    assert "data.label_conflicts=keep" in message
+    kept = load_questions(tmp_path, "gpqa", "train", label_conflicts="keep")
+    assert kept[2].ground_truth == row["ground_truth"]
+
+
 def test_every_sample_question_passes(gpqa, tmp_path):
     write_questions(tmp_path / "gpqa" / "train.parquet", gpqa)
     assert load_questions(tmp_path, "gpqa", "train") == gpqa
