@@ -11,6 +11,7 @@ cost_total                 sum of c_k, dollars
 cost                       lam * cost_total
 explore_reward_k           -lam * c_k; 0 where there was no k-th explore (k = 1..max(8, max_explores))
 terminal_reward            acc, plus ``no_submit_reward`` when the episode ended without a submit
+                           after generating at least one token
 final_reward               terminal_reward + sum_k explore_reward_k (computed as the correctly
                            rounded sum of the per-slot values of ``placement.py``, so that the
                            placed values add up to it exactly; it differs from the plain sum by at
@@ -28,7 +29,9 @@ num_turns                  assistant turns
 =========================  ==================================================================
 
 Shaping: ``no_submit_reward`` (default 0) is the only one; it enters ``terminal_reward`` and so
-``final_reward`` and ``training_reward``, never ``objective``. Every value is a plain int or float,
+``final_reward`` and ``training_reward``, never ``objective``. An episode that generated no token
+(a prompt that overflows the context at once) is not shaped: the shaping would have no token to
+land on, PPO would never receive it, and the record must say what PPO receives. Every value is a plain int or float,
 finite in float32 (the dtype PPO receives): a cost or lambda so large that a value overflows is a
 ``RewardError`` naming the episode and the field, never an ``OverflowError`` or an inf in training
 (the question loader and the config bound both, so that this is never reached with checked inputs).
@@ -80,8 +83,11 @@ def reward_breakdown(episode: Mapping[str, Any], cost_per_usd: float, no_submit_
         pieces: dict[str, float] = {}
         for k in range(1, explore_field_count(log.max_explores) + 1):
             pieces[f"explore_reward_{k}"] = -(lam * costs[k - 1]) + 0.0 if k <= len(costs) else 0.0
-        pieces["terminal_reward"] = float(acc) + (0.0 if submitted else shaping)
         slots, unplaced = designated_slots(log)
+        # An episode that generated no token has nowhere to put the shaping, and PPO receives
+        # nothing from it: the record says the same (terminal_reward 0, not the shaping).
+        shaped = not submitted and "terminal_reward" not in unplaced
+        pieces["terminal_reward"] = float(acc) + (shaping if shaped else 0.0)
         final_reward = math.fsum([slot_value(names, pieces) for _, names in slots]
                                  + [pieces[n] for n in unplaced]) + 0.0
     except OverflowError:

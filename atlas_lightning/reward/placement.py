@@ -26,8 +26,9 @@ Reward events and mapped slots (the invariants in ``invariants.py``):
 (a $0.00 candidate, a wrong submit), and the sum of the trace's values is exactly
 ``final_reward`` (which ``breakdown.py`` defines as the correctly rounded sum of these slot
 values). The only piece that can go unplaced is the terminal piece of an episode that generated
-no token at all (``last_generated`` null): it is listed in ``unplaced`` and shows up in
-``mapping_sum_error`` if it is nonzero.
+no token at all (``last_generated`` null): it is listed in ``unplaced``; the package's breakdown
+gives it 0 there (no submit is possible and the shaping is not applied), and a scorer that gives
+it another value shows up in ``mapping_sum_error``.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
   ``model.lora``'s, as every snapshot's did.
 * ``model.elementwise_kernels`` (``auto``) and ``model.attention_length_bucket`` (null): GPU speed
   paths that leave CPU runs as they were (``models/fused_kernels.py``, ``models/attention.py``).
+* ``data.label_conflicts`` (``refuse``): GPQA rows whose ground truth contradicts a candidate are
+  refused (every snapshot's data had none).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.de
          "model.linear_attention_kernel": "auto", "model.layer_recompute": None,
          "model.critic_lora.rank": None, "model.critic_lora.alpha": None, "model.critic_lora.dropout": None,
          "model.critic_lora.target_modules": None, "model.elementwise_kernels": "auto",
-         "model.attention_length_bucket": None}
+         "model.attention_length_bucket": None, "data.label_conflicts": "refuse"}
 
 
 def _flat(node, prefix: str = "") -> dict:
