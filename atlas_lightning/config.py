@@ -457,6 +457,7 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
     from yaml import YAMLError
 
     overrides = list(overrides or [])
+    _check_override_grammar(overrides)
     if user_config_dir:
         path = Path(user_config_dir).expanduser().resolve()
         if not path.is_dir():
@@ -486,6 +487,25 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
     validate(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _check_override_grammar(overrides: list[str]) -> None:
+    """Each override parses in hydra's grammar; one that does not is named, with its key and
+    hydra's reason, rather than hydra's bare parser message (which names neither)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_override(override)
+        except HydraException as err:
+            key = override.split("=", 1)[0].lstrip("+~") if "=" in override else override
+            reason = " ".join(str(err).split()).replace("See https://hydra.cc/docs/1.2/advanced/override_grammar/basic "
+                                                         "for details", "").strip()
+            hint = (" (quote a value with special characters: key='value')" if "=" in override
+                    else " (an override is key=value)")
+            raise ConfigError(f"override {override!r} (key {key}): hydra cannot parse it: {reason}{hint}") from None
 
 
 def _explain(err: Exception) -> str:

@@ -285,3 +285,13 @@ def test_a_paths_root_on_a_read_only_place_exits_2(tmp_path, capsys):
                  f"model.path={write_fake_model_folder(tmp_path / 'model')}"])
     err = capsys.readouterr().err
     assert code == 2 and "paths.root=/proc/atlas: /proc is not writable" in err, err
+
+
+@pytest.mark.parametrize("override, key", [("name=$(whoami)", "name"), ("trainer.total_steps=[1,", "trainer.total_steps"),
+                                           ("+model.x='open", "model.x"), ("no_equals_sign", "no_equals_sign")])
+def test_an_override_hydra_cannot_parse_is_named_with_its_key(override, key, tmp_path, capsys):
+    root = tmp_path / "root"
+    assert main(["fit", "experiment=tiny-cpu", f"paths.root={root}", override]) == 2
+    err = capsys.readouterr().err
+    assert f"override {override!r} (key {key}): hydra cannot parse it" in err and "Traceback" not in err
+    assert not root.exists()

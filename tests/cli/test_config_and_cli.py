@@ -90,9 +90,8 @@ def test_a_users_own_config_dir_and_callback_by_class_path(tmp_path):
     names = [type(c).__name__ for c in build_callbacks(cfg)]
     assert names[0] == "WeightSyncCallback" and "Timer" in names and names[-1] == "StepCheckpoint"
 
-    broken = compose(["experiment=tiny-cpu", "+callbacks.bad._target_=no.such.Callback"])
-    with pytest.raises(ConfigError, match="callbacks.bad"):
-        build_callbacks(broken)
+    with pytest.raises(ConfigError, match="callbacks.bad"):  # refused with the config, before any work
+        compose(["experiment=tiny-cpu", "+callbacks.bad._target_=no.such.Callback"])
 
 
 def test_outputs_go_under_paths_root_and_name(tmp_path):
