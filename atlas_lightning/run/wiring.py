@@ -187,6 +187,7 @@ def resume_path(cfg: DictConfig) -> StartingPoint:
             raise ConfigError("trainer.resume=auto: no checkpoint of this run verifies:\n  " + "\n  ".join(refusals)
                               + "\nmove the damaged folders away, or set trainer.resume=null to start afresh")
         if folder is not None:
+            _check_state(folder, "trainer.resume=auto")
             notes.append(f"trainer.resume=auto: resuming from {folder} (verified)")
         return StartingPoint(folder, str(lightning_state_path(folder)) if folder else None, notes)
     folder = Path(resume)
@@ -194,7 +195,18 @@ def resume_path(cfg: DictConfig) -> StartingPoint:
         verify_checkpoint(folder)
     except CheckpointError as err:
         raise ConfigError(f"trainer.resume={resume}: {err}") from None
+    _check_state(folder, f"trainer.resume={resume}")
     return StartingPoint(folder, str(lightning_state_path(folder)), [f"trainer.resume: resuming from {folder} (verified)"])
+
+
+def _check_state(folder: Path, key: str) -> None:
+    """The checkpoint's Lightning state is whole (``run/resume_state.py``), or the key is refused."""
+    from atlas_lightning.run.resume_state import ResumeStateError, check_resume_state
+
+    try:
+        check_resume_state(folder)
+    except ResumeStateError as err:
+        raise ConfigError(f"{key}: {err}") from None
 
 
 def build_trainer(cfg: DictConfig, callbacks: Optional[list] = None, loggers: Optional[list] = None,

@@ -6,6 +6,7 @@ refused naming the key and the checkpoint, before Lightning loads anything."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -20,7 +21,33 @@ from atlas_lightning.store.checkpoints import (
 )
 
 
-def _checkpoint(root, step, *, adapters=None, state=b"lightning state " * 64):
+def resumable_state(**change) -> dict:
+    """A Lightning state of the shape a resume restores (two AdamW optimizers with their moments,
+    loops, callbacks, the data cursor, the module's record), with ``change`` applied."""
+    import torch
+
+    def adam(names):
+        return {"state": {i: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
+                          for i in range(len(names))}, "param_groups": [{"params": list(range(len(names))), "lr": 1e-6}]}
+
+    state = {"state_dict": {"a": torch.zeros(2)}, "optimizer_states": [adam("ab"), adam("cd")],
+             "loops": {"fit_loop": {}}, "callbacks": {"ValidationCallback": {"validated": [0]}},
+             "RolloutDataModule": {"next_step": 4}, "atlas": {"rl_step": 3}}
+    state.update(change)
+    return state
+
+
+def _state_bytes(**change) -> bytes:
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(resumable_state(**change), buffer)
+    return buffer.getvalue()
+
+
+def _checkpoint(root, step, *, adapters=None, state=None):
     """``root/global_step_<step>`` as the checkpoint callback lays it out, marker last."""
     folder = root / f"global_step_{step}"
     for role in ("actor", "critic"):
@@ -34,7 +61,7 @@ def _checkpoint(root, step, *, adapters=None, state=b"lightning state " * 64):
             (target / "adapter_config.json").write_text(json.dumps({"r": 4, "role": role}))
             (target / "adapter_model.safetensors").write_bytes(bytes(range(256)) * (step + 1))
     (folder / "lightning").mkdir(parents=True)
-    (folder / "lightning" / "state.ckpt").write_bytes(state)
+    (folder / "lightning" / "state.ckpt").write_bytes(_state_bytes() if state is None else state)
     (folder / "val_dumps").mkdir()
     (folder / "val_dumps" / f"{step}.jsonl").write_text("{}\n")  # validation's, not the checkpoint's
     write_marker(folder, step)
@@ -64,7 +91,7 @@ def test_an_intact_checkpoint_verifies(tmp_path):
     ("marker_escapes", "checkpoint.json lists '../../outside', which is not a path inside the folder"),
 ])
 def test_damage_is_refused_naming_folder_and_file(tmp_path, damage, message):
-    folder = _checkpoint(tmp_path, 3)
+    folder = _checkpoint(tmp_path, 3, state=b"lightning state " * 64)  # bytes alone: the marker's check
     marker = json.loads((folder / MARKER).read_text())
     state = folder / "lightning" / "state.ckpt"
     if damage == "no_marker":
@@ -189,6 +216,75 @@ def test_init_from_with_the_actor_alone_checks_the_actor_alone(tmp_path, cfg_of)
     with pytest.raises(ConfigError, match="critic/lora_adapter"):
         check_inputs(cfg_of(f"trainer.init_from={folder}"))
     check_inputs(cfg_of(f"trainer.init_from={folder}", "trainer.init_critic=false"))
+
+
+def _half_moments(state):
+    kept = state["optimizer_states"][0]
+    kept["state"] = {0: kept["state"][0]}  # the actor's second parameter lost its moments
+    return state
+
+
+_PARTIAL = [
+    ("no_critic_optimizer", lambda s: {**s, "optimizer_states": s["optimizer_states"][:1]},
+     "holds 1 optimizer state(s), a resume needs 2 (actor, critic)"),
+    ("half_actor_moments", _half_moments, "the actor optimizer keeps Adam's moments for 1 of its 2 parameters"),
+    ("empty_critic", lambda s: {**s, "optimizer_states": [s["optimizer_states"][0],
+                                                          {**s["optimizer_states"][1], "state": {}}]},
+     "the critic optimizer has no state after RL step 3"),
+    ("no_cursor", lambda s: {k: v for k, v in s.items() if k != "RolloutDataModule"}, "no data cursor"),
+    ("no_loops", lambda s: {k: v for k, v in s.items() if k != "loops"}, "no 'loops' entry"),
+]
+
+
+def _write_state(folder, state, distributed: bool) -> None:
+    """``folder/lightning`` as one file, or as Lightning writes a torch.distributed checkpoint
+    (tensors and optimizer states by parameter name, the rest in ``meta.pt``); marker rewritten."""
+    import shutil
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    target = folder / "lightning"
+    shutil.rmtree(target)
+    target.mkdir()
+    if not distributed:
+        torch.save(state, target / "state.ckpt")
+    else:
+        tensors = {"state_dict": state["state_dict"]}
+        for index, optimizer in enumerate(state["optimizer_states"]):
+            name = {i: f"role{index}.p{i}" for i in optimizer["param_groups"][0]["params"]}
+            tensors[f"optimizer_{index}"] = {
+                "state": {name[i]: value for i, value in optimizer["state"].items()},
+                "param_groups": [{**group, "params": [name[i] for i in group["params"]]}
+                                 for group in optimizer["param_groups"]]}
+        dcp.save(tensors, checkpoint_id=str(target))
+        torch.save({k: v for k, v in state.items() if k not in ("state_dict", "optimizer_states")}, target / "meta.pt")
+    (folder / MARKER).unlink()
+    write_marker(folder, int(folder.name.rsplit("_", 1)[1]))
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["one_file", "distributed"])
+@pytest.mark.parametrize("damage, change, message", _PARTIAL, ids=[d for d, _, _ in _PARTIAL])
+def test_a_resume_from_a_partial_state_is_refused_before_anything_is_written(tmp_path, cfg_of, damage, change, message,
+                                                                           distributed):
+    from atlas_lightning.run.wiring import check_inputs
+
+    folder = _checkpoint(tmp_path / "elsewhere", 3)
+    _write_state(folder, resumable_state(), distributed)
+    check_inputs(cfg_of(f"trainer.resume={folder}"))  # whole: accepted
+    _write_state(folder, change(resumable_state()), distributed)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_inputs(cfg_of(f"trainer.resume={folder}"))
+
+
+def test_an_actor_that_has_not_stepped_yet_resumes(tmp_path, cfg_of):
+    """During critic warm-up the actor optimizer has no state: a resume is whole without it."""
+    from atlas_lightning.run.wiring import check_inputs
+
+    state = resumable_state()
+    state["optimizer_states"][0]["state"] = {}
+    folder = _checkpoint(tmp_path / "elsewhere", 3, state=_state_bytes(optimizer_states=state["optimizer_states"]))
+    assert check_inputs(cfg_of(f"trainer.resume={folder}")).resume == folder
 
 
 # -- resuming this run's model from a checkpoint of another ---------------------------------------

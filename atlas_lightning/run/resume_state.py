@@ -1,0 +1,121 @@
+"""Is a checkpoint's Lightning state whole? Checked before a resume writes anything.
+
+Lightning restores what a checkpoint holds and, for optimizers, silently starts fresh where it
+holds nothing: an optimizer whose state is missing, or that keeps Adam's moments for only some of
+its parameters, resumes with those tensors' moments at zero and no word of it. The adapters are
+checked against the built model elsewhere (``PPOModule``); this checks the rest of the state
+``trainer.resume`` restores, from the files alone (the single-file state is memory-mapped, a
+torch.distributed checkpoint is read from its metadata), before the model is built:
+
+* both optimizers (``actor``, ``critic``, in ``configure_optimizers``' order) are there;
+* each either has no per-parameter state (it has not stepped: the actor during
+  ``algorithm.critic_warmup``) or has ``step``, ``exp_avg`` and ``exp_avg_sq`` for every
+  parameter its groups list; the critic has stepped once any RL step was checkpointed;
+* the loops' progress, the callbacks' states, the data cursor (``next_step``) and the module's
+  own ``atlas`` record (the RL step) are there.
+
+``ResumeStateError`` (an ``InputError``: the CLI exits 2) names the folder and what is missing.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+from atlas_lightning.errors import InputError
+from atlas_lightning.store.checkpoints import lightning_state_path
+
+#: The optimizers ``PPOModule.configure_optimizers`` returns, in order.
+OPTIMIZER_ROLES = ("actor", "critic")
+#: What AdamW keeps for each parameter it has stepped.
+ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+#: Top-level entries a resumable state must have besides the optimizers.
+REQUIRED = ("loops", "callbacks", "atlas")
+
+
+class ResumeStateError(InputError):
+    """A checkpoint's Lightning state lacks part of what a resume restores."""
+
+
+def check_resume_state(folder: str | Path) -> None:
+    """Refuse ``folder`` (a verified ``global_step_N``) when its Lightning state is not whole (module doc)."""
+    path = lightning_state_path(folder)
+    where = f"checkpoint {folder}"
+    if path.is_file():
+        top, optimizers = _single_file(path)
+    else:
+        top, optimizers = _distributed(path)
+    for key in REQUIRED:
+        if key not in top:
+            raise ResumeStateError(f"{where}: its Lightning state has no {key!r} entry: not a resumable state")
+    if not any(isinstance(value, dict) and "next_step" in value for value in top.values()):
+        raise ResumeStateError(f"{where}: its Lightning state has no data cursor (the datamodule's next_step)")
+    rl_step = int((top.get("atlas") or {}).get("rl_step", 0))
+    if len(optimizers) != len(OPTIMIZER_ROLES):
+        raise ResumeStateError(f"{where}: its Lightning state holds {len(optimizers)} optimizer state(s), "
+                               f"a resume needs {len(OPTIMIZER_ROLES)} ({', '.join(OPTIMIZER_ROLES)})")
+    for role, (params, state) in zip(OPTIMIZER_ROLES, optimizers):
+        _check_optimizer(where, role, params, state, rl_step)
+
+
+def _check_optimizer(where: str, role: str, params: list, state: dict[Any, set[str]], rl_step: int) -> None:
+    """``params``: the parameters the optimizer's groups list; ``state``: for each parameter
+    that has state, the names of what it keeps."""
+    if not state:
+        if role == "critic" and rl_step >= 1:
+            raise ResumeStateError(f"{where}: the critic optimizer has no state after RL step {rl_step}: "
+                                   f"its moments were lost")
+        return
+    incomplete = [param for param in params if not set(ADAM_STATE) <= state.get(param, set())]
+    if incomplete:
+        raise ResumeStateError(
+            f"{where}: the {role} optimizer keeps Adam's moments for {len(params) - len(incomplete)} of its "
+            f"{len(params)} parameters (missing e.g. {', '.join(str(p) for p in incomplete[:3])}): those would "
+            f"restart from zero; resume from an earlier checkpoint")
+
+
+def _single_file(path: Path) -> tuple[dict, list[tuple[list, dict]]]:
+    """Lightning's one-file state, memory-mapped (no tensor data is read)."""
+    import torch
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as err:  # a file torch cannot read, whatever the library raises
+        raise ResumeStateError(f"checkpoint {path.parent.parent}: {path.name} cannot be read: {err}") from None
+    optimizers = []
+    for entry in checkpoint.get("optimizer_states") or []:
+        params = [p for group in entry.get("param_groups", []) for p in group.get("params", [])]
+        state = {param: set(values) for param, values in (entry.get("state") or {}).items()}
+        optimizers.append((params, state))
+    return checkpoint, optimizers
+
+
+def _distributed(path: Path) -> tuple[dict, list[tuple[list, dict]]]:
+    """A torch.distributed checkpoint: the non-tensor state beside it (Lightning's ``meta.pt``),
+    and each optimizer's parameter names and per-parameter state from the metadata."""
+    import torch
+    from lightning.fabric.strategies.fsdp import _METADATA_FILENAME
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    try:
+        top = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=False)
+        keys = list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    except Exception as err:  # a damaged folder, whatever the library raises
+        raise ResumeStateError(f"checkpoint {path.parent}: its Lightning state cannot be read: {err}") from None
+    optimizers = []
+    for index in range(len({key.split(".", 1)[0] for key in keys if key.startswith("optimizer_")})):
+        prefix = f"optimizer_{index}."
+        param_keys = sorted(key for key in keys if key.startswith(prefix + "param_groups.") and key.endswith(".params"))
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            loaded = _load_state_dict_from_keys(keys=set(param_keys), checkpoint_id=str(path)) if param_keys else {}
+        params = [p for group in loaded.get(f"optimizer_{index}", {}).get("param_groups", []) for p in group["params"]]
+        state: dict[str, set[str]] = {}
+        for key in keys:
+            if key.startswith(prefix + "state."):
+                name, _, kept = key[len(prefix + "state."):].rpartition(".")
+                state.setdefault(name, set()).add(kept)
+        optimizers.append((params, state))
+    return top, optimizers
