@@ -18,6 +18,7 @@ pre-flight. Nothing here imports torch.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -522,6 +523,55 @@ def _explain(err: Exception) -> str:
     if full_key and full_key not in text:
         text = f"{full_key}: {text}"
     return text
+
+
+#: What stands in a written config for a credential.
+REDACTED = "***"
+#: The last ``_``-separated words of a key that holds a credential (``hf_token``, ``api_key``,
+#: ``client_secret``, ``password``): a token budget (``max_token_len_per_gpu``) ends otherwise.
+_CREDENTIAL_ENDINGS = ("token", "secret", "password", "passwd", "api_key", "apikey", "access_key", "secret_key",
+                       "credentials", "credential", "auth")
+#: A URL's password (``scheme://user:password@host``).
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+(?P<tail>@)")
+
+
+def is_credential_key(key: str) -> bool:
+    """Whether config key ``key`` (its last dotted part) names a credential (``_CREDENTIAL_ENDINGS``)."""
+    name = str(key).rsplit(".", 1)[-1].lower()
+    return any(name == end or name.endswith("_" + end) for end in _CREDENTIAL_ENDINGS)
+
+
+def redacted(cfg: Any) -> Any:
+    """``cfg`` resolved to plain data with every credential masked (``REDACTED``): the value of a
+    key that names one (``is_credential_key``: a scorer's ``+reward.api_key``) and the password of
+    any URL (``hub.endpoint=https://user:pw@host``). What every file the run writes holds of its
+    config (``config.yaml``, the W&B run config, the run export, ``run.json``): the run itself
+    reads the real values from ``cfg``."""
+    data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+
+    def mask(node: Any, key: str = "") -> Any:
+        if isinstance(node, dict):
+            return {k: (REDACTED if is_credential_key(k) and v is not None else mask(v, str(k))) for k, v in node.items()}
+        if isinstance(node, list):
+            return [mask(item, key) for item in node]
+        if isinstance(node, str):
+            return _URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED + m.group("tail"), node)
+        return node
+
+    return mask(data)
+
+
+def redacted_argv(argv: list[str]) -> list[str]:
+    """A command line with every credential masked as ``redacted`` masks the config: the value
+    of an override whose key names one (``+reward.api_key=...``) and any URL's password."""
+    out = []
+    for arg in argv:
+        key, sep, _ = str(arg).partition("=")
+        if sep and is_credential_key(key.lstrip("+~")):
+            out.append(f"{key}={REDACTED}")
+        else:
+            out.append(_URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED + m.group("tail"), str(arg)))
+    return out
 
 
 def run_dirs(cfg: DictConfig) -> dict[str, Path]:

@@ -34,10 +34,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
-from omegaconf import OmegaConf
 
 from atlas_lightning import distributed
-from atlas_lightning.config import run_dirs
+from atlas_lightning.config import redacted, redacted_argv, run_dirs
 from atlas_lightning.store.records import FILE_VERSION, utc_now
 from atlas_lightning.distributed import on_rank_zero
 from atlas_lightning.store.files import atomic_write_json, json_safe
@@ -147,7 +146,7 @@ class ArtifactDumpCallback(L.Callback):
             "lora": {role: {"shape": shape.describe(), "source": shape.source} for role, shape in shapes.items()},
         }
         cards = {"world_size": int(world_size), "hostnames": sorted({h["hostname"] for h in hosts}), "ranks": hosts}
-        launch = {"start_time": started, "command": list(sys.argv), "pid": os.getpid(),
+        launch = {"start_time": started, "command": redacted_argv(sys.argv), "pid": os.getpid(),
                   "code_revision": revision, "hosts": cards, "starting_adapters": adapters}
         manifest = {
             "file_version": FILE_VERSION,
@@ -158,7 +157,7 @@ class ArtifactDumpCallback(L.Callback):
             "packages": package_versions(),
             "hosts": cards,
             "starting_adapters": adapters,
-            "config": json_safe(OmegaConf.to_container(cfg, resolve=True)),
+            "config": json_safe(redacted(cfg)),
             "launches": _previous_launches(path) + [launch],
         }
         return atomic_write_json(path, manifest)

@@ -32,8 +32,10 @@ from __future__ import annotations
 import os
 import secrets
 import string
+import sys
 import time
 from pathlib import Path
+from unittest import mock
 from typing import Any, Mapping, Optional, Union
 
 from lightning.fabric.utilities.logger import _add_prefix
@@ -41,10 +43,10 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from atlas_lightning.loggers.run_export import RunExportLogger
-from atlas_lightning.config import ConfigError, run_dirs
+from atlas_lightning.config import ConfigError, redacted, redacted_argv, run_dirs
 
 WANDB_MODES = ("online", "offline", "disabled")
 _ID_ALPHABET = string.ascii_lowercase + string.digits
@@ -95,7 +97,10 @@ class RLStepWandbLogger(WandbLogger):
                                f"the run export keeps the id {self._id}.")
                 self._experiment = wandb.run
             else:
-                self._experiment = wandb.init(**self._wandb_init)
+                # W&B records the command line (its metadata's ``args``) from sys.argv at init:
+                # it sees the redacted one, so no credential given as an override reaches its files
+                with mock.patch.object(sys, "argv", redacted_argv(sys.argv)):
+                    self._experiment = wandb.init(**self._wandb_init)
         return self._experiment
 
     @rank_zero_only
@@ -114,7 +119,7 @@ def build_loggers(cfg: DictConfig, run_id: Optional[str] = None) -> list[Logger]
     wandb_enabled = mode != "disabled"
     run_id = run_id or os.environ.get("WANDB_RUN_ID") or new_run_id(wandb_enabled)
     dirs = run_dirs(cfg)
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = redacted(cfg)  # no credential in W&B's files or the export
     loggers: list[Logger] = []
     if wandb_enabled:
         loggers.append(

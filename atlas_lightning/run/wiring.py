@@ -22,7 +22,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from atlas_lightning.config import ConfigError, run_dirs
+from atlas_lightning.config import ConfigError, redacted, run_dirs
 from atlas_lightning.loggers.wandb_logger import build_loggers
 from atlas_lightning.store.atomic import atomic_write_text
 
@@ -51,7 +51,7 @@ def prepare_run(cfg: DictConfig, verb: str) -> dict[str, Path]:
         return dirs
     for key in ("outputs", "logs"):
         dirs[key].mkdir(parents=True, exist_ok=True)
-    atomic_write_text(dirs["outputs"] / "config.yaml", OmegaConf.to_yaml(cfg))
+    atomic_write_text(dirs["outputs"] / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(redacted(cfg))))
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     for path in (dirs["outputs"] / RUN_LOG, dirs["logs"] / f"{cfg.name}-{stamp}-{verb}.log"):

@@ -492,9 +492,8 @@ class _Handler(BaseHTTPRequestHandler):
                 raise HubError(400, f"LFS batch: bad object {obj!r}")
             answer = {"oid": oid, "size": size, "authenticated": True}
             if not self.hub.has_object(oid):
-                sig = secrets.token_hex(8)
-                with self.hub._lock:
-                    self.hub._upload_sigs[oid] = sig
+                with self.hub._lock:  # one signature an object: two files of the same bytes share it
+                    sig = self.hub._upload_sigs.setdefault(oid, secrets.token_hex(8))
                 base = f"{self.hub.endpoint}/_lfs/{oid}"
                 answer["actions"] = {"upload": {"href": f"{base}?sig={sig}"}, "verify": {"href": f"{base}/verify"}}
             answers.append(answer)
