@@ -1,8 +1,10 @@
 """What the exact weight-sync digests cost: the first digest (sha256 per tensor, threads over
-tensors, device tensors copied to the host first: ``h`` below) and the one ``rollout/digest.py``
-computes now (``tensor_digest``: an integer fingerprint on the tensor's own device):
+tensors, device tensors copied to the host first: ``sha256_digest`` below) and the one
+``rollout/digest.py`` computes now (``tensor_digest``: an integer fingerprint on the tensor's own
+device). CUDA only.
 
-    PYTHONPATH=. python bench/digest_cost.py > bench/results/digest-cost-h200.json     # on the H200 machine
+    atlas-lightning bench digest-cost > digest-cost.json        # on the card (bench/results/digest-cost-h200.json)
+    python -m atlas_lightning.bench.digest_cost                              # the same
 
 Measures sha256 of host memory (one thread, 16 threads: what checkpoint verification runs per
 file), a 27B-class actor adapter digested as written and as vLLM holds it (bf16, B scaled),
@@ -11,71 +13,106 @@ Seen on the H200 machine (16 cores): sha256 1.26 GB/s a thread, 15.4 GB/s on 16;
 299M fp32 values 0.41 s as written, 1.14 s as held; merged 16.4 GB 12 s (the device-to-host
 copies dominate), which is why the nccl transfer, which reports nothing back, digests nothing.
 In the RL step the merged sync digested one tensor at a time on both sides: 55 s of a 179 s step
-(``bench/results/step-h200-run2-b-merged.*``). ``fingerprint_*``: the current digest, not yet
-run on the card.
+(``bench/results/step-h200-run2-b-merged.*``). ``fingerprint_*``: the current digest, not yet run
+on the card.
 """
-import hashlib, os, time, json, torch
-from concurrent.futures import ThreadPoolExecutor as P
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+THREADS = 16
+#: 256 MiB of host memory, hashed once on one thread and once on each of THREADS
+HOST_BYTES = 256 << 20
 
 
-def h(t):
+def sha256_digest(t: torch.Tensor) -> str:
+    """The first digest of a tensor: sha256 of its dtype, shape and bytes, copied to the host."""
     f = t.detach().contiguous().reshape(-1)
-    f = f.cpu() if f.device.type != 'cpu' else f
+    f = f.cpu() if f.device.type != "cpu" else f
     d = hashlib.sha256(f"{f.dtype}{tuple(t.shape)}".encode())
     d.update(f.view(torch.uint8).numpy())
     return d.hexdigest()
 
 
-def dig(ts):
-    with P(max_workers=16) as p:
-        return list(p.map(h, ts))
+def digest_all(tensors: list[torch.Tensor]) -> list[str]:
+    with ThreadPoolExecutor(max_workers=THREADS) as pool:
+        return list(pool.map(sha256_digest, tensors))
 
 
-def T(fn):
+def timed(fn) -> float:
     torch.cuda.synchronize()
-    s = time.perf_counter()
+    start = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    return time.perf_counter() - s
+    return time.perf_counter() - start
 
 
-r = {}
-b = os.urandom(256 << 20)
-s = time.perf_counter()
-hashlib.sha256(b).hexdigest()
-r['sha256_1thread_GBps'] = 0.268 / (time.perf_counter() - s)
-with P(max_workers=16) as p:
-    s = time.perf_counter()
-    list(p.map(lambda x: hashlib.sha256(x).hexdigest(), [b] * 16))
-    r['sha256_16threads_GBps'] = 16 * 0.268 / (time.perf_counter() - s)
-# an actor adapter of 64 layers x 15 pairs at r64 (299M fp32 values; the 27B's is 467M)
-A = [(torch.randn(64, 2432, device='cuda'), torch.randn(2432, 64, device='cuda')) for _ in range(64 * 3 * 5)]
-r['adapter_values'] = sum(a.numel() + c.numel() for a, c in A)
-r['adapter_as_written_s'] = T(lambda: dig([t for p in A for t in p]))
+def host_sha256() -> dict:
+    """sha256 rate of host memory, GB/s: one thread, then THREADS threads on one buffer each."""
+    buffer = os.urandom(HOST_BYTES)
+    gb = HOST_BYTES / 1e9
+    start = time.perf_counter()
+    hashlib.sha256(buffer).hexdigest()
+    out = {"sha256_1thread_GBps": gb / (time.perf_counter() - start)}
+    with ThreadPoolExecutor(max_workers=THREADS) as pool:
+        start = time.perf_counter()
+        list(pool.map(lambda x: hashlib.sha256(x).hexdigest(), [buffer] * THREADS))
+        out[f"sha256_{THREADS}threads_GBps"] = THREADS * gb / (time.perf_counter() - start)
+    return out
 
 
-def held():
-    out = []
-    for a, c in A:
-        a2 = a.to('cpu', torch.bfloat16)
-        c2 = c.to('cpu', torch.bfloat16)
-        c2 *= 2.0
-        out += [a2, c2]
-    return dig(out)
+def adapter_digests() -> dict:
+    """An actor adapter of 64 layers x 15 pairs at r64 (299M fp32 values; the 27B's is 467M), digested
+    as written (fp32 on the GPU) and as the engine holds it (bf16 on the host, B scaled)."""
+    pairs = [(torch.randn(64, 2432, device="cuda"), torch.randn(2432, 64, device="cuda")) for _ in range(64 * 3 * 5)]
+    out = {"adapter_values": sum(a.numel() + b.numel() for a, b in pairs)}
+    out["adapter_as_written_s"] = timed(lambda: digest_all([t for pair in pairs for t in pair]))
+
+    def as_held() -> list[str]:
+        held = []
+        for a, b in pairs:
+            a_held = a.to("cpu", torch.bfloat16)
+            b_held = b.to("cpu", torch.bfloat16)
+            b_held *= 2.0
+            held += [a_held, b_held]
+        return digest_all(held)
+
+    out["adapter_as_held_bf16_s"] = timed(as_held)
+    return out
 
 
-r['adapter_as_held_bf16_s'] = T(held)
-A = None  # the adapter's memory back before the merged weights are made
-# 8B merged: 16.4 GB bf16 in 252 tensors
-W = [torch.empty(int(16.4e9 / 2 / 252), dtype=torch.bfloat16, device='cuda').normal_() for _ in range(252)]
-r['merged_GB'] = sum(w.numel() * 2 for w in W) / 1e9
-r['merged_digest_s'] = T(lambda: dig(W))
-r['merged_digest_again_s'] = T(lambda: dig(W))
-try:
+def merged_digests() -> dict:
+    """The 8B shape's merged weights (16.4 GB of bf16 in 252 tensors on the GPU): sha256 digests,
+    then the current fingerprint (``rollout/digest.tensor_digest``), each twice."""
     from atlas_lightning.rollout.digest import tensor_digest
 
-    r['fingerprint_merged_s'] = T(lambda: [tensor_digest(w) for w in W])
-    r['fingerprint_merged_again_s'] = T(lambda: [tensor_digest(w) for w in W])
-except ImportError as err:  # run outside the repository root
-    r['fingerprint_merged_s'] = f"not measured: {err}"
-print(json.dumps(r, indent=1))
+    weights = [torch.empty(int(16.4e9 / 2 / 252), dtype=torch.bfloat16, device="cuda").normal_() for _ in range(252)]
+    out = {"merged_GB": sum(w.numel() * 2 for w in weights) / 1e9}
+    out["merged_digest_s"] = timed(lambda: digest_all(weights))
+    out["merged_digest_again_s"] = timed(lambda: digest_all(weights))
+    out["fingerprint_merged_s"] = timed(lambda: [tensor_digest(w) for w in weights])
+    out["fingerprint_merged_again_s"] = timed(lambda: [tensor_digest(w) for w in weights])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="atlas-lightning bench digest-cost", description=__doc__.splitlines()[0],
+                            epilog="The figures go to stdout as JSON.").parse_args(argv)
+    results = host_sha256()
+    results.update(adapter_digests())  # the adapter's memory is back before the merged weights are made
+    results.update(merged_digests())
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
