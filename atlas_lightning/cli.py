@@ -8,7 +8,8 @@
     atlas-lightning data tiny-model --out DIR
     atlas-lightning data tiny-orchestrator --out DIR --base DIR   # the SFT warm start of tiny-cpu
                                     # [--eval-questions 0: no greedy/sampled check after training]
-    atlas-lightning bench --tiny                                  # the performance benchmark (bench/)
+    atlas-lightning bench --tiny                                  # the update benchmark (atlas_lightning/bench/)
+    atlas-lightning bench --help                                  # every benchmark: step, learning, ...
 
 Every verb that takes a config composes and validates it first, so an unknown key or a bad
 value fails in seconds, naming the key, before any model or engine is touched.
@@ -72,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                               help="validation questions a benchmark of the greedy and sampled check after "
                                    "training (default: the recipe's 8; 0 skips it: the weights never depend on it)")
 
-    verbs.add_parser("bench", help="the H200 performance benchmark: ours against transformers + peft (bench/)",
+    verbs.add_parser("bench", help="the benchmarks: the update against transformers + peft, the RL step, ... "
+                                   "(atlas_lightning/bench/; bench --help lists them)",
                      add_help=False)
     return parser
 
@@ -136,7 +138,7 @@ def _run_config_verb(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # its own parser (it runs where hydra and vLLM are absent, too)
-        from atlas_lightning.bench.cli import main as bench_main
+        from atlas_lightning.bench.verb import main as bench_main
 
         return bench_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)

@@ -1,4 +1,4 @@
-"""The benchmark's markdown tables, from its JSON results (``cli.Bench.results``)."""
+"""The update benchmark's markdown tables, from its JSON results (``update_bench.Bench.results``)."""
 
 from __future__ import annotations
 
@@ -59,31 +59,9 @@ def markdown(results: dict) -> str:
             for probe in ("autotune", "profile"):
                 if probe in full:
                     probe_rows.append((model, probe, full[probe]))
-            fwd = full.get("forward", {})
-            for role in ("actor", "critic"):
-                if role in fwd:
-                    e = fwd[role]
-                    fwd_rows.append(f"| {model} | {path} | {role} | {fwd.get('real_tokens')} | {fwd.get('micro_batches')} | "
-                                    f"{_f(e.get('median_s'))} | {_f(e.get('tokens_per_s'), 0)} | "
-                                    f"{_f(e.get('useful_mfu'), 1, 100)}% | {_f(e.get('peak_gib'), 1)} |")
-            if "error" in fwd:
-                fwd_rows.append(f"| {model} | {path} | {fwd['error']} |||||||")
-            ws = full.get("weight_sync")
-            if ws:
-                if "error" in ws:
-                    sync_rows.append(f"| {model} | {ws['error']} ||||")
-                else:
-                    a = ws.get("adapter_state", {})
-                    sync_rows.append(f"| {model} | adapter_state | {_f(a.get('bytes'), 2, 1e-9)} GB | "
-                                     f"{_f(a.get('seconds'), 3)} | {_f(a.get('gbps'), 1)} GB/s | - |")
-                    s = ws.get("save_adapter", {})
-                    sync_rows.append(f"| {model} | save_adapter (disk) | {_f(a.get('bytes'), 2, 1e-9)} GB | "
-                                     f"{_f(s.get('seconds'), 3)} | {_f(s.get('gbps'), 1)} GB/s | - |")
-                    for key in ("merged_cat", "merged_packs"):
-                        m = ws.get(key, {})
-                        sync_rows.append(f"| {model} | {key} | {_f(m.get('bytes'), 2, 1e-9)} GB | {_f(m.get('seconds'), 3)} | "
-                                         f"{_f(m.get('gbps_out'), 0)} GB/s out, {_f(m.get('gbps_moved'), 0)} GB/s moved | "
-                                         f"{_f(m.get('fraction_of_copy_bandwidth'), 0, 100)}% |")
+            fwd_rows += _forward_rows(model, path, full.get("forward", {}))
+            if full.get("weight_sync"):
+                sync_rows += _sync_rows(model, full["weight_sync"])
     for model, out in results.get("models", {}).items():
         batch = out.get("batch")
         if batch:
@@ -112,6 +90,36 @@ def markdown(results: dict) -> str:
                   "| model | path | bytes | s | rate | of copy bandwidth |", "|---|---|---|---|---|---|", *sync_rows]
     lines += ["", f"Useful FLOPs: {results.get('useful_flops_formula', '')}.", ""]
     return "\n".join(lines)
+
+
+def _forward_rows(model: str, path: str, fwd: dict) -> list[str]:
+    rows = []
+    for role in ("actor", "critic"):
+        if role in fwd:
+            e = fwd[role]
+            rows.append(f"| {model} | {path} | {role} | {fwd.get('real_tokens')} | {fwd.get('micro_batches')} | "
+                        f"{_f(e.get('median_s'))} | {_f(e.get('tokens_per_s'), 0)} | "
+                        f"{_f(e.get('useful_mfu'), 1, 100)}% | {_f(e.get('peak_gib'), 1)} |")
+    if "error" in fwd:
+        rows.append(f"| {model} | {path} | {fwd['error']} |||||||")
+    return rows
+
+
+def _sync_rows(model: str, ws: dict) -> list[str]:
+    if "error" in ws:
+        return [f"| {model} | {ws['error']} ||||"]
+    a = ws.get("adapter_state", {})
+    s = ws.get("save_adapter", {})
+    rows = [f"| {model} | adapter_state | {_f(a.get('bytes'), 2, 1e-9)} GB | "
+            f"{_f(a.get('seconds'), 3)} | {_f(a.get('gbps'), 1)} GB/s | - |",
+            f"| {model} | save_adapter (disk) | {_f(a.get('bytes'), 2, 1e-9)} GB | "
+            f"{_f(s.get('seconds'), 3)} | {_f(s.get('gbps'), 1)} GB/s | - |"]
+    for key in ("merged_cat", "merged_packs"):
+        m = ws.get(key, {})
+        rows.append(f"| {model} | {key} | {_f(m.get('bytes'), 2, 1e-9)} GB | {_f(m.get('seconds'), 3)} | "
+                    f"{_f(m.get('gbps_out'), 0)} GB/s out, {_f(m.get('gbps_moved'), 0)} GB/s moved | "
+                    f"{_f(m.get('fraction_of_copy_bandwidth'), 0, 100)}% |")
+    return rows
 
 
 def _plan(plan) -> str:

@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 #: Tile of W each program merges, and its warps. Fixed rather than autotuned: an autotuner
 #: times configs on each process's first call (seconds on the first sync) and could pick
-#: different tiles on different ranks. Chosen on the H200 (bench/profile_merge.py --tiles).
+#: different tiles on different ranks. Chosen on the H200 (bench/merge_packing.py --tiles).
 TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4}
 
 #: Most merges one launch of the grouped kernel carries (each a slot of its tuple arguments;

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from atlas_lightning.bench.cli import main
+from atlas_lightning.bench.update_bench import main
 from atlas_lightning.bench.flops import model_flops
 from atlas_lightning.bench.shapes import build_model, shape_by_name
 from atlas_lightning.bench.update import BaselineRunner, OursRunner, _pack

@@ -1,11 +1,13 @@
-"""Issue 20 (dense): the fused memory-bound kernels against the torch ops they replace, at the
-8B shape's per-layer sizes (16,384 tokens, hidden 4,096, 32 query / 8 key-value heads of 128,
-MLP width 12,288), forward + backward, CUDA events (``triton.testing.do_bench``, median).
+"""The fused memory-bound kernels (``model.elementwise_kernels``: RMSNorm, SwiGLU + LoRA down,
+rotary) against the torch ops they replace, at the 8B shape's per-layer sizes (16,384 tokens,
+hidden 4,096, 32 query / 8 key-value heads of 128, MLP width 12,288), forward + backward, CUDA
+events (``triton.testing.do_bench``, median). CUDA and Triton only.
 
-    python3 bench/fused_kernels_micro.py [--tokens 16384] [--out $OUT/fused-micro.json]
+    atlas-lightning bench elementwise-kernels [--tokens 16384] [--out $OUT/elementwise-kernels.json]
+    python -m atlas_lightning.bench.elementwise_kernels [...]          # the same
 
 Prints one row a kernel: torch ms, fused ms, the bytes a single pass must move and the
-fused kernel's share of the copy bandwidth that implies (``bench/NOTES.md`` run 15).
+fused kernel's share of the copy bandwidth that implies (``bench/NOTES.md``, run 15).
 """
 
 from __future__ import annotations
@@ -17,14 +19,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def main() -> int:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="atlas-lightning bench elementwise-kernels", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--out", default="")
-    args = p.parse_args()
+    p.add_argument("--out", default="", help="a JSON file for the rows")
+    args = p.parse_args(argv)
     from triton.testing import do_bench
 
     from atlas_lightning.models.fused_kernels import apply_rotary, rms_norm, torch_rotary_reference

@@ -1,13 +1,18 @@
-"""``python -m atlas_lightning.bench``: the issue-9 performance benchmark (bench/README.md).
+"""The update benchmark: our PPO update against plain transformers + peft (``bench/README.md``).
+
+    atlas-lightning bench [OPTIONS]                  # or: python -m atlas_lightning.bench [OPTIONS]
+    atlas-lightning bench --tiny                     # CPU, toy shapes: the smoke test of every code path
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True atlas-lightning bench --layers qwen3_6_27b=16 \\
+        --sweep ours,ours_selective,unfused_lora,flex_attention --deadline-s 480 --out $OUT/bench.json
 
 One run measures, on the machine it runs on: the bf16 matmul rate and copy bandwidth (the
 ceilings), log-prob memory (chunked against full), and for each model shape: a sweep of our
 speed options on a shortened stack, then the full stack, ours against the plain
 transformers + peft baseline on the same inputs: the PPO update, forward-only passes and
 weight sync. Results go to a JSON file (rewritten after every measurement, so a run cut
-short keeps what it measured) and a markdown table (printed last).
-
-``--tiny``: CPU, toy shapes, tiny token budgets: the smoke test of every code path.
+short keeps what it measured) and a markdown table (printed last). ``--tiny``: CPU, toy shapes,
+tiny token budgets. The third command is the whole comparison on one H200 (both shapes, the 27B
+cut to 16 layers); ``update_suite.py`` runs the later recorded runs in one process.
 """
 
 from __future__ import annotations
@@ -105,7 +110,8 @@ def tuned_entries_or_none() -> Optional[int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m atlas_lightning.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="atlas-lightning bench", description=__doc__.splitlines()[0],
+                                epilog="atlas-lightning bench --help lists the other benchmarks")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run on toy shapes")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--models", default="dense8b,qwen3_6_27b")

@@ -1,15 +1,17 @@
-"""Where the merged-weight packing spends its time (issue 9): one ``merged_weight_packs`` pass
-over the 8B shape, grouped launches against one launch per linear, host (queueing) time against
-the whole pass, each kernel tile of a sweep, and one linear's merge next to a plain copy.
+"""Where the merged-weight packing pass spends its time: one ``merged_weight_packs`` pass over
+the 8B shape, grouped launches against one launch per linear, host (queueing) time against the
+whole pass, each kernel tile of a sweep, and one linear's merge next to a plain copy.
 
-    python3 bench/profile_merge.py [--layers 36] [--tiles] [--out profile_merge.json]
+    atlas-lightning bench merge-packing [--layers 36] [--tiles] [--out merge_packing.json]
+    python -m atlas_lightning.bench.merge_packing [...]          # the same
 
 Prints torch.profiler's kernel table (top 20 by device time) of the grouped pass and a JSON line:
 ``packs_s`` (whole pass, synchronised), ``packs_host_s`` (until the last launch is queued),
 ``per_linear_s`` (the same pass with every merge launched alone), ``slots_<n>`` (at most n merges a
 launch), ``first_pass_s`` (the first pass, compiling included), ``tiles`` (pass time per
 ``merge_kernel.TILE`` candidate), ``gbps_moved`` = 2 x merged bytes / time (read W, write out)
-against ``copy_gbps`` (a 1 GiB device copy, read + write).
+against ``copy_gbps`` (a 1 GiB device copy, read + write). The weight-sync section of the update
+benchmark (``sync.py``) times the same pass inside a whole benchmark process.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from unittest import mock
 
@@ -59,15 +62,21 @@ def timed(fn, reps: int = 5) -> float:
     return min(times)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="atlas-lightning bench merge-packing", description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--shape", default="dense8b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiles", action="store_true", help="time each TILE candidate")
     p.add_argument("--reps", type=int, default=5, help="timed passes (the minimum is reported)")
-    p.add_argument("--out", default="profile_merge.json")
-    args = p.parse_args()
+    p.add_argument("--out", default="merge_packing.json")
+    args = p.parse_args(argv)
+    with torch.no_grad():
+        measure(args)
+    return 0
+
+
+def measure(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     base = build_model(shape_by_name(args.shape), device=device, dtype=torch.bfloat16, attn_implementation="sdpa",
                        layers=args.layers, seed=0)
@@ -96,6 +105,28 @@ def main() -> None:
         return {"s": seconds, "gbps_moved": moved, "of_copy": moved / out["copy_gbps"]}
 
     out["packs"] = rate(timed(packs, args.reps))
+    out.update(launch_costs(packs, rate, device, args.reps))
+    if args.tiles:
+        out["tiles"] = []
+        for tile in TILES:
+            with mock.patch.object(merge_kernel, "TILE", tile):
+                out["tiles"].append({**tile, **rate(timed(packs, args.reps))})
+            print(json.dumps(out["tiles"][-1]), flush=True)
+    out.update(one_linear(model))
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        packs()
+        synchronize()
+    print(prof.key_averages().table(sort_by=("cuda_time_total" if device.type == "cuda" else "cpu_time_total"), row_limit=20), flush=True)
+    print(json.dumps(out), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def launch_costs(packs, rate, device, reps: int) -> dict:
+    """The pass's host (queueing) time, per-linear and fewer-slot launches, the host cost of the
+    pass without merges and of one grouped launch of tiny merges."""
+    out: dict = {}
     host = []
     for _ in range(5):
         synchronize()
@@ -105,13 +136,13 @@ def main() -> None:
     synchronize()
     out["packs_host_s"] = min(host)
     with mock.patch.object(merge_kernel, "_groupable", lambda job: False):
-        out["per_linear"] = rate(timed(packs, args.reps))
+        out["per_linear"] = rate(timed(packs, reps))
     for slots in (4, 8):  # fewer merges a launch than GROUP_SLOTS: more launches
         with mock.patch.object(merge_kernel, "GROUP_SLOTS", slots):
-            out[f"slots_{slots}"] = rate(timed(packs, args.reps))
+            out[f"slots_{slots}"] = rate(timed(packs, reps))
     # host cost of the pieces: the pass without merges, and one grouped launch of tiny merges
     with mock.patch("atlas_lightning.models.weights.merge_lora_many", lambda jobs: None):
-        out["host_without_merges_s"] = timed(packs, args.reps)
+        out["host_without_merges_s"] = timed(packs, reps)
     small = [merge_kernel.MergeJob(torch.randn(64, 64, device=device, dtype=torch.bfloat16),
                                    torch.randn(64, 64, device=device), torch.randn(64, 64, device=device), 2.0,
                                    torch.empty(64, 64, device=device, dtype=torch.bfloat16)) for _ in range(4)]
@@ -123,12 +154,12 @@ def main() -> None:
             merge_kernel.merge_lora_many(small[:n])
         out[f"host_per_launch_{n}_jobs_us"] = (time.perf_counter() - start) / 200 * 1e6
         synchronize()
-    if args.tiles:
-        out["tiles"] = []
-        for tile in TILES:
-            with mock.patch.object(merge_kernel, "TILE", tile):
-                out["tiles"].append({**tile, **rate(timed(packs, args.reps))})
-            print(json.dumps(out["tiles"][-1]), flush=True)
+    return out
+
+
+def one_linear(model) -> dict:
+    """One linear's merge (the kernel, ``torch.addmm(out=)``) next to a plain copy of its weight."""
+    out: dict = {}
     layer = model.decoder_layers()[0].mlp.down_proj
     w = layer.get_base_layer().weight
     a = layer.lora_A["actor"].weight.detach().to(w.dtype)
@@ -142,16 +173,7 @@ def main() -> None:
     }.items():
         seconds = timed(fn, reps=20)
         out[name] = {"s": seconds, "gbps_moved": 2 * one / seconds / 1e9, "shape": list(w.shape)}
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with torch.profiler.profile(activities=activities) as prof:
-        packs()
-        synchronize()
-    print(prof.key_averages().table(sort_by=("cuda_time_total" if device.type == "cuda" else "cpu_time_total"), row_limit=20), flush=True)
-    print(json.dumps(out), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-
+    return out
 
 if __name__ == "__main__":
-    with torch.no_grad():
-        main()
+    sys.exit(main())

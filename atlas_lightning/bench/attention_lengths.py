@@ -1,12 +1,14 @@
-"""Issue 20 (dense): does a new sequence length cost the attention kernels a plan build?
+"""What a new sequence length costs the attention kernels: causal SDPA forward + backward at the
+8B shape (32 query / 8 key-value heads of 128, bf16) at lengths seen before and at fresh ones, per
+backend (cuDNN, flash, memory-efficient), and the varlen API where it takes these heads. CUDA only.
 
-Run 15's dense batch: 17 micro-steps of ~1.43 s of device time (profile) took 33.0 s, ~8 s
-more than 17 x 1.5 s. Suspect: cuDNN's SDPA builds an execution graph per (batch, heads,
-length) and the batch brings ~30 lengths the warm-up never saw. This times causal SDPA forward +
-backward (the 8B shape: 32 query / 8 key-value heads of 128, bf16) at lengths seen before and
-at fresh ones, per backend, and the varlen API where it takes these heads.
+    atlas-lightning bench attention-lengths [--out $OUT/attention-lengths.json]
+    python -m atlas_lightning.bench.attention_lengths [--out ...]          # the same
 
-    python3 bench/attention_lengths_probe.py [--out $OUT/attention-lengths.json]
+Why it exists: the dense batch update's 17 micro-steps of ~1.43 s of device time (profile) took
+33.0 s, ~8 s more than 17 x 1.5 s. cuDNN's SDPA builds an execution graph per (batch, heads,
+length), and a batch brings ~30 lengths the warm-up never saw: 80-110 ms each (``bench/NOTES.md``,
+run 15), which is why ``model.attention_length_bucket`` pads each sequence to a multiple of 1,024.
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ def step(length: int, backend) -> float:
     return time.perf_counter() - start
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default="")
-    args = p.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="atlas-lightning bench attention-lengths", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="", help="a JSON file for the timings")
+    args = p.parse_args(argv)
     results = {}
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
                           ("efficient", SDPBackend.EFFICIENT_ATTENTION)):

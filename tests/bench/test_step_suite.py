@@ -1,0 +1,106 @@
+"""``step_suite``'s kill-and-resume driver on CPU, with a stand-in for ``fit``: the SIGKILL comes
+after the checkpoint, reaches the whole process group, the resumed run finishes, and the stage's
+JSON holds the run's history, checkpoints and learning figure; a run that never checkpoints is
+reported with its errors. (The stages themselves need the card: README, "On one H200".)"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from atlas_lightning.bench import step_suite
+from atlas_lightning.bench.step_suite import Suite, kill_resume, run_summary
+
+#: A stand-in for ``atlas-lightning fit name=N paths.root=R ...``: the first run completes the
+#: step-1 checkpoint, starts a child in its process group and waits to be killed; the resumed run
+#: writes step 2's checkpoint and a history, then exits 0. With ``fail=1`` it fails at once.
+FAKE_FIT = textwrap.dedent("""
+    import json, subprocess, sys, time
+    from pathlib import Path
+    args = dict(a.split("=", 1) for a in sys.argv[1:])
+    root, name = Path(args["paths.root"]), args["name"]
+    if args.get("fail"):
+        print("Traceback (most recent call last):\\nRuntimeError: no card", flush=True)
+        sys.exit(1)
+    def checkpoint(step):
+        folder = root / "checkpoints" / name / f"global_step_{step}"
+        (folder / "lightning").mkdir(parents=True)
+        (folder / "lightning" / "state.ckpt").write_text("x")
+        (folder / "checkpoint.json").write_text(json.dumps({"step": step}))
+    if args.get("trainer.resume") != "auto":
+        checkpoint(1)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        (root / "child.pid").write_text(str(child.pid))
+        print("step 2 under way", flush=True)
+        time.sleep(60)
+        sys.exit(3)
+    checkpoint(2)
+    history = root / "runs" / name / "r1" / "history.csv"
+    history.parent.mkdir(parents=True)
+    history.write_text("_step,timing_s/gen,memory/update_actor,other\\n1,2.5,3.0,9\\n2,2.0,,9\\n")
+    print("resumed to step 2", flush=True)
+""")
+
+
+@pytest.fixture
+def suite(tmp_path) -> Suite:
+    fake = tmp_path / "fake_fit.py"
+    fake.write_text(FAKE_FIT)
+    out = tmp_path / "out"
+    out.mkdir()
+    return Suite(out=out, cache=tmp_path / "cache", runs=tmp_path / "runs", extra=[],
+                 fit=[sys.executable, str(fake)], settle_s=0.2)
+
+
+def _alive(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return status.is_file() and "State:\tZ" not in status.read_text()
+
+
+def test_kill_after_the_checkpoint_then_resume(suite):
+    kill_resume(suite, "kr", "tiny-kr", 1, 60, ["experiment=h200-tiny"])
+    summary = (suite.out / "summary.txt").read_text()
+    assert "kr: killed during step 2" in summary and "kr: resumed run exit 0" in summary, summary
+    assert "kr: done" in summary and "---" not in summary  # nothing failed
+    assert not _alive(int((suite.runs / "kr" / "child.pid").read_text()))  # the SIGKILL reached the group
+    log = (suite.out / "kr.log").read_text()
+    assert log.index("step 2 under way") < log.index("=== SIGKILL; resume ===") < log.index("resumed to step 2")
+    result = json.loads((suite.out / "kr.json").read_text())
+    assert result["checkpoints"] == ["global_step_1", "global_step_2"]
+    assert result["history"] == {"1": {"timing_s/gen": 2.5, "memory/update_actor": 3.0}, "2": {"timing_s/gen": 2.0}}
+    assert result["lightning_state"] == {"global_step_1": ["state.ckpt"], "global_step_2": ["state.ckpt"]}
+    assert result["validation_steps"] == [] and "learning" not in result
+
+
+def test_a_run_without_its_checkpoint_is_reported_with_its_errors(suite):
+    kill_resume(suite, "a", "tiny", 5, 60, ["fail=1"])
+    summary = (suite.out / "summary.txt").read_text()
+    assert "a: no step-5 checkpoint before the cap, or the run ended (exit 1)" in summary
+    assert f"--- {suite.out / 'a.log'} (exit 1)" in summary and "RuntimeError: no card" in summary
+    assert json.loads((suite.out / "a.json").read_text())["checkpoints"] == []
+
+
+def test_run_summary_pairs_validation_by_question(tmp_path):
+    for step, objectives in ((0, (0.0, 0.1, 0.2)), (5, (0.4, 0.6, 0.8))):
+        folder = tmp_path / "artifacts" / "run" / "val" / f"step_{step}"
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_text("{}")
+        for i, objective in enumerate(objectives):
+            reward = {"objective": objective, "acc": 1.0, "cost_total": 0.1, "num_explores": 1}
+            (folder / f"q{i}.json").write_text(json.dumps({"question_id": f"q{i}", "reward": reward}))
+    result = run_summary(tmp_path, "run")
+    assert result["validation_steps"] == [0, 5]
+    assert result["learning"]["paired_questions"] == 3
+    assert result["learning"]["objective_gain"] == pytest.approx(0.5)
+
+
+def test_unknown_stage_is_refused():
+    with pytest.raises(SystemExit) as exit_:
+        step_suite.parse_args(["c"])
+    assert exit_.value.code == 2
+    opts = step_suite.parse_args(["b", "kr", "--b-s", "370", "--kr-model", "tiny-model"])
+    assert (opts.stages, opts.b_s, opts.kr_s, opts.kr_model) == (["b", "kr"], 370, 240, "tiny-model")
