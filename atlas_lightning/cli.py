@@ -1,8 +1,10 @@
 """``atlas-lightning``: the command line. Verbs ``fit``, ``validate``, ``memory-check``, ``plan``,
-``publish``, ``data`` and ``bench``; config composition from ``conf/`` with hydra overrides.
+``preflight``, ``publish``, ``data`` and ``bench``; config composition from ``conf/`` with hydra overrides.
 
     atlas-lightning fit experiment=tiny-cpu paths.root=/tmp/r name=demo
-    atlas-lightning fit experiment=tiny-cpu --print-config      # composed config, no work
+    atlas-lightning fit experiment=tiny-cpu --print-config      # composed config, no work (or --cfg job)
+    atlas-lightning plan experiment=<run> [--card-gib 80] [--json]   # per-card memory, refusals
+    atlas-lightning preflight experiment=<run> [--cpu-preflight]     # every check a launch needs, in seconds
     atlas-lightning fit experiment=mine --config-dir ./myconf    # a user's own config groups
     atlas-lightning data sample --out DIR
     atlas-lightning data tiny-model --out DIR
@@ -34,10 +36,15 @@ CONFIG_VERBS = {
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. experiment=tiny-cpu rollout.n=8")
-    parser.add_argument("--print-config", "--cfg", action="store_true", dest="print_config",
+    parser.add_argument("--print-config", action="store_const", const="job", dest="print_config",
                         help="print the composed, validated config as YAML and exit")
+    parser.add_argument("--cfg", choices=("job", "all", "hydra"), dest="print_config",
+                        help="as hydra's --cfg: job (or all) prints the composed config and exits; there is no "
+                             "hydra runtime config here")
     parser.add_argument("--config-dir", default=None,
                         help="a folder of your own config groups, searched beside the packaged conf/")
+    parser.add_argument("-m", "--multirun", action="store_true",
+                        help="refused: sweeps are not run here (one run per launch)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,10 +52,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="atlas-lightning",
         description="A Lightning-based PPO trainer for cost-aware tool-using LLM agents.",
     )
-    verbs = parser.add_subparsers(dest="verb", metavar="{fit,validate,memory-check,plan,publish,data,bench}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    verbs = parser.add_subparsers(dest="verb",
+                                  metavar="{fit,validate,memory-check,plan,preflight,publish,data,bench}")
     verbs.required = True
     for verb, help_text in CONFIG_VERBS.items():
         _add_config_args(verbs.add_parser(verb, help=help_text, description=help_text))
+    verbs.choices["plan"].add_argument("--card-gib", type=float, default=None,
+                                       help="memory of one card in GiB (default: plan.card_gib, 80)")
+    verbs.choices["plan"].add_argument("--json", action="store_true", help="print the plan as JSON")
+    verbs.choices["plan"].add_argument("--no-write", action="store_true", help="do not write outputs/<name>/plan.json")
+    preflight = verbs.add_parser("preflight", help="everything a launch needs, checked in seconds (model, data, "
+                                                  "adapters, plan, GPUs) before any model or engine starts")
+    preflight.add_argument("overrides", nargs="*", help="hydra overrides, e.g. experiment=r28-continued-cost-8gpu-n32")
+    preflight.add_argument("--cpu-preflight", action="store_true",
+                           help="check a GPU run on a CPU machine: the GPU count is not checked")
+    preflight.add_argument("--card-gib", type=float, default=None, help="memory of one card in GiB")
+    preflight.add_argument("--config-dir", default=None)
 
     publish = verbs.add_parser("publish", help="publish the data root to the Hugging Face Hub")
     _add_config_args(publish)
@@ -77,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(atlas_lightning/bench/; bench --help lists them)",
                      add_help=False)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("atlas-lightning")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _count(text: str) -> int:
@@ -116,12 +145,22 @@ def _run_data(args: argparse.Namespace) -> int:
 def _run_config_verb(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    from atlas_lightning.config import compose
+    from atlas_lightning.config import compose, redacted
 
+    if args.multirun:
+        raise ConfigError("-m/--multirun: sweeps are not run here; launch one run per setting, each with its own "
+                          "name= (e.g. a shell loop over atlas-lightning fit ... name=lr1e-6 algorithm.actor_lr=1e-6)")
+    if args.print_config == "hydra":
+        raise ConfigError("--cfg hydra: there is no hydra runtime config here (no working-directory change, no "
+                          "sweeps); --cfg job prints the run's config")
     cfg = compose(args.overrides, user_config_dir=args.config_dir)
     if args.print_config:
-        print(OmegaConf.to_yaml(cfg), end="")
+        print(OmegaConf.to_yaml(OmegaConf.create(redacted(cfg))), end="")
         return 0
+    if args.verb == "plan":
+        from atlas_lightning.planning.cli import run_plan
+
+        return run_plan(cfg, card_gib=args.card_gib, as_json=args.json, write=not args.no_write)
     from atlas_lightning.run import verbs
 
     runner = {
@@ -145,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.verb == "data":
             return _run_data(args)
+        if args.verb == "preflight":
+            from atlas_lightning.run.preflight import main as preflight_main
+
+            return preflight_main(argv[1:])
         return _run_config_verb(args)
     except ConfigError as err:
         print(f"atlas-lightning {args.verb}: config error: {err}", file=sys.stderr)

@@ -458,7 +458,7 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
     from yaml import YAMLError
 
     overrides = list(overrides or [])
-    _check_override_grammar(overrides)
+    _check_overrides(overrides)
     if user_config_dir:
         path = Path(user_config_dir).expanduser().resolve()
         if not path.is_dir():
@@ -490,23 +490,36 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
     return cfg
 
 
-def _check_override_grammar(overrides: list[str]) -> None:
-    """Each override parses in hydra's grammar; one that does not is named, with its key and
-    hydra's reason, rather than hydra's bare parser message (which names neither)."""
+def _check_overrides(overrides: list[str]) -> None:
+    """Each override parses in hydra's grammar, and names no key that cannot work here, before
+    anything is composed: a parse error is named with its override and key (hydra's parser
+    message names neither); a ``hydra.*`` key is refused (hydra's own run settings are not
+    used: outputs go under ``paths.root``); a key in verl's spelling is answered with ours
+    (``verl_keys.py``)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
+    from atlas_lightning.verl_keys import ours_for
+
     parser = OverridesParser.create()
     for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~") if "=" in override else override
         try:
             parser.parse_override(override)
         except HydraException as err:
-            key = override.split("=", 1)[0].lstrip("+~") if "=" in override else override
             reason = " ".join(str(err).split()).replace("See https://hydra.cc/docs/1.2/advanced/override_grammar/basic "
                                                          "for details", "").strip()
             hint = (" (quote a value with special characters: key='value')" if "=" in override
                     else " (an override is key=value)")
             raise ConfigError(f"override {override!r} (key {key}): hydra cannot parse it: {reason}{hint}") from None
+        if key == "hydra" or key.startswith("hydra."):
+            raise ConfigError(f"override {override!r}: hydra's own settings are not used here (no working-directory "
+                              f"change, no sweeps): the run writes under paths.root (outputs/<name>, checkpoints/<name>, "
+                              f"...); set paths.root and name instead")
+        ours = ours_for(key)
+        if ours is not None:
+            raise ConfigError(f"override {override!r}: {key} is verl's key; here it is {ours} (README, \"From verl: "
+                              f"the report's runs in verl's keys\")")
 
 
 def _explain(err: Exception) -> str:

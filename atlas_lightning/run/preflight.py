@@ -1,6 +1,7 @@
 """Pre-flight: everything a launch needs, checked in seconds, before any model or engine starts.
 
-    python -m atlas_lightning.run.preflight experiment=<run> [overrides] [--cpu-preflight] [--card-gib G]
+    atlas-lightning preflight experiment=<run> [overrides] [--cpu-preflight] [--card-gib G]
+    (also python -m atlas_lightning.run.preflight ...)
 
 Checks, in order (each prints one line; the exit code is 0 when all pass, 2 otherwise):
 
@@ -323,7 +324,7 @@ def run_preflight(overrides: list[str], *, cpu: bool = False, config_dir: Option
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m atlas_lightning.run.preflight", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="atlas-lightning preflight", description=__doc__.split("\n")[0])
     parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. experiment=r28-continued-cost-8gpu-n32")
     parser.add_argument("--cpu-preflight", action="store_true",
                         help="check a GPU run on a CPU machine: the GPU count is not checked")

@@ -295,3 +295,37 @@ def test_an_override_hydra_cannot_parse_is_named_with_its_key(override, key, tmp
     err = capsys.readouterr().err
     assert f"override {override!r} (key {key}): hydra cannot parse it" in err and "Traceback" not in err
     assert not root.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["fit", "experiment=tiny-cpu", "actor_rollout_ref.actor.optim.lr=1e-6"],
+     "actor_rollout_ref.actor.optim.lr is verl's key; here it is algorithm.actor_lr"),
+    (["fit", "experiment=tiny-cpu", "data.train_batch_size=8"], "here it is algorithm.train_batch_size"),
+    (["fit", "experiment=tiny-cpu", "hydra.run.dir=./x"], "hydra's own settings are not used here"),
+    (["fit", "-m", "experiment=tiny-cpu"], "-m/--multirun: sweeps are not run here"),
+    (["fit", "--cfg", "hydra", "experiment=tiny-cpu"], "there is no hydra runtime config here"),
+])
+def test_hydra_and_verl_habits_are_answered_before_anything_is_written(args, message, tmp_path, capsys):
+    root = tmp_path / "root"
+    assert main(args + [f"paths.root={root}"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not root.exists()
+
+
+def test_every_verl_key_mapped_is_no_key_here_and_points_at_one(tmp_path):
+    from atlas_lightning.verl_keys import VERL_KEYS
+
+    schema = OmegaConf.structured(RootConfig)
+    assert not [key for key in VERL_KEYS if OmegaConf.select(schema, key, default="<absent>") != "<absent>"]
+    single = [ours for ours in VERL_KEYS.values() if " " not in ours]
+    assert not [key for key in single if OmegaConf.select(schema, key, default="<absent>") == "<absent>"]
+
+
+def test_cfg_job_prints_the_config_and_version_is_there(capsys):
+    assert main(["fit", "experiment=tiny-cpu", "--cfg", "job"]) == 0
+    printed = capsys.readouterr().out
+    assert "\nname: " in printed and "\nalgorithm:" in printed and "\nrollout:" in printed
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("atlas-lightning ")
