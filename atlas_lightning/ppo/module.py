@@ -120,13 +120,23 @@ class PPOModule(L.LightningModule):
 
     # -- model and optimizers -------------------------------------------------------------
 
+    #: A transformers config whose random weights replace ``model.path``'s (the device memory
+    #: check's shapes); None: the folder's weights. Either way the one builder builds the model.
+    random_base = None
+
     def configure_model(self) -> None:
+        """Build the model on the card this rank trains on (``models/build.py``: placement, and
+        why), then shard it. Under ``ModelParallelStrategy`` this hook runs with no device
+        context: built as is, it would land on the host and every ``auto`` kernel would resolve
+        as on a CPU; the strategy's ``root_device`` is the card (the CPU in CPU runs)."""
         if self.model is not None:
             return
         from atlas_lightning.models.build import build_actor_critic
 
         actor, critic = self._starting_adapters()
-        self.model = build_actor_critic(self.cfg.model, seed=self.cfg.seed, actor_adapter=actor, critic_adapter=critic)
+        device = self._trainer.strategy.root_device if self._trainer is not None else None
+        self.model = build_actor_critic(self.cfg.model, seed=self.cfg.seed, actor_adapter=actor, critic_adapter=critic,
+                                        device=device, random_base=self.random_base)
         if self.resume_from is not None:
             self._check_resume(self.resume_from)
         mesh = getattr(self, "device_mesh", None)
