@@ -15,17 +15,22 @@ then keeps each rank's 1/N of every tensor and frees the rest. So:
 * every ``auto`` kernel choice (``model.elementwise_kernels``, ``model.attention_length_bucket``,
   ``model.linear_attention_kernel``) resolves for the card that trains, and an explicit
   ``liger``/``fla`` is checked there (``ActorCritic`` resolves them for the base's device);
-* for one moment each card holds the full bf16 base: 16 GB for an 8B, 54 GB for Qwen3.6-27B.
-  Beside a colocated engine awake at ``gpu_memory_utilization=0.55`` (it is built first, in the
-  data module's ``setup``) that is 78 + 54 = 132 of an H200's 141 GB: it fits, not by much;
+* for one moment each card holds the whole bf16 base: 16 GB for an 8B, 54 GB (50.3 GiB) for
+  Qwen3.6-27B, whatever the number of ranks. A colocated engine is built first (the data
+  module's ``setup``); where it sleeps for updates it sleeps through the build too
+  (``PPOModule.configure_model``), so the card holds the base, both adapters and the sleeping
+  engine's ~1.5 GiB: an 80 GB card holds it, a 141 GB H200 easily. An engine without sleep mode
+  keeps its budget: at ``gpu_memory_utilization=0.55`` that is 77 + 50 GiB of an H200's 140
+  (fits, not by much) and more than an 80 GB card. ``plan`` sizes this moment (its
+  ``model_build`` phase) and refuses a card that cannot hold it;
 * host memory holds no copy (8 ranks each loading the base into RAM would need 432 GB for the
   27B); the files pass through the page cache once for all ranks of a host.
 
 Why not the meta device: building on ``meta``, sharding, then reading each rank's rows of each
 tensor would peak at 1/N of the base, but needs a loader of our own for transformers' checkpoint
 conversions (Qwen3.5's ``model.language_model.*`` names and the like) and LoRA and value head
-initialised after materialisation. That is the way for a base that does not fit one card beside
-the engine; the report's 27B on H200s does.
+initialised after materialisation. That is the way for a base that does not fit one card (or
+not beside an engine that cannot sleep); the report's 27B fits 80 GB cards and H200s.
 
 Who calls it: ``PPOModule.configure_model`` (which shards the result under FSDP2), the
 benchmarks (``bench/update.py``), tests.

@@ -47,6 +47,23 @@ def test_configure_model_builds_on_the_strategy_root_device(monkeypatch, tiny_mo
     assert MemoryCheckModule.configure_model is PPOModule.configure_model
 
 
+def test_a_colocated_engine_sleeps_while_the_base_is_read_onto_the_card(monkeypatch, tiny_model_dir, tmp_path):
+    """The whole base lands on the card before sharding: an engine that sleeps for updates sleeps
+    first (the first weight sync wakes it); on the CPU nothing is read onto a card."""
+    from atlas_lightning.ppo.module import PPOModule
+
+    order = []
+    monkeypatch.setattr(build, "build_actor_critic", lambda *a, **k: order.append("build") or torch.nn.Linear(1, 1))
+    cfg = compose(["experiment=tiny-cpu", f"model.path={tiny_model_dir}", f"paths.root={tmp_path}", "name=asleep"])
+    for device, sleeps, expected in ((CARD, True, ["sleep", "build"]), (CARD, False, ["build"]), (CPU, True, ["build"])):
+        order.clear()
+        module = PPOModule(cfg)
+        datamodule = SimpleNamespace(sleeps_for_update=sleeps, engine=SimpleNamespace(sleep=lambda: order.append("sleep")))
+        module._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=device), datamodule=datamodule)
+        module.configure_model()
+        assert order == expected, (device, sleeps)
+
+
 def test_a_folder_base_is_read_straight_onto_the_device(monkeypatch, tiny_model_dir):
     """``load_base`` reads the checkpoint onto the training device (device map), and on the CPU
     exactly as before (no device map)."""
