@@ -10,12 +10,13 @@ the raw files (in the repository, not in the wheel).
   ceilings), ``update`` (ours and the baseline), ``batch`` (a whole batch's update with its optimizer
   step), ``choose`` (recomputation under a memory cap), ``plan_check`` (the plan's figure beside
   each peak), ``probes`` (profile, autotuning), ``logprob_memory``, ``sync`` (weight export),
-  ``report`` (markdown).
+  ``report`` (markdown), ``build_time`` (the model build's start-up).
 * The RL step: ``step`` (``fit`` itself, phase by phase), ``step_names``, ``projection`` (to the
   training of record), ``step_suite`` (the stages on one card); ``learning`` (does the embedded
   default learn).
 * Kernel probes: ``attention_lengths``, ``elementwise_kernels``, ``merge_packing``, ``digest_cost``.
 
-The update benchmark imports torch, transformers and peft, not hydra; ``learning`` and
+The update benchmark imports torch, transformers, peft and omegaconf (our path is built from
+``fit``'s model config), not hydra; ``learning`` and
 ``projection`` need neither.
 """

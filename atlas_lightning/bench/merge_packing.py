@@ -25,10 +25,10 @@ from unittest import mock
 
 import torch
 
-from atlas_lightning.bench.shapes import build_model, shape_by_name
-from atlas_lightning.bench.update import lora_spec
+from atlas_lightning.bench.shapes import shape_by_name, transformers_config
+from atlas_lightning.bench.update import fit_model_config
 from atlas_lightning.models import merge_kernel
-from atlas_lightning.models.actor_critic import ActorCritic
+from atlas_lightning.models.build import build_actor_critic
 from atlas_lightning.models.weights import merged_weight_packs
 
 #: Run 7 (bench/NOTES.md) timed 64x256/8, 128x128/8, 128x256/8, 64x128/4, 32x256/4 and 64x512/8:
@@ -78,9 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
-    base = build_model(shape_by_name(args.shape), device=device, dtype=torch.bfloat16, attn_implementation="sdpa",
-                       layers=args.layers, seed=0)
-    model = ActorCritic(base, lora_spec(64), gradient_checkpointing=False)
+    model = build_actor_critic(fit_model_config(64, 1024, gradient_checkpointing=False, attn_implementation="sdpa"),
+                               device=device, random_base=transformers_config(shape_by_name(args.shape), args.layers))
     with torch.no_grad():
         for param in model.actor_parameters():
             param.normal_(0, 0.01)

@@ -13,7 +13,9 @@
 second scale by ``full layers / n`` (the report says which was run).
 
 Random weights: transformers' own initialisation (normal(0, 0.02)), run on the device, so a
-27B-shaped model appears in well under a second and never touches host memory or disk.
+27B-shaped model appears in well under a second and never touches host memory or disk. Our path
+builds them through the one model builder (``models/build.py``, ``random_base``:
+``transformers_config`` here), exactly as ``fit`` builds a folder's model.
 """
 
 from __future__ import annotations
@@ -71,6 +73,26 @@ def shape_by_name(name: str) -> ModelShape:
     return SHAPES[name]
 
 
+def transformers_config(shape: ModelShape, layers: Optional[int] = None):
+    """The transformers config of ``shape`` cut to its first ``layers`` decoder layers."""
+    config = dict(shape.config)
+    if layers is not None:
+        if not 1 <= layers <= shape.num_layers:
+            raise ValueError(f"layers={layers} must be within 1..{shape.num_layers} for {shape.name}")
+        config["num_hidden_layers"] = int(layers)
+    if shape.arch == "qwen3":
+        from transformers import Qwen3Config as Config
+    elif shape.arch == "qwen3_5":
+        from transformers.models.qwen3_5 import Qwen3_5TextConfig as Config
+
+        config.setdefault("layer_types", [
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(config["num_hidden_layers"])
+        ])
+    else:
+        raise ValueError(f"unknown architecture {shape.arch!r}")
+    return Config(**config)
+
+
 def build_model(
     shape: ModelShape,
     *,
@@ -81,28 +103,15 @@ def build_model(
     seed: int = 0,
 ) -> nn.Module:
     """A random ``*ForCausalLM`` of ``shape`` (first ``layers`` layers) on ``device`` in ``dtype``,
-    ``use_cache`` off. Same arguments and seed, same weights."""
-    config = dict(shape.config)
-    if layers is not None:
-        if not 1 <= layers <= shape.num_layers:
-            raise ValueError(f"layers={layers} must be within 1..{shape.num_layers} for {shape.name}")
-        config["num_hidden_layers"] = int(layers)
-    if shape.arch == "qwen3":
-        from transformers import Qwen3Config as Config, Qwen3ForCausalLM as Model
-    elif shape.arch == "qwen3_5":
-        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM as Model, Qwen3_5TextConfig as Config
+    ``use_cache`` off, frozen, in eval mode: ``models.build.load_base``'s random weights, the
+    same as the base ``OursRunner`` builds for the same arguments and seed (for the baseline,
+    the FLOP count and the written model folders)."""
+    from types import SimpleNamespace
 
-        config.setdefault("layer_types", [
-            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(config["num_hidden_layers"])
-        ])
-    else:
-        raise ValueError(f"unknown architecture {shape.arch!r}")
-    if attn_implementation == "sdpa_varlen":
-        from atlas_lightning.models import attention  # noqa: F401  (registers the name)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Model._from_config(Config(**config), dtype=dtype, attn_implementation=attn_implementation)
-    model.config.use_cache = False
+    from atlas_lightning.models.build import load_base
+
+    wanted = SimpleNamespace(dtype=dtype, attn_implementation=attn_implementation)
+    model = load_base(wanted, device, random_base=transformers_config(shape, layers), seed=seed)
     return model.eval().requires_grad_(False)
 
 

@@ -1,9 +1,9 @@
 """The PPO update and forward-only passes, ours and the plain baseline, on the same inputs.
 
 Ours (``OursRunner``): ``ActorCritic`` (one frozen base, ``actor``/``critic`` LoRA adapters,
-fp32 value head) over token-budget micro-batches, each micro-step exactly as
-``PPOModule._micro_step`` runs it (module.py cannot be imported where the benchmark runs: it
-needs omegaconf): pack, ``critic_forward`` + ``ppo.compute_value_loss`` + backward, then
+fp32 value head), built by ``fit``'s own builder from ``fit``'s model config (random weights of
+the benchmark's shape in place of a checkpoint), over token-budget micro-batches, each
+micro-step exactly as ``PPOModule._micro_step`` runs it (without a Lightning trainer): pack, ``critic_forward`` + ``ppo.compute_value_loss`` + backward, then
 ``actor_forward`` + ``ppo.compute_policy_loss_vanilla`` + backward, losses normalised by the
 mini-batch's loss tokens. Packed layout: one ``(1, T)`` row per micro-batch (every layer kind,
 the hybrid's Gated DeltaNet too: ``models/linear_attention.py``); the padded layout, on request:
@@ -24,19 +24,19 @@ Who calls it: ``cli.py``.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from atlas_lightning.algorithms import ppo
 from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
-from atlas_lightning.models.actor_critic import ActorCritic
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
 
 from .workload import PPOInputs
 
-#: conf/algorithm/ppo.yaml's loss settings (the benchmark must not need hydra/omegaconf).
+#: conf/algorithm/ppo.yaml's loss settings (the benchmark does not compose the run's config).
 PPO_CONFIG = {
     "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean",
     "cliprange_value": 0.5,
@@ -46,6 +46,26 @@ TEMPERATURE = 1.0
 
 def lora_spec(rank: int) -> dict:
     return {"rank": rank, "alpha": 2 * rank, "dropout": 0.0, "target_modules": "all-linear"}
+
+
+#: The model config group ``fit`` trains the report's model with (``conf/model/``); the 8B step
+#: benchmark's experiment (``h200-8b``) takes it too.
+FIT_MODEL = "qwen3_6_27b"
+
+
+def fit_model_config(rank: int, chunk_tokens: int, **keys: Any):
+    """The model config ``fit`` runs (the schema ``config.ModelConfig`` with
+    ``conf/model/<FIT_MODEL>.yaml`` over it: bf16, ``sdpa_varlen``, gradient checkpointing, fused
+    LoRA, lean activations, ``auto`` kernels), with LoRA r``rank`` alpha ``2 rank`` on all
+    linear layers, log-probs in chunks of ``chunk_tokens``, and ``keys``: any other ``model.*``
+    key a benchmark varies (``layer_recompute``, ``elementwise_kernels``, ...)."""
+    from omegaconf import OmegaConf
+
+    from atlas_lightning.config import ModelConfig, config_dir
+
+    group = OmegaConf.load(Path(config_dir()) / "model" / f"{FIT_MODEL}.yaml")
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), group,
+                           {"lora": lora_spec(rank), "logprob_chunk_tokens": chunk_tokens, **keys})
 
 
 def _pack(inputs: PPOInputs, indices, device) -> PackedBatch:
@@ -70,18 +90,16 @@ def _losses(role: str, inputs: PPOInputs, rows: torch.Tensor, packed: PackedBatc
 
 
 class OursRunner:
-    """``ActorCritic`` micro-steps (module doc). ``budget``: tokens a micro-batch may hold."""
+    """``ActorCritic`` micro-steps (module doc), the model built as ``fit`` builds it
+    (``models.build.build_actor_critic``) from ``model_cfg`` (``fit_model_config``), with random
+    weights of ``shape`` (a transformers config: ``shapes.transformers_config``) on ``device``.
+    ``budget``: tokens a micro-batch may hold."""
 
-    def __init__(self, base: nn.Module, rank: int, budget: int, *, fused_lora: bool = True,
-                 checkpoint_layers: Optional[int] = None, chunk_tokens: int = 1024,
-                 layer_recompute: Optional[list[str]] = None, linear_attention_kernel: str = "auto",
-                 elementwise_kernels: str = "auto", attention_length_bucket: Optional[int] = None) -> None:
-        self.device = next(base.parameters()).device
-        self.model = ActorCritic(base, lora_spec(rank), gradient_checkpointing=True, logprob_chunk_tokens=chunk_tokens,
-                                 fused_lora=fused_lora, checkpoint_layers=checkpoint_layers,
-                                 layer_recompute=layer_recompute, linear_attention_kernel=linear_attention_kernel,
-                                 elementwise_kernels=elementwise_kernels,
-                                 attention_length_bucket=attention_length_bucket)
+    def __init__(self, model_cfg, shape, budget: int, *, device: torch.device, seed: int = 0) -> None:
+        from atlas_lightning.models.build import build_actor_critic
+
+        self.device = torch.device(device)
+        self.model = build_actor_critic(model_cfg, seed=seed, device=self.device, random_base=shape)
         self.budget = budget
         # B starts at zero (a no-op adapter): give it values so the low-rank path is real work
         with torch.no_grad():

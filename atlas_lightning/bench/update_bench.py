@@ -38,9 +38,9 @@ from .logprob_memory import measure_logprob_memory
 from .plan_check import plan_tensors_gib
 from .probes import autotune_probe, fla_configs, profile_micro_step
 from .report import markdown
-from .shapes import build_model, shape_by_name
+from .shapes import build_model, shape_by_name, transformers_config
 from .sync import measure_weight_sync
-from .update import BaselineRunner, OursRunner, update_fn
+from .update import BaselineRunner, OursRunner, fit_model_config, update_fn
 from .workload import ppo_inputs, sample_batch, sample_micro_batch
 
 #: Our options measured in the sweep: (name, fused LoRA, attention, per-layer recompute rule:
@@ -269,9 +269,18 @@ class Bench:
         trajectories = sample_micro_batch(seed, budget, scale=self.scale)
         return ppo_inputs(trajectories, shape.vocab_size, self.device, seed=seed)
 
-    def _ours(self, base, fused: bool, layer_recompute):
-        return OursRunner(base, self.args.rank, self.args.tokens, fused_lora=fused, layer_recompute=layer_recompute,
-                          chunk_tokens=self.args.chunk, elementwise_kernels=self.args.elementwise_kernels)
+    def _ours(self, shape, layers: int, layer_recompute, budget: Optional[int] = None, **keys) -> OursRunner:
+        """Our path as ``fit`` builds it (``update.fit_model_config`` with this run's LoRA rank,
+        chunk and kernels, and ``keys``), random weights of ``shape``'s first ``layers`` layers."""
+        model_cfg = fit_model_config(self.args.rank, self.args.chunk, layer_recompute=layer_recompute,
+                                     elementwise_kernels=self.args.elementwise_kernels, **keys)
+        return OursRunner(model_cfg, transformers_config(shape, layers), budget or self.args.tokens,
+                          device=self.device, seed=self.args.seed)
+
+    def _shape_only(self, shape, layers: int, attention: str):
+        """``shape``'s model on the meta device: what the FLOP counts read (no weights)."""
+        return build_model(shape, device=torch.device("meta"), dtype=self.dtype, attn_implementation=attention,
+                           layers=layers, seed=self.args.seed)
 
     def run_model(self, name: str) -> None:
         shape = shape_by_name(name)
@@ -297,14 +306,13 @@ class Bench:
                     sweep[option] = {"skipped": "deadline"}
                     continue
                 fused, attention, rule = SWEEP[option]
-                runner = base = None
+                runner = None
                 with measure.section(sweep, option, self.device) as entry:
-                    base = build_model(shape, device=self.device, dtype=self.dtype, attn_implementation=attention,
-                                       layers=sweep_layers, seed=self.args.seed)
-                    flops = model_flops(base, self.args.rank)
-                    sweep.setdefault("policy_flops", policy_flops(base, seq_lens))
+                    bare = self._shape_only(shape, sweep_layers, attention)
+                    flops = model_flops(bare, self.args.rank)
+                    sweep.setdefault("policy_flops", policy_flops(bare, seq_lens))
                     plan = sweep_plan(rule, sweep_layers)
-                    runner = self._ours(base, fused, plan)
+                    runner = self._ours(shape, sweep_layers, plan, fused_lora=fused, attn_implementation=attention)
                     entry.update(fused_lora=fused, attention=attention, layer_recompute=plan,
                                  linear_attention_kernel=runner.model.linear_attention_kernel,
                                  elementwise_kernels=runner.model.elementwise_kernels)
@@ -319,7 +327,7 @@ class Bench:
                                                      + flops.train_step("actor", seq_lens, scored),
                                                      f"{name} sweep {option} ({sweep_layers} layers)",
                                                      reps=self.args.sweep_reps, warmup=self.args.sweep_warmup))
-                runner = base = None  # also after a failure, before the next option builds its model
+                runner = None  # also after a failure, before the next option builds its model
                 measure.free_memory(self.device)
                 self.save()
             if self.device.type == "cuda":
@@ -379,18 +387,18 @@ class Bench:
         runner = base = None
         attention = "sdpa_varlen" if path == "ours" else "sdpa"
         with measure.section(entry, "update", self.device) as update:
-            base = build_model(shape, device=self.device, dtype=self.dtype, attn_implementation=attention,
-                               layers=layers, seed=self.args.seed)
-            flops = model_flops(base, self.args.rank)
+            flops = model_flops(self._shape_only(shape, layers, attention), self.args.rank)
             entry["flops_model"] = vars(flops)
             if path == "ours":
-                runner = self._ours(base, True, layer_recompute)
+                runner = self._ours(shape, layers, layer_recompute)
                 entry["options"] = {"fused_lora": True, "attention": attention,
                                     "layer_recompute": runner.model.layer_recompute,
                                     "sequence_layout": runner.model.sequence_layout,
                                     "linear_attention_kernel": runner.model.linear_attention_kernel,
                                     "elementwise_kernels": runner.model.elementwise_kernels}
             else:
+                base = build_model(shape, device=self.device, dtype=self.dtype, attn_implementation=attention,
+                                   layers=layers, seed=self.args.seed)
                 runner = BaselineRunner(base, self.args.rank, self.args.tokens, logits_bytes_limit=self._logits_limit())
                 entry["options"] = {"attention": attention, "micro_batch_sequences": runner.micro_batch_size(inputs),
                                     "checkpoint_layers": layers, "logits": "full",
@@ -469,18 +477,18 @@ class Bench:
 
         def build(plan, budget, path):
             def make():
-                base = build_model(shape, device=self.device, dtype=self.dtype,
-                                   attn_implementation="sdpa_varlen" if path == "ours" else "sdpa",
-                                   layers=layers, seed=self.args.seed)
-                out.setdefault("flops", model_flops(base, self.args.rank).train_step("actor", seq_lens, scored))
+                attention = "sdpa_varlen" if path == "ours" else "sdpa"
+                bare = self._shape_only(shape, layers, attention)
+                out.setdefault("flops", model_flops(bare, self.args.rank).train_step("actor", seq_lens, scored))
                 if path == "ours":
-                    runner = OursRunner(base, self.args.rank, budget, layer_recompute=plan, chunk_tokens=self.args.chunk,
-                                        elementwise_kernels=self.args.elementwise_kernels)
+                    runner = self._ours(shape, layers, plan, budget)
                     micro = packed_micro_batches(inputs, budget)
                     info = {"budget": budget, "layer_recompute": runner.model.layer_recompute,
                             "elementwise_kernels": runner.model.elementwise_kernels,
                             "attention_length_bucket": runner.model.attention_length_bucket}
                 else:
+                    base = build_model(shape, device=self.device, dtype=self.dtype, attn_implementation=attention,
+                                       layers=layers, seed=self.args.seed)
                     runner = BaselineRunner(base, self.args.rank, self.args.tokens, logits_bytes_limit=self._logits_limit())
                     micro = runner.micro_batches(inputs)
                     info = {"micro_batch_sequences": runner.micro_batch_size(inputs)}

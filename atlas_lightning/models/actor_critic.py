@@ -79,15 +79,16 @@ Speed paths (``bench/README.md`` has the measurements):
   layer's saved bytes for no GEMM replayed (``lean_activations.py``,
   ``recompute.SwiGLUDownFunction``); forward results unchanged.
 
-Who calls it: the PPO module (forward passes, optimizers over the two parameter lists),
-``sharding.shard`` (FSDP2), ``adapters`` and ``weights`` (export/import).
+Built by ``build.build_actor_critic`` (the one builder: ``fit``, memory-check and the benchmarks),
+which places the base on the training device first, so every ``auto`` above resolves for the
+card that trains. Who calls it: the PPO module (forward passes, optimizers over the two
+parameter lists), ``sharding.shard`` (FSDP2), ``adapters`` and ``weights`` (export/import).
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import asdict, is_dataclass
-from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -110,16 +111,6 @@ ACTOR = "actor"
 CRITIC = "critic"
 ADAPTERS = (ACTOR, CRITIC)
 SEQUENCE_LAYOUTS = ("auto", "packed", "padded")
-
-
-def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16`` (only the three float types)."""
-    allowed = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if isinstance(dtype, torch.dtype) and dtype in allowed.values():
-        return dtype
-    if isinstance(dtype, str) and dtype in allowed:
-        return allowed[dtype]
-    raise ValueError(f"dtype={dtype!r} is not one of {', '.join(allowed)}")
 
 
 def peft_lora_config(spec: Any):
@@ -165,57 +156,33 @@ def peft_lora_config(spec: Any):
 class ActorCritic(nn.Module):
     """Frozen base + LoRA adapters ``actor`` and ``critic`` + fp32 value head (module doc)."""
 
-    def __init__(
-        self,
-        base_path: str | nn.Module,
-        lora: Any,
-        *,
-        dtype: str | torch.dtype = torch.float32,
-        gradient_checkpointing: bool = False,
-        logprob_chunk_tokens: int = 4096,
-        attn_implementation: str = "sdpa",
-        sequence_layout: str = "auto",
-        critic_lora: Any = None,
-        init_seed: int = 0,
-        device: str | torch.device | None = None,
-        fused_lora: bool = True,
-        checkpoint_layers: Optional[int] = None,
-        lean_activations: bool = True,
-        linear_attention_kernel: str = "auto",
-        layer_recompute: Optional[Sequence[str]] = None,
-        elementwise_kernels: str = "auto",
-        attention_length_bucket: Optional[int] = None,
-    ) -> None:
-        """``base_path``: a local Hugging Face folder, or an already built transformers causal LM
-        (benchmarks build random ones in place; it is used as given: ``dtype``, ``device`` and
-        ``attn_implementation`` do not apply to it, it is frozen and LoRA is injected into it)."""
+    def __init__(self, config: Any, base: nn.Module, lora: Mapping[str, Any], *, seed: int = 0) -> None:
+        """``config``: the model config (``config.ModelConfig`` or the OmegaConf node typed by it);
+        this constructor is the one reader of its keys that shape the wrapper (chunking, layout,
+        LoRA path, recomputation, kernels), ``build.load_base`` of those that shape the base
+        (path, dtype, attention). ``base``: the transformers causal LM, already where it trains
+        (``build.load_base``); it is frozen and LoRA is injected into it. ``lora``: the LoRA spec
+        of each role (``actor``, ``critic``; ``peft_lora_config`` reads each), resolved by the
+        builder from the config or a starting adapter's folder. ``seed``: both adapters' and the
+        value head's initialisation.
+
+        Every ``auto`` kernel choice resolves for the device ``base`` sits on (the training
+        card where ``build.build_actor_critic`` placed it), never for the host."""
         super().__init__()
         from peft import get_peft_model
-        from transformers import AutoModelForCausalLM
 
-        if logprob_chunk_tokens <= 0:
-            raise ValueError(f"logprob_chunk_tokens={logprob_chunk_tokens} must be positive")
-        if sequence_layout not in SEQUENCE_LAYOUTS:
-            raise ValueError(f"sequence_layout={sequence_layout!r} is not one of {', '.join(SEQUENCE_LAYOUTS)}")
-        self.logprob_chunk_tokens = int(logprob_chunk_tokens)
-        device = torch.device(device) if device is not None else None
-        if isinstance(base_path, nn.Module):
-            base = base_path
-            self.base_path = str(getattr(base.config, "_name_or_path", "") or f"<in-memory {type(base).__name__}>")
-            if device is None:
-                device = next(base.parameters()).device
-        else:
-            if not Path(base_path).is_dir():
-                raise FileNotFoundError(f"base model folder {base_path} does not exist (a local folder, never a hub id)")
-            self.base_path = str(base_path)
-            # ``device``: weights go straight there (e.g. ``cuda:LOCAL_RANK``), not through host
-            # memory: 8 ranks each holding a 27B bf16 copy in RAM would need 432 GB of it.
-            base = AutoModelForCausalLM.from_pretrained(
-                self.base_path,
-                dtype=torch_dtype(dtype),
-                attn_implementation=attn_implementation,
-                **({"device_map": {"": device}} if device is not None else {}),
-            )
+        chunk_tokens = int(config.logprob_chunk_tokens)
+        if chunk_tokens <= 0:
+            raise ValueError(f"logprob_chunk_tokens={chunk_tokens} must be positive")
+        if config.sequence_layout not in SEQUENCE_LAYOUTS:
+            raise ValueError(f"sequence_layout={config.sequence_layout!r} is not one of {', '.join(SEQUENCE_LAYOUTS)}")
+        missing = [role for role in ADAPTERS if lora.get(role) is None]
+        if missing:
+            raise ValueError(f"no LoRA spec for {', '.join(missing)} (one a role: {', '.join(ADAPTERS)})")
+        self.logprob_chunk_tokens = chunk_tokens
+        #: Where the base was built (the training device): every kernel choice below is made for it.
+        self.built_on = next(base.parameters()).device
+        self.base_path = str(getattr(base.config, "_name_or_path", "") or f"<in-memory {type(base).__name__}>")
         self.varlen_attention = base.config._attn_implementation == attention.NAME
         base.requires_grad_(False)
         base.config.use_cache = False
@@ -223,15 +190,15 @@ class ActorCritic(nn.Module):
         self.base_identity = base_identity(base)
         #: Loaded name -> checkpoint name (checkpoint_names.py), or None with the reason.
         self.checkpoint_names, self.checkpoint_names_problem = name_map(base, self.base_path)
-        self.sequence_layout = self._choose_layout(base, sequence_layout)
+        self.sequence_layout = self._choose_layout(base, config.sequence_layout)
 
-        accelerators = [device.index or 0] if device is not None and device.type == "cuda" else []
+        accelerators = [self.built_on.index or 0] if self.built_on.type == "cuda" else []
         with torch.random.fork_rng(devices=accelerators):
-            torch.manual_seed(init_seed)  # seeds the accelerator's generator too: LoRA A is drawn there
-            peft_model = get_peft_model(base, peft_lora_config(lora), adapter_name=ACTOR)
-            peft_model.add_adapter(CRITIC, peft_lora_config(critic_lora if critic_lora is not None else lora))
+            torch.manual_seed(seed)  # seeds the accelerator's generator too: LoRA A is drawn there
+            peft_model = get_peft_model(base, peft_lora_config(lora[ACTOR]), adapter_name=ACTOR)
+            peft_model.add_adapter(CRITIC, peft_lora_config(lora[CRITIC]))
             hidden_size = base.get_output_embeddings().weight.shape[1]
-            self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32, device=device)
+            self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32, device=self.built_on)
             nn.init.normal_(self.value_head.weight, std=float(getattr(base.config, "initializer_range", 0.02)))
             nn.init.zeros_(self.value_head.bias)
         self.peft_model = peft_model
@@ -240,44 +207,50 @@ class ActorCritic(nn.Module):
         for name in ADAPTERS:
             for param in self.adapter_parameters(name):
                 param.requires_grad_(True)
+        self._install_speed_paths(config)
+        self.train()
 
-        if fused_lora:
+    def _install_speed_paths(self, config: Any) -> None:
+        """The fused LoRA, the kernels (resolved for ``self.built_on``), the recompute plan and the
+        lean activations that ``config`` asks for (module doc, "Speed paths")."""
+        if config.fused_lora:
             install_fused_lora(self._tuner_layers)
         #: ``fla`` or ``torch`` on a model with Gated DeltaNet layers (``linear_kernels.py``), else None.
         self.linear_attention_kernel = None
         if linear_attention_modules(self.decoder_layers()):
-            on = next(base.parameters()).device.type
-            self.linear_attention_kernel = resolve_linear_kernel(linear_attention_kernel, on)
+            self.linear_attention_kernel = resolve_linear_kernel(config.linear_attention_kernel, self.built_on.type)
             install_packed_linear_attention(self.decoder_layers(), self.linear_attention_kernel)
         #: Sequences' attention lengths padded up to a multiple of this (0: exact lengths;
         #: ``attention._causal``); None: 1024 where ``sdpa_varlen`` runs on CUDA, else 0.
-        on_cuda = next(base.parameters()).device.type == "cuda"
-        if attention_length_bucket is None:
-            attention_length_bucket = 1024 if on_cuda and self.varlen_attention else 0
-        self.attention_length_bucket = int(attention_length_bucket)
+        bucket = config.attention_length_bucket
+        if bucket is None:
+            bucket = 1024 if self.built_on.type == "cuda" and self.varlen_attention else 0
+        self.attention_length_bucket = int(bucket)
         attention.set_length_bucket([m for layer in self.decoder_layers() for m in layer.modules()
                                      if hasattr(m, "q_proj") and hasattr(m, "o_proj")], self.attention_length_bucket)
         #: ``liger`` (fused RMSNorm, SwiGLU product and rotary kernels) or ``torch`` (``fused_kernels.py``).
-        self.elementwise_kernels = resolve_elementwise_kernels(elementwise_kernels, next(base.parameters()).device.type)
+        self.elementwise_kernels = resolve_elementwise_kernels(config.elementwise_kernels, self.built_on.type)
         if self.elementwise_kernels == "liger":  # before the mixer checkpoints bind the attention forward they replay
             install_fused_kernels(self.decoder_layers())
+        checkpointing = bool(config.gradient_checkpointing)
+        layer_recompute = config.layer_recompute
         #: Per decoder layer: ``layer``, ``mixer``, ``mlp`` or ``none`` (``recompute.RECOMPUTE``).
-        self.layer_recompute = self._recompute_plan(gradient_checkpointing, checkpoint_layers, layer_recompute)
+        self.layer_recompute = self._recompute_plan(checkpointing, config.checkpoint_layers,
+                                                    list(layer_recompute) if layer_recompute is not None else None)
         #: Decoder layers recomputed whole in the backward; 0 without checkpointing.
         self.checkpointed_layers = self.layer_recompute.count("layer")
         layers = self.decoder_layers()
-        if gradient_checkpointing:
+        if checkpointing:
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             for layer, policy in zip(layers, self.layer_recompute):
                 layer._gradient_checkpointing_func = checkpoint_keeping_adapter(tuner_layers(layer))
                 layer.gradient_checkpointing = policy == "layer"
             install_mixer_checkpoints(layers, [i for i, p in enumerate(self.layer_recompute) if p == "mixer"])
-        if lean_activations:
+        if config.lean_activations:
             # MLP tails are lean only where nothing else replays the MLP (a whole-layer checkpoint or policy mlp)
-            tails = [gradient_checkpointing and policy in ("none", "mixer") for policy in self.layer_recompute]
+            tails = [checkpointing and policy in ("none", "mixer") for policy in self.layer_recompute]
             install_lean_activations(layers, tails)
         install_mlp_recompute(layers, [i for i, p in enumerate(self.layer_recompute) if p == "mlp"])
-        self.train()
 
     # ------------------------------------------------------------------ structure
     @property

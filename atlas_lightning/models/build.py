@@ -1,26 +1,99 @@
-"""The one builder of the trained model: ``build_actor_critic`` (``ActorCritic`` from the
-``model`` config group, then its starting adapters).
+"""The one builder of the trained model: ``build_actor_critic`` (the base placed on the training
+device, ``ActorCritic`` from the ``model`` config group around it, then its starting adapters).
 
-Who calls it: ``PPOModule.configure_model`` (which shards the result under FSDP2), tests.
+One path: ``fit`` and memory-check (``PPOModule.configure_model``) and the benchmarks
+(``bench/update.OursRunner``: the update, sweep and batch benchmarks) all build through it, with
+the same dtype, attention, kernels, placement and LoRA wrapping; a benchmark only swaps the
+checkpoint folder for random weights of a shape (``random_base``).
+
+Placement: the base is read straight onto ``device``, the card this process trains on
+(``configure_model`` passes ``trainer.strategy.root_device``: ``cuda:LOCAL_RANK`` under
+``ModelParallelStrategy``, the CPU in tests), with ``device_map={"": device}`` (safetensors
+file by file onto the card, no host copy), every rank the whole base; ``sharding.shard`` (FSDP2)
+then keeps each rank's 1/N of every tensor and frees the rest. So:
+
+* every ``auto`` kernel choice (``model.elementwise_kernels``, ``model.attention_length_bucket``,
+  ``model.linear_attention_kernel``) resolves for the card that trains, and an explicit
+  ``liger``/``fla`` is checked there (``ActorCritic`` resolves them for the base's device);
+* for one moment each card holds the whole bf16 base: 16 GB for an 8B, 54 GB (50.3 GiB) for
+  Qwen3.6-27B, whatever the number of ranks. A colocated engine is built first (the data
+  module's ``setup``); where it sleeps for updates it sleeps through the build too
+  (``PPOModule.configure_model``), so the card holds the base, both adapters and the sleeping
+  engine's ~1.5 GiB: an 80 GB card holds it, a 141 GB H200 easily. An engine without sleep mode
+  keeps its budget: at ``gpu_memory_utilization=0.55`` that is 77 + 50 GiB of an H200's 140
+  (fits, not by much) and more than an 80 GB card. ``plan`` sizes this moment (its
+  ``model_build`` phase) and refuses a card that cannot hold it;
+* host memory holds no copy (8 ranks each loading the base into RAM would need 432 GB for the
+  27B); the files pass through the page cache once for all ranks of a host.
+
+Why not the meta device: building on ``meta``, sharding, then reading each rank's rows of each
+tensor would peak at 1/N of the base, but needs a loader of our own for transformers' checkpoint
+conversions (Qwen3.5's ``model.language_model.*`` names and the like) and LoRA and value head
+initialised after materialisation. That is the way for a base that does not fit one card (or
+not beside an engine that cannot sleep); the report's 27B fits 80 GB cards and H200s.
+
+Who calls it: ``PPOModule.configure_model`` (which shards the result under FSDP2), the
+benchmarks (``bench/update.py``), tests.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
+from . import attention  # noqa: F401  (registers sdpa_varlen before a base asks for it)
 from .actor_critic import ACTOR, CRITIC, ActorCritic
 from .adapters import adapter_lora_config, load_adapter
 
 
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16`` (only the three float types)."""
+    allowed = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if isinstance(dtype, torch.dtype) and dtype in allowed.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in allowed:
+        return allowed[dtype]
+    raise ValueError(f"dtype={dtype!r} is not one of {', '.join(allowed)}")
+
+
+def load_base(model_cfg: Any, device: str | torch.device | None = None, *, random_base: Any = None,
+              seed: int = 0) -> nn.Module:
+    """The transformers causal LM of ``model_cfg`` (its ``path``, ``dtype`` and
+    ``attn_implementation``) on ``device`` (None: the CPU), ``use_cache`` off (module doc,
+    "Placement"). ``random_base``: a transformers config to build instead of reading ``path``,
+    with transformers' own random initialisation run on ``device`` after ``torch.manual_seed(seed)``
+    (same config and seed, same weights). Raises ``FileNotFoundError`` for a missing folder and
+    ``ValueError`` for an unknown dtype."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    options = {"dtype": torch_dtype(model_cfg.dtype), "attn_implementation": model_cfg.attn_implementation}
+    if random_base is not None:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            base = AutoModelForCausalLM.from_config(random_base, **options)
+    else:
+        path = str(model_cfg.path)
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"base model folder {path} does not exist (a local folder, never a hub id)")
+        # on the CPU nothing to place: no device map, exactly the load the CPU figures were made with
+        placed = {"device_map": {"": device}} if device.type != "cpu" else {}
+        base = AutoModelForCausalLM.from_pretrained(path, **options, **placed)
+    base.config.use_cache = False
+    return base
+
+
 def build_actor_critic(model_cfg: Any, *, seed: int = 0, actor_adapter: Optional[str] = None,
-                       critic_adapter: Optional[str] = None,
-                       device: str | torch.device | None = None) -> ActorCritic:
-    """``ActorCritic`` from ``model_cfg`` (``config.ModelConfig``: base path, dtype, LoRA,
-    checkpointing, chunk size, attention, layout, kernels), adapters initialised from ``seed``;
-    then the starting adapters: ``actor_adapter`` / ``critic_adapter`` (PEFT folders), else
-    ``model_cfg.actor_adapter`` / ``critic_adapter``.
+                       critic_adapter: Optional[str] = None, device: str | torch.device | None = None,
+                       random_base: Any = None) -> ActorCritic:
+    """``ActorCritic`` from ``model_cfg`` (``config.ModelConfig`` or its OmegaConf node) on
+    ``device`` (module doc), adapters initialised from ``seed``; then the starting adapters:
+    ``actor_adapter`` / ``critic_adapter`` (PEFT folders), else ``model_cfg.actor_adapter`` /
+    ``critic_adapter``. ``random_base``: random weights of that transformers config instead of
+    ``model_cfg.path`` (``load_base``; the benchmarks).
 
     Each adapter has its own LoRA shape: an adapter that starts from a folder is built with the
     LoRA that folder's ``adapter_config.json`` describes (rank, alpha, target modules, per-module
@@ -34,25 +107,8 @@ def build_actor_critic(model_cfg: Any, *, seed: int = 0, actor_adapter: Optional
     folders = {ACTOR: actor_adapter or model_cfg.actor_adapter, CRITIC: critic_adapter or model_cfg.critic_adapter}
     lora = {role: adapter_lora_config(folder) if folder else fresh_lora_spec(model_cfg, role)
             for role, folder in folders.items()}
-    model = ActorCritic(
-        model_cfg.path,
-        lora[ACTOR],
-        critic_lora=lora[CRITIC],
-        dtype=model_cfg.dtype,
-        gradient_checkpointing=model_cfg.gradient_checkpointing,
-        logprob_chunk_tokens=model_cfg.logprob_chunk_tokens,
-        attn_implementation=model_cfg.attn_implementation,
-        sequence_layout=model_cfg.sequence_layout,
-        fused_lora=model_cfg.fused_lora,
-        checkpoint_layers=model_cfg.checkpoint_layers,
-        lean_activations=model_cfg.lean_activations,
-        linear_attention_kernel=model_cfg.linear_attention_kernel,
-        elementwise_kernels=model_cfg.elementwise_kernels,
-        attention_length_bucket=model_cfg.attention_length_bucket,
-        layer_recompute=list(model_cfg.layer_recompute) if model_cfg.layer_recompute is not None else None,
-        init_seed=seed,
-        device=device,
-    )
+    base = load_base(model_cfg, device, random_base=random_base, seed=seed)
+    model = ActorCritic(model_cfg, base, lora, seed=seed)
     for role, folder in folders.items():
         if folder:
             load_adapter(model, role, folder)

@@ -54,6 +54,10 @@ Engine (vLLM): its budget is ``rollout.gpu_memory_utilization x card``; inside i
 head_dim x 2`` bytes a token, plus the linear-attention state of each sequence. Generation on
 a colocated card = trainer resident (weights, LoRA states) + the engine budget.
 
+Model build (``model_build``, before the first step): every rank reads the whole base onto its
+card before FSDP2 keeps its share (``models/build.py``): ``P b`` and both adapters' fp32
+parameters, beside the engine asleep (or awake, without sleep mode) and the runtime.
+
 Weight sync: ``lora`` gathers the actor's full adapter (``4 R_a``); ``merged`` holds the engine's weights
 awake, a bucket (``max(bucket_mb, largest tensor)``) and one merged copy of the largest tensor.
 Separate layout, merged (vLLM's weight-transfer API, ``rollout/weight_transfer.py``): the
@@ -392,6 +396,11 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = N
             asleep = ENGINE_ASLEEP_GIB * GIB if inputs.sleep_mode else inputs.gpu_memory_utilization * card
             overhead["engine asleep" if inputs.sleep_mode else "engine awake (no sleep mode)"] = asleep
 
+    # the model build (models/build.py): each rank reads the whole base onto its card, then FSDP2
+    # keeps its share; a colocated engine sleeps meanwhile where it sleeps for updates
+    build = {"base weights, whole (before sharding)": s.base_params * inputs.dtype_bytes,
+             "LoRA parameters, whole (fp32)": (model.lora["actor"] + model.lora["critic"] + s.hidden_size + 1) * 4}
+    plan.phases.append(Phase("model_build", train_cards, build, overhead, slack=slack))
     engine = _engine(s, inputs, card)
     plan.engine = engine
     if inputs.colocated or inputs.device == "cpu":
@@ -482,6 +491,12 @@ def _capacity_refusals(plan: Plan, model: _Model, inputs: Inputs, engine: dict, 
                 f"{inputs.gpu_memory_utilization} x {card / GIB:.0f} GiB and the merged-weight buckets need "
                 f"{phase.tensors / GIB:.1f} GiB more ({top}): {phase.card / GIB:.1f} GiB in all; lower "
                 f"rollout.bucket_mb or rollout.gpu_memory_utilization")
+        elif phase.name == "model_build":
+            plan.refusals.append(
+                f"model_build on {phase.cards}: each rank reads the whole base onto its card before FSDP2 shards it "
+                f"(models/build.py): {phase.card / GIB:.1f} GiB of a {card / GIB:.0f} GiB card (largest terms, GiB: "
+                f"{top}); more cards do not lower it: a card that holds the base beside what stays on it "
+                f"(rollout.enable_sleep_mode=true puts a colocated engine to sleep meanwhile)")
         elif phase.name == "generation":
             plan.refusals.append(
                 f"generation on {phase.cards}: the trainer keeps {phase.tensors / GIB:.1f} GiB and the engine asks for "

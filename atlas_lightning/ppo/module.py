@@ -120,13 +120,30 @@ class PPOModule(L.LightningModule):
 
     # -- model and optimizers -------------------------------------------------------------
 
+    #: A transformers config whose random weights replace ``model.path``'s (the device memory
+    #: check's shapes); None: the folder's weights. Either way the one builder builds the model.
+    random_base = None
+
     def configure_model(self) -> None:
+        """Build the model on the card this rank trains on (``models/build.py``: placement, and
+        why), then shard it. Under ``ModelParallelStrategy`` this hook runs with no device
+        context: built as is, it would land on the host and every ``auto`` kernel would resolve
+        as on a CPU; the strategy's ``root_device`` is the card (the CPU in CPU runs). A
+        colocated engine that sleeps for updates sleeps through the build too (``plan``'s
+        ``model_build`` phase sizes it)."""
         if self.model is not None:
             return
         from atlas_lightning.models.build import build_actor_critic
 
         actor, critic = self._starting_adapters()
-        self.model = build_actor_critic(self.cfg.model, seed=self.cfg.seed, actor_adapter=actor, critic_adapter=critic)
+        device = self._trainer.strategy.root_device if self._trainer is not None else None
+        datamodule = getattr(self._trainer, "datamodule", None)
+        if device is not None and device.type == "cuda" and getattr(datamodule, "sleeps_for_update", False):
+            # each rank reads the whole base onto its card before sharding: a colocated engine (built in
+            # the data module's setup) gives way as in an update; the first weight sync wakes it
+            datamodule.engine.sleep()
+        self.model = build_actor_critic(self.cfg.model, seed=self.cfg.seed, actor_adapter=actor, critic_adapter=critic,
+                                        device=device, random_base=self.random_base)
         if self.resume_from is not None:
             self._check_resume(self.resume_from)
         mesh = getattr(self, "device_mesh", None)

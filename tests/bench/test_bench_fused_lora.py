@@ -6,9 +6,9 @@ import pytest
 import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
 
-from atlas_lightning.models.actor_critic import ActorCritic
 from atlas_lightning.models.fused_lora import LoraLinearFunction, _fused_forward
 from atlas_lightning.models.packing import pack_sequences
+from tests.model_builds import actor_critic
 
 LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}
 
@@ -47,8 +47,8 @@ def test_bf16_input_with_fp32_adapters_returns_fp32_gradients():
 
 def _model_pair(base):
     torch.manual_seed(0)
-    fused = ActorCritic(base, LORA, logprob_chunk_tokens=5, fused_lora=True, gradient_checkpointing=True)
-    plain = ActorCritic(base, LORA, logprob_chunk_tokens=5, fused_lora=False, gradient_checkpointing=True)
+    fused = actor_critic(base, LORA, logprob_chunk_tokens=5, fused_lora=True, gradient_checkpointing=True)
+    plain = actor_critic(base, LORA, logprob_chunk_tokens=5, fused_lora=False, gradient_checkpointing=True)
     plain.load_state_dict(fused.state_dict())
     with torch.no_grad():
         gen = torch.Generator().manual_seed(3)
@@ -85,8 +85,8 @@ def test_actor_critic_fused_equals_peft_forward_and_gradients(arch, qwen3_base, 
 
 def test_checkpoint_layers_bounds_and_equal_gradients(qwen3_base):
     with pytest.raises(ValueError, match="checkpoint_layers=3 must be within 0..2"):
-        ActorCritic(qwen3_base, LORA, gradient_checkpointing=True, checkpoint_layers=3)
+        actor_critic(qwen3_base, LORA, gradient_checkpointing=True, checkpoint_layers=3)
     with pytest.raises(ValueError, match="needs gradient_checkpointing=True"):
-        ActorCritic(qwen3_base, LORA, checkpoint_layers=1)
-    model = ActorCritic(qwen3_base, LORA, gradient_checkpointing=True, checkpoint_layers=1)
+        actor_critic(qwen3_base, LORA, checkpoint_layers=1)
+    model = actor_critic(qwen3_base, LORA, gradient_checkpointing=True, checkpoint_layers=1)
     assert [layer.gradient_checkpointing for layer in model.decoder_layers()] == [True, False]

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from atlas_lightning.models.actor_critic import ActorCritic
 from atlas_lightning.models.attention import NAME, sdpa_varlen_attention_forward
 from atlas_lightning.models.packing import pack_sequences
+from tests.model_builds import actor_critic
 
 LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}
 
 
 def test_packed_varlen_equals_per_sequence_sdpa(qwen3_base, randomize):
-    varlen = ActorCritic(qwen3_base, LORA, attn_implementation=NAME, logprob_chunk_tokens=7)
-    dense = ActorCritic(qwen3_base, LORA, attn_implementation="sdpa", logprob_chunk_tokens=7)
+    varlen = actor_critic(qwen3_base, LORA, attn_implementation=NAME, logprob_chunk_tokens=7)
+    dense = actor_critic(qwen3_base, LORA, attn_implementation="sdpa", logprob_chunk_tokens=7)
     randomize(varlen)
     dense.load_state_dict(varlen.state_dict())
     assert varlen.varlen_attention and not dense.varlen_attention
@@ -48,8 +48,8 @@ def test_bad_lengths_are_refused():
 
 
 def test_hybrid_padded_layout_varlen_equals_sdpa(qwen3_5_base, randomize):
-    varlen = ActorCritic(qwen3_5_base, LORA, attn_implementation=NAME, logprob_chunk_tokens=7, sequence_layout="padded")
-    dense = ActorCritic(qwen3_5_base, LORA, attn_implementation="sdpa", logprob_chunk_tokens=7, sequence_layout="padded")
+    varlen = actor_critic(qwen3_5_base, LORA, attn_implementation=NAME, logprob_chunk_tokens=7, sequence_layout="padded")
+    dense = actor_critic(qwen3_5_base, LORA, attn_implementation="sdpa", logprob_chunk_tokens=7, sequence_layout="padded")
     randomize(varlen)
     dense.load_state_dict(varlen.state_dict())
     assert varlen.sequence_layout == "padded"

@@ -9,8 +9,8 @@ import torch
 
 from atlas_lightning.bench.update_bench import main
 from atlas_lightning.bench.flops import model_flops
-from atlas_lightning.bench.shapes import build_model, shape_by_name
-from atlas_lightning.bench.update import BaselineRunner, OursRunner, _pack
+from atlas_lightning.bench.shapes import build_model, shape_by_name, transformers_config
+from atlas_lightning.bench.update import BaselineRunner, OursRunner, _pack, fit_model_config
 from atlas_lightning.bench.workload import ppo_inputs, sample_micro_batch
 
 CPU = torch.device("cpu")
@@ -51,8 +51,7 @@ def test_baseline_and_ours_score_the_same_tokens(name):
     log-probs and values must equal ours (fp32), which checks its index arithmetic."""
     shape = shape_by_name(name)
     inputs = ppo_inputs(sample_micro_batch(3, 600, scale=1 / 32), shape.vocab_size, CPU, seed=1)
-    ours = OursRunner(build_model(shape, device=CPU, dtype=torch.float32, attn_implementation="sdpa_varlen"),
-                      4, 10_000)
+    ours = OursRunner(fit_model_config(4, 1024, dtype="float32"), transformers_config(shape), 10_000, device=CPU)
     base = BaselineRunner(build_model(shape, device=CPU, dtype=torch.float32, attn_implementation="sdpa"), 4, 10_000)
     base.value_head.load_state_dict(ours.model.value_head.state_dict())
     with torch.no_grad():
@@ -76,7 +75,8 @@ def test_useful_flops_match_torch_flop_counter():
     shape = shape_by_name("tiny")
     base = build_model(shape, device=CPU, dtype=torch.float32, attn_implementation="sdpa_varlen")
     flops = model_flops(base, 4)
-    runner = OursRunner(base, 4, 10_000, chunk_tokens=10_000, fused_lora=False)
+    runner = OursRunner(fit_model_config(4, 10_000, dtype="float32", fused_lora=False), transformers_config(shape),
+                        10_000, device=CPU)
     runner.model.eval()
     inputs = ppo_inputs(sample_micro_batch(5, 400, scale=1 / 32), shape.vocab_size, CPU)
     packed = _pack(inputs, list(range(len(inputs.sequences))), CPU)

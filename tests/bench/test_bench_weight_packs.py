@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atlas_lightning.models.actor_critic import ActorCritic
 from atlas_lightning.models.weights import PACK_ALIGN, merged_weight_buckets, merged_weight_packs, merged_weights
+from tests.model_builds import actor_critic
 
 LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}
 
@@ -14,7 +14,7 @@ LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("bucket_bytes", [1, 20_000, 10**9])
 def test_packs_equal_merged_weights_bitwise(qwen3_base, randomize, dtype, bucket_bytes):
-    model = ActorCritic(qwen3_base, LORA, dtype=dtype)
+    model = actor_critic(qwen3_base, LORA, dtype=dtype)
     randomize(model)
     expected = list(merged_weights(model, "actor"))
     packs = list(merged_weight_packs(model, "actor", bucket_bytes))
@@ -35,4 +35,4 @@ def test_packs_equal_merged_weights_bitwise(qwen3_base, randomize, dtype, bucket
 
 def test_packs_reject_bad_bucket(qwen3_base):
     with pytest.raises(ValueError, match="bucket_bytes=0 must be positive"):
-        next(merged_weight_packs(ActorCritic(qwen3_base, LORA), "actor", 0))
+        next(merged_weight_packs(actor_critic(qwen3_base, LORA), "actor", 0))

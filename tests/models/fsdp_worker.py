@@ -39,8 +39,10 @@ torch.set_num_threads(1)
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from atlas_lightning.config import ModelConfig  # noqa: E402
 from atlas_lightning.models.actor_critic import ActorCritic  # noqa: E402
 from atlas_lightning.models.adapters import load_adapter, save_adapter  # noqa: E402
+from atlas_lightning.models.build import load_base  # noqa: E402
 from atlas_lightning.models.packing import pack_sequences  # noqa: E402
 from atlas_lightning.models.sharding import shard  # noqa: E402
 from atlas_lightning.models.weights import adapter_state, full_tensor, merged_weights  # noqa: E402
@@ -50,7 +52,8 @@ CHUNK = 7
 
 
 def build(base: str) -> ActorCritic:
-    model = ActorCritic(base, LORA, gradient_checkpointing=True, logprob_chunk_tokens=CHUNK, init_seed=0)
+    config = ModelConfig(path=base, dtype="float32", gradient_checkpointing=True, logprob_chunk_tokens=CHUNK)
+    model = ActorCritic(config, load_base(config), {"actor": LORA, "critic": LORA}, seed=0)
     # LoRA B starts at zero: give every adapter parameter deterministic non-zero values
     generator = torch.Generator().manual_seed(1234)
     with torch.no_grad():

@@ -10,8 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from atlas_lightning.config import LoraConfig
-from atlas_lightning.models.actor_critic import ActorCritic, peft_lora_config
+from atlas_lightning.models.actor_critic import peft_lora_config
 from atlas_lightning.models.packing import pack_sequences
+from tests.model_builds import actor_critic
 
 LORA = LoraConfig(rank=4, alpha=8, dropout=0.0, target_modules="all-linear")
 LENGTHS, PROMPTS = (9, 4, 13, 6), (3, 2, 5, 1)
@@ -23,7 +24,7 @@ def _batch(vocab=128, seed=0):
 
 
 def _model(base, randomize, **kwargs):
-    model = ActorCritic(base, LORA, logprob_chunk_tokens=5, **kwargs)
+    model = actor_critic(base, LORA, logprob_chunk_tokens=5, **kwargs)
     randomize(model)
     return model
 
@@ -91,13 +92,13 @@ def test_base_pass_is_the_plain_base_model(qwen3_base, randomize):
 
 
 def test_layout_choice(qwen3_base, qwen3_5_base):
-    dense, hybrid = ActorCritic(qwen3_base, LORA), ActorCritic(qwen3_5_base, LORA)
+    dense, hybrid = actor_critic(qwen3_base, LORA), actor_critic(qwen3_5_base, LORA)
     assert dense.sequence_layout == hybrid.sequence_layout == "packed"
     assert dense.linear_attention_kernel is None
     assert hybrid.linear_attention_kernel == "torch"  # no flash-linear-attention kernels on a CPU model
-    assert ActorCritic(qwen3_5_base, LORA, sequence_layout="padded").sequence_layout == "padded"
+    assert actor_critic(qwen3_5_base, LORA, sequence_layout="padded").sequence_layout == "padded"
     with pytest.raises(ValueError, match="model.linear_attention_kernel=fla cannot run here"):
-        ActorCritic(qwen3_5_base, LORA, linear_attention_kernel="fla")
+        actor_critic(qwen3_5_base, LORA, linear_attention_kernel="fla")
 
 
 def test_transformers_still_leaks_across_packed_boundaries_in_linear_attention(qwen3_5_base):
@@ -149,11 +150,11 @@ def test_gradient_checkpointing_gives_the_same_gradients(base_name, dropout, req
     base = request.getfixturevalue(base_name)
     packed = pack_sequences(_batch(), PROMPTS)
     lora = {"rank": 4, "alpha": 8, "dropout": dropout}
-    plain_model = ActorCritic(base, lora, logprob_chunk_tokens=5)
+    plain_model = actor_critic(base, lora, logprob_chunk_tokens=5)
     randomize(plain_model)
     torch.manual_seed(11)  # same dropout masks: the replay restores the RNG state of the forward
     plain = _grads(plain_model, packed)
-    checkpointed_model = ActorCritic(base, lora, logprob_chunk_tokens=5, gradient_checkpointing=True)
+    checkpointed_model = actor_critic(base, lora, logprob_chunk_tokens=5, gradient_checkpointing=True)
     randomize(checkpointed_model)
     assert all(layer.gradient_checkpointing for layer in checkpointed_model.decoder_layers())
     torch.manual_seed(11)
@@ -180,7 +181,7 @@ def test_from_config_builds_and_starts_adapters(qwen3_base, randomize, tmp_path)
 
 
 def test_init_is_deterministic_and_lora_spec_is_read(qwen3_base):
-    a, b = ActorCritic(qwen3_base, LORA, init_seed=7), ActorCritic(qwen3_base, LORA, init_seed=7)
+    a, b = actor_critic(qwen3_base, LORA, init_seed=7), actor_critic(qwen3_base, LORA, init_seed=7)
     for p, q in zip(a.actor_parameters() + a.critic_parameters(), b.actor_parameters() + b.critic_parameters()):
         assert torch.equal(p, q)
     config = a.peft_model.peft_config["critic"]
@@ -205,12 +206,12 @@ def test_bad_lora_spec(spec, message):
 
 def test_bad_arguments(qwen3_base, tmp_path):
     with pytest.raises(FileNotFoundError, match="never a hub id"):
-        ActorCritic(str(tmp_path / "Qwen" / "Qwen3-8B"), LORA)
+        actor_critic(str(tmp_path / "Qwen" / "Qwen3-8B"), LORA)
     with pytest.raises(ValueError, match="dtype='fp8'"):
-        ActorCritic(qwen3_base, LORA, dtype="fp8")
+        actor_critic(qwen3_base, LORA, dtype="fp8")
     with pytest.raises(ValueError, match="logprob_chunk_tokens=0"):
-        ActorCritic(qwen3_base, LORA, logprob_chunk_tokens=0)
-    model = ActorCritic(qwen3_base, LORA)
+        actor_critic(qwen3_base, LORA, logprob_chunk_tokens=0)
+    model = actor_critic(qwen3_base, LORA)
     with pytest.raises(TypeError, match="expected a PackedBatch"):
         model.actor_forward(torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="mode='ref'"):

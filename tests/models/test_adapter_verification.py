@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from atlas_lightning.models.actor_critic import ActorCritic
 from atlas_lightning.models.adapters import (
     AdapterError,
     AdapterMismatchError,
@@ -19,6 +18,7 @@ from atlas_lightning.models.adapters import (
     read_adapter_folder,
     save_adapter,
 )
+from tests.model_builds import actor_critic
 
 LORA = {"rank": 4, "alpha": 8}
 
@@ -27,7 +27,7 @@ LORA = {"rank": 4, "alpha": 8}
 def model(qwen3_base):
     from tests.conftest import randomize_adapters
 
-    built = ActorCritic(qwen3_base, LORA, logprob_chunk_tokens=4)
+    built = actor_critic(qwen3_base, LORA, logprob_chunk_tokens=4)
     randomize_adapters(built)
     return built
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from atlas_lightning.models.actor_critic import ActorCritic
 from atlas_lightning.models.adapters import AdapterMismatchError, save_adapter
 from atlas_lightning.models.build import build_actor_critic
 from atlas_lightning.models.weights import adapter_state
+from tests.model_builds import actor_critic
 
 #: The report's critic targets on the hybrid base: the full-attention layers' q/k/v/o and every MLP.
 CRITIC = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -49,7 +49,7 @@ def _model_cfg(base: str, **adapters):
 
 
 def test_the_reports_critic_folder_loads_as_it_is(qwen3_5_base, tmp_path, randomize):
-    source = ActorCritic(qwen3_5_base, {"rank": 2, "alpha": 4}, critic_lora=CRITIC)
+    source = actor_critic(qwen3_5_base, {"rank": 2, "alpha": 4}, critic_lora=CRITIC)
     randomize(source)
     save_adapter(source, "critic", tmp_path / "ours")
     hidden = int(source.value_head.weight.shape[1])
@@ -70,7 +70,7 @@ def test_the_reports_critic_folder_loads_as_it_is(qwen3_5_base, tmp_path, random
 
 
 def test_a_head_among_modules_to_save_of_another_shape_is_refused(qwen3_5_base, tmp_path):
-    source = ActorCritic(qwen3_5_base, {"rank": 2, "alpha": 4}, critic_lora=CRITIC)
+    source = actor_critic(qwen3_5_base, {"rank": 2, "alpha": 4}, critic_lora=CRITIC)
     save_adapter(source, "critic", tmp_path / "ours")
     _as_report_folder(tmp_path / "ours", tmp_path / "theirs", hidden=8)
     with pytest.raises(AdapterMismatchError, match=r"score \(modules_to_save\) holds .*'weight': \(1, 8\).*a value head is a weight \(1, 64\)"):
@@ -78,7 +78,7 @@ def test_a_head_among_modules_to_save_of_another_shape_is_refused(qwen3_5_base, 
 
 
 def test_a_critic_without_any_head_is_refused(qwen3_5_base, tmp_path):
-    source = ActorCritic(qwen3_5_base, {"rank": 2, "alpha": 4}, critic_lora=CRITIC)
+    source = actor_critic(qwen3_5_base, {"rank": 2, "alpha": 4}, critic_lora=CRITIC)
     folder = save_adapter(source, "critic", tmp_path / "critic")
     (folder / "value_head.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no value head among adapter_config.json's modules_to_save"):

@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from atlas_lightning.models import adapters as adapters_module
-from atlas_lightning.models.actor_critic import ActorCritic
 from atlas_lightning.models.adapters import AdapterMismatchError, load_adapter, save_adapter
 from atlas_lightning.models.packing import pack_sequences
 from atlas_lightning.demo.tiny_causal_lm import save_tiny_causal_lm
+from tests.model_builds import actor_critic
 
 LORA = {"rank": 4, "alpha": 8}
 PROMPTS = (3, 2, 5)
@@ -29,7 +29,7 @@ def packed():
 
 @pytest.fixture
 def trained(qwen3_base, randomize):
-    model = ActorCritic(qwen3_base, LORA, logprob_chunk_tokens=4)
+    model = actor_critic(qwen3_base, LORA, logprob_chunk_tokens=4)
     randomize(model)
     return model
 
@@ -68,7 +68,7 @@ def test_peft_loads_saved_adapters_and_gives_the_same_outputs(trained, qwen3_bas
 def test_load_adapter_restores_both_adapters(trained, qwen3_base, packed, tmp_path):
     for name in ("actor", "critic"):
         save_adapter(trained, name, tmp_path / name)
-    fresh = ActorCritic(qwen3_base, LORA, logprob_chunk_tokens=4, init_seed=99)
+    fresh = actor_critic(qwen3_base, LORA, logprob_chunk_tokens=4, init_seed=99)
     for name in ("actor", "critic"):
         load_adapter(fresh, name, tmp_path / name)
     for p, q in zip(trained.parameters(), fresh.parameters()):
@@ -109,7 +109,7 @@ def test_save_replaces_an_existing_folder_atomically(trained, tmp_path, monkeypa
 )
 def test_refuses_other_lora_settings(trained, qwen3_base, tmp_path, other_lora, message):
     save_adapter(trained, "actor", tmp_path / "actor")
-    other = ActorCritic(qwen3_base, other_lora)
+    other = actor_critic(qwen3_base, other_lora)
     with pytest.raises(AdapterMismatchError, match=message) as err:
         load_adapter(other, "actor", tmp_path / "actor")
     assert str(tmp_path / "actor") in str(err.value)
@@ -119,18 +119,18 @@ def test_refuses_a_different_base(trained, tmp_path, tmp_path_factory):
     save_adapter(trained, "actor", tmp_path / "actor")
     wider = save_tiny_causal_lm(tmp_path_factory.mktemp("wider"), hidden_size=96)
     with pytest.raises(AdapterMismatchError, match="config.hidden_size: this base has 96, the adapter's base had 64"):
-        load_adapter(ActorCritic(str(wider), LORA), "actor", tmp_path / "actor")
+        load_adapter(actor_critic(str(wider), LORA), "actor", tmp_path / "actor")
     # same architecture and shapes, other weights (e.g. a fine-tune): only the fingerprint tells
     sibling = save_tiny_causal_lm(tmp_path_factory.mktemp("sibling"), seed=5)
     with pytest.raises(AdapterMismatchError, match="fingerprint: .*same shapes, different weights"):
-        load_adapter(ActorCritic(str(sibling), LORA), "actor", tmp_path / "actor")
+        load_adapter(actor_critic(str(sibling), LORA), "actor", tmp_path / "actor")
 
 
 def test_base_fingerprint_ignores_load_dtype_and_path(qwen3_base, tmp_path):
     copy_folder = tmp_path / "moved"
     AutoModelForCausalLM.from_pretrained(qwen3_base).save_pretrained(str(copy_folder))
-    a = ActorCritic(qwen3_base, LORA, dtype="float32").base_identity
-    b = ActorCritic(str(copy_folder), LORA, dtype="bfloat16").base_identity
+    a = actor_critic(qwen3_base, LORA, dtype="float32").base_identity
+    b = actor_critic(str(copy_folder), LORA, dtype="bfloat16").base_identity
     assert a == b
 
 
@@ -142,7 +142,7 @@ def test_foreign_folder_without_identity_is_checked_by_shapes(trained, tmp_path,
     assert "checked by tensor shapes only" in caplog.text
     wider = save_tiny_causal_lm(tmp_path_factory.mktemp("wider2"), hidden_size=96)
     with pytest.raises(AdapterMismatchError, match=r"lora_A.weight has shape \(4, 64\), this model's is \(4, 96\)"):
-        load_adapter(ActorCritic(str(wider), LORA), "actor", tmp_path / "actor")
+        load_adapter(actor_critic(str(wider), LORA), "actor", tmp_path / "actor")
 
 
 def test_missing_files_are_named(trained, tmp_path):

@@ -184,7 +184,7 @@ def test_rotary_against_torch_and_fp64():
 @pytest.mark.parametrize("policy", ["layer", "mixer", "mlp", "none"])
 def test_model_with_liger_equals_torch_path_within_bf16_rounding(base_name, policy, request, randomize):
     from atlas_lightning.models import attention  # noqa: F401  (registers sdpa_varlen)
-    from atlas_lightning.models.actor_critic import ActorCritic
+    from tests.model_builds import actor_critic
     from atlas_lightning.models.packing import pack_sequences
 
     base = request.getfixturevalue(base_name)
@@ -193,7 +193,7 @@ def test_model_with_liger_equals_torch_path_within_bf16_rounding(base_name, poli
     packed = pack_sequences([torch.randint(0, 128, (n,), generator=g) for n in lengths], prompts).to("cuda")
     runs = {}
     for kernels in ("torch", "liger"):
-        model = ActorCritic(base, LORA, dtype="bfloat16", device="cuda", attn_implementation="sdpa_varlen",
+        model = actor_critic(base, LORA, dtype="bfloat16", device="cuda", attn_implementation="sdpa_varlen",
                             gradient_checkpointing=True, layer_recompute=[policy, "none"], logprob_chunk_tokens=64,
                             elementwise_kernels=kernels, linear_attention_kernel="torch")
         assert model.elementwise_kernels == kernels

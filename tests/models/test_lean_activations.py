@@ -8,9 +8,9 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from atlas_lightning.config import LoraConfig
-from atlas_lightning.models.actor_critic import ActorCritic
 from atlas_lightning.models.lean_activations import RMSNormFunction
 from atlas_lightning.models.packing import pack_sequences
+from tests.model_builds import actor_critic
 
 LORA = LoraConfig(rank=4, alpha=8, dropout=0.0, target_modules="all-linear")
 LENGTHS, PROMPTS = (9, 4, 13, 6), (3, 2, 5, 1)
@@ -49,7 +49,7 @@ def test_lean_layers_match_the_plain_model_with_fewer_saved_bytes(base_name, che
     base = request.getfixturevalue(base_name)
     runs = {}
     for lean in (False, True):
-        model = ActorCritic(base, LORA, logprob_chunk_tokens=5, gradient_checkpointing=True,
+        model = actor_critic(base, LORA, logprob_chunk_tokens=5, gradient_checkpointing=True,
                             checkpoint_layers=checkpoint_layers, lean_activations=lean)
         randomize(model)
         runs[lean] = _losses_and_grads(model, _batch())

@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from atlas_lightning.models import attention
-from atlas_lightning.models.actor_critic import ActorCritic
 from atlas_lightning.models.adapter_switch import selected_adapter
 from atlas_lightning.models.linear_attention import CU_SEQLENS_KWARG, install_packed_linear_attention
 from atlas_lightning.models.linear_kernels import fla_problem
 from atlas_lightning.models.packing import pack_sequences
+from tests.model_builds import actor_critic
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": "all-linear"}
 
@@ -47,7 +47,7 @@ def _hybrid(hidden: int, key_heads: int, value_heads: int, head_dim: int, device
             if hasattr(module, "A_log"):
                 module.A_log.uniform_(-1.0, 1.0)
                 module.dt_bias.uniform_(-1.0, 1.0)
-    model = ActorCritic(base, LORA, gradient_checkpointing=False, linear_attention_kernel="torch")
+    model = actor_critic(base, LORA, gradient_checkpointing=False, linear_attention_kernel="torch")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:

@@ -16,6 +16,7 @@ from atlas_lightning.models.checkpoint_names import checkpoint_keys
 from atlas_lightning.models.merge_kernel import rounding_bound
 from atlas_lightning.models.packing import pack_sequences
 from atlas_lightning.models.weights import adapter_state, bucket_weights, merged_weight_buckets, merged_weights
+from tests.model_builds import actor_critic
 
 LORA = {"rank": 4, "alpha": 8}
 
@@ -45,7 +46,7 @@ def _float64_merge(model: ActorCritic, adapter: str) -> dict[str, tuple[torch.Te
 @pytest.mark.parametrize("base_name", ["qwen3_base", "qwen3_tied_base", "qwen3_5_base"])
 def test_merged_is_the_rounded_sum_and_agrees_with_peft(base_name, dtype, request, randomize):
     base = request.getfixturevalue(base_name)
-    model = ActorCritic(base, LORA, dtype=dtype)
+    model = actor_critic(base, LORA, dtype=dtype)
     randomize(model)
     for adapter in ("actor", "critic"):
         got = dict(merged_weights(model, adapter))
@@ -70,14 +71,14 @@ def test_merged_is_the_rounded_sum_and_agrees_with_peft(base_name, dtype, reques
 
 
 def test_qwen3_5_names_are_the_vlm_checkpoint_names(qwen3_5_base):
-    names = [name for name, _ in merged_weights(ActorCritic(qwen3_5_base, LORA))]
+    names = [name for name, _ in merged_weights(actor_critic(qwen3_5_base, LORA))]
     assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in names
     assert "model.language_model.layers.1.self_attn.q_proj.weight" in names
     assert not any(".base_layer." in n or "lora_" in n for n in names)
 
 
 def test_merged_weights_reproduce_the_actor_in_a_plain_model(qwen3_base, randomize):
-    model = ActorCritic(qwen3_base, LORA)
+    model = actor_critic(qwen3_base, LORA)
     randomize(model)
     plain = AutoModelForCausalLM.from_pretrained(qwen3_base, dtype=torch.float32)
     plain.load_state_dict(dict(merged_weights(model, "actor")), strict=True)
@@ -94,7 +95,7 @@ def test_merged_weights_reproduce_the_actor_in_a_plain_model(qwen3_base, randomi
 
 
 def test_adapter_state_is_peft_named_and_full(qwen3_base, randomize):
-    model = ActorCritic(qwen3_base, LORA)
+    model = actor_critic(qwen3_base, LORA)
     randomize(model)
     for adapter in ("actor", "critic"):
         state = adapter_state(model, adapter)
@@ -124,7 +125,7 @@ def test_buckets_respect_the_cap_keep_order_and_send_big_tensors_alone():
 
 
 def test_merged_weight_buckets_cover_every_tensor(qwen3_base):
-    model = ActorCritic(qwen3_base, LORA)
+    model = actor_critic(qwen3_base, LORA)
     flat = [name for name, _ in merged_weights(model)]
     buckets = list(merged_weight_buckets(model, "actor", bucket_bytes=40_000))
     assert [name for b in buckets for name, _ in b] == flat

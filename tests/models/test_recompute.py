@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 
 from atlas_lightning.config import LoraConfig
-from atlas_lightning.models.actor_critic import ActorCritic
 from atlas_lightning.models.packing import pack_sequences
 from atlas_lightning.models.recompute import SwiGLUDownFunction, SwiGLUMLPFunction
+from tests.model_builds import actor_critic
 
 LORA = LoraConfig(rank=4, alpha=8, dropout=0.0, target_modules="all-linear")
 LENGTHS, PROMPTS = (9, 4, 13, 6), (3, 2, 5, 1)
@@ -88,7 +88,7 @@ def test_finer_policies_keep_forward_and_gradients_with_fewer_saved_bytes(base_n
     packed = pack_sequences([torch.randint(0, 128, (n,), generator=g) for n in LENGTHS], PROMPTS)
     runs = {}
     for plan in (["none", "none"], [policy, policy]):
-        model = ActorCritic(base, LORA, logprob_chunk_tokens=5, gradient_checkpointing=True, layer_recompute=plan)
+        model = actor_critic(base, LORA, logprob_chunk_tokens=5, gradient_checkpointing=True, layer_recompute=plan)
         assert model.layer_recompute == plan and model.checkpointed_layers == 0
         randomize(model)
         runs[plan[0]] = _run(model, packed)
@@ -104,6 +104,6 @@ def test_finer_policies_keep_forward_and_gradients_with_fewer_saved_bytes(base_n
 
 def test_layer_recompute_names_a_policy_for_every_layer(qwen3_base):
     with pytest.raises(ValueError, match="layer_recompute=.* must name one of none, mixer, mlp, layer"):
-        ActorCritic(qwen3_base, LORA, gradient_checkpointing=True, layer_recompute=["mixer"])
+        actor_critic(qwen3_base, LORA, gradient_checkpointing=True, layer_recompute=["mixer"])
     with pytest.raises(ValueError, match="needs gradient_checkpointing=True"):
-        ActorCritic(qwen3_base, LORA, layer_recompute=["mixer", "mlp"])
+        actor_critic(qwen3_base, LORA, layer_recompute=["mixer", "mlp"])

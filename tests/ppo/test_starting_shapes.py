@@ -16,12 +16,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from atlas_lightning.config import compose
-from atlas_lightning.models.actor_critic import ActorCritic
 from atlas_lightning.models.adapters import save_adapter
 from atlas_lightning.models.build import build_actor_critic
 from atlas_lightning.ppo.module import PPOModule
 from atlas_lightning.run.memory_check import SyntheticData, vocab_size_of
 from atlas_lightning.store.lora_shapes import lora_shapes
+from tests.model_builds import actor_critic
 
 ACTOR = {"rank": 4, "alpha": 12, "target_modules": "all-linear"}
 CRITIC = {"rank": 2, "alpha": 6, "target_modules": ["q_proj", "v_proj"]}
@@ -53,7 +53,7 @@ class _Capture(L.Callback):
 def start(tiny_model_dir, tmp_path, randomize):
     """``global_step_29``-like folders: actor r4 on every linear, critic r2 on q/v only, random values."""
     step = tmp_path / "start" / "global_step_29"
-    model = ActorCritic(str(tiny_model_dir), ACTOR, critic_lora=CRITIC)
+    model = actor_critic(str(tiny_model_dir), ACTOR, critic_lora=CRITIC)
     randomize(model, scale=0.05)
     for role in ("actor", "critic"):
         save_adapter(model, role, step / role / "lora_adapter")

@@ -120,11 +120,11 @@ def test_merged_weights_in_buckets_reach_the_in_process_engine(vllm_engine, hf_e
     (B = 0, so merged = base exactly) brings the base back for the tests after this one."""
     from transformers import AutoModelForCausalLM
 
-    from atlas_lightning.models.actor_critic import ActorCritic
+    from tests.model_builds import actor_critic
     from atlas_lightning.models.weights import merged_weight_buckets, merged_weights
 
     vllm_engine.set_adapter(None)
-    model = ActorCritic(str(tiny_model_dir), {"rank": 8, "alpha": 16}, dtype="float32")
+    model = actor_critic(str(tiny_model_dir), {"rank": 8, "alpha": 16}, dtype="float32")
     base_tokens = [r.token_ids for r in _greedy(vllm_engine, PROMPTS, tag="mb")]
     try:
         randomize(model, seed=5, scale=0.2)
@@ -142,6 +142,6 @@ def test_merged_weights_in_buckets_reach_the_in_process_engine(vllm_engine, hf_e
         _assert_same(served, _greedy(HFEngine(reference), PROMPTS, tag="mr"))
         assert [r.token_ids for r in served] != base_tokens
     finally:
-        fresh = ActorCritic(str(tiny_model_dir), {"rank": 8, "alpha": 16}, dtype="float32")
+        fresh = actor_critic(str(tiny_model_dir), {"rank": 8, "alpha": 16}, dtype="float32")
         vllm_engine.load_weights(iter(merged_weights(fresh, "actor")))
     assert [r.token_ids for r in _greedy(vllm_engine, PROMPTS, tag="mb2")] == base_tokens

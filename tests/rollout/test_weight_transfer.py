@@ -50,12 +50,12 @@ def _greedy(engine, tag):
 
 
 def test_merged_weights_reach_the_server_exactly_in_bounded_buckets(transfer_server, tiny_model_dir, randomize):
-    from atlas_lightning.models.actor_critic import ActorCritic
+    from tests.model_builds import actor_critic
     from atlas_lightning.models.weights import merged_weight_packs, merged_weights
     from atlas_lightning.rollout.engines.server_http import http_call
 
     engine, transfer = transfer_server
-    model = ActorCritic(str(tiny_model_dir), {"rank": 8, "alpha": 16}, dtype="float32")
+    model = actor_critic(str(tiny_model_dir), {"rank": 8, "alpha": 16}, dtype="float32")
     base_lp = engine.prompt_logprobs(PROBE)  # cached in the server's prefix cache from here on
     for version, seed in ((1, 11), (2, 22)):
         randomize(model, seed=seed, scale=0.2)
@@ -100,12 +100,12 @@ def test_bucket_info_cuts_a_pack_back_into_its_tensors(qwen3_base, randomize):
     """What the server is told about a bucket (names, dtypes, shapes, offsets) rebuilds every
     tensor from the raw bytes, as ``gloo_transfer.unpack`` does in the server."""
     pytest.importorskip("vllm")
-    from atlas_lightning.models.actor_critic import ActorCritic
+    from tests.model_builds import actor_critic
     from atlas_lightning.models.weights import merged_weight_packs
     from atlas_lightning.rollout.engines.gloo_transfer import GlooUpdateInfo, unpack
     from atlas_lightning.rollout.engines.weight_transfer import bucket_info
 
-    model = ActorCritic(qwen3_base, {"rank": 4, "alpha": 8}, dtype="bfloat16")
+    model = actor_critic(qwen3_base, {"rank": 4, "alpha": 8}, dtype="bfloat16")
     randomize(model)
     for buffer, views in merged_weight_packs(model, "actor", 8 * 1024):
         info = GlooUpdateInfo(**bucket_info(views, buffer))

@@ -92,33 +92,16 @@ def compose_plain(overrides: dict):
 
 class RandomBaseModule(MemoryCheckModule):
     """``MemoryCheckModule`` whose base is built with random weights on the card instead of
-    loaded from ``model.path``; the adapters, value head and everything after are the same."""
+    loaded from ``model.path`` (``PPOModule.random_base``); the builder, placement, adapters,
+    value head, sharding and everything after are ``fit``'s."""
 
     def __init__(self, cfg, arch: str, config: dict) -> None:
         super().__init__(cfg, generation=False)
-        self.arch, self.text = arch, config
-
-    def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        from atlas_lightning.models.actor_critic import ActorCritic
-
-        m = self.cfg.model
-        if m.attn_implementation == "sdpa_varlen":
-            from atlas_lightning.models import attention  # noqa: F401  (registers the name)
-        if self.arch == "qwen3":
-            from transformers import Qwen3Config as Config, Qwen3ForCausalLM as Model
+        if arch == "qwen3":
+            from transformers import Qwen3Config as Config
         else:
-            from transformers.models.qwen3_5 import Qwen3_5ForCausalLM as Model, Qwen3_5TextConfig as Config
-        torch.manual_seed(0)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        dtype = getattr(torch, m.dtype)
-        with torch.device(device):
-            base = Model._from_config(Config(**self.text), dtype=dtype, attn_implementation=m.attn_implementation)
-        base.config.use_cache = False
-        self.model = ActorCritic(base, m.lora, dtype=m.dtype, gradient_checkpointing=m.gradient_checkpointing,
-                                 logprob_chunk_tokens=m.logprob_chunk_tokens, attn_implementation=m.attn_implementation,
-                                 init_seed=self.cfg.seed)
+            from transformers.models.qwen3_5 import Qwen3_5TextConfig as Config
+        self.random_base = Config(**config)
 
 
 def case_setup(case: str, root: Path, attn: str, accelerator: str):

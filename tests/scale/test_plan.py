@@ -307,3 +307,17 @@ def test_plan_verb_exit_codes_and_plan_json(qwen27b_dir, tmp_path, monkeypatch, 
     assert cli_main(["plan", "experiment=r28-continued-cost-8gpu-t73728-memory", *args, "plan.card_gib=139"]) == 0
     assert cli_main(["plan", "experiment=r28-continued-cost-8gpu-t73728-memory", *args, "plan.card_gib=lots"]) == 2
     assert "plan.card_gib: Value 'lots'" in capsys.readouterr().err
+
+
+def test_model_build_reads_the_whole_base_onto_each_card(qwen27b_dir, tmp_path):
+    """``models/build.py`` reads the whole base onto every card before FSDP2 shards it: the plan
+    sizes that moment (more cards do not lower it) and refuses a card that cannot hold it."""
+    cfg = _cfg("r28-continued-cost-8gpu-t49152-memory", qwen27b_dir, tmp_path)
+    plan = make_plan(cfg, card_gib=80, linear_kernel="fla")
+    build = plan.phase("model_build")
+    whole = build.terms["base weights, whole (before sharding)"]
+    assert whole == read_model_shape(qwen27b_dir).base_params * 2  # bf16, not divided by the 8 ranks
+    assert whole / GIB > 45 and plan.ok  # the engine sleeps meanwhile: 80 GiB cards hold it
+    awake = make_plan(_cfg("r28-continued-cost-8gpu-t49152-memory", qwen27b_dir, tmp_path,
+                           "rollout.enable_sleep_mode=false"), card_gib=80, linear_kernel="fla")
+    assert any(r.startswith("model_build on every card: each rank reads the whole base") for r in awake.refusals)

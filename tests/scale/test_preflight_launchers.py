@@ -37,10 +37,10 @@ def tiny8(tiny_model_dir, tmp_path_factory):
 
 
 def _save_adapters(base, step_dir: Path, rank: int, alpha: int, critic: dict | None = None) -> Path:
-    from atlas_lightning.models.actor_critic import ActorCritic
+    from tests.model_builds import actor_critic
     from atlas_lightning.models.adapters import save_adapter
 
-    model = ActorCritic(str(base), {"rank": rank, "alpha": alpha}, critic_lora=critic)
+    model = actor_critic(str(base), {"rank": rank, "alpha": alpha}, critic_lora=critic)
     for role in ("actor", "critic"):
         save_adapter(model, role, step_dir / role / "lora_adapter")
     return step_dir

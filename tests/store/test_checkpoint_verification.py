@@ -292,10 +292,10 @@ def test_an_actor_that_has_not_stepped_yet_resumes(tmp_path, cfg_of):
 
 @pytest.fixture(scope="module")
 def trained_checkpoint(qwen3_base, tmp_path_factory):
-    from atlas_lightning.models.actor_critic import ActorCritic
+    from tests.model_builds import actor_critic
     from tests.conftest import randomize_adapters
 
-    model = ActorCritic(qwen3_base, {"rank": 4, "alpha": 8})
+    model = actor_critic(qwen3_base, {"rank": 4, "alpha": 8})
     randomize_adapters(model)
     return _checkpoint(tmp_path_factory.mktemp("ckpt"), 3, adapters=model)
 
