@@ -53,8 +53,8 @@ def step_dir(checkpoints: Path, step: int) -> Path:
     return Path(checkpoints) / f"global_step_{step}"
 
 
-def checkpoint_step(folder: Path) -> Optional[int]:
-    """``M`` for a folder named ``global_step_M``, else None."""
+def checkpoint_step(folder: str | Path) -> Optional[int]:
+    """``M`` for a folder named ``global_step_M``, else None: the one parser of the name."""
     match = _STEP_DIR.match(Path(folder).name)
     return int(match.group(1)) if match else None
 
