@@ -13,7 +13,7 @@ tokens the policy generated and 0 on prompt padding, tool responses and right pa
 Losses are scalars to minimise. Unlike verl, bad shapes and arguments raise ``ValueError``
 naming the argument instead of failing deep inside torch.
 
-Who calls it: the PPO step in ``module.py`` (advantages once per RL step; the losses on
+Who calls it: the PPO step in ``ppo/module.py`` (advantages once per RL step; the losses on
 every micro-batch).
 
 Data-parallel loss semantics (``agg_loss``): a rank's micro-batch loss is normalised by the
