@@ -44,7 +44,7 @@ RUN_LOG = "main_ppo.log"
 
 def prepare_run(cfg: DictConfig, verb: str) -> dict[str, Path]:
     """Folders of README, "On-disk layout", the resolved config (``outputs/<name>/config.yaml``) and the
-    logs (``outputs/<name>/main_ppo.log``, the name report 28's runs wrote, across launches;
+    logs (``outputs/<name>/main_ppo.log``, the name the runs of ATLAS report 28, the reproduced report, wrote, across launches;
     ``logs/<name>-<time>-<verb>.log`` for this launch). Rank 0 writes; other ranks only get the paths."""
     dirs = run_dirs(cfg)
     if _launch_rank() != 0:
