@@ -20,6 +20,7 @@ value fails in seconds, naming the key, before any model or engine is touched.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -119,9 +120,25 @@ def _count(text: str) -> int:
     return value
 
 
+def _check_data_args(args: argparse.Namespace) -> None:
+    """``--out`` is a folder or can be made one; ``--base`` (tiny-orchestrator) is a folder.
+    ``InputError`` naming the argument otherwise, before anything is built."""
+    out = args.out.expanduser()
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise InputError(f"--out {args.out}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"--out {args.out}: {existing} is not writable")
+    base = getattr(args, "base", None)
+    if base is not None and not base.expanduser().is_dir():
+        raise InputError(f"--base {base}: no such folder (a folder `atlas-lightning data tiny-model --out` wrote; "
+                         f"leave --base out to build one)")
+
+
 def _run_data(args: argparse.Namespace) -> int:
     import json
 
+    _check_data_args(args)
     if args.data_verb == "sample":
         from atlas_lightning.demo.sample import build_sample
 
@@ -137,7 +154,10 @@ def _run_data(args: argparse.Namespace) -> int:
 
         recipe = DEFAULT_RECIPE if args.eval_questions is None else replace(DEFAULT_RECIPE,
                                                                             eval_questions=args.eval_questions)
-        summary = build_tiny_orchestrator(args.out, seed=args.seed, base=args.base, recipe=recipe)
+        try:
+            summary = build_tiny_orchestrator(args.out, seed=args.seed, base=args.base, recipe=recipe)
+        except FileNotFoundError as err:  # a --base that is not a whole tiny-model folder
+            raise InputError(f"--base {args.base}: {err}") from None
     print(json.dumps(summary, indent=2, default=str))
     return 0
 

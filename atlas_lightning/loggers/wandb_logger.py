@@ -15,7 +15,8 @@ from the environment (W&B's own convention for continuing a run), else a new one
 
 Modes (``logger.mode``): ``online``, ``offline``, ``disabled``, or ``auto``: ``WANDB_MODE`` from
 the environment when it names one of those (``dryrun`` counts as ``offline``), else ``online`` when
-``WANDB_API_KEY`` is set, else ``offline``.
+W&B has a key (``WANDB_API_KEY``, or the login ``wandb login`` saved: ``wandb_credentials``), else
+``offline``. ``online`` without a key is refused before the run starts (``run/wiring.check_inputs``).
 
 Steps: the module calls every logger's ``log_metrics(metrics, step=rl_step)``. W&B's own ``_step``
 *is* the RL step (``run.log(metrics, step=rl_step)``, as verl does), so the W&B charts, the W&B
@@ -64,7 +65,26 @@ def resolve_wandb_mode(mode: str, environ: Optional[Mapping[str, str]] = None) -
         return "offline"
     if from_env in WANDB_MODES:
         return from_env
-    return "online" if environ.get("WANDB_API_KEY") else "offline"
+    return "online" if wandb_credentials(environ) else "offline"
+
+
+def wandb_credentials(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Where W&B would find an API key, or None: ``WANDB_API_KEY``, else the netrc entry
+    ``wandb login`` writes for the W&B host (``WANDB_BASE_URL``'s, default api.wandb.ai; the file
+    ``NETRC`` names, default ``~/.netrc``). The key itself is never returned."""
+    import netrc
+    from urllib.parse import urlparse
+
+    environ = os.environ if environ is None else environ
+    if environ.get("WANDB_API_KEY"):
+        return "WANDB_API_KEY"
+    host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    path = Path(environ.get("NETRC") or Path(environ.get("HOME") or Path.home()) / ".netrc").expanduser()
+    try:
+        entry = netrc.netrc(str(path)).authenticators(host) if path.is_file() else None
+    except (OSError, netrc.NetrcParseError):
+        entry = None
+    return f"{path} (wandb login)" if entry and entry[2] else None
 
 
 def new_run_id(wandb_enabled: bool) -> str:

@@ -252,17 +252,13 @@ def check_plan(cfg, card_gib: Optional[float]) -> str:
 
 
 def check_environment(cfg, cpu: bool) -> str:
-    notes = []
-    t = cfg.trainer
-    if t.accelerator in ("gpu", "cuda"):
-        if cpu:
-            notes.append(f"GPU count NOT checked (--cpu-preflight: {t.devices} wanted a node)")
-        else:
-            found = _gpu_count()
-            if found < t.devices:
-                raise PreflightError(f"trainer.devices={t.devices} GPUs a node wanted, {found} visible here "
-                                     f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
-            notes.append(f"{found} GPUs visible")
+    """The machine's side (``run/environment.check_machine``: cards, W&B key), vLLM found when
+    the engine is vLLM, the output root writable."""
+    from atlas_lightning.run.environment import check_machine
+
+    notes = check_machine(cfg, count_gpus=not cpu)
+    if cpu and cfg.trainer.accelerator in ("gpu", "cuda"):
+        notes.insert(0, f"GPU count NOT checked (--cpu-preflight: {cfg.trainer.devices} wanted a node)")
     if cfg.rollout.engine in ("vllm", "vllm-server"):
         if importlib.util.find_spec("vllm") is None:
             raise PreflightError(f"rollout.engine={cfg.rollout.engine}: vllm is not installed in {sys.prefix}")
@@ -271,18 +267,7 @@ def check_environment(cfg, cpu: bool) -> str:
     existing = next((p for p in (root, *root.parents) if p.exists()), None)
     if existing is None or not os.access(existing, os.W_OK):
         raise PreflightError(f"paths.root={root}: not writable (nearest existing folder: {existing})")
-    if cfg.logger.mode == "online" and not os.environ.get("WANDB_API_KEY"):
-        raise PreflightError("logger.mode=online but WANDB_API_KEY is not set")
     return "; ".join(notes) or "ok"
-
-
-def _gpu_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except ImportError:
-        return 0
 
 
 # ----------------------------------------------------------------------------- running

@@ -126,7 +126,10 @@ def check_inputs(cfg: DictConfig, *, data: bool = True) -> StartingPoint:
     from atlas_lightning.planning.model_folder import check_model_folder
     from atlas_lightning.store.checkpoints import CheckpointError, verify_checkpoint
 
+    from atlas_lightning.run.environment import check_machine
+
     _check_writable(run_dirs(cfg))
+    check_machine(cfg)
     check_model_folder(cfg.model.path)
     if data:
         from atlas_lightning.questions.loader import load_split
@@ -191,6 +194,8 @@ def resume_path(cfg: DictConfig) -> StartingPoint:
             notes.append(f"trainer.resume=auto: resuming from {folder} (verified)")
         return StartingPoint(folder, str(lightning_state_path(folder)) if folder else None, notes)
     folder = Path(resume)
+    if not folder.exists():
+        raise ConfigError(f"trainer.resume={resume}: no such folder (a global_step_N folder of a run, or auto)")
     try:
         verify_checkpoint(folder)
     except CheckpointError as err:

@@ -329,3 +329,48 @@ def test_cfg_job_prints_the_config_and_version_is_there(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out.startswith("atlas-lightning ")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.accelerator=gpu"], "trainer.accelerator=gpu with trainer.devices=1: this machine has no CUDA GPU"),
+    (["experiment=h200-tiny"], "this machine has no CUDA GPU"),
+    (["logger.mode=online"], "logger.mode=online but W&B has no API key here: set WANDB_API_KEY or run `wandb login`"),
+])
+def test_what_this_machine_cannot_run_is_refused_before_anything_is_written(overrides, message, tmp_path, capsys,
+                                                                          monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login either
+    root = tmp_path / "root"
+    experiment = [] if any(o.startswith("experiment=") for o in overrides) else ["experiment=tiny-cpu"]
+    code = main(["fit", *experiment, *overrides, f"paths.root={root}",
+                 f"model.path={write_fake_model_folder(tmp_path / 'model')}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["data", "sample", "--out", "{file}"], "is a file, not a folder"),
+    (["data", "sample", "--out", "{file}/below"], "is a file, not a folder"),
+    (["data", "tiny-model", "--out", "{file}"], "is a file, not a folder"),
+    (["data", "tiny-orchestrator", "--base", "{tmp}/nope", "--out", "{tmp}/out"], "--base {tmp}/nope: no such folder"),
+    (["data", "tiny-orchestrator", "--base", "{tmp}", "--out", "{tmp}/out"], "lacks config.json"),
+])
+def test_data_verbs_refuse_bad_folders_by_argument(args, message, tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    fill = {"file": tmp_path / "afile", "tmp": tmp_path}
+    assert main([a.format(**fill) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert message.format(**fill) in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_resume_folder_that_does_not_exist_is_named_so(tmp_path, sample_data_dir, capsys):
+    root = tmp_path / "root"
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}", f"trainer.resume={tmp_path}/nope/global_step_5",
+                 f"data.root={sample_data_dir}",
+                 f"model.path={write_fake_model_folder(tmp_path / 'model')}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"trainer.resume={tmp_path}/nope/global_step_5: no such folder" in err, err
+    assert not root.exists()

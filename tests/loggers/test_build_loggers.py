@@ -144,3 +144,15 @@ def test_log_image_without_wandb_is_a_no_op(tmp_path):
     trainer = Trainer(logger=build_loggers(cfg), accelerator="cpu", devices=1, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)
     assert log_image(trainer, "k", tmp_path / "not-needed.png", step=1) is False
+
+
+def test_auto_goes_online_after_wandb_login(tmp_path):
+    from atlas_lightning.loggers.wandb_logger import wandb_credentials
+
+    netrc = tmp_path / ".netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    netrc.chmod(0o600)
+    env = {"HOME": str(tmp_path)}
+    assert resolve_wandb_mode("auto", env) == "online" and wandb_credentials(env).endswith("(wandb login)")
+    assert resolve_wandb_mode("auto", {"HOME": str(tmp_path), "WANDB_BASE_URL": "https://wandb.example.org"}) == "offline"
+    assert resolve_wandb_mode("auto", {"HOME": str(tmp_path / "elsewhere")}) == "offline"

@@ -191,6 +191,7 @@ def test_preflight_main_exit_code_and_gpu_count(tiny8, sample_data_dir, step29, 
     args = _gpu_run(tiny8, sample_data_dir, tmp_path, f"trainer.init_from={step29}")
     assert preflight_main(args) == 2  # no 8 GPUs here, and the check is not relaxed
     out = capsys.readouterr().out
-    assert "trainer.devices=8 GPUs a node wanted" in out and "pre-flight FAILED: environment" in out
+    assert "trainer.accelerator=gpu with trainer.devices=8: this machine has no CUDA GPU" in out
+    assert "pre-flight FAILED: environment" in out
     assert preflight_main(["--cpu-preflight", *args]) == 0
     assert "pre-flight passed" in capsys.readouterr().out

@@ -1,0 +1,45 @@
+"""What the run needs of this machine, checked before anything is written: the cards
+``trainer.accelerator`` asks for, and W&B's key when it logs online.
+
+Who calls it: ``run/wiring.check_inputs`` (fit, validate, memory-check) and the pre-flight's
+``environment`` check (which may skip the card count on a CPU machine: ``--cpu-preflight``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from atlas_lightning.config import ConfigError
+
+
+def check_machine(cfg, *, count_gpus: bool = True) -> list[str]:
+    """Notes on what was found; ``ConfigError`` naming the key when this machine cannot run
+    ``cfg``: ``trainer.accelerator=gpu`` (or ``cuda``) where CUDA has fewer cards than
+    ``trainer.devices`` (none at all on a CPU machine), or ``logger.mode`` resolving to
+    ``online`` with no W&B key (``WANDB_API_KEY``, or ``wandb login``'s)."""
+    from atlas_lightning.loggers.wandb_logger import resolve_wandb_mode, wandb_credentials
+
+    notes = []
+    t = cfg.trainer
+    if t.accelerator in ("gpu", "cuda") and count_gpus:
+        found = _gpu_count()
+        if found < t.devices:
+            where = "this machine has no CUDA GPU" if found == 0 else f"{found} visible here"
+            raise ConfigError(f"trainer.accelerator={t.accelerator} with trainer.devices={t.devices}: {where} "
+                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); on a CPU "
+                              f"machine use a CPU experiment (experiment=tiny-cpu) or trainer.accelerator=cpu")
+        notes.append(f"{found} GPUs visible")
+    if resolve_wandb_mode(cfg.logger.mode) == "online":
+        source = wandb_credentials()
+        if source is None:
+            raise ConfigError("logger.mode=online but W&B has no API key here: set WANDB_API_KEY or run `wandb login`, "
+                              "or log offline (logger.mode=offline; `wandb sync` uploads it later)")
+        notes.append(f"W&B key from {source}")
+    return notes
+
+
+def _gpu_count() -> int:
+    """CUDA devices torch sees (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
