@@ -54,7 +54,7 @@ from atlas_lightning.questions.schema import Question
 from atlas_lightning.demo.tiny_model import MODEL_FILES
 from atlas_lightning.env.episode import Episode, RuntimeConfig
 from atlas_lightning.env.terminal import TERMINAL_REASONS
-from atlas_lightning.rollout.agent_loop import LoopLimits
+from atlas_lightning.config import LoopLimits
 
 log = logging.getLogger(__name__)
 
