@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
@@ -38,11 +38,26 @@ class ConfigError(InputError):
 
 @dataclass
 class PathsConfig:
-    """Where everything goes. Every output lies under ``root`` (README, "On-disk layout")."""
+    """Where everything goes. Every output lies under ``root`` (README, "On-disk layout"): the
+    run's folders below are derived from ``root`` and ``name`` here, the one place each is
+    defined; code and ``conf/callbacks/`` read these keys (``${paths.artifacts}``). Move a run
+    by ``root``: ``publish`` sends ``root`` whole."""
 
     root: str = "."
     #: Built artefacts the embedded default needs (tiny model, sample data).
     cache: str = "${oc.env:ATLAS_LIGHTNING_CACHE,${oc.env:HOME}/.cache/atlas-lightning}"
+    #: ``run.json``, the step records, the figures.
+    artifacts: str = "${paths.root}/artifacts/${name}"
+    #: ``global_step_N/`` (adapters, Lightning's state, ``val_dumps/``).
+    checkpoints: str = "${paths.root}/checkpoints/${name}"
+    #: The resolved config, ``main_ppo.log``, ``plan.json``, ``memory_check.json``.
+    outputs: str = "${paths.root}/outputs/${name}"
+    #: One log a launch (and the vLLM servers' logs), for every run under ``root``.
+    logs: str = "${paths.root}/logs"
+    #: W&B's run folders. W&B itself names the folder ``wandb`` (it is given the parent): keep the name.
+    wandb: str = "${paths.root}/wandb"
+    #: The W&B run export (``runs/<name>/<wandb id>/``).
+    runs: str = "${paths.root}/runs/${name}"
 
 
 @dataclass
@@ -143,8 +158,34 @@ class DataConfig:
 
 
 @dataclass
-class RolloutConfig:
-    """The engines and the agent loop."""
+class LoopLimits:
+    """The ``rollout`` keys the agent loop obeys (``rollout/agent_loop.py``), defined here once:
+    ``RolloutConfig`` extends it, so the keys are ``rollout.max_response_length`` and so on, and
+    the loop takes this slice (``LoopLimits.of(cfg.rollout)``) rather than a copy of it."""
+
+    #: Response tokens a trajectory (generated + tool responses).
+    max_response_length: int = 8192
+    #: Tokens one assistant turn may generate.
+    max_tokens_per_turn: int = 2048
+    max_model_len: int = 16384
+    #: Requests in flight at one engine (vLLM's ``max_num_seqs``, up to 1,024). In the separate
+    #: layout the training ranks share the one server: each keeps ``max_in_flight // ranks``
+    #: (``rollout/engines/args.py``). The engine's tensor parallelism is ``layout.engine_tp``.
+    max_in_flight: int = 640
+    #: Seconds a request may take before it is resubmitted (with the same seed).
+    request_timeout_s: float = 600.0
+    #: Resubmissions of a request, and engine failures in a row, before the rollout fails.
+    max_retries: int = 2
+
+    @classmethod
+    def of(cls, rollout: Any) -> "LoopLimits":
+        """The loop's keys of ``rollout`` (``RolloutConfig`` or the composed ``cfg.rollout``)."""
+        return cls(**{f.name: getattr(rollout, f.name) for f in fields(cls)})
+
+
+@dataclass
+class RolloutConfig(LoopLimits):
+    """The engines and the agent loop (the loop's limits: ``LoopLimits``)."""
 
     #: ``vllm`` (in-process vllm.LLM), ``vllm-server`` (OpenAI-compatible server we start),
     #: ``hf`` (transformers reference engine, tests only), or the path of a class or factory
@@ -158,17 +199,8 @@ class RolloutConfig:
     val_temperature: float = 0.0
     val_n: int = 1
     max_prompt_length: int = 2048
-    #: Response tokens a trajectory (generated + tool responses).
-    max_response_length: int = 8192
-    #: Tokens one assistant turn may generate.
-    max_tokens_per_turn: int = 2048
-    max_model_len: int = 16384
     max_turns: int = 9
     max_explores: int = 8
-    #: Requests in flight at one engine (vLLM's ``max_num_seqs``, up to 1,024). In the separate
-    #: layout the training ranks share the one server: each keeps ``max_in_flight // ranks``
-    #: (``rollout/engines/args.py``). The engine's tensor parallelism is ``layout.engine_tp``.
-    max_in_flight: int = 640
     gpu_memory_utilization: float = 0.6
     enable_sleep_mode: bool = True
     #: ``lora``: the adapter goes to the engines; ``merged``: merged into the base, in buckets.
@@ -177,8 +209,6 @@ class RolloutConfig:
     #: Merged weights to a server (separate layout): the backend of vLLM's weight-transfer API,
     #: ``nccl`` (vLLM's own, GPUs) or ``gloo`` (``rollout/engines/gloo_transfer.py``, CPU); None: by device.
     weight_transfer: Optional[str] = None
-    request_timeout_s: float = 600.0
-    max_retries: int = 2
     #: CPU engine's KV cache in GiB (``VLLM_CPU_KVCACHE_SPACE``).
     cpu_kvcache_gib: int = 1
     enforce_eager: bool = False
@@ -587,15 +617,12 @@ def redacted_argv(argv: list[str]) -> list[str]:
     return out
 
 
+#: The run's folders among ``paths``' keys (``PathsConfig``), ``root`` first.
+RUN_FOLDERS = ("root", "artifacts", "checkpoints", "outputs", "logs", "wandb", "runs")
+
+
 def run_dirs(cfg: DictConfig) -> dict[str, Path]:
-    """The README's "On-disk layout" for this run, under ``paths.root``."""
-    root = Path(cfg.paths.root)
-    return {
-        "root": root,
-        "artifacts": root / "artifacts" / cfg.name,
-        "checkpoints": root / "checkpoints" / cfg.name,
-        "outputs": root / "outputs" / cfg.name,
-        "logs": root / "logs",
-        "wandb": root / "wandb",
-        "runs": root / "runs" / cfg.name,
-    }
+    """The README's "On-disk layout" for this run: ``{key: Path}`` of ``paths``' folder keys
+    (``RUN_FOLDERS``; ``PathsConfig`` defines each). Read once at start-up into the run's facts
+    (``run/facts.py``)."""
+    return {key: Path(cfg.paths[key]) for key in RUN_FOLDERS}

@@ -15,6 +15,11 @@ On disk (README, "On-disk layout"), under ``artifacts/<name>/``:
   ``manifest.json``; the folder appears only when complete (``_step_dump``). A non-finite step
   is left to ``NaNGuardCallback`` (its update was skipped; it is not a training step of record).
 
+Settings (``conf/callbacks/default.yaml``): ``artifacts`` (the run's ``paths.artifacts``) and
+``run_id`` (``name``); the run's wiring adds what no key holds (``run.wiring.build_callbacks``):
+``config``, the resolved config as plain data, and ``lora``, the LoRA shapes the run's start-up
+resolved (``run/facts.py``).
+
 Collectives: ``on_fit_start`` gathers each rank's host description and ``on_train_batch_end``
 gathers each rank's records and tensors (every rank calls both; the module's ``finite`` must be
 the same on every rank). Rank 0 writes; a failure there is raised on every rank. No state to
@@ -31,12 +36,13 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import lightning as L
 
 from atlas_lightning import distributed
-from atlas_lightning.config import redacted, redacted_argv, run_dirs
+from atlas_lightning.config import redacted, redacted_argv
+from atlas_lightning.store.lora_shapes import LoraShape
 from atlas_lightning.store.records import FILE_VERSION, utc_now
 from atlas_lightning.distributed import on_rank_zero
 from atlas_lightning.store.files import atomic_write_json, json_safe
@@ -114,50 +120,56 @@ def _previous_launches(path: Path) -> list:
 
 
 class ArtifactDumpCallback(L.Callback):
-    """Writes ``run.json`` at fit start and ``train/step_N/`` after each finite step (see the
-    module docstring). Takes no arguments: everything comes from ``pl_module.cfg``."""
+    """Writes ``run.json`` at fit start and ``train/step_N/`` after each finite step under
+    ``artifacts`` (see the module docstring); ``run_id`` names the run in the step manifests.
+    ``config`` (the resolved config as plain data) and ``lora`` (``{role: LoraShape}``) are
+    recorded in ``run.json``; None is recorded as null."""
+
+    def __init__(self, artifacts: str | Path, run_id: str, config: Optional[Mapping[str, Any]] = None,
+                 lora: Optional[Mapping[str, LoraShape]] = None) -> None:
+        self.artifacts = Path(artifacts)
+        self.run_id = run_id
+        self.config = config
+        self.lora = lora
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        cfg = pl_module.cfg
         hosts = distributed.gather_objects(host_description(trainer, pl_module))
 
         def write() -> None:
-            artifacts = run_dirs(cfg)["artifacts"]
             for partition in ("train", "val", "nonfinite"):
-                remove_stale_temporaries(artifacts / partition)
-            self.write_run_json(cfg, hosts, trainer.world_size)
+                remove_stale_temporaries(self.artifacts / partition)
+            self.write_run_json(hosts, trainer.world_size)
 
         on_rank_zero(write, "writing run.json")
 
-    @staticmethod
-    def write_run_json(cfg: Any, hosts: list[dict], world_size: int) -> Path:
+    def write_run_json(self, hosts: list[dict], world_size: int) -> Path:
         """Write ``artifacts/<name>/run.json`` (rank 0); returns its path."""
-        path = run_dirs(cfg)["artifacts"] / RUN_JSON
+        path = self.artifacts / RUN_JSON
         started = utc_now()
         revision = code_revision()
-        from atlas_lightning.store.lora_shapes import lora_shapes_or_config
-
-        shapes, _ = lora_shapes_or_config(cfg)
+        config = dict(self.config or {})
+        model, trainer = config.get("model") or {}, config.get("trainer") or {}
         adapters = {
-            "actor_adapter": cfg.model.actor_adapter, "critic_adapter": cfg.model.critic_adapter,
-            "init_from": cfg.trainer.init_from, "init_critic": cfg.trainer.init_critic,
-            "resume": cfg.trainer.resume,
+            "actor_adapter": model.get("actor_adapter"), "critic_adapter": model.get("critic_adapter"),
+            "init_from": trainer.get("init_from"), "init_critic": trainer.get("init_critic"),
+            "resume": trainer.get("resume"),
             # the LoRA each adapter trains and where it was read (a starting folder's own config)
-            "lora": {role: {"shape": shape.describe(), "source": shape.source} for role, shape in shapes.items()},
+            "lora": None if self.lora is None else {role: {"shape": shape.describe(), "source": shape.source}
+                                                    for role, shape in self.lora.items()},
         }
         cards = {"world_size": int(world_size), "hostnames": sorted({h["hostname"] for h in hosts}), "ranks": hosts}
         launch = {"start_time": started, "command": redacted_argv(sys.argv), "pid": os.getpid(),
                   "code_revision": revision, "hosts": cards, "starting_adapters": adapters}
         manifest = {
             "file_version": FILE_VERSION,
-            "name": cfg.name,
-            "run_id": cfg.name,
+            "name": self.run_id,
+            "run_id": self.run_id,
             "start_time": started,
             "code_revision": revision,
             "packages": package_versions(),
             "hosts": cards,
             "starting_adapters": adapters,
-            "config": json_safe(redacted(cfg)),
+            "config": None if self.config is None else json_safe(redacted(config)),
             "launches": _previous_launches(path) + [launch],
         }
         return atomic_write_json(path, manifest)
@@ -167,14 +179,13 @@ class ArtifactDumpCallback(L.Callback):
         out = read_step_output(outputs, "ArtifactDumpCallback.on_train_batch_end")
         if not out.finite:
             return
-        cfg = pl_module.cfg
         gathered = gather_step(out.step, out.records, out.tensors, extra=getattr(out.batch, "weights_version", None))
 
         def write() -> None:
             records, tensors, versions = gathered
             write_step_folder(
-                run_dirs(cfg)["artifacts"] / "train", out.step, records, tensors,
-                manifest_extra={"partition": "train", "run_id": cfg.name, "weights_version": versions[0]},
+                self.artifacts / "train", out.step, records, tensors,
+                manifest_extra={"partition": "train", "run_id": self.run_id, "weights_version": versions[0]},
             )
 
         on_rank_zero(write, f"the train dump of step {out.step}")

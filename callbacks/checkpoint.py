@@ -27,16 +27,19 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.store.atomic import atomic_write_text
-from atlas_lightning.config import run_dirs
 from atlas_lightning.store.checkpoints import LATEST, MARKER, STATE_DIR, step_dir, write_marker
 from atlas_lightning.callbacks.base import rl_callbacks
 from atlas_lightning.ppo.step_output import read_step_output
 
 class StepCheckpoint(Checkpoint):
-    """Save every ``every_n_steps`` RL steps and at the last step."""
+    """Save under ``checkpoints`` (the run's ``paths.checkpoints``) every ``every_n_steps`` RL
+    steps and, with ``save_last``, at the last step, ``total_steps`` (``trainer.total_steps``)."""
 
-    def __init__(self, every_n_steps: int = 5, save_last: bool = True) -> None:
+    def __init__(self, checkpoints: str | Path, every_n_steps: int = 5, total_steps: Optional[int] = None,
+                 save_last: bool = True) -> None:
+        self.checkpoints = Path(checkpoints)
         self.every_n_steps = every_n_steps
+        self.total_steps = total_steps
         self.save_last = save_last
         self.last_saved: Optional[int] = None
 
@@ -44,13 +47,12 @@ class StepCheckpoint(Checkpoint):
         if outputs is not None and not read_step_output(outputs, "StepCheckpoint.on_train_batch_end").finite:
             return
         step = batch.step
-        last = step == pl_module.cfg.trainer.total_steps
+        last = self.total_steps is not None and step == self.total_steps
         if (self.every_n_steps and step % self.every_n_steps == 0) or (self.save_last and last):
             self.save(trainer, pl_module, step)
 
     def save(self, trainer, pl_module, step: int) -> Path:
-        cfg = pl_module.cfg
-        checkpoints = run_dirs(cfg)["checkpoints"]
+        checkpoints = self.checkpoints
         final = step_dir(checkpoints, step)
         tmp = checkpoints / f".tmp-global_step_{step}"
         if dist_utils.is_rank_zero():

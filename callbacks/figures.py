@@ -38,7 +38,6 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from atlas_lightning import distributed
-from atlas_lightning.config import run_dirs
 from atlas_lightning.env.terminal import TERMINAL_REASON_CODES
 from atlas_lightning.store.records import FILE_VERSION, utc_now
 from atlas_lightning.distributed import on_rank_zero
@@ -191,16 +190,20 @@ def terminal_reason_history(history: Sequence[Mapping], partition: str) -> dict:
 
 
 class FiguresCallback(RLCallback):
-    """Training figures every ``every_n_steps`` finite steps, validation figures after every
-    validation; ``dpi`` of the PNGs. See the module docstring."""
+    """Training figures every ``every_n_steps`` finite steps and at the last, ``total_steps``
+    (``trainer.total_steps``), validation figures after every validation, under ``artifacts``
+    (the run's ``paths.artifacts``); ``dpi`` of the PNGs. See the module docstring."""
 
-    def __init__(self, every_n_steps: int = 1, dpi: int = 80) -> None:
+    def __init__(self, artifacts: str | Path, every_n_steps: int = 1, dpi: int = 80,
+                 total_steps: Optional[int] = None) -> None:
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise ValueError(f"FiguresCallback: every_n_steps must be an int >= 1, got {every_n_steps!r}")
         if not isinstance(dpi, int) or isinstance(dpi, bool) or dpi < 10:
             raise ValueError(f"FiguresCallback: dpi must be an int >= 10, got {dpi!r}")
+        self.artifacts = Path(artifacts)
         self.every_n_steps = every_n_steps
         self.dpi = dpi
+        self.total_steps = total_steps
         #: ``{"train": [step summary], "val": [step summary + "views"]}`` (``_summary.step_summary``).
         self.history: dict[str, list[dict]] = {"train": [], "val": []}
         self._drawn_step: Optional[int] = None
@@ -213,14 +216,13 @@ class FiguresCallback(RLCallback):
         out = read_step_output(outputs, "FiguresCallback.on_train_batch_end")
         if not out.finite:
             return
-        cfg = pl_module.cfg
         gathered = distributed.gather_objects([trajectory_row(r) for r in out.records])
 
         def record_and_draw() -> None:
             self._add("train", step_summary(out.step, [row for rank_rows in gathered for row in rank_rows]))
-            folder = run_dirs(cfg)["artifacts"] / "train_figures"
+            folder = self.artifacts / "train_figures"
             atomic_write_json(folder / TERMINAL_JSON, terminal_reason_history(self.history["train"], "train"))
-            if out.step % self.every_n_steps == 0 or out.step == int(cfg.trainer.total_steps):
+            if out.step % self.every_n_steps == 0 or out.step == self.total_steps:
                 self.draw(trainer, "train", folder, out.step)
 
         on_rank_zero(record_and_draw, f"the figures of step {out.step}")
@@ -228,24 +230,21 @@ class FiguresCallback(RLCallback):
     def on_rl_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int,
                              metrics: Mapping[str, float], rows: Optional[list]) -> None:
         """Called by ``ValidationCallback`` on every rank (collective); ``rows`` only on rank 0."""
-        cfg = pl_module.cfg
 
         def record_and_draw() -> None:
             summary = step_summary(step, rows or [])
             summary["views"] = {k: float(v) for k, v in metrics.items() if k.count("/") == 2
                                 and not k.startswith(("val/", "timing_s/"))}
             self._add("val", summary)
-            self.draw(trainer, "val", run_dirs(cfg)["artifacts"] / "val_figures", step)
+            self.draw(trainer, "val", self.artifacts / "val_figures", step)
 
         on_rank_zero(record_and_draw, f"the validation figures of step {step}")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        cfg = pl_module.cfg
-
         def draw_latest() -> None:
             train = self.history["train"]
             if train and self._drawn_step != train[-1]["step"]:
-                self.draw(trainer, "train", run_dirs(cfg)["artifacts"] / "train_figures", train[-1]["step"])
+                self.draw(trainer, "train", self.artifacts / "train_figures", train[-1]["step"])
 
         on_rank_zero(draw_latest, "the closing training figures")
 

@@ -47,7 +47,6 @@ from typing import Any, Mapping, Optional, Sequence
 import lightning as L
 import numpy as np
 
-from atlas_lightning.config import run_dirs
 from atlas_lightning.store.records import FILE_VERSION, utc_now
 from atlas_lightning.store.checkpoints import latest_verified
 from atlas_lightning.distributed import on_rank_zero
@@ -155,13 +154,20 @@ def offending_records(records: Sequence[Any], merged: Mapping[str, Any]) -> list
 
 class NaNGuardCallback(L.Callback):
     """Stops (``policy="stop"``) or rolls back (``policy="rollback"``) on a non-finite step; see
-    the module docstring. ``max_rollbacks``: rollbacks allowed in a run before it stops."""
+    the module docstring. ``max_rollbacks``: rollbacks allowed in a run before it stops.
+    ``artifacts``, ``checkpoints``: the run's ``paths.artifacts`` (where the diagnostic goes) and
+    ``paths.checkpoints`` (where the last good checkpoint is looked for); ``run_id`` names the
+    run in the records' manifest."""
 
-    def __init__(self, policy: str = "stop", max_rollbacks: int = 3) -> None:
+    def __init__(self, artifacts: str | Path, checkpoints: str | Path, run_id: str, policy: str = "stop",
+                 max_rollbacks: int = 3) -> None:
         if policy not in POLICIES:
             raise ValueError(f"NaNGuardCallback: policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if not isinstance(max_rollbacks, int) or isinstance(max_rollbacks, bool) or max_rollbacks < 0:
             raise ValueError(f"NaNGuardCallback: max_rollbacks must be an int >= 0, got {max_rollbacks!r}")
+        self.artifacts = Path(artifacts)
+        self.checkpoints = Path(checkpoints)
+        self.run_id = run_id
         self.policy = policy
         self.max_rollbacks = max_rollbacks
         self.rollbacks = 0
@@ -182,20 +188,18 @@ class NaNGuardCallback(L.Callback):
         out = read_step_output(outputs, "NaNGuardCallback.on_train_batch_end")
         if out.finite:
             return
-        cfg = pl_module.cfg
-        dirs = run_dirs(cfg)
         gathered = gather_step(out.step, out.records, out.tensors, extra=dict(out.nonfinite or {}))
 
         def decide_and_write() -> tuple:
             # Rank 0 alone looks at the checkpoints (other nodes may not share the file system)
             # and its decision is every rank's.
-            checkpoint, refusals = latest_verified(dirs["checkpoints"], before_step=out.step)
+            checkpoint, refusals = latest_verified(self.checkpoints, before_step=out.step)
             for reason in refusals:
                 log.warning("NaN guard at step %d: skipped a checkpoint that does not verify: %s", out.step, reason)
             rollback = self.policy == "rollback" and checkpoint is not None and self.rollbacks < self.max_rollbacks
             action = "rollback" if rollback else "stop"
-            merged, diagnostic = self._write_diagnostic(dirs["artifacts"] / "nonfinite", out, gathered, checkpoint,
-                                                        action, cfg.name)
+            merged, diagnostic = self._write_diagnostic(self.artifacts / "nonfinite", out, gathered, checkpoint,
+                                                        action, self.run_id)
             return merged, diagnostic, checkpoint, action
 
         merged, diagnostic, checkpoint, action = on_rank_zero(decide_and_write, f"the NaN guard at step {out.step}")

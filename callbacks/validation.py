@@ -46,7 +46,6 @@ import lightning as L
 import numpy as np
 import torch
 
-from atlas_lightning.config import run_dirs
 from atlas_lightning.reward import reward_means
 from atlas_lightning.distributed import on_rank_zero
 from atlas_lightning.store.files import atomic_write_jsonl
@@ -115,13 +114,21 @@ def validation_metrics(records: list, seconds: Optional[float] = None) -> tuple[
 
 
 class ValidationCallback(L.Callback):
-    """Validation every ``val_every`` RL steps (0: only before training and at the last step),
-    before the first step when ``val_before_train``; see the module docstring."""
+    """Validation every ``val_every`` RL steps (0: only before training and at the last step,
+    ``total_steps``), before the first step when ``val_before_train``; see the module docstring.
+    Writes under ``artifacts`` and ``checkpoints`` (the run's ``paths.artifacts`` and
+    ``paths.checkpoints``); ``run_id`` names the run in the step manifests."""
 
-    def __init__(self, val_every: int = 5, val_before_train: bool = True, val_on_last_step: bool = True) -> None:
+    def __init__(self, artifacts: str | Path, checkpoints: str | Path, run_id: str, val_every: int = 5,
+                 val_before_train: bool = True, val_on_last_step: bool = True,
+                 total_steps: Optional[int] = None) -> None:
         if not isinstance(val_every, int) or isinstance(val_every, bool) or val_every < 0:
             raise ValueError(
                 f"ValidationCallback: val_every must be an int >= 0 (0: never periodically), got {val_every!r}")
+        self.artifacts = Path(artifacts)
+        self.checkpoints = Path(checkpoints)
+        self.run_id = run_id
+        self.total_steps = total_steps
         self.val_every = val_every
         self.val_before_train = bool(val_before_train)
         self.val_on_last_step = bool(val_on_last_step)
@@ -139,8 +146,7 @@ class ValidationCallback(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         out = read_step_output(outputs, "ValidationCallback.on_train_batch_end")
-        total_steps = pl_module.cfg.trainer.total_steps
-        if out.finite and self.should_validate(out.step, total_steps):
+        if out.finite and self.should_validate(out.step, self.total_steps):
             self.run_validation(trainer, pl_module, out.step)
 
     def should_validate(self, step: int, total_steps: Optional[int] = None) -> bool:
@@ -153,7 +159,6 @@ class ValidationCallback(L.Callback):
 
     def run_validation(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> dict[str, float]:
         """Validate as RL step ``step`` on every rank (collective); returns the metrics."""
-        cfg = pl_module.cfg
         datamodule = trainer.datamodule
         if datamodule is None or not hasattr(datamodule, "validation_rollout"):
             raise ValueError("ValidationCallback: trainer.datamodule must be a RolloutDataModule (validation_rollout)")
@@ -171,9 +176,9 @@ class ValidationCallback(L.Callback):
             tokenizer = getattr(getattr(datamodule, "chat", None), "tokenizer", None)
             if tokenizer is None:
                 raise ValueError("ValidationCallback: trainer.datamodule.chat.tokenizer is needed to decode the dump")
-            atomic_write_jsonl(dump_path(cfg, step), dump_rows(records, tokenizer, step))
-            write_step_folder(run_dirs(cfg)["artifacts"] / "val", step, records,
-                              manifest_extra={"partition": "val", "run_id": cfg.name,
+            atomic_write_jsonl(dump_path(self.checkpoints, step), dump_rows(records, tokenizer, step))
+            write_step_folder(self.artifacts / "val", step, records,
+                              manifest_extra={"partition": "val", "run_id": self.run_id,
                                               "weights_version": getattr(batch, "weights_version", None)})
             log.info("validation step %d: %s", step, ", ".join(
                 f"{k}={v:.4g}" for k, v in metrics.items() if k.endswith("/overall/acc")))
@@ -196,6 +201,7 @@ class ValidationCallback(L.Callback):
         self._restored = True
 
 
-def dump_path(cfg: Any, step: int) -> Path:
-    """``checkpoints/<name>/global_step_N/val_dumps/N.jsonl`` of a run."""
-    return run_dirs(cfg)["checkpoints"] / f"global_step_{step}" / "val_dumps" / f"{step}.jsonl"
+def dump_path(checkpoints: Path, step: int) -> Path:
+    """``checkpoints/<name>/global_step_N/val_dumps/N.jsonl`` of a run (``checkpoints``: its
+    ``checkpoints/<name>``)."""
+    return Path(checkpoints) / f"global_step_{step}" / "val_dumps" / f"{step}.jsonl"

@@ -43,7 +43,8 @@ _PACKAGE = _TESTS.parent / "atlas_lightning"
 #: What the built model depends on: its code (demo builders, runtime, chat format) and the libraries.
 _SOURCES = ("demo/demos.py", "demo/tiny_orchestrator.py", "demo/tiny_model.py", "demo/tiny_tokenizer.py",
             "demo/tiny_corpus.py", "demo/sample.py", "demo/sample_texts.py", "questions", "rollout/chat.py",
-            "rollout/agent_loop.py", "rollout/engine.py", "rollout/engines/hf_engine.py", "env", "reward")
+            "rollout/agent_loop.py", "rollout/engine.py", "rollout/engines/hf_engine.py", "env", "reward",
+            "config.py")  # config.py: the loop's limits (LoopLimits) the demonstrations must fit
 #: The builder's torch threads (see the module doc).
 BUILD_THREADS = 2
 #: The builder's command-line arguments after ``--out`` (base: none, the build makes the seed's

@@ -40,7 +40,7 @@ from typing import Sequence
 from atlas_lightning.questions.schema import Question
 from atlas_lightning.env.episode import Episode, RuntimeConfig
 from atlas_lightning.env.grading import RevealedCandidate, normalize_code, read_choice_letter
-from atlas_lightning.rollout.agent_loop import LoopLimits
+from atlas_lightning.config import LoopLimits
 from atlas_lightning.rollout.chat import IM_END, ChatFormat
 
 #: The text of an explore turn (the whole assistant turn, before ``<|im_end|>``).

@@ -53,7 +53,7 @@ from atlas_lightning.questions.schema import Question
 from atlas_lightning.demo.tiny_model import MODEL_FILES
 from atlas_lightning.env.episode import Episode, RuntimeConfig
 from atlas_lightning.env.terminal import TERMINAL_REASONS
-from atlas_lightning.rollout.agent_loop import LoopLimits
+from atlas_lightning.config import LoopLimits
 from atlas_lightning.store.files import sha256_file
 
 log = logging.getLogger(__name__)

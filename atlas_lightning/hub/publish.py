@@ -57,7 +57,7 @@ from atlas_lightning.hub.readme import (
 )
 from atlas_lightning.store.atomic import atomic_write_text
 from atlas_lightning.store.records import MANIFEST_NAME, TENSORS_NAME, TOKEN_ARRAY_FIELDS, strip_token_arrays
-from atlas_lightning.config import ConfigError, run_dirs
+from atlas_lightning.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +303,7 @@ def publish_from_config(cfg: DictConfig, weights: bool = False) -> int:
         raise ConfigError(f"hub.{err}") from None
     try:
         result = publish_data_root(
-            run_dirs(cfg)["root"], repo_id, repo_type=cfg.hub.repo_type, weights=weights,
+            Path(cfg.paths.root), repo_id, repo_type=cfg.hub.repo_type, weights=weights,
             endpoint=cfg.hub.endpoint, private=cfg.hub.private, name=cfg.name,
             question=cfg.hub.description,
         )

@@ -76,7 +76,7 @@ class RunExportLogger(Logger):
     """Writes ``<runs_dir>/<run_id>/{history.csv, summary.json, config.json}``.
 
     Args:
-        runs_dir: ``runs/<name>`` of the run (``atlas_lightning.config.run_dirs(cfg)["runs"]``).
+        runs_dir: ``runs/<name>`` of the run (``paths.runs``).
         run_id: the W&B run id, or a generated ``offline-...`` id when W&B is disabled; a safe
             file-name component.
         config: the resolved configuration (a plain JSON-able dict) written to ``config.json``.

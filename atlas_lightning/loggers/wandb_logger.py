@@ -47,7 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from omegaconf import DictConfig
 
 from atlas_lightning.loggers.run_export import RunExportLogger
-from atlas_lightning.config import ConfigError, redacted, redacted_argv, run_dirs
+from atlas_lightning.config import ConfigError, redacted, redacted_argv
 
 WANDB_MODES = ("online", "offline", "disabled")
 _ID_ALPHABET = string.ascii_lowercase + string.digits
@@ -138,14 +138,13 @@ def build_loggers(cfg: DictConfig, run_id: Optional[str] = None) -> list[Logger]
     mode = resolve_wandb_mode(cfg.logger.mode)
     wandb_enabled = mode != "disabled"
     run_id = run_id or os.environ.get("WANDB_RUN_ID") or new_run_id(wandb_enabled)
-    dirs = run_dirs(cfg)
     config = redacted(cfg)  # no credential in W&B's files or the export
     loggers: list[Logger] = []
     if wandb_enabled:
         loggers.append(
             RLStepWandbLogger(
                 name=cfg.name,
-                save_dir=str(dirs["wandb"].parent),
+                save_dir=str(Path(cfg.paths.wandb).parent),  # W&B makes its "wandb" folder there
                 id=run_id,
                 project=cfg.logger.project,
                 entity=cfg.logger.entity,
@@ -154,7 +153,7 @@ def build_loggers(cfg: DictConfig, run_id: Optional[str] = None) -> list[Logger]
                 mode=mode,
             )
         )
-    loggers.append(RunExportLogger(dirs["runs"], run_id, config))
+    loggers.append(RunExportLogger(Path(cfg.paths.runs), run_id, config))
     return loggers
 
 

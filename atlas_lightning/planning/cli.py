@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 from . import ShapeError, make_plan
@@ -21,8 +22,6 @@ def run_plan(cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: Optio
              as_json: bool = False, write: bool = True) -> int:
     """Plan ``cfg`` (a composed config), print it, write ``plan.json`` under the run's outputs;
     return the exit code (module doc)."""
-    from atlas_lightning.config import run_dirs
-
     from .model_folder import check_model_folder
 
     try:
@@ -33,7 +32,7 @@ def run_plan(cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: Optio
         return 2
     print(json.dumps(plan.to_dict(), indent=1) if as_json else format_plan(plan))
     if write:
-        path = write_plan_json(plan, run_dirs(cfg)["outputs"] / "plan.json")
+        path = write_plan_json(plan, Path(cfg.paths.outputs) / "plan.json")
         if not as_json:
             print(f"written: {path}")
     return 0 if plan.ok else 2

@@ -102,7 +102,7 @@ class PPOModule(L.LightningModule):
     def __init__(self, cfg: DictConfig, phase_hook: Optional[PhaseHook] = None,
                  resume_from: Optional[Path] = None) -> None:
         """``phase_hook``: see "Measuring a phase" in the module doc. ``resume_from``: the verified
-        ``global_step_N`` folder Lightning will resume from (``run.wiring.check_inputs``); its
+        ``global_step_N`` folder Lightning will resume from (``run.facts.check_inputs``); its
         adapters are checked against the built model before Lightning loads the state
         (``_check_resume``)."""
         super().__init__()

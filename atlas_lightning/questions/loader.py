@@ -15,14 +15,16 @@ file, and for a bad value the row and the field::
 
     gpqa/train.parquet row 17 (question_id=gpqa-0017) field candidates[3].cost_usd: NaN
 
-Who calls it: the RolloutDataModule (``load_split``), the sample builder and tests
-(``write_questions``), the CLI's ``data`` verbs.
+Who calls it: the run's start-up (``load_splits``: ``run/facts.py`` loads the splits once, the
+RolloutDataModule takes them), pre-flight, the sample builder and tests (``write_questions``),
+the CLI's ``data`` verbs.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,8 @@ from atlas_lightning.questions.schema import (
     Question,
 )
 
-__all__ = ["DataError", "load_questions", "load_split", "write_questions", "question_file"]
+__all__ = ["DataError", "QuestionSplits", "load_questions", "load_split", "load_splits", "write_questions",
+           "question_file"]
 
 _CANDIDATE_TYPE = pa.struct(
     [
@@ -286,6 +289,22 @@ def load_split(cfg_data: Any, split: str, max_per_benchmark: int | None = None) 
         )
         questions.extend(loaded if max_per_benchmark is None else loaded[:max_per_benchmark])
     return questions
+
+
+@dataclass(frozen=True)
+class QuestionSplits:
+    """A run's questions: ``train`` (``data.train_split``, all of it) and ``val``
+    (``data.val_split``, the first ``data.val_max_questions`` of each benchmark)."""
+
+    train: list[Question]
+    val: list[Question]
+
+
+def load_splits(cfg_data: Any) -> QuestionSplits:
+    """The train and validation splits of ``cfg_data`` (``DataConfig``). Every row of every file
+    is read and checked, the validation cap included (``load_split``): loading is verifying."""
+    return QuestionSplits(train=load_split(cfg_data, cfg_data.train_split),
+                          val=load_split(cfg_data, cfg_data.val_split, cfg_data.val_max_questions))
 
 
 def _table(questions: Sequence[Question], where: str) -> pa.Table:

@@ -13,9 +13,10 @@ Token contract, per trajectory (``Trajectory``):
 - ``response_mask``: 1 on generated tokens, 0 on tool-response tokens.
 - ``response_logprobs``: the engine's log-prob of each generated token; 0.0 on mask-0 tokens.
 
-Limits: a turn may generate at most ``max_tokens_per_turn`` tokens and never more than the
-response budget (``max_response_length``) or the context (``max_model_len``) leaves; running
-out ends the episode with ``response_length`` or ``context_overflow``.
+Limits (``config.LoopLimits``: the ``rollout`` keys the loop obeys): a turn may generate at
+most ``max_tokens_per_turn`` tokens and never more than the response budget
+(``max_response_length``) or the context (``max_model_len``) leaves; running out ends the
+episode with ``response_length`` or ``context_overflow``.
 
 Faults: a request that errs or outlives ``request_timeout_s`` is resubmitted with the same seed
 up to ``max_retries`` times; beyond that, or when the engine itself fails more than
@@ -30,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from atlas_lightning.config import LoopLimits
 from atlas_lightning.rollout.chat import ChatFormat
 from atlas_lightning.rollout.engine import (
     Engine,
@@ -41,16 +43,6 @@ from atlas_lightning.rollout.engine import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LoopLimits:
-    max_response_length: int
-    max_tokens_per_turn: int
-    max_model_len: int
-    max_in_flight: int = 640
-    request_timeout_s: float = 600.0
-    max_retries: int = 2
 
 
 @dataclass(frozen=True)

@@ -35,18 +35,20 @@ import logging
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Optional
 
 import lightning as L
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, IterableDataset
 
-from atlas_lightning.questions.loader import load_split
+from atlas_lightning.config import LoopLimits
+from atlas_lightning.questions.loader import QuestionSplits, load_splits
 from atlas_lightning.rollout.prefetch import RolloutProducer, WeightsClock
 from atlas_lightning.questions.sampler import QuestionSampler, shard
 from atlas_lightning.questions.schema import Question
 from atlas_lightning.env.episode import Episode, RuntimeConfig
-from atlas_lightning.rollout.agent_loop import AgentLoop, LoopLimits, LoopStats, Sampling, Trajectory
+from atlas_lightning.rollout.agent_loop import AgentLoop, LoopStats, Sampling, Trajectory
 from atlas_lightning.questions.uid import trajectory_uid
 from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id
 from atlas_lightning.rollout.chat import ChatFormat
@@ -116,10 +118,15 @@ class RolloutProgress:
 
 
 class RolloutDataModule(L.LightningDataModule):
-    def __init__(self, cfg: DictConfig, engine: Optional[Engine] = None) -> None:
+    def __init__(self, cfg: DictConfig, engine: Optional[Engine] = None,
+                 questions: Optional[QuestionSplits] = None) -> None:
+        """``engine``: see the module doc. ``questions``: the splits the run's start-up loaded and
+        checked (``run.facts.check_inputs``), never read again here; None: ``setup`` loads them
+        (a datamodule built on its own, as tests do)."""
         super().__init__()
         self.cfg = cfg
         self.engine = engine
+        self.questions = questions
         #: The engine ``setup`` built, which ``teardown`` closes (None for one passed in).
         self._built_engine: Optional[Engine] = None
         self.next_step = 1
@@ -166,9 +173,9 @@ class RolloutDataModule(L.LightningDataModule):
 
             self.chat = ChatFormat(AutoTokenizer.from_pretrained(self.cfg.model.path))
         if not self.train_questions:
-            self.train_questions = self._fitting(load_split(self.cfg.data, self.cfg.data.train_split), "train")
-            self.val_questions = self._fitting(
-                load_split(self.cfg.data, self.cfg.data.val_split, self.cfg.data.val_max_questions), "val")
+            splits = self.questions or load_splits(self.cfg.data)
+            self.train_questions = self._fitting(splits.train, "train")
+            self.val_questions = self._fitting(splits.val, "val")
         self.sampler = QuestionSampler(len(self.train_questions), self.cfg.algorithm.train_batch_size,
                                        seed=self.cfg.data.seed, shuffle=self.cfg.data.shuffle)
         if self.engine is None:
@@ -207,10 +214,8 @@ class RolloutDataModule(L.LightningDataModule):
     # -- rollouts -------------------------------------------------------------------------
 
     def _limits(self) -> LoopLimits:
-        r = self.cfg.rollout
-        return LoopLimits(max_response_length=r.max_response_length, max_tokens_per_turn=r.max_tokens_per_turn,
-                          max_model_len=r.max_model_len, max_in_flight=client_in_flight(self.cfg, self.world_size),
-                          request_timeout_s=r.request_timeout_s, max_retries=r.max_retries)
+        """``rollout``'s loop limits, with this rank's share of the requests in flight."""
+        return replace(LoopLimits.of(self.cfg.rollout), max_in_flight=client_in_flight(self.cfg, self.world_size))
 
     def _engine_world(self) -> tuple[int, int, int]:
         """(engine index, engines, rank in the engine's TP group) of this rank's requests. In the

@@ -16,6 +16,7 @@ its process group, which in-process vLLM engines need: construction is collectiv
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -97,7 +98,6 @@ def server_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: in
     own card where there are cards). Refused, with the reason: TP groups over several training
     processes and merged-weight sync (both are the separate layout's), one ``server_url`` for
     several engines, and sleep mode on GPUs."""
-    from atlas_lightning.config import run_dirs
     from atlas_lightning.rollout.engines.server_engine import ServerEngine
     from atlas_lightning.rollout.engines.server_process import VLLMServer
 
@@ -130,7 +130,7 @@ def server_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: in
         env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[local_rank] if visible else str(local_rank)
     server = VLLMServer(
         EngineArgs.from_config(cfg),
-        log_path=run_dirs(cfg)["logs"] / f"vllm-server-{cfg.name}-rank{rank}.log",
+        log_path=Path(cfg.paths.logs) / f"vllm-server-{cfg.name}-rank{rank}.log",
         start_timeout_s=r.server_start_timeout_s,
         env=env,
     )

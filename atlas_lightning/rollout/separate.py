@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
@@ -101,7 +102,6 @@ def serving_cards(cfg: DictConfig) -> Optional[str]:
 
 def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> SharedServerEngine:
     """This rank's client of the separate layout's server (collective; see the module doc)."""
-    from atlas_lightning.config import run_dirs
     from atlas_lightning.rollout.engines.weight_transfer import ServerWeightTransfer, bucket_bytes_of, default_backend
 
     from atlas_lightning.rollout.layout_checks import separate_refusals
@@ -120,7 +120,7 @@ def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> Shared
             else:
                 cards = serving_cards(cfg)
                 server = VLLMServer(
-                    EngineArgs.from_config(cfg), log_path=run_dirs(cfg)["logs"] / f"vllm-server-{cfg.name}-separate.log",
+                    EngineArgs.from_config(cfg), log_path=Path(cfg.paths.logs) / f"vllm-server-{cfg.name}-separate.log",
                     start_timeout_s=r.server_start_timeout_s,
                     env={"CUDA_VISIBLE_DEVICES": cards} if cards is not None else None, weight_transfer=backend)
                 url = server.url

@@ -61,7 +61,8 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Mapping, Optional
 
 import lightning as L
 import numpy as np
@@ -71,6 +72,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.ppo.module import PPOModule
+from atlas_lightning.store.lora_shapes import LoraShape
 from atlas_lightning.store.records import TrajectoryRecord
 from atlas_lightning.rollout.agent_loop import LoopStats
 from atlas_lightning.rollout.batch import RolloutBatch
@@ -390,12 +392,13 @@ def vocab_size_of(cfg: DictConfig) -> int:
 
 def run_memory_check(cfg: DictConfig, *, generation: bool = True, module: Optional[MemoryCheckModule] = None,
                      vocab_size: Optional[int] = None, sequence_tokens: Optional[int] = None,
-                     write: bool = True, plan: Any = None) -> Optional[dict]:
+                     write: bool = True, plan: Any = None, lora: Optional[Mapping[str, LoraShape]] = None
+                     ) -> Optional[dict]:
     """Run the synthetic steps (module doc); on rank 0 return the report (also written to
     ``outputs/<name>/memory_check.json`` and printed), elsewhere None. ``module`` replaces the
     default ``MemoryCheckModule(cfg)`` (the device script builds its base in place); ``plan``
-    replaces the plan made from ``cfg.model.path`` for the comparison."""
-    from atlas_lightning.config import run_dirs
+    replaces the plan made from ``cfg.model.path`` for the comparison; ``lora``: the LoRA shapes
+    the run's start-up resolved (``run/facts.py``; None: the plan's)."""
     from atlas_lightning.run.wiring import build_trainer
 
     collect = _Collect()
@@ -407,12 +410,12 @@ def run_memory_check(cfg: DictConfig, *, generation: bool = True, module: Option
     trainer.fit(module, datamodule=data)
     if trainer.global_rank != 0:
         return None
-    report = build_report(cfg, collect.gathered or [], seconds=time.monotonic() - started, plan=plan)
+    report = build_report(cfg, collect.gathered or [], seconds=time.monotonic() - started, plan=plan, lora=lora)
     print(format_report(report))
     if write:
         from atlas_lightning.store.atomic import atomic_write_text
 
-        path = run_dirs(cfg)["outputs"] / "memory_check.json"
+        path = Path(cfg.paths.outputs) / "memory_check.json"
         atomic_write_text(path, json.dumps(report, indent=1) + "\n")
         print(f"written: {path}")
     return report
@@ -422,12 +425,18 @@ def _peak_key(record: dict) -> str:
     return "peak_allocated_gib" if "peak_allocated_gib" in record else "peak_rss_gib"
 
 
-def build_report(cfg: DictConfig, ranks: list[dict], *, seconds: float = 0.0, plan: Any = None) -> dict:
+def build_report(cfg: DictConfig, ranks: list[dict], *, seconds: float = 0.0, plan: Any = None,
+                 lora: Optional[Mapping[str, LoraShape]] = None) -> dict:
     """The report: per rank and phase the largest peak over the steps, with the plan's
     prediction (tensors, GiB) and its error against the measured allocation where the measure
-    is the GPU allocator's (the CPU's resident set is not comparable)."""
+    is the GPU allocator's (the CPU's resident set is not comparable); the LoRA shapes ``lora``
+    (None: as the plan sized them)."""
     if plan is None:
         plan = _plan_for(cfg)
+    if lora is not None:
+        described = {role: f"{shape.describe()} ({shape.source})" for role, shape in lora.items()}
+    else:
+        described = dict(plan.model["lora"]) if plan is not None else {}
     predicted = {p.name: p for p in plan.phases if p.cards != "serving cards"} if plan is not None else {}
     summary = []
     for rank in ranks:
@@ -446,12 +455,11 @@ def build_report(cfg: DictConfig, ranks: list[dict], *, seconds: float = 0.0, pl
                     row["plan_error"] = row["plan_tensors_gib"] / record["peak_allocated_gib"] - 1.0
             summary.append(row)
     from atlas_lightning.run.memory_check_separate import serving_rows
-    from atlas_lightning.store.lora_shapes import lora_shapes_or_config
 
     serving = next((r["serving"] for r in ranks if r.get("serving")), None)
     return {
         "name": cfg.name, "steps": int(cfg.trainer.memory_check_steps), "seconds": seconds,
-        "lora": {role: f"{shape.describe()} ({shape.source})" for role, shape in lora_shapes_or_config(cfg)[0].items()},
+        "lora": described,
         "serving": ({**serving, "summary": serving_rows(serving, plan)} if serving else None),
         "budgets": {"ppo_max_token_len_per_gpu": int(cfg.algorithm.ppo_max_token_len_per_gpu),
                     "forward_max_token_len_per_gpu": int(cfg.algorithm.forward_max_token_len_per_gpu)},
@@ -517,11 +525,12 @@ def format_report(report: dict) -> str:
 
 def main_verb(cfg: DictConfig) -> int:
     """``atlas-lightning memory-check``: prepare the run folders, run, exit 0."""
-    from atlas_lightning.run.wiring import check_inputs, prepare_run
+    from atlas_lightning.run.facts import check_inputs
+    from atlas_lightning.run.wiring import prepare_run
 
-    check_inputs(cfg, data=False)  # before anything is written: a bad model folder exits 2 (no questions read)
+    facts = check_inputs(cfg, data=False)  # before anything is written: a bad model folder exits 2 (no questions read)
     prepare_run(cfg, "memory-check")
-    run_memory_check(cfg, generation=cfg.trainer.memory_check_generation)
+    run_memory_check(cfg, generation=cfg.trainer.memory_check_generation, lora=facts.lora)
     return 0
 
 

@@ -1,9 +1,11 @@
 """What each config verb does, once its config has composed and validated (``cli.py``).
 
-``fit`` builds the Lightning pieces from the config: the ``RolloutDataModule`` (questions,
-engines, rollouts), the ``PPOModule`` (the PPO step), the strategy (one device, or FSDP2
-through ``ModelParallelStrategy``), the loggers and the callbacks (weight sync first, the
-configured ones, checkpoints last), then runs ``Trainer.fit``.
+``fit`` verifies and reads what the run starts from once (``run/facts.py``: folders, LoRA
+shapes, question splits, the checkpoint to resume), then builds the Lightning pieces from the
+config and those facts: the ``RolloutDataModule`` (the loaded questions, engines, rollouts), the
+``PPOModule`` (the PPO step), the strategy (one device, or FSDP2 through
+``ModelParallelStrategy``), the loggers and the callbacks (weight sync first, the configured
+ones, checkpoints last), then runs ``Trainer.fit``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from atlas_lightning import distributed as dist_utils
-from atlas_lightning.run.wiring import RUN_LOG, build_trainer, check_inputs, prepare_run
+from atlas_lightning.run.facts import RunFacts, check_inputs
+from atlas_lightning.run.wiring import RUN_LOG, build_callbacks, build_trainer, prepare_run
 
 log = logging.getLogger("atlas_lightning")
 
@@ -28,28 +31,26 @@ def fit(cfg: DictConfig) -> int:
 
     if cfg.trainer.memory_check:  # the report's memory-check runs: synthetic steps, no rollouts
         return memory_check(cfg)
-    start = check_inputs(cfg)  # before anything is written: a bad model folder or checkpoint exits 2
-    dirs = prepare_run(cfg, "fit")
-    for note in start.notes:
+    facts = check_inputs(cfg)  # before anything is written: a bad model folder or checkpoint exits 2
+    prepare_run(cfg, "fit")
+    for note in facts.start.notes:
         log.warning(note)
-    trainer = build_trainer(cfg)
-    module = PPOModule(cfg, resume_from=start.resume)
-    datamodule = RolloutDataModule(cfg)
+    trainer = build_trainer(cfg, callbacks=build_callbacks(cfg, facts))
+    module = PPOModule(cfg, resume_from=facts.start.resume)
+    datamodule = RolloutDataModule(cfg, questions=facts.questions)
     started = time.time()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=start.state)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=facts.start.state)
     if trainer.global_rank == 0:
-        _closing_summary(cfg, dirs, time.time() - started)
+        _closing_summary(cfg, facts, time.time() - started)
     dist_utils.shut_down()
     return 0
 
 
-def _closing_summary(cfg: DictConfig, dirs: dict[str, Path], seconds: float) -> None:
+def _closing_summary(cfg: DictConfig, facts: RunFacts, seconds: float) -> None:
     from atlas_lightning.store.checkpoints import latest_complete
 
-    from atlas_lightning.store.lora_shapes import lora_shapes_or_config
-
+    dirs, shapes = facts.folders, facts.lora
     latest = latest_complete(dirs["checkpoints"])
-    shapes, _ = lora_shapes_or_config(cfg)
     lines = [
         f"atlas-lightning fit {cfg.name}: done in {seconds / 60:.1f} min",
         f"  model        {cfg.model.path} (LoRA actor {shapes['actor'].describe()}; "
@@ -86,11 +87,11 @@ def validate(cfg: DictConfig) -> int:
     from atlas_lightning.rollout.datamodule import RolloutDataModule
     from atlas_lightning.ppo.module import PPOModule
 
-    start = check_inputs(cfg)
+    facts = check_inputs(cfg)
     prepare_run(cfg, "validate")
-    for note in start.notes:
+    for note in facts.start.notes:
         log.warning(note)
-    ckpt = start.state
+    ckpt = facts.start.state
     step = _step_of(ckpt or cfg.trainer.init_from or cfg.model.actor_adapter)
     results: dict = {}
 
@@ -98,10 +99,13 @@ def validate(cfg: DictConfig) -> int:
         def on_validation_start(self, trainer, pl_module):
             pl_module.rl_step = step
             WeightSyncCallback().sync(trainer, pl_module, version=step)
-            results.update(ValidationCallback(val_every=1).run_validation(trainer, pl_module, step))
+            validation = ValidationCallback(val_every=1, artifacts=facts.folders["artifacts"],
+                                            checkpoints=facts.folders["checkpoints"], run_id=cfg.name)
+            results.update(validation.run_validation(trainer, pl_module, step))
 
     trainer = build_trainer(cfg, callbacks=[_ValidateOnce()], limit_val_batches=1)
-    trainer.validate(PPOModule(cfg, resume_from=start.resume), datamodule=RolloutDataModule(cfg), ckpt_path=ckpt)
+    trainer.validate(PPOModule(cfg, resume_from=facts.start.resume),
+                     datamodule=RolloutDataModule(cfg, questions=facts.questions), ckpt_path=ckpt)
     if trainer.global_rank == 0:
         shown = {k: v for k, v in sorted(results.items()) if k.endswith(("/acc", "/objective"))}
         print("\n".join(f"{k:40s} {v:.4f}" for k, v in shown.items()), file=sys.stderr)

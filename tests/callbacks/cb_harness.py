@@ -23,6 +23,8 @@ from typing import Optional
 import lightning as L
 import numpy as np
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -30,6 +32,7 @@ from atlas_lightning.algorithms.ppo import compute_gae_advantage_return
 from atlas_lightning.callbacks.base import RLCallback
 from atlas_lightning.store.checkpoints import write_marker
 from atlas_lightning.config import compose, run_dirs
+from atlas_lightning.store.lora_shapes import lora_shapes_or_config
 from atlas_lightning.questions.schema import Candidate, Question
 from atlas_lightning.reward import CostReward
 from atlas_lightning.env.episode import Episode, RuntimeConfig
@@ -335,6 +338,17 @@ def make_cfg(root: Path, name: str = "cbtest", total_steps: int = 4, extra: Opti
     # lambda 0.1 and one validation sample a question: the hand-computed expectations assume them
     return compose(["experiment=tiny-cpu", f"paths.root={root}", f"name={name}", "reward.cost_per_usd=0.1",
                     "rollout.val_n=1", f"trainer.total_steps={total_steps}", *(extra or [])])
+
+
+def callback(cfg, name: str, **overrides):
+    """The run's callback ``name`` built from its entry in ``cfg.callbacks`` (``conf/callbacks/``:
+    its folders and settings interpolated there), with ``overrides``. The artifacts callback also
+    gets the run's record, as ``run.wiring.build_callbacks`` gives it: the resolved config and the
+    LoRA shapes (the config's where a starting folder cannot be read, as here)."""
+    if name == "artifacts":
+        record = {"config": OmegaConf.to_container(cfg, resolve=True), "lora": lora_shapes_or_config(cfg)[0]}
+        overrides = {**record, **overrides}
+    return instantiate(cfg.callbacks[name], _partial_=True)(**overrides)
 
 
 def make_trainer(callbacks: list, **kwargs) -> L.Trainer:

@@ -20,10 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cb_harness as h  # noqa: E402
 
 from atlas_lightning.distributed import shut_down  # noqa: E402
-from atlas_lightning.callbacks.artifacts import ArtifactDumpCallback  # noqa: E402
-from atlas_lightning.callbacks.figures import FiguresCallback  # noqa: E402
-from atlas_lightning.callbacks.nan_guard import NaNGuardCallback, NonFiniteError  # noqa: E402
-from atlas_lightning.callbacks.validation import ValidationCallback  # noqa: E402
+from atlas_lightning.callbacks.nan_guard import NonFiniteError  # noqa: E402
 
 
 def main() -> None:
@@ -31,8 +28,8 @@ def main() -> None:
     cfg = h.make_cfg(root, name=name, total_steps=3)
     module = h.ScriptedModule(cfg, nan_at={nan_step} if nan_step else ())
     dm = h.ScriptedDataModule(cfg, h.make_chat())
-    callbacks = [NaNGuardCallback(), ArtifactDumpCallback(), ValidationCallback(val_every=2), FiguresCallback(),
-                 h.FolderCheckpoint(save_every=2)]
+    callbacks = [h.callback(cfg, "nan_guard"), h.callback(cfg, "artifacts"), h.callback(cfg, "validation", val_every=2),
+                 h.callback(cfg, "figures"), h.FolderCheckpoint(save_every=2)]
     trainer = h.make_trainer(callbacks, devices=2, strategy="ddp")
     outcome = {"error": None}
     try:

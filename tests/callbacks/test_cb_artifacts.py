@@ -16,7 +16,6 @@ import torch
 
 from atlas_lightning.store.step_folder import gather_step, remove_stale_temporaries, write_step_folder
 from atlas_lightning.ppo.step_output import read_step_output
-from atlas_lightning.callbacks.artifacts import ArtifactDumpCallback
 from atlas_lightning.config import run_dirs
 from atlas_lightning.store.records import (
     RECORD_FIELDS,
@@ -50,7 +49,7 @@ def test_train_steps_are_dumped_as_the_seed_lays_them_out(tmp_path, h, chat):
     stale.mkdir(parents=True)
     (stale / "half.json").write_text("{")
 
-    _, module, _ = h.fit(cfg, chat, [ArtifactDumpCallback()])
+    _, module, _ = h.fit(cfg, chat, [h.callback(cfg, "artifacts")])
 
     assert _visible(artifacts) == ["run.json", "train"]
     assert _visible(artifacts / "train") == ["step_1", "step_2", "step_3"]  # the crashed run's temporary is gone
@@ -111,7 +110,7 @@ def _assert_token_arrays(record, original=None) -> None:
 def test_run_json_names_code_packages_hosts_and_starting_adapters(tmp_path, h, chat):
     cfg = h.make_cfg(tmp_path, total_steps=1, extra=[
         "++model.actor_adapter=/runs/r25/global_step_29/actor/lora_adapter", "trainer.init_from=/runs/r25/global_step_29"])
-    h.fit(cfg, chat, [ArtifactDumpCallback()])
+    h.fit(cfg, chat, [h.callback(cfg, "artifacts")])
     run = json.loads((run_dirs(cfg)["artifacts"] / "run.json").read_text())
 
     checkout = Path(__file__).resolve().parents[2]
@@ -138,8 +137,9 @@ def test_run_json_names_code_packages_hosts_and_starting_adapters(tmp_path, h, c
 def test_a_relaunch_keeps_the_earlier_launches(tmp_path, h):
     cfg = h.make_cfg(tmp_path)
     hosts = [{"rank": 0, "hostname": "node-a"}, {"rank": 1, "hostname": "node-b"}]
-    ArtifactDumpCallback.write_run_json(cfg, hosts[:1], 1)
-    path = ArtifactDumpCallback.write_run_json(cfg, hosts, 2)
+    callback = h.callback(cfg, "artifacts")
+    callback.write_run_json(hosts[:1], 1)
+    path = callback.write_run_json(hosts, 2)
     run = json.loads(path.read_text())
     assert [launch["hosts"]["world_size"] for launch in run["launches"]] == [1, 2]
     assert run["hosts"]["hostnames"] == ["node-a", "node-b"]

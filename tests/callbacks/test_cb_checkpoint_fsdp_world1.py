@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from atlas_lightning.callbacks.checkpoint import StepCheckpoint
 from atlas_lightning.config import run_dirs
 from atlas_lightning.run.strategy import TrainableStateStrategy
 from atlas_lightning.store.checkpoints import STATE_DIR, latest_complete, lightning_state_path
@@ -83,7 +82,7 @@ class _CrashAt(L.Callback):
 
 def _fit(h, cfg, chat, callbacks=(), ckpt_path=None):
     module, dm = _sharded_module(h, cfg), h.ScriptedDataModule(cfg, chat)
-    trainer = h.make_trainer([*callbacks, StepCheckpoint(every_n_steps=2)],
+    trainer = h.make_trainer([*callbacks, h.callback(cfg, "checkpoint", every_n_steps=2)],
                              strategy=TrainableStateStrategy(data_parallel_size=1, tensor_parallel_size=1))
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     return module, dm

@@ -28,3 +28,29 @@ def test_standard_callbacks_compose_and_instantiate():
     assert built["checkpoint"].every_n_steps == cfg.trainer.save_every and not built["hub"].enabled
     assert built["validation"].val_every == 3 and built["validation"].val_before_train is False
     assert built["nan_guard"].policy == "rollback"
+
+
+def test_callbacks_take_their_folders_and_settings_from_the_config(tmp_path):
+    """Every setting and folder comes in as an argument interpolated from the run's keys: a
+    change of ``paths.root``, ``name`` or ``trainer.total_steps`` reaches every callback, and the
+    run's record gets the resolved config and the LoRA shapes of the run's facts."""
+    from pathlib import Path
+
+    from atlas_lightning.run.facts import RunFacts, StartingPoint
+    from atlas_lightning.run.wiring import build_callbacks
+    from atlas_lightning.store.lora_shapes import config_lora_shape
+
+    cfg = compose(["experiment=tiny-cpu", f"paths.root={tmp_path}", "name=run-a", "trainer.total_steps=7"])
+    artifacts, checkpoints = tmp_path / "artifacts" / "run-a", tmp_path / "checkpoints" / "run-a"
+    lora = {role: config_lora_shape(cfg, role) for role in ("actor", "critic")}
+    facts = RunFacts(folders={}, lora=lora, questions=None, start=StartingPoint())
+    built = {type(cb).__name__: cb for cb in build_callbacks(cfg, facts)}
+    guard, record = built["NaNGuardCallback"], built["ArtifactDumpCallback"]
+    validation, figures, checkpoint = built["ValidationCallback"], built["FiguresCallback"], built["StepCheckpoint"]
+    assert (guard.artifacts, guard.checkpoints, guard.run_id) == (artifacts, checkpoints, "run-a")
+    assert (validation.artifacts, validation.checkpoints, validation.run_id) == (artifacts, checkpoints, "run-a")
+    assert (record.artifacts, record.run_id, figures.artifacts, checkpoint.checkpoints) == (
+        artifacts, "run-a", artifacts, checkpoints)
+    assert validation.total_steps == figures.total_steps == checkpoint.total_steps == 7
+    assert record.lora == lora and record.config["trainer"]["total_steps"] == 7
+    assert Path(cfg.paths.outputs) == tmp_path / "outputs" / "run-a"

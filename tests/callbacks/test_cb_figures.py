@@ -11,9 +11,7 @@ from collections import Counter
 import pytest
 
 from atlas_lightning.reward.summary import step_summary
-from atlas_lightning.callbacks.artifacts import ArtifactDumpCallback
 from atlas_lightning.callbacks.figures import TRAIN_FIGURES, VAL_FIGURES, FiguresCallback
-from atlas_lightning.callbacks.validation import ValidationCallback
 from atlas_lightning.config import run_dirs
 from atlas_lightning.env.terminal import TERMINAL_REASONS
 from atlas_lightning.store.records import read_record
@@ -29,8 +27,8 @@ def _counts_on_disk(artifacts, partition, step):
 
 def test_figures_and_terminal_reason_history(tmp_path, h, chat):
     cfg = h.make_cfg(tmp_path, total_steps=4)
-    figures = FiguresCallback(every_n_steps=3)
-    h.fit(cfg, chat, [ArtifactDumpCallback(), ValidationCallback(val_every=2), figures])
+    figures = h.callback(cfg, "figures", every_n_steps=3)
+    h.fit(cfg, chat, [h.callback(cfg, "artifacts"), h.callback(cfg, "validation", val_every=2), figures])
     artifacts = run_dirs(cfg)["artifacts"]
 
     for folder, names in (("train_figures", TRAIN_FIGURES), ("val_figures", VAL_FIGURES)):
@@ -58,14 +56,14 @@ def test_figures_and_terminal_reason_history(tmp_path, h, chat):
 
 def test_a_resumed_run_continues_the_curves(tmp_path, h, chat):
     cfg = h.make_cfg(tmp_path, total_steps=4)
-    first = FiguresCallback()
+    first = h.callback(cfg, "figures")
     module, dm = h.ScriptedModule(cfg), h.ScriptedDataModule(cfg, chat)
     trainer = h.make_trainer([first])
     dm.total_steps = 2  # the first launch stops after step 2
     trainer.fit(module, datamodule=dm)
     state = json.loads(json.dumps(first.state_dict()))  # plain JSON: safe in any checkpoint
 
-    second = FiguresCallback()
+    second = h.callback(cfg, "figures")
     second.load_state_dict(state)
     dm = h.ScriptedDataModule(cfg, chat)
     dm.load_state_dict({"next_step": 3})
@@ -77,7 +75,7 @@ def test_a_resumed_run_continues_the_curves(tmp_path, h, chat):
 
 
 def test_a_step_seen_again_replaces_what_followed_it():
-    figures = FiguresCallback()
+    figures = FiguresCallback(artifacts="artifacts")
     row = {"benchmark": "gpqa", "subsets": {}, "acc": 1.0, "objective": 1.0, "cost": 0.0, "cost_usd": 0.0,
            "explores": 0, "score": 1.0, "terminal_reason": "submitted"}
     for step in (1, 2, 3, 2):
@@ -96,7 +94,7 @@ def test_a_figure_set_is_cheap(tmp_path):
 
     def history(trajectories: int) -> FiguresCallback:
         rng = random.Random(0)
-        figures = FiguresCallback()
+        figures = FiguresCallback(artifacts=tmp_path)
         for step in range(1, 41):
             rows = [{"benchmark": rng.choice(["gpqa", "lcb"]), "subsets": {"subset": rng.choice("ab")},
                      "acc": float(rng.random() < 0.5), "objective": rng.random(), "cost": rng.random() / 10,
@@ -121,7 +119,7 @@ def test_a_figure_set_is_cheap(tmp_path):
 @pytest.mark.parametrize("kwargs", [{"every_n_steps": 0}, {"every_n_steps": 1.5}, {"dpi": 5}])
 def test_bad_arguments_are_refused(kwargs):
     with pytest.raises(ValueError, match="FiguresCallback"):
-        FiguresCallback(**kwargs)
+        FiguresCallback(artifacts="artifacts", **kwargs)
 
 
 def test_figures_reach_wandb(tmp_path, h, chat, monkeypatch):
@@ -132,7 +130,8 @@ def test_figures_reach_wandb(tmp_path, h, chat, monkeypatch):
     wandb = pytest.importorskip("wandb")
     cfg = h.make_cfg(tmp_path, total_steps=2, extra=["logger.mode=offline"])
     try:
-        trainer = h.make_trainer([ValidationCallback(val_every=2), FiguresCallback()], logger=build_loggers(cfg))
+        trainer = h.make_trainer([h.callback(cfg, "validation", val_every=2), h.callback(cfg, "figures")],
+                                 logger=build_loggers(cfg))
         trainer.fit(h.ScriptedModule(cfg), datamodule=h.ScriptedDataModule(cfg, chat))
     finally:
         wandb.finish()

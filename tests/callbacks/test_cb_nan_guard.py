@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from atlas_lightning.store.checkpoints import is_complete, latest_complete
-from atlas_lightning.callbacks.artifacts import ArtifactDumpCallback
-from atlas_lightning.callbacks.figures import FiguresCallback
 from atlas_lightning.callbacks.nan_guard import (
     NaNGuardCallback,
     NonFiniteError,
@@ -19,7 +17,6 @@ from atlas_lightning.callbacks.nan_guard import (
     describe_applied,
     merge_diagnostics,
 )
-from atlas_lightning.callbacks.validation import ValidationCallback
 from atlas_lightning.config import run_dirs
 from atlas_lightning.store.records import read_record, read_step_tensors, verify_manifest
 
@@ -29,8 +26,8 @@ def test_stop_ends_the_run_at_the_bad_step_with_the_last_good_checkpoint_intact(
     dirs = run_dirs(cfg)
     # Step 4 would be saved (save_every 2) and validated (val_every 4): it turns NaN.
     checkpoint = h.FolderCheckpoint(save_every=2)
-    callbacks = [ArtifactDumpCallback(), ValidationCallback(val_every=4, val_before_train=False), FiguresCallback(),
-                 NaNGuardCallback(policy="stop"), checkpoint]
+    callbacks = [h.callback(cfg, "artifacts"), h.callback(cfg, "validation", val_every=4, val_before_train=False),
+                 h.callback(cfg, "figures"), h.callback(cfg, "nan_guard", policy="stop"), checkpoint]
     module, dm = h.ScriptedModule(cfg, nan_at={4}), h.ScriptedDataModule(cfg, chat)
     trainer = h.make_trainer(callbacks)
     good = dirs["checkpoints"] / "global_step_2"
@@ -75,16 +72,16 @@ def test_stop_ends_the_run_at_the_bad_step_with_the_last_good_checkpoint_intact(
 def test_stop_without_a_checkpoint_says_so(tmp_path, h, chat):
     cfg = h.make_cfg(tmp_path, total_steps=3)
     with pytest.raises(NonFiniteError, match="step 1: .*there is no complete checkpoint to resume from") as caught:
-        h.fit(cfg, chat, [NaNGuardCallback()], nan_at={1})
+        h.fit(cfg, chat, [h.callback(cfg, "nan_guard")], nan_at={1})
     assert caught.value.last_good_checkpoint is None
 
 
 def test_rollback_restores_the_last_good_checkpoint_and_goes_on(tmp_path, h, chat):
     cfg = h.make_cfg(tmp_path, total_steps=5)
     dirs = run_dirs(cfg)
-    guard = NaNGuardCallback(policy="rollback")
+    guard = h.callback(cfg, "nan_guard", policy="rollback")
     checkpoint, listener = h.FolderCheckpoint(save_every=2), h.RestoreListener()
-    _, module, _ = h.fit(cfg, chat, [ArtifactDumpCallback(), guard, listener, checkpoint], nan_at={3})
+    _, module, _ = h.fit(cfg, chat, [h.callback(cfg, "artifacts"), guard, listener, checkpoint], nan_at={3})
 
     good = dirs["checkpoints"] / "global_step_2"
     assert module.restored == [good] and listener.calls == [(3, good)]
@@ -100,10 +97,10 @@ def test_rollback_restores_the_last_good_checkpoint_and_goes_on(tmp_path, h, cha
 def test_rollback_stops_without_a_checkpoint_or_past_its_limit(tmp_path, h, chat):
     cfg = h.make_cfg(tmp_path, total_steps=5)
     with pytest.raises(NonFiniteError, match="step 1: .*rollback impossible: no checkpoint"):
-        h.fit(cfg, chat, [NaNGuardCallback(policy="rollback")], nan_at={1})
+        h.fit(cfg, chat, [h.callback(cfg, "nan_guard", policy="rollback")], nan_at={1})
 
     cfg = h.make_cfg(tmp_path, name="limit", total_steps=5)
-    guard = NaNGuardCallback(policy="rollback", max_rollbacks=1)
+    guard = h.callback(cfg, "nan_guard", policy="rollback", max_rollbacks=1)
     with pytest.raises(NonFiniteError, match="step 4: .*rollback refused: 1 rollbacks already, max_rollbacks=1"):
         h.fit(cfg, chat, [guard, h.FolderCheckpoint(save_every=2)], nan_at={3, 4})
     assert [e["action"] for e in guard.events] == ["rollback", "stop"]
@@ -135,7 +132,7 @@ def test_probe_logprobs_must_be_finite():
     check_probe_logprobs(torch.tensor([-0.5, -1.0], dtype=torch.bfloat16), step=4)
     with pytest.raises(NonFiniteError, match=r"step 7: the engine's probe log-probs hold 1 non-finite value\(s\) of 3 "
                                              r"\(position: value 1: nan\)") as caught:
-        NaNGuardCallback().check_probe(np.array([-0.1, np.nan, -0.2]), step=7)
+        NaNGuardCallback("artifacts", "checkpoints", "run").check_probe(np.array([-0.1, np.nan, -0.2]), step=7)
     assert caught.value.step == 7 and caught.value.what == ["probe_logprobs"]
     with pytest.raises(NonFiniteError, match="2 non-finite"):
         check_probe_logprobs(torch.tensor([[-0.1, float("-inf")], [float("inf"), -1.0]]), step=2)
@@ -168,4 +165,4 @@ def test_diagnostics_of_several_ranks_merge():
 ])
 def test_bad_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        NaNGuardCallback(**kwargs)
+        NaNGuardCallback("artifacts", "checkpoints", "run", **kwargs)

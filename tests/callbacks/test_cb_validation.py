@@ -30,13 +30,17 @@ EXPECTED = {
 EXPECTED_ACC = {"gpqa-gv1": 1, "gpqa-gv2": 0, "gpqa-gv3": 1, "lcb-lv1": 1, "lcb-lv2": 0}
 
 
+#: The folder and name arguments, for tests that write nothing.
+FOLDERS = {"artifacts": "artifacts", "checkpoints": "checkpoints", "run_id": "run"}
+
+
 def _val_logs(module):
     return {step: metrics for step, metrics in module.logged if "gpqa/overall/acc" in metrics}
 
 
 def test_validation_runs_before_training_every_n_steps_and_at_the_last(tmp_path, h, chat):
     cfg = h.make_cfg(tmp_path, total_steps=3)
-    _, module, dm = h.fit(cfg, chat, [ValidationCallback(val_every=2)])
+    _, module, dm = h.fit(cfg, chat, [h.callback(cfg, "validation", val_every=2)])
     assert dm.val_calls == [0, 2, 3]
     logs = _val_logs(module)
     assert sorted(logs) == [0, 2, 3]
@@ -87,7 +91,7 @@ def test_validation_leaves_training_random_draws_alone(tmp_path, h, chat):
     assert random.getstate() != state[0] and not torch.equal(torch.get_rng_state(), state[1])
 
     draws = []
-    for callbacks in ([], [ValidationCallback(val_every=1)]):
+    for callbacks in ([], [h.callback(cfg, "validation", val_every=1)]):
         L.seed_everything(123, verbose=False)
         _, module, dm = h.fit(cfg, chat, callbacks)
         draws.append(module.draws)
@@ -98,10 +102,10 @@ def test_validation_leaves_training_random_draws_alone(tmp_path, h, chat):
 
 def test_no_step_0_when_disabled_or_resumed(tmp_path, h, chat):
     cfg = h.make_cfg(tmp_path, total_steps=2)
-    _, _, dm = h.fit(cfg, chat, [ValidationCallback(val_every=2, val_before_train=False)])
+    _, _, dm = h.fit(cfg, chat, [h.callback(cfg, "validation", val_every=2, val_before_train=False)])
     assert dm.val_calls == [2]
 
-    resumed = ValidationCallback(val_every=5, val_on_last_step=False)
+    resumed = h.callback(cfg, "validation", val_every=5, val_on_last_step=False)
     resumed.load_state_dict({"validated": [0]})
     _, _, dm = h.fit(cfg, chat, [resumed])
     assert dm.val_calls == []
@@ -109,16 +113,16 @@ def test_no_step_0_when_disabled_or_resumed(tmp_path, h, chat):
 
 
 def test_should_validate():
-    callback = ValidationCallback(val_every=5)
+    callback = ValidationCallback(**FOLDERS, val_every=5)
     assert [s for s in range(1, 41) if callback.should_validate(s, 40)] == [5, 10, 15, 20, 25, 30, 35, 40]
     assert [s for s in range(1, 13) if callback.should_validate(s, 12)] == [5, 10, 12]
-    assert [s for s in range(1, 13) if ValidationCallback(val_every=0).should_validate(s, 12)] == [12]
+    assert [s for s in range(1, 13) if ValidationCallback(**FOLDERS, val_every=0).should_validate(s, 12)] == [12]
 
 
 @pytest.mark.parametrize("value", [-1, 2.5, "5", True])
 def test_bad_val_every_is_refused(value):
     with pytest.raises(ValueError, match="val_every must be an int >= 0"):
-        ValidationCallback(val_every=value)
+        ValidationCallback(**FOLDERS, val_every=value)
 
 
 def test_subset_views_are_named_without_ambiguity():

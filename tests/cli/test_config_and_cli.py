@@ -99,8 +99,12 @@ def test_outputs_go_under_paths_root_and_name(tmp_path):
     from atlas_lightning.run.wiring import prepare_run
 
     cfg = compose(["experiment=tiny-cpu", f"paths.root={tmp_path}", "name=demo"])
-    dirs = prepare_run(cfg, "fit")
-    assert dirs["outputs"] == tmp_path / "outputs" / "demo" and dirs == run_dirs(cfg)
+    prepare_run(cfg, "fit")
+    dirs = run_dirs(cfg)
+    assert dirs["outputs"] == tmp_path / "outputs" / "demo" == Path(cfg.paths.outputs)
+    assert dirs == {"root": tmp_path, "artifacts": tmp_path / "artifacts" / "demo",
+                    "checkpoints": tmp_path / "checkpoints" / "demo", "outputs": tmp_path / "outputs" / "demo",
+                    "logs": tmp_path / "logs", "wandb": tmp_path / "wandb", "runs": tmp_path / "runs" / "demo"}
     assert OmegaConf.load(dirs["outputs"] / "config.yaml") == cfg
     assert (dirs["outputs"] / "main_ppo.log").exists()  # the name report 28's runs wrote
     assert not (dirs["outputs"] / "main.log").exists()

@@ -21,6 +21,9 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
   paths that leave CPU runs as they were (``models/fused_kernels.py``, ``models/attention.py``).
 * ``data.label_conflicts`` (``refuse``): GPQA rows whose ground truth contradicts a candidate are
   refused (every snapshot's data had none).
+* the run's folders, ``paths.{artifacts,checkpoints,outputs,logs,wandb,runs}``, derived from
+  ``paths.root`` and ``name`` (the README's layout, which ``run_dirs`` computed), and the callbacks'
+  arguments interpolated from them, ``name`` and ``trainer.total_steps`` (``derived``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,28 @@ ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.de
          "model.critic_lora.rank": None, "model.critic_lora.alpha": None, "model.critic_lora.dropout": None,
          "model.critic_lora.target_modules": None, "model.elementwise_kernels": "auto",
          "model.attention_length_bucket": None, "data.label_conflicts": "refuse"}
+
+
+def derived(now: dict) -> dict:
+    """The keys ``now`` (a flat composition) gained by deriving the run's folders in ``paths`` and
+    handing the callbacks their folders and settings as arguments."""
+    root, name, steps = now["paths.root"], now["name"], now["trainer.total_steps"]
+    paths = {"artifacts": f"{root}/artifacts/{name}", "checkpoints": f"{root}/checkpoints/{name}",
+             "outputs": f"{root}/outputs/{name}", "logs": f"{root}/logs", "wandb": f"{root}/wandb",
+             "runs": f"{root}/runs/{name}"}
+    arguments = {
+        "nan_guard": {"artifacts": paths["artifacts"], "checkpoints": paths["checkpoints"], "run_id": name},
+        "artifacts": {"artifacts": paths["artifacts"], "run_id": name},
+        "validation": {"total_steps": steps, "artifacts": paths["artifacts"], "checkpoints": paths["checkpoints"],
+                       "run_id": name},
+        "figures": {"total_steps": steps, "artifacts": paths["artifacts"]},
+        "checkpoint": {"total_steps": steps, "checkpoints": paths["checkpoints"]},
+    }
+    out = {f"paths.{key}": value for key, value in paths.items()}
+    for callback, values in arguments.items():
+        if f"callbacks.{callback}._target_" in now:
+            out.update({f"callbacks.{callback}.{key}": value for key, value in values.items()})
+    return out
 
 
 def _flat(node, prefix: str = "") -> dict:
@@ -97,4 +122,4 @@ def test_composed_values_are_the_snapshots(case, monkeypatch):
     assert changed == {}, changed
     assert not (REMOVED | set(MOVED)) & set(now)
     new = {key: now[key] for key in set(now) - set(before)}
-    assert new == ADDED
+    assert new == {**ADDED, **derived(now)}

@@ -22,7 +22,8 @@ from atlas_lightning.questions.schema import Candidate, Question
 from atlas_lightning.demo.tiny_orchestrator import TINY_CPU_LIMITS, TINY_CPU_RUNTIME
 from atlas_lightning.env.grading import RevealedCandidate
 from atlas_lightning.env.parsing import CALL, parse_turn
-from atlas_lightning.rollout.agent_loop import AgentLoop, LoopLimits, Sampling, Trajectory
+from atlas_lightning.config import LoopLimits
+from atlas_lightning.rollout.agent_loop import AgentLoop, Sampling, Trajectory
 from atlas_lightning.rollout.engine import Engine, GenerationRequest, GenerationResult
 
 

@@ -56,7 +56,8 @@ def test_the_diagnostic_counts_the_steps_applied_before_the_nan(cfg):
     module = _NaNAtActorMiniBatch(cfg, nan_step=2, nan_mini_batch=4)  # actor: epoch 1, mini-batch 4 of 4
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=[NaNGuardCallback(policy="stop")], default_root_dir=str(run_dirs(cfg)["outputs"]))
+                        callbacks=[NaNGuardCallback(cfg.paths.artifacts, cfg.paths.checkpoints, cfg.name, policy="stop")],
+                        default_root_dir=str(run_dirs(cfg)["outputs"]))
     with pytest.raises(NonFiniteError) as caught:
         trainer.fit(module, datamodule=SyntheticData(cfg, steps=2, vocab_size=module_vocab(cfg)))
     message = str(caught.value)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from atlas_lightning.env.episode import Episode, RuntimeConfig
-from atlas_lightning.rollout.agent_loop import AgentLoop, LoopLimits, Sampling, Trajectory
+from atlas_lightning.config import LoopLimits
+from atlas_lightning.rollout.agent_loop import AgentLoop, Sampling, Trajectory
 from atlas_lightning.questions.uid import trajectory_uid
 from atlas_lightning.rollout.batch import assemble_batch, session_id
 from atlas_lightning.reward import CostReward

@@ -66,6 +66,7 @@ def test_memory_check_verb_on_cpu_writes_each_phase(tiny_model_dir, sample_data_
     assert "VmHWM" in report["measures"]
     assert report["generation"] == [{"measured": False, "why": "not measured (generation=False)"}]
     assert report["plan"]["device"] == "cpu"
+    assert report["lora"] == report["plan"]["model"]["lora"]  # the run's facts, as the plan sized them
     out = capsys.readouterr().out
     assert "update_actor" in out and "generation: not measured" in out
     assert (tmp_path / "outputs" / "tiny-cpu" / "config.yaml").is_file()  # prepare_run wrote the resolved config

@@ -59,7 +59,8 @@ def _checkpoint(root, step, *, adapters=None, state=None):
             save_adapter(adapters, role, target)
         else:
             target.mkdir(parents=True)
-            (target / "adapter_config.json").write_text(json.dumps({"r": 4, "role": role}))
+            (target / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                                                                    "role": role}))
             (target / "adapter_model.safetensors").write_bytes(bytes(range(256)) * (step + 1))
     (folder / "lightning").mkdir(parents=True)
     (folder / "lightning" / "state.ckpt").write_bytes(_state_bytes() if state is None else state)
@@ -172,13 +173,13 @@ def cfg_of(tmp_path, sample_data_dir):
 
 
 def test_resume_auto_falls_back_to_the_newest_checkpoint_that_verifies_and_says_so(tmp_path, cfg_of):
-    from atlas_lightning.run.wiring import check_inputs
+    from atlas_lightning.run.facts import check_inputs
 
     checkpoints = tmp_path / "checkpoints" / "run"
     for step in (5, 10):
         _checkpoint(checkpoints, step)
     (checkpoints / "global_step_10" / "lightning" / "state.ckpt").unlink()
-    start = check_inputs(cfg_of("trainer.resume=auto"))
+    start = check_inputs(cfg_of("trainer.resume=auto")).start
     assert start.resume == checkpoints / "global_step_5"
     assert start.state == str(checkpoints / "global_step_5" / "lightning" / "state.ckpt")
     assert start.notes[0].startswith(f"trainer.resume=auto: skipped {checkpoints / 'global_step_10'}: "
@@ -187,17 +188,17 @@ def test_resume_auto_falls_back_to_the_newest_checkpoint_that_verifies_and_says_
 
 
 def test_resume_auto_refuses_when_no_checkpoint_verifies(tmp_path, cfg_of):
-    from atlas_lightning.run.wiring import check_inputs
+    from atlas_lightning.run.facts import check_inputs
 
     checkpoints = tmp_path / "checkpoints" / "run"
     (_checkpoint(checkpoints, 5) / "lightning" / "state.ckpt").write_bytes(b"")
     with pytest.raises(ConfigError, match="trainer.resume=auto: no checkpoint of this run verifies"):
         check_inputs(cfg_of("trainer.resume=auto"))
-    assert check_inputs(cfg_of("name=other", "trainer.resume=auto")).resume is None  # nothing to resume
+    assert check_inputs(cfg_of("name=other", "trainer.resume=auto")).start.resume is None  # nothing to resume
 
 
 def test_an_explicit_resume_or_init_from_must_verify(tmp_path, cfg_of):
-    from atlas_lightning.run.wiring import check_inputs
+    from atlas_lightning.run.facts import check_inputs
 
     folder = _checkpoint(tmp_path / "elsewhere", 7)
     (folder / "actor" / "lora_adapter" / "adapter_model.safetensors").write_bytes(b"\0" * 10)
@@ -208,7 +209,7 @@ def test_an_explicit_resume_or_init_from_must_verify(tmp_path, cfg_of):
 
 
 def test_init_from_needs_a_complete_checkpoint_as_resume_does(tmp_path, cfg_of):
-    from atlas_lightning.run.wiring import check_inputs
+    from atlas_lightning.run.facts import check_inputs
 
     folder = _checkpoint(tmp_path / "elsewhere", 7)
     (folder / MARKER).unlink()
@@ -217,7 +218,7 @@ def test_init_from_needs_a_complete_checkpoint_as_resume_does(tmp_path, cfg_of):
 
 
 def test_init_from_with_the_actor_alone_checks_the_actor_alone(tmp_path, cfg_of):
-    from atlas_lightning.run.wiring import check_inputs
+    from atlas_lightning.run.facts import check_inputs
 
     folder = _checkpoint(tmp_path / "elsewhere", 7)
     (folder / "critic" / "lora_adapter" / "adapter_model.safetensors").write_bytes(b"\0")
@@ -275,7 +276,7 @@ def _write_state(folder, state, distributed: bool) -> None:
 @pytest.mark.parametrize("damage, change, message", _PARTIAL, ids=[d for d, _, _ in _PARTIAL])
 def test_a_resume_from_a_partial_state_is_refused_before_anything_is_written(tmp_path, cfg_of, damage, change, message,
                                                                            distributed):
-    from atlas_lightning.run.wiring import check_inputs
+    from atlas_lightning.run.facts import check_inputs
 
     folder = _checkpoint(tmp_path / "elsewhere", 3)
     _write_state(folder, resumable_state(), distributed)
@@ -287,12 +288,42 @@ def test_a_resume_from_a_partial_state_is_refused_before_anything_is_written(tmp
 
 def test_an_actor_that_has_not_stepped_yet_resumes(tmp_path, cfg_of):
     """During critic warm-up the actor optimizer has no state: a resume is whole without it."""
-    from atlas_lightning.run.wiring import check_inputs
+    from atlas_lightning.run.facts import check_inputs
 
     state = resumable_state()
     state["optimizer_states"][0]["state"] = {}
     folder = _checkpoint(tmp_path / "elsewhere", 3, state=_state_bytes(optimizer_states=state["optimizer_states"]))
-    assert check_inputs(cfg_of(f"trainer.resume={folder}")).resume == folder
+    assert check_inputs(cfg_of(f"trainer.resume={folder}")).start.resume == folder
+
+
+def test_the_checks_return_what_they_read_once(tmp_path, cfg_of, sample_data_dir):
+    """What the checks load is what the run uses: the splits, the starting adapter's LoRA shape
+    (its own config's, the critic's from the config), the folders."""
+    from atlas_lightning.questions.loader import load_split
+    from atlas_lightning.run.facts import check_inputs
+
+    folder = _checkpoint(tmp_path / "elsewhere", 7)
+    cfg = cfg_of(f"trainer.init_from={folder}", "trainer.init_critic=false", "data.val_max_questions=3")
+    facts = check_inputs(cfg)
+    assert facts.folders["checkpoints"] == tmp_path / "checkpoints" / "run"
+    assert facts.lora["actor"].rank == 4 and facts.lora["actor"].target_modules == ("q_proj",)
+    assert facts.lora["actor"].source == str(folder / "actor" / "lora_adapter" / "adapter_config.json")
+    assert facts.lora["critic"].source == "model.lora" and facts.lora["critic"].rank == cfg.model.lora.rank
+    assert facts.questions.train == load_split(cfg.data, "train")
+    assert len(facts.questions.val) == 3 * len(cfg.data.benchmarks)
+    assert check_inputs(cfg, data=False).questions is None
+
+
+def test_a_starting_adapter_without_a_lora_shape_is_refused_before_anything_is_written(tmp_path, cfg_of):
+    from atlas_lightning.run.facts import check_inputs
+    from atlas_lightning.store.lora_shapes import AdapterConfigError
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 4}))
+    with pytest.raises(AdapterConfigError, match="field lora_alpha=None is not a positive number"):
+        check_inputs(cfg_of(f"model.actor_adapter={adapter}"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "model"]
 
 
 # -- resuming this run's model from a checkpoint of another ---------------------------------------

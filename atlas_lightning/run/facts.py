@@ -1,0 +1,154 @@
+"""The run's facts: what a run starts from, verified and resolved once at start-up.
+
+``check_inputs`` verifies what the run reads before anything is written and returns what it
+read, as one ``RunFacts``: the run's folders, the LoRA shape each adapter trains, the question
+splits, and the checkpoint it resumes from. Verifying is loading: the splits and adapter configs
+checked here are the ones the run uses, never read a second time. Each component gets only its
+slice (``run/verbs.py``): the datamodule the splits, the callbacks their folders (interpolated
+from ``paths.*`` in ``conf/callbacks/``) and the run's record its LoRA shapes.
+
+Who calls it: ``run/verbs.py`` (fit, validate), ``run/memory_check.py`` (no splits), tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional
+
+from omegaconf import DictConfig
+
+from atlas_lightning.config import ConfigError, run_dirs
+from atlas_lightning.questions.loader import QuestionSplits
+from atlas_lightning.store.lora_shapes import LoraShape
+
+
+@dataclass
+class StartingPoint:
+    """The checkpoint a run resumes from, verified (``resume_path``)."""
+
+    #: The ``global_step_N`` folder ``trainer.resume`` resolved to (None: a fresh run).
+    resume: Optional[Path] = None
+    #: What ``trainer.fit(ckpt_path=...)`` takes for it.
+    state: Optional[str] = None
+    #: What was decided on the way (e.g. newer checkpoints that did not verify), for the run's log.
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a run starts from (module doc), made once by ``check_inputs``."""
+
+    #: The README's "On-disk layout" of this run (``config.run_dirs``: ``root``, ``artifacts``, ...).
+    folders: Mapping[str, Path]
+    #: ``{"actor", "critic"}``: the LoRA each adapter trains, from its starting folder's
+    #: ``adapter_config.json`` or the config (``store.lora_shapes.lora_shapes``).
+    lora: Mapping[str, LoraShape]
+    #: The train and validation questions (None for a verb that reads none: memory-check).
+    questions: Optional[QuestionSplits]
+    #: The checkpoint it resumes from (``resume_path``).
+    start: StartingPoint
+
+
+def check_inputs(cfg: DictConfig, *, data: bool = True) -> RunFacts:
+    """Verify what the run reads before anything is written (every verb that loads the model
+    calls it first) and return it: the run's folders (``paths.*``: writable, or creatable),
+    ``model.path`` (``planning.model_folder``), the question splits (``data``: every file of the
+    train and validation splits loads, ``questions.loader.load_splits``), ``trainer.init_from``
+    (a complete checkpoint whose adapters verify against ``checkpoint.json``), the starting
+    adapter folders and their LoRA shapes (``store.lora_shapes``), and ``trainer.resume``
+    (``resume_path``). ``ConfigError`` / ``DataError`` / ``AdapterConfigError`` naming the key
+    or file otherwise (the CLI exits 2)."""
+    from atlas_lightning.planning.model_folder import check_model_folder
+    from atlas_lightning.store.checkpoints import CheckpointError, verify_checkpoint
+    from atlas_lightning.store.lora_shapes import lora_shapes
+
+    from atlas_lightning.run.environment import check_machine
+
+    folders = run_dirs(cfg)
+    _check_writable(folders)
+    check_machine(cfg)
+    check_model_folder(cfg.model.path)
+    questions = None
+    if data:
+        from atlas_lightning.questions.loader import load_splits
+
+        questions = load_splits(cfg.data)
+    if cfg.trainer.init_from:
+        parts = ("actor", "critic") if cfg.trainer.init_critic else ("actor",)
+        try:
+            verify_checkpoint(Path(cfg.trainer.init_from), parts=parts)
+        except CheckpointError as err:
+            raise ConfigError(f"trainer.init_from={cfg.trainer.init_from}: {err}") from None
+    for role in ("actor", "critic"):
+        folder = cfg.model.get(f"{role}_adapter")
+        if folder and not Path(folder).is_dir():
+            raise ConfigError(f"model.{role}_adapter={folder}: no such folder")
+    return RunFacts(folders=folders, lora=lora_shapes(cfg), questions=questions,
+                    start=resume_path(cfg, folders["checkpoints"]))
+
+
+def _check_writable(dirs: Mapping[str, Path]) -> None:
+    """Every folder the run writes (``run_dirs``: root, outputs, logs, checkpoints, artifacts,
+    runs, wandb) is a folder, or the nearest existing folder above it is, and a file can be made
+    there. Tried with an unnamed temporary file rather than ``os.access``, which says yes to root
+    on a read-only mount, an immutable folder or ``/proc``."""
+    import tempfile
+
+    for key, folder in dirs.items():
+        existing = folder
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        where = f"paths.root={folder}" if key == "root" else f"the run's {key} folder {folder}"
+        if not existing.is_dir():
+            raise ConfigError(f"{where}: {existing} is not a folder")
+        try:
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as err:
+            raise ConfigError(f"{where}: {existing} is not writable ({err.strerror or err}); "
+                              f"choose another paths.root or fix the folder's permissions") from None
+
+
+def resume_path(cfg: DictConfig, checkpoints: Path) -> StartingPoint:
+    """``trainer.resume``: None (fresh), ``auto`` (this run's newest checkpoint under
+    ``checkpoints`` that verifies; newer ones that do not are named in ``notes``; if checkpoints
+    exist and none verifies it is refused rather than started afresh over them) or a
+    ``global_step_N`` folder, which must verify (``store.checkpoints.verify_checkpoint``: marker,
+    file list, sizes, sha256)."""
+    from atlas_lightning.store.checkpoints import (
+        CheckpointError, latest_verified, lightning_state_path, verify_checkpoint,
+    )
+
+    resume = cfg.trainer.resume
+    if not resume:
+        return StartingPoint()
+    if resume == "auto":
+        folder, refusals = latest_verified(checkpoints)
+        notes = [f"trainer.resume=auto: skipped {reason}" for reason in refusals]
+        if folder is None and refusals:
+            raise ConfigError("trainer.resume=auto: no checkpoint of this run verifies:\n  " + "\n  ".join(refusals)
+                              + "\nmove the damaged folders away, or set trainer.resume=null to start afresh")
+        if folder is not None:
+            _check_state(folder, "trainer.resume=auto")
+            notes.append(f"trainer.resume=auto: resuming from {folder} (verified)")
+        return StartingPoint(folder, str(lightning_state_path(folder)) if folder else None, notes)
+    folder = Path(resume)
+    if not folder.exists():
+        raise ConfigError(f"trainer.resume={resume}: no such folder (a global_step_N folder of a run, or auto)")
+    try:
+        verify_checkpoint(folder)
+    except CheckpointError as err:
+        raise ConfigError(f"trainer.resume={resume}: {err}") from None
+    _check_state(folder, f"trainer.resume={resume}")
+    return StartingPoint(folder, str(lightning_state_path(folder)), [f"trainer.resume: resuming from {folder} (verified)"])
+
+
+def _check_state(folder: Path, key: str) -> None:
+    """The checkpoint's Lightning state is whole (``run/resume_state.py``), or the key is refused."""
+    from atlas_lightning.run.resume_state import ResumeStateError, check_resume_state
+
+    try:
+        check_resume_state(folder)
+    except ResumeStateError as err:
+        raise ConfigError(f"{key}: {err}") from None
