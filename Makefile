@@ -1,5 +1,5 @@
 # Two commands: `make demo` (set up, build the embedded default's model and data, train) and
-# `make test` (set up, run the tests). Both are idempotent: set-up reruns only when
+# `make test` (set up, lint with ruff, run the tests). Both are idempotent: set-up reruns only when
 # pyproject.toml changes, and built artefacts are reused.
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -41,6 +41,7 @@ demo: assets
 	ATLAS_LIGHTNING_CACHE=$(CACHE) $(BIN)/atlas-lightning fit experiment=tiny-cpu $(DEMO_ARGS)
 
 test: setup
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean-venv:

@@ -175,7 +175,7 @@ class RolloutConfig:
     weight_sync: str = "lora"
     bucket_mb: int = 512
     #: Merged weights to a server (separate layout): the backend of vLLM's weight-transfer API,
-    #: ``nccl`` (vLLM's own, GPUs) or ``gloo`` (``rollout/gloo_transfer.py``, CPU); None: by device.
+    #: ``nccl`` (vLLM's own, GPUs) or ``gloo`` (``rollout/engines/gloo_transfer.py``, CPU); None: by device.
     weight_transfer: Optional[str] = None
     request_timeout_s: float = 600.0
     max_retries: int = 2
@@ -298,7 +298,7 @@ class HubConfig:
     private: bool = True
     endpoint: Optional[str] = None
     publish_checkpoints: bool = False
-    #: The published README's "Question." paragraph (``publish``; None: no such paragraph).
+    #: The "Question." paragraph of the published README (``publish``; None: no such paragraph).
     description: Optional[str] = None
 
 

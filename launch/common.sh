@@ -44,7 +44,7 @@ atlas_root() {
 
 # The inputs of experiment RUN as overrides, one a line (for `mapfile`), from the launcher
 # variables that are set, where RUN's experiment file reads that input (a Qwen3.6-27B run:
-# ATLAS_BASE_MODEL -> model.path; on report 25's data: ATLAS_DATA_ROOT -> data.root; starting
+# ATLAS_BASE_MODEL -> model.path; on ATLAS report 25's data: ATLAS_DATA_ROOT -> data.root; starting
 # from another run's step: ATLAS_INIT_FROM -> trainer.init_from). None set: the experiment's own paths.
 atlas_report_inputs() {
   local file="$ATLAS_REPO/conf/experiment/$1.yaml"

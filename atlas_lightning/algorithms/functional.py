@@ -1,25 +1,23 @@
-"""Masked reductions and per-token log-prob/entropy, with verl 0.9's numerics.
+"""Masked reductions with verl 0.9's numerics.
 
 The twins of ``verl/utils/torch_functional.py`` (``masked_sum``, ``masked_mean``,
-``masked_var``, ``masked_whiten``, ``clip_by_value``, ``entropy_from_logits``,
-``logprobs_from_logits``): same argument names, defaults and arithmetic order, so results
-agree bit for bit on the same tensors (``tests/algorithms/verl_parity.py`` checks that).
+``masked_var``, ``masked_whiten``, ``clip_by_value``): same argument names, defaults and
+arithmetic order, so results agree bit for bit on the same tensors
+(``tests/algorithms/verl_parity.py`` checks that). Log-probs and entropy are computed from
+hidden states a chunk at a time (``models/logprobs.py``); verl's full-logits helpers are the
+tests' reference (``tests/algorithms/verl_reference.py``).
 
 Masks may be bool, integer or float tensors of the values' shape; a position counts when
 its mask is non-zero. Every function here is pure torch and differentiable where the maths
-is. Who calls it: ``ppo.py`` (losses, GAE whitening), the model room (entropy/log-probs
-from hidden-state chunks), metrics.
+is. Who calls it: ``ppo.py`` (losses, GAE whitening), ``kl.py``, the PPO step's metrics.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 __all__ = [
     "clip_by_value",
-    "entropy_from_logits",
-    "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
     "masked_var",
@@ -81,42 +79,3 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 def clip_by_value(x: torch.Tensor, tensor_min: torch.Tensor, tensor_max: torch.Tensor) -> torch.Tensor:
     """``x`` clamped element-wise into ``[tensor_min, tensor_max]`` (tensor bounds broadcast)."""
     return torch.max(torch.min(x, tensor_max), tensor_min)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats) of the categorical distribution of each row: ``(..., vocab) -> (...)``.
-
-    H = logsumexp(z) - sum softmax(z) * z, which never forms log(0).
-    """
-    probs = F.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - torch.sum(probs * logits, dim=-1)
-
-
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
-    """Log-probability of ``labels`` under ``logits``: ``(..., vocab), (...) -> (...)``.
-
-    verl's CPU path (``logprobs_from_logits_v2``): for float32/float64, the label's logit
-    minus a row-by-row logsumexp; for half precision, a row-by-row log_softmax (logsumexp
-    in bf16 is too coarse). Rows are the first dimension, processed one at a time so that
-    only one row's worth of temporaries exists at once. ``inplace_backward`` only concerns
-    verl's flash-attn kernel and is accepted for signature parity.
-    """
-    del inplace_backward
-    if logits.dim() < 2:
-        raise ValueError(f"logprobs_from_logits: logits must be (rows, ..., vocab), got shape {tuple(logits.shape)}")
-    if labels.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"logprobs_from_logits: labels shape {tuple(labels.shape)} must equal logits shape "
-            f"without the vocabulary dimension {tuple(logits.shape[:-1])}"
-        )
-    if logits.shape[0] == 0:
-        return logits.new_empty(labels.shape)
-    if logits.dtype in (torch.float32, torch.float64):
-        label_logits = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
-        normalisers = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-        return label_logits - normalisers
-    rows = []
-    for row_logits, row_labels in zip(logits, labels, strict=True):
-        row_logprobs = F.log_softmax(row_logits, dim=-1)
-        rows.append(row_logprobs.gather(dim=-1, index=row_labels.unsqueeze(-1)).squeeze(-1))
-    return torch.stack(rows)

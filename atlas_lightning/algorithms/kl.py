@@ -1,7 +1,7 @@
 """KL estimators between the actor and the base model, and the in-reward KL penalty.
 
-verl 0.9's ``kl_penalty`` / ``kl_penalty_forward`` / ``compute_rewards`` and its KL
-controllers (``verl/trainer/ppo/core_algos.py``), and a pure-tensor twin of
+verl 0.9's ``kl_penalty`` / ``kl_penalty_forward`` and its fixed KL controller
+(``verl/trainer/ppo/core_algos.py``), and a pure-tensor twin of
 ``apply_kl_penalty`` (``verl/trainer/ppo/ray_trainer.py``), which in verl edits a DataProto.
 All tensors are ``(bs, response_length)`` per-token log-probs of the sampled tokens.
 
@@ -14,24 +14,22 @@ takes k2's gradient (a straight-through estimator whose gradient is unbiased for
 
 Who calls it: the PPO step (``use_kl_loss``: the actor's KL loss; ``use_kl_in_reward``:
 ``apply_kl_penalty`` before GAE). Only a fixed coefficient is configured in this project
-(``algorithm.kl_coef``); ``AdaptiveKLController`` exists for parity and for users who want it.
+(``algorithm.kl_coef``); ``apply_kl_penalty`` also takes any controller with ``value`` and
+``update`` (verl's adaptive one is the tests' reference, ``tests/algorithms/verl_reference.py``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from .functional import masked_mean
 
 __all__ = [
-    "AdaptiveKLController",
     "FixedKLController",
     "KL_PENALTY_NAMES",
     "apply_kl_penalty",
-    "compute_rewards",
     "kl_penalty",
     "kl_penalty_forward",
 ]
@@ -78,12 +76,6 @@ def _kl_estimate(logprob: torch.Tensor, ref_logprob: torch.Tensor, name: str) ->
     return k2 - k2.detach() + forward.detach()
 
 
-def compute_rewards(token_level_scores, old_log_prob, ref_log_prob, kl_ratio):
-    """verl's older helper: ``token_level_scores - kl_ratio * (old_log_prob - ref_log_prob)`` (k1, unmasked)."""
-    kl = old_log_prob - ref_log_prob
-    return token_level_scores - kl * kl_ratio
-
-
 class FixedKLController:
     """A constant KL coefficient (``value``); ``update`` is a no-op. This project's default."""
 
@@ -92,24 +84,6 @@ class FixedKLController:
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """Nothing to adapt."""
-
-
-class AdaptiveKLController:
-    """Ziegler et al. 2019 (arXiv:1909.08593): moves ``value`` toward ``target_kl``.
-
-    ``value *= 1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon``.
-    """
-
-    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
-        if horizon <= 0:
-            raise ValueError(f"AdaptiveKLController: horizon={horizon} must be > 0")
-        self.value = init_kl_coef
-        self.target = target_kl
-        self.horizon = horizon
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        proportional_error = np.clip(current_kl / self.target - 1, -0.2, 0.2)
-        self.value *= 1 + proportional_error * n_steps / self.horizon
 
 
 def apply_kl_penalty(

@@ -45,7 +45,7 @@ gives the fewest micro-batches for that cost (an exchange argument: some optimal
 the ``floor(budget / longest)`` longest sequences together, and so on recursively; the tests
 check it against exhaustive search) and groups similar lengths, so little is padding.
 
-Who calls it: the PPO step (``module.py``) for every mini-batch; the memory planner.
+Who calls it: the PPO step (``ppo/module.py``) for every mini-batch; the memory planner.
 Pure Python; no torch.
 """
 

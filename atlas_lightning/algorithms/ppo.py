@@ -1,8 +1,10 @@
 """The PPO maths with verl 0.9's names, signatures and numerics.
 
 The twin of ``verl/trainer/ppo/core_algos.py`` for what this project uses: GAE, the clipped
-(dual-clip) policy loss, the clipped value loss, loss aggregation, the entropy loss and,
-re-exported from ``kl.py``/``functional.py``, the KL estimators and masked helpers. Same
+(dual-clip) policy loss, the clipped value loss, loss aggregation and, re-exported from
+``kl.py``/``functional.py``, the KL estimators and masked helpers. verl's functions the step
+does not run (the old-style ``compute_policy_loss``, ``compute_entropy_loss``, ...) are not
+here; ``tests/algorithms/verl_parity.py`` checks ours against verl's, those included. Same
 argument names, order, defaults and return tuples as verl; the arithmetic follows verl's
 order so that results agree bit for bit (``tests/algorithms/verl_parity.py``).
 
@@ -11,7 +13,7 @@ tokens the policy generated and 0 on prompt padding, tool responses and right pa
 Losses are scalars to minimise. Unlike verl, bad shapes and arguments raise ``ValueError``
 naming the argument instead of failing deep inside torch.
 
-Who calls it: the PPO step in ``module.py`` (advantages once per RL step; the losses on
+Who calls it: the PPO step in ``ppo/module.py`` (advantages once per RL step; the losses on
 every micro-batch).
 
 Data-parallel loss semantics (``agg_loss``): a rank's micro-batch loss is normalised by the
@@ -31,39 +33,29 @@ import torch
 
 from .functional import (
     clip_by_value,
-    entropy_from_logits,
-    logprobs_from_logits,
     masked_mean,
     masked_sum,
     masked_var,
     masked_whiten,
 )
 from .kl import (
-    AdaptiveKLController,
     FixedKLController,
     apply_kl_penalty,
-    compute_rewards,
     kl_penalty,
     kl_penalty_forward,
 )
 
 __all__ = [
     "LOSS_AGG_MODES",
-    "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
     "apply_kl_penalty",
     "clip_by_value",
-    "compute_entropy_loss",
     "compute_gae_advantage_return",
-    "compute_policy_loss",
     "compute_policy_loss_vanilla",
-    "compute_rewards",
     "compute_value_loss",
-    "entropy_from_logits",
     "kl_penalty",
     "kl_penalty_forward",
-    "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
     "masked_var",
@@ -221,7 +213,7 @@ def _clipped_surrogate(old_log_prob, log_prob, advantages, response_mask, clipra
     if not clip_ratio_c > 1.0:
         raise ValueError(f"policy loss: clip_ratio_c={clip_ratio_c} must be > 1.0 (the dual-clip bound on the ratio)")
     if cliprange_low is None or cliprange_high is None:
-        raise ValueError("policy loss: give cliprange, or both cliprange_low and cliprange_high")
+        raise ValueError("policy loss: the config needs clip_ratio, or both clip_ratio_low and clip_ratio_high")
     # exp of a log-ratio beyond +-20 overflows float16/bf16 and only happens on garbage tokens.
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
@@ -239,39 +231,6 @@ def _clipped_surrogate(old_log_prob, log_prob, advantages, response_mask, clipra
 
     pg_losses = torch.where(advantages < 0, dual_clipped, pessimistic)
     return pg_losses, pg_clipfrac, ppo_kl, pg_clipfrac_lower
-
-
-def compute_policy_loss(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    cliprange=None,
-    cliprange_low=None,
-    cliprange_high=None,
-    clip_ratio_c=3.0,
-    loss_agg_mode: str = "token-mean",
-):
-    """Clipped-ratio PPO loss with dual clip: verl's old-style (deprecated there) signature.
-
-    Per token, with ratio r = exp(clamp(log_prob - old_log_prob, -20, 20)) and advantage A:
-    ``l = max(-A r, -A clip(r, 1 - cliprange_low, 1 + cliprange_high))``, and for A < 0
-    additionally ``l = min(l, -A clip_ratio_c)``; aggregated with ``agg_loss(loss_agg_mode)``
-    over the micro-batch (local normalisation; use ``compute_policy_loss_vanilla`` for the
-    data-parallel one). ``cliprange_low``/``cliprange_high`` default to ``cliprange``.
-    This project's config calls them ``algorithm.clip_ratio_low/high/c``.
-
-    Returns ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, all 0-dim tensors.
-    """
-    if cliprange_low is None:
-        cliprange_low = cliprange
-    if cliprange_high is None:
-        cliprange_high = cliprange
-    pg_losses, pg_clipfrac, ppo_kl, pg_clipfrac_lower = _clipped_surrogate(
-        old_log_prob, log_prob, advantages, response_mask, cliprange_low, cliprange_high, clip_ratio_c
-    )
-    pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode)
-    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
 def _config_value(config: Any, key: str, default: Any) -> Any:
@@ -327,12 +286,6 @@ def compute_policy_loss_vanilla(
         "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach().item(),
     }
     return pg_loss, metrics
-
-
-def compute_entropy_loss(logits, response_mask, loss_agg_mode: str = "token-mean"):
-    """Mean entropy of ``(bs, T, vocab)`` logits over the response mask (``agg_loss``), a 0-dim tensor."""
-    token_entropy = entropy_from_logits(logits)
-    return agg_loss(loss_mat=token_entropy, loss_mask=response_mask, loss_agg_mode=loss_agg_mode)
 
 
 # ----------------------------------------------------------------------------- critic

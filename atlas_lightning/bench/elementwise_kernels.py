@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from atlas_lightning.models.lean_activations import RMSNormFunction
     from atlas_lightning.models.recompute import SwiGLUDownFunction
 
-    T, H, NQ, NK, D, I = args.tokens, 4096, 32, 8, 128, 12288
+    T, H, NQ, NK, D, I = args.tokens, 4096, 32, 8, 128, 12288  # noqa: E741 (I: the MLP's intermediate size)
     dev = "cuda"
     rows = []
 

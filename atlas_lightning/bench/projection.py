@@ -3,7 +3,7 @@
     python -m atlas_lightning.bench.projection --bench step_bench.json [--update-mfu X ...]
     python -m atlas_lightning.bench.projection --peak-tflops P --update-mfu U --forward-mfu F --decode-tokens-per-s D ...
 
-The training of record (report 28): the Qwen3.6-27B base, 8 cards colocated, 32 questions x 32
+The training of record (ATLAS report 28, the reproduced report): the Qwen3.6-27B base, 8 cards colocated, 32 questions x 32
 samples (1,024 trajectories), mini-batches of 8 questions, 2 PPO epochs, two TP4 engines; the
 report saw 7,351 s a step on 8 A100 80GB. What one H200 measured (``bench/step.py`` on the
 8B-shaped model, ``experiment=h200-8b``) is carried over phase by phase, each with its own

@@ -22,7 +22,6 @@ Who calls it: the CLI (``atlas-lightning data tiny-model --out DIR``), tests.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -37,6 +36,7 @@ from atlas_lightning.demo.tiny_tokenizer import (
     to_transformers,
     train_tokenizer,
 )
+from atlas_lightning.store.files import sha256_file
 
 TINY_ARCHITECTURE = {
     "hidden_size": 128,
@@ -86,10 +86,6 @@ def _add_template_to_config(folder: Path) -> None:
         jinja.write_text(CHAT_TEMPLATE, encoding="utf-8")
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def build_tiny_model(out: Path, seed: int = 0) -> dict:
     """Build the tokenizer and the randomly initialised model, and save both under ``out``.
 
@@ -137,5 +133,5 @@ def build_tiny_model(out: Path, seed: int = 0) -> dict:
         "vocab_size": VOCAB_SIZE,
         "parameters": parameters,
         "architecture": dict(TINY_ARCHITECTURE),
-        "files": {name: _sha256(out / name) for name in MODEL_FILES},
+        "files": {name: sha256_file(out / name) for name in MODEL_FILES},
     }

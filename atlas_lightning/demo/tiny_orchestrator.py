@@ -34,7 +34,6 @@ demo`` builds it into the cache once), tests.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -55,6 +54,7 @@ from atlas_lightning.demo.tiny_model import MODEL_FILES
 from atlas_lightning.env.episode import Episode, RuntimeConfig
 from atlas_lightning.env.terminal import TERMINAL_REASONS
 from atlas_lightning.rollout.agent_loop import LoopLimits
+from atlas_lightning.store.files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -291,10 +291,6 @@ def sample_questions(split: str, sample_seed: int = 0, per_benchmark: int | None
             for q in generate_questions(bench, split, count, sample_seed)[:per_benchmark]]
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _demo_stats(demos: Sequence[Demo]) -> dict:
     n = len(demos)
     return {
@@ -358,7 +354,7 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
             missing = [name for name in MODEL_FILES if not (base_dir / name).is_file()]
             if missing:
                 raise FileNotFoundError(f"build_tiny_orchestrator: base {base_dir} lacks {', '.join(missing)}")
-        base_weights = _sha256(base_dir / "model.safetensors")
+        base_weights = sha256_file(base_dir / "model.safetensors")
         chat = ChatFormat(AutoTokenizer.from_pretrained(base_dir))
         pad_id = chat.tokenizer.pad_token_id
 
@@ -411,7 +407,7 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
                         "eval": round(evaluated - trained, 2), "total": round(evaluated - started, 2)},
             "torch_threads": torch.get_num_threads(),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-            "files": {name: _sha256(staging / name) for name in MODEL_FILES},
+            "files": {name: sha256_file(staging / name) for name in MODEL_FILES},
         }
         (staging / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         for path in staging.iterdir():

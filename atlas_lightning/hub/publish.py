@@ -230,7 +230,7 @@ def publish_data_root(
         endpoint, token: the Hub (None: ``HF_ENDPOINT`` or huggingface.co; ``HF_TOKEN`` or saved login).
         name: the run the README puts first (None: every run found in the root, sorted).
         retries, backoff_s: extra attempts on transient errors and the first wait (doubling).
-        question: the README's "Question." paragraph (omitted when None).
+        question: the "Question." paragraph of the README (omitted when None).
         use_xet: see ``HubUploader`` (None: use Xet only when the endpoint offers it).
 
     Returns ``{"repo_id", "repo_type", "endpoint", "url", "commits", "files", "bytes",

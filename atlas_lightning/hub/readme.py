@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from atlas_lightning.env.terminal import TERMINAL_REASON_CODES
+from atlas_lightning.store.checkpoints import checkpoint_step
 from atlas_lightning.store.records import RECORD_FIELDS, TOKEN_ARRAY_FIELDS
 
 #: First line of every generated README: ``publish`` rewrites a README that has it and leaves
@@ -111,9 +112,9 @@ def _get(config: Mapping, dotted: str) -> Any:
 def _steps(root: Path, name: str) -> list[int]:
     out = []
     for child in (root / "checkpoints" / name).glob("global_step_*"):
-        match = re.fullmatch(r"global_step_(\d+)", child.name)
-        if match and child.is_dir():
-            out.append(int(match.group(1)))
+        step = checkpoint_step(child)
+        if step is not None and child.is_dir():
+            out.append(step)
     return sorted(out)
 
 

@@ -1,7 +1,7 @@
 """What identifies a base model, so an adapter is never started on a base it was not trained on.
 
-A path string says nothing (report 28 moved adapters between machines whose base folders lie
-at different paths), and a config can be shared by two different checkpoints of one
+A path string says nothing (ATLAS report 28, the report this project reproduces, moved
+adapters between machines whose base folders lie at different paths), and a config can be shared by two different checkpoints of one
 architecture (the base and a fine-tune of it). The identity therefore has two parts:
 
 * ``config``: architecture and the shape fields (``hidden_size``, layers, heads, vocabulary,

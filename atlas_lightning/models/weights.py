@@ -4,7 +4,7 @@ Everything here works from FULL tensors. Under FSDP2 a parameter is a DTensor sh
 dim 0, unevenly when the dim does not divide by the world size (torch.chunk semantics: with
 6 ranks some shards are short or empty). Merging shard by shard, ``B_shard @ A_shard``, is
 wrong (both LoRA factors are sharded on dim 0, so the shards do not multiply into a shard of
-``B @ A``): that is how report 28's 6-rank layout got NaN entropies. So each parameter is
+``B @ A``): that is how the 6-rank layout of ATLAS report 28 (the reproduced report) got NaN entropies. So each parameter is
 first gathered whole (``DTensor.full_tensor()``, a collective), then merged exactly as a
 one-process model would.
 

@@ -60,7 +60,7 @@ parameters, beside the engine asleep (or awake, without sleep mode) and the runt
 
 Weight sync: ``lora`` gathers the actor's full adapter (``4 R_a``); ``merged`` holds the engine's weights
 awake, a bucket (``max(bucket_mb, largest tensor)``) and one merged copy of the largest tensor.
-Separate layout, merged (vLLM's weight-transfer API, ``rollout/weight_transfer.py``): the
+Separate layout, merged (vLLM's weight-transfer API, ``rollout/engines/weight_transfer.py``): the
 sender (training rank 0) also holds vLLM's ``NCCL_NUM_BUFFERS`` packed send buffers of a bucket
 each; every serving card holds as many receive buffers beside the engine's budget, and vLLM's
 layerwise reload materializes about one layer's weights (``P 2 / layers / TP``) at a time.
@@ -72,7 +72,7 @@ Calibration: the log-prob term reproduces the H200 measurement of ``models/logpr
 dense terms are analytic and land within a few per cent; the torch-fallback linear-attention
 terms carry fitted factors (``activations.py``).
 
-Who calls it: ``planning.plan`` (the ``plan`` verb, pre-flight), ``memory_check`` (to print
+Who calls it: ``planning.make_plan`` (the ``plan`` verb, pre-flight), ``memory_check`` (to print
 the prediction beside the measurement).
 """
 
@@ -95,7 +95,7 @@ ENGINE_RESERVE_GIB = 2.0
 GRADIENT_STREAMS = 4
 LOGPROB_BYTES_PER_ENTRY = 12
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-#: Packed buffers each side of vLLM's nccl weight transfer keeps (``rollout.weight_transfer.NCCL_NUM_BUFFERS``).
+#: Packed buffers each side of vLLM's nccl weight transfer keeps (``rollout.engines.weight_transfer.NCCL_NUM_BUFFERS``).
 NCCL_NUM_BUFFERS = 2
 
 

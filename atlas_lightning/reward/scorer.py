@@ -10,7 +10,7 @@ scorer of your own lives in your package and is named by its path, e.g.
 Contract of a scorer: ``scorer(episode) -> {"reward": breakdown, "reward_trace": trace}``.
 
 * ``episode``: the ended episode's record (``Episode.to_record_episode()``: the runtime's event
-  log, terminal reason, token counts; the record's ``episode`` field, README "On-disk layout").
+  log, terminal reason, token counts; the record's ``episode`` field, README, "On-disk layout").
   Every position in it is a response-token offset.
 * ``breakdown``: a dict of plain numbers, written as the record's ``reward``. It must hold
   ``training_reward`` (the scalar PPO receives: the record's ``reward_score``), ``final_reward``

@@ -396,17 +396,13 @@ def run_memory_check(cfg: DictConfig, *, generation: bool = True, module: Option
     default ``MemoryCheckModule(cfg)`` (the device script builds its base in place); ``plan``
     replaces the plan made from ``cfg.model.path`` for the comparison."""
     from atlas_lightning.config import run_dirs
-    from atlas_lightning.run.wiring import build_strategy
+    from atlas_lightning.run.wiring import build_trainer
 
-    t = cfg.trainer
     collect = _Collect()
-    trainer = L.Trainer(accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
-                        strategy=build_strategy(cfg), precision=t.precision, max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[collect],
-                        default_root_dir=str(run_dirs(cfg)["outputs"]))
+    # fit's trainer, with no loggers, no progress bar, no checkpoint, only the collecting callback
+    trainer = build_trainer(cfg, callbacks=[collect], loggers=[], progress_bar=False, checkpointing=False)
     module = module or MemoryCheckModule(cfg, generation=generation)
-    data = SyntheticData(cfg, int(t.memory_check_steps), vocab_size or vocab_size_of(cfg), sequence_tokens)
+    data = SyntheticData(cfg, int(cfg.trainer.memory_check_steps), vocab_size or vocab_size_of(cfg), sequence_tokens)
     started = time.monotonic()
     trainer.fit(module, datamodule=data)
     if trainer.global_rank != 0:

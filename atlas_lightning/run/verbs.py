@@ -68,10 +68,10 @@ def _closing_summary(cfg: DictConfig, dirs: dict[str, Path], seconds: float) -> 
 
 def _step_of(path: Optional[str]) -> int:
     """N of a ``.../global_step_N[/...]`` path, else 0."""
-    for part in reversed(Path(path).parts if path else ()):
-        if part.startswith("global_step_") and part[len("global_step_"):].isdigit():
-            return int(part[len("global_step_"):])
-    return 0
+    from atlas_lightning.store.checkpoints import checkpoint_step
+
+    steps = (checkpoint_step(part) for part in reversed(Path(path).parts if path else ()))
+    return next((step for step in steps if step is not None), 0)
 
 
 def validate(cfg: DictConfig) -> int:

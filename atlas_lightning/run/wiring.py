@@ -7,8 +7,8 @@ over every training process), ``build_loggers``, ``build_callbacks`` (every call
 from ``conf/callbacks/``, by ``_target_``), ``resume_path`` (``trainer.resume``) and
 ``build_trainer``.
 
-Who calls it: ``run/verbs.py`` (fit, validate), ``run/memory_check.py`` (its own synthetic
-trainer shares the strategy and folders), tests.
+Who calls it: ``run/verbs.py`` (fit, validate), ``run/memory_check.py`` (its synthetic steps
+run on ``build_trainer``'s trainer: same strategy, precision and folders as ``fit``), tests.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ RUN_LOG = "main_ppo.log"
 
 def prepare_run(cfg: DictConfig, verb: str) -> dict[str, Path]:
     """Folders of README, "On-disk layout", the resolved config (``outputs/<name>/config.yaml``) and the
-    logs (``outputs/<name>/main_ppo.log``, the name report 28's runs wrote, across launches;
+    logs (``outputs/<name>/main_ppo.log``, the name the runs of ATLAS report 28, the reproduced report, wrote, across launches;
     ``logs/<name>-<time>-<verb>.log`` for this launch). Rank 0 writes; other ranks only get the paths."""
     dirs = run_dirs(cfg)
     if _launch_rank() != 0:
@@ -235,7 +235,13 @@ def _check_state(folder: Path, key: str) -> None:
 
 
 def build_trainer(cfg: DictConfig, callbacks: Optional[list] = None, loggers: Optional[list] = None,
-                  limit_val_batches: int = 0):
+                  limit_val_batches: int = 0, *, progress_bar: bool = True, checkpointing: bool = True):
+    """The ``lightning.Trainer`` every verb runs on: ``cfg.trainer``'s devices and precision,
+    ``build_strategy``, one epoch, no sanity validation, ``outputs/<name>/`` as its root. ``callbacks`` and ``loggers`` default to the
+    configured ones (``build_callbacks``, ``build_loggers``; ``[]`` for none);
+    ``limit_val_batches`` is 0 for ``fit`` (validation is a callback) and 1 for ``validate``;
+    ``progress_bar=False`` and ``checkpointing=False`` (no Lightning ``ModelCheckpoint`` added
+    in place of the step checkpoint) for the memory check, which saves nothing but its report."""
     import lightning as L
 
     t = cfg.trainer
@@ -253,4 +259,6 @@ def build_trainer(cfg: DictConfig, callbacks: Optional[list] = None, loggers: Op
         log_every_n_steps=1,
         default_root_dir=str(run_dirs(cfg)["outputs"]),
         enable_model_summary=False,
+        enable_progress_bar=progress_bar,
+        enable_checkpointing=checkpointing,
     )

@@ -24,7 +24,6 @@ checkpoint before a step), the run wiring (``trainer.resume``, ``trainer.init_fr
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -34,7 +33,7 @@ from typing import Optional, Sequence
 
 from atlas_lightning.errors import InputError
 from atlas_lightning.store.atomic import atomic_write_text
-from atlas_lightning.store.files import read_json_object
+from atlas_lightning.store.files import read_json_object, sha256_file
 
 MARKER = "checkpoint.json"
 LATEST = "latest_checkpointed_iteration.txt"
@@ -53,8 +52,8 @@ def step_dir(checkpoints: Path, step: int) -> Path:
     return Path(checkpoints) / f"global_step_{step}"
 
 
-def checkpoint_step(folder: Path) -> Optional[int]:
-    """``M`` for a folder named ``global_step_M``, else None."""
+def checkpoint_step(folder: str | Path) -> Optional[int]:
+    """``M`` for a folder named ``global_step_M``, else None: the one parser of the name."""
     match = _STEP_DIR.match(Path(folder).name)
     return int(match.group(1)) if match else None
 
@@ -88,15 +87,6 @@ def lightning_state_path(folder: str | Path) -> Path:
     state = Path(folder) / STATE_DIR
     single = state / "state.ckpt"
     return single if single.is_file() else state
-
-
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_marker(folder: str | Path, step: int) -> dict:

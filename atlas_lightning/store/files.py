@@ -1,8 +1,9 @@
-"""File helpers of the callbacks: JSON lines, folder fsync, JSON-safe values. Single files are
+"""File helpers: JSON lines, folder fsync, a file's sha256, JSON-safe values. Single files are
 written through ``atlas_lightning.store.atomic`` (temp file, fsync, rename, ordinary permissions)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -32,6 +33,16 @@ def fsync_folder(folder: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks (the checkpoint markers, the record-folder
+    manifests and the demo builds' summaries all name files by it)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_json_object(path: str | os.PathLike, error: type[Exception], where: object) -> dict:

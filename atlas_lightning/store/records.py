@@ -32,7 +32,6 @@ the same folder, then ``os.replace``). Pure Python + numpy.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -45,6 +44,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from atlas_lightning.store.atomic import atomic_write
+from atlas_lightning.store.files import sha256_file
 
 FILE_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -428,14 +428,6 @@ def read_step_tensors(path: str | os.PathLike) -> dict[str, list]:
 # ----------------------------------------------------------------------------- manifest
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _listed_files(folder: Path) -> Iterable[Path]:
     for path in sorted(folder.rglob("*")):
         relative = path.relative_to(folder)
@@ -451,7 +443,7 @@ def write_manifest(folder: str | os.PathLike, extra: Mapping[str, Any] | None = 
     if not folder.is_dir():
         raise RecordError(f"write_manifest: {folder} is not a folder")
     entries = [
-        {"path": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size, "sha256": _sha256(p)}
+        {"path": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in _listed_files(folder)
     ]
     records = sum(1 for e in entries if e["path"].endswith(".json") and "/" not in e["path"])
@@ -481,6 +473,6 @@ def verify_manifest(folder: str | os.PathLike) -> list[str]:
     problems = [f"{name}: listed but missing" for name in sorted(set(listed) - set(present))]
     problems += [f"{name}: present but not listed" for name in sorted(set(present) - set(listed))]
     for name in sorted(set(listed) & set(present)):
-        if present[name].stat().st_size != listed[name].get("bytes") or _sha256(present[name]) != listed[name].get("sha256"):
+        if present[name].stat().st_size != listed[name].get("bytes") or sha256_file(present[name]) != listed[name].get("sha256"):
             problems.append(f"{name}: size or sha256 differs from the manifest")
     return problems

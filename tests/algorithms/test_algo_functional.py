@@ -1,4 +1,5 @@
-"""Masked reductions, entropy and log-probs against plain-Python float64 references."""
+"""Masked reductions, and verl's entropy and log-probs (``verl_reference.py``, the tests'
+reference), against plain-Python float64 references."""
 
 import math
 
@@ -7,13 +8,12 @@ import torch
 
 from atlas_lightning.algorithms.functional import (
     clip_by_value,
-    entropy_from_logits,
-    logprobs_from_logits,
     masked_mean,
     masked_sum,
     masked_var,
     masked_whiten,
 )
+from verl_reference import entropy_from_logits, logprobs_from_logits
 
 
 def _selected(values, mask):

@@ -20,7 +20,7 @@ def ref_raw_advantages(rewards, values, mask, gamma, lam):
         for j, t in enumerate(kept):
             next_value = v[kept[j + 1]] if j + 1 < len(kept) else 0.0
             deltas.append(r[t] + gamma * next_value - v[t])
-        at_kept = {t: sum((gamma * lam) ** l * deltas[j + l] for l in range(len(kept) - j)) for j, t in enumerate(kept)}
+        at_kept = {t: sum((gamma * lam) ** k * deltas[j + k] for k in range(len(kept) - j)) for j, t in enumerate(kept)}
         row = []
         for t in range(len(m)):
             following = [u for u in kept if u >= t]

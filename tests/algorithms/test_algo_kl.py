@@ -1,11 +1,13 @@
-"""KL estimators, the straight-through '+' variants, controllers and the in-reward penalty."""
+"""KL estimators, the straight-through '+' variants, controllers and the in-reward penalty (driven
+also by verl's adaptive controller, ``verl_reference.py``)."""
 
 import math
 
 import pytest
 import torch
 
-from atlas_lightning.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
+from atlas_lightning.algorithms.kl import FixedKLController, apply_kl_penalty, kl_penalty
+from verl_reference import AdaptiveKLController
 
 ESTIMATORS = {
     "kl": lambda d: d,

@@ -1,4 +1,7 @@
-"""Policy loss (dual clip), value loss and loss aggregation against plain-Python references."""
+"""Policy loss (dual clip), value loss and loss aggregation against plain-Python references.
+
+The policy loss is the step's, ``compute_policy_loss_vanilla``; most cases call it through
+``compute_policy_loss`` below, verl's old-style signature and return tuple."""
 
 import math
 
@@ -7,12 +10,11 @@ import torch
 
 from atlas_lightning.algorithms.ppo import (
     agg_loss,
-    compute_entropy_loss,
-    compute_policy_loss,
     compute_policy_loss_vanilla,
     compute_value_loss,
 )
 from atlas_lightning.config import AlgorithmConfig
+from verl_reference import compute_entropy_loss
 
 MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -56,6 +58,17 @@ def ref_policy(old, new, adv, mask, low, high, c, mode):
     n = len(kept)
     loss = ref_agg([[cell[0] for cell in row] for row in table], mask, mode)
     return loss, sum(k[1] for k in kept) / n, sum(k[3] for k in kept) / n, sum(k[2] for k in kept) / n
+
+
+def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, cliprange=None, cliprange_low=None,
+                        cliprange_high=None, clip_ratio_c=3.0, loss_agg_mode="token-mean"):
+    """``compute_policy_loss_vanilla`` called as verl's old-style ``compute_policy_loss``:
+    ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, the last three as float64 0-dim tensors."""
+    config = {"clip_ratio": cliprange, "clip_ratio_low": cliprange_low, "clip_ratio_high": cliprange_high,
+              "clip_ratio_c": clip_ratio_c}
+    pg_loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
+    stats = (metrics[f"actor/{name}"] for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"))
+    return (pg_loss, *(torch.tensor(value, dtype=torch.float64) for value in stats))
 
 
 def _random(seed, bs=5, length=11):
@@ -121,7 +134,7 @@ def test_policy_loss_rejects_bad_arguments():
     old, new, adv, mask = _random(seed=1)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         compute_policy_loss(old, new, adv, mask, cliprange=0.2, clip_ratio_c=1.0)
-    with pytest.raises(ValueError, match="cliprange"):
+    with pytest.raises(ValueError, match="clip_ratio, or both clip_ratio_low and clip_ratio_high"):
         compute_policy_loss(old, new, adv, mask)
     with pytest.raises(ValueError, match="advantages has shape"):
         compute_policy_loss(old, new, adv[:, :3], mask, cliprange=0.2)
@@ -140,10 +153,11 @@ def test_vanilla_adapter_takes_our_config_and_global_batch_info():
     scaled, _ = compute_policy_loss_vanilla(old, new, adv, mask, "token-mean", config, weights, global_batch_info=info)
     n_local = mask.sum().item()
     assert scaled.item() == pytest.approx(expected[0] * 0.5 * n_local / 1000 * 4, rel=1e-9)
-    # verl-style config: clip_ratio_low/high fall back to clip_ratio.
+    # verl-style config: clip_ratio_low/high fall back to clip_ratio (clip_ratio_c to 3.0).
     verl_style = {"clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": None}
     loss_verl, _ = compute_policy_loss_vanilla(old, new, adv, mask, "token-mean", verl_style)
-    assert loss_verl.item() == pytest.approx(compute_policy_loss(old, new, adv, mask, cliprange=0.2)[0].item(), rel=1e-12)
+    fallback = ref_policy(old.tolist(), new.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.2, 3.0, "token-mean")
+    assert loss_verl.item() == pytest.approx(fallback[0], rel=1e-9)
     with pytest.raises(ValueError, match="config is required"):
         compute_policy_loss_vanilla(old, new, adv, mask)
 

@@ -1,5 +1,11 @@
 """Compare ``atlas_lightning.algorithms`` with verl's own code on the same random tensors.
 
+Also compared: the tests' reference copies of verl functions the step does not run
+(``verl_reference.py``: full-logits entropy and log-probs, the entropy loss,
+``compute_rewards``, the adaptive KL controller), and verl's old-style
+``compute_policy_loss`` against the step's ``compute_policy_loss_vanilla`` given the same
+clip ranges as a config.
+
 Not collected by pytest (verl is not a dependency). Run it by hand against a verl checkout
 or an unpacked verl wheel (0.9.x):
 
@@ -31,11 +37,16 @@ from pathlib import Path
 
 import torch
 
+import verl_reference as reference  # this file's folder, on sys.path when run as a script
 from atlas_lightning.algorithms import functional as ours_F
-from atlas_lightning.algorithms import kl as ours_kl
 from atlas_lightning.algorithms import ppo as ours
 
 TOLERANCE = 1e-6
+#: Functions of verl's ``torch_functional.py`` (the rest are ``core_algos.py``'s).
+VERL_FUNCTIONAL = (*ours_F.__all__, "entropy_from_logits", "logprobs_from_logits")
+#: Ours in ``ppo.py`` and the reference's, compared by signature with verl's ``core_algos.py``.
+CORE_ALGOS = ("compute_gae_advantage_return", "agg_loss", "compute_policy_loss_vanilla", "compute_value_loss",
+              "kl_penalty", "kl_penalty_forward", "compute_entropy_loss", "compute_rewards")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -193,10 +204,21 @@ def _kl_diff(core_algos, c, name: str) -> float:
     return max_abs_diff((mine_value.detach(), mine.grad), (their_value.detach(), theirs.grad))
 
 
+def _old_style_policy_diff(core_algos, policy_args, clip: dict, clip_ratio_c: float, mode: str) -> float:
+    """verl's ``compute_policy_loss(cliprange...)`` against ours, the vanilla loss with those
+    clip ranges as its config: loss, clip fraction, k1 KL, dual-clip fraction."""
+    config = {"clip_ratio": clip.get("cliprange"), "clip_ratio_low": clip.get("cliprange_low"),
+              "clip_ratio_high": clip.get("cliprange_high"), "clip_ratio_c": clip_ratio_c}
+    loss, metrics = ours.compute_policy_loss_vanilla(*policy_args, mode, config)
+    mine = (loss, *(metrics[f"actor/{k}"] for k in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")))
+    theirs = core_algos.compute_policy_loss(*policy_args, clip_ratio_c=clip_ratio_c, loss_agg_mode=mode, **clip)
+    return max_abs_diff(mine, theirs)
+
+
 def _apply_kl_diff(core_algos, verl_apply_kl_penalty, c, name: str) -> float:
     """Rewards, metrics and the adapted coefficient after one in-reward KL penalty."""
     mask = c["mask"].to(c["rewards"].dtype)
-    mine_ctrl = ours_kl.AdaptiveKLController(0.1, 0.02, 100)
+    mine_ctrl = reference.AdaptiveKLController(0.1, 0.02, 100)
     their_ctrl = core_algos.AdaptiveKLController(0.1, 0.02, 100)
     rewards, metrics = ours.apply_kl_penalty(c["rewards"], c["old_log_prob"], c["ref_log_prob"], mask, mine_ctrl, name)
     tensors = {"response_mask": mask, "token_level_scores": c["rewards"], "old_log_probs": c["old_log_prob"], "ref_log_prob": c["ref_log_prob"]}
@@ -220,9 +242,9 @@ def compare(core_algos, verl_F, verl_apply_kl_penalty) -> dict[str, float]:
         results[label] = max(results.get(label, 0.0), diff)
 
     def same(label: str, name: str, *args, **kwargs) -> None:
-        """Call the function ``name`` of ours and of verl on the same arguments."""
-        mine = getattr(ours_F, name, None) or getattr(ours, name)
-        theirs = getattr(verl_F, name) if hasattr(ours_F, name) else getattr(core_algos, name)
+        """Call the function ``name`` of ours (or the reference's) and of verl on the same arguments."""
+        mine = getattr(ours_F, name, None) or getattr(ours, name, None) or getattr(reference, name)
+        theirs = getattr(verl_F, name) if name in VERL_FUNCTIONAL else getattr(core_algos, name)
         check(label, lambda: max_abs_diff(mine(*args, **kwargs), theirs(*args, **kwargs)))
 
     for dtype in (torch.float32, torch.float64):
@@ -260,7 +282,7 @@ def compare(core_algos, verl_F, verl_apply_kl_penalty) -> dict[str, float]:
             for clip in clips:
                 for clip_c in (3.0, 1.5):
                     for mode in AGG_MODES:
-                        same("compute_policy_loss", "compute_policy_loss", *policy_args, clip_ratio_c=clip_c, loss_agg_mode=mode, **clip)
+                        check("compute_policy_loss", lambda: _old_style_policy_diff(core_algos, policy_args, clip, clip_c, mode))
             for info in ({}, {"dp_size": 2, "batch_num_tokens": 77, "global_batch_size": 12}):
                 config = ActorLikeConfig(clip_ratio=0.2, clip_ratio_low=0.15, clip_ratio_high=0.28, clip_ratio_c=2.5, global_batch_info=info)
                 for weights in (None, torch.rand(m.shape, dtype=dtype)):
@@ -284,14 +306,8 @@ def compare(core_algos, verl_F, verl_apply_kl_penalty) -> dict[str, float]:
 def compare_signatures(core_algos, verl_F) -> list[str]:
     """Parameter names, order, kinds and defaults; our keyword-only additions are allowed."""
     problems = []
-    pairs = [(getattr(ours_F, n), getattr(verl_F, n)) for n in ours_F.__all__]
-    pairs += [
-        (getattr(ours, n), getattr(core_algos, n))
-        for n in (
-            "compute_gae_advantage_return", "agg_loss", "compute_policy_loss", "compute_policy_loss_vanilla",
-            "compute_value_loss", "compute_entropy_loss", "kl_penalty", "kl_penalty_forward", "compute_rewards",
-        )
-    ]
+    pairs = [(getattr(ours_F, n, None) or getattr(reference, n), getattr(verl_F, n)) for n in VERL_FUNCTIONAL]
+    pairs += [(getattr(ours, n, None) or getattr(reference, n), getattr(core_algos, n)) for n in CORE_ALGOS]
     for mine, theirs in pairs:
         mine_params = [p for p in inspect.signature(inspect.unwrap(mine)).parameters.values() if p.kind != p.KEYWORD_ONLY]
         their_params = list(inspect.signature(inspect.unwrap(theirs)).parameters.values())

@@ -1,5 +1,6 @@
 """The CLI and config composition: every run of README, "The runs of report 28" composes, bad input fails before
-any work naming the key, printing the config does no work, user configs and callbacks plug in."""
+any work naming the key, printing the config does no work, user configs and callbacks plug in.
+Report 28 is ATLAS report 28, the report this project reproduces."""
 
 from __future__ import annotations
 

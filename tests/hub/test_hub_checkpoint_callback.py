@@ -12,6 +12,7 @@ from lightning.pytorch import Trainer
 
 from atlas_lightning.callbacks.hub import HubCheckpointCallback, step_files
 from atlas_lightning.config import ConfigError, compose
+from atlas_lightning.store.checkpoints import checkpoint_step
 
 REPO = "atlas/r-test-ckpt"
 
@@ -37,7 +38,7 @@ def _expected(step_dir):
     prefix = f"checkpoints/r-test/{step_dir.name}"
     parts = ("actor/lora_adapter/adapter_config.json", "actor/lora_adapter/adapter_model.safetensors",
              "critic/lora_adapter/adapter_config.json", "critic/lora_adapter/adapter_model.safetensors",
-             f"val_dumps/{step_dir.name.rsplit('_', 1)[1]}.jsonl")
+             f"val_dumps/{checkpoint_step(step_dir)}.jsonl")
     return {f"{prefix}/{part}": (step_dir / part).read_bytes() for part in parts}
 
 

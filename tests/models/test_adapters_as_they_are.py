@@ -1,4 +1,4 @@
-"""Starting adapters as other trainers wrote them: report 28's critic folder on a Qwen3.6-shaped
+"""Starting adapters as other trainers wrote them: ATLAS report 28's critic folder on a Qwen3.6-shaped
 base held a LoRA on the attention-style module list only, its tensors in the VLM checkpoint's
 naming (``model.language_model.layers``) and its value head inside ``adapter_model.safetensors``
 as a peft ``modules_to_save`` module (bf16 weight and bias). The builder takes that shape from

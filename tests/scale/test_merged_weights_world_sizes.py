@@ -1,6 +1,6 @@
 """Merged weights exact at FSDP2 world sizes 4 and 6 (README, "The separate layout"), on gloo processes.
 
-Report 28's six-rank layout got NaN entropies from wrong merged weights: FSDP2 shards every
+ATLAS report 28's (the reproduced report's) six-rank layout got NaN entropies from wrong merged weights: FSDP2 shards every
 parameter on dim 0 over the ranks, unevenly when a dim does not divide by 6. Here the dims
 (hidden 74, MLP 130, vocabulary 131, LoRA rank 5; q_proj 64 and k/v 32 wide) divide by
 neither 4 nor 6 wherever it matters, so shards are uneven and, for the rank-5 LoRA factors,

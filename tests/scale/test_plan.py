@@ -62,7 +62,7 @@ def test_shape_of_a_saved_folder_equals_what_loads(arch, tied, tmp_path):
 
 
 def test_27b_adapter_size_is_the_reports_actor_adapter(qwen27b_dir):
-    """Report 28's actor adapter (LoRA r64, all linear, fp32) is 1,867,797,544 bytes: the
+    """ATLAS report 28's (the reproduced report's) actor adapter (LoRA r64, all linear, fp32) is 1,867,797,544 bytes: the
     tensors plus a safetensors header of ~150 KB."""
     tensors = read_model_shape(qwen27b_dir).lora_params(64) * 4
     assert 0 < 1_867_797_544 - tensors < 300_000

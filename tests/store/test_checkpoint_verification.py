@@ -15,6 +15,7 @@ from tests.conftest import write_fake_model_folder
 from atlas_lightning.store.checkpoints import (
     MARKER,
     CheckpointError,
+    checkpoint_step,
     latest_verified,
     verify_checkpoint,
     write_marker,
@@ -66,6 +67,13 @@ def _checkpoint(root, step, *, adapters=None, state=None):
     (folder / "val_dumps" / f"{step}.jsonl").write_text("{}\n")  # validation's, not the checkpoint's
     write_marker(folder, step)
     return folder
+
+
+def test_checkpoint_step_parses_only_global_step_folders(tmp_path):
+    assert checkpoint_step(tmp_path / "global_step_29") == 29
+    assert checkpoint_step("runs/x/global_step_0") == 0
+    for name in ("global_step_", "global_step_x", "global_step_3a", ".tmp-global_step_3", "step_3"):
+        assert checkpoint_step(tmp_path / name) is None, name
 
 
 def test_an_intact_checkpoint_verifies(tmp_path):
@@ -260,7 +268,7 @@ def _write_state(folder, state, distributed: bool) -> None:
         dcp.save(tensors, checkpoint_id=str(target))
         torch.save({k: v for k, v in state.items() if k not in ("state_dict", "optimizer_states")}, target / "meta.pt")
     (folder / MARKER).unlink()
-    write_marker(folder, int(folder.name.rsplit("_", 1)[1]))
+    write_marker(folder, checkpoint_step(folder))
 
 
 @pytest.mark.parametrize("distributed", [False, True], ids=["one_file", "distributed"])
