@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
+from atlas_lightning.errors import InputError
+
 log = logging.getLogger(__name__)
 
 REPO_TYPES = ("dataset", "model", "space")
@@ -71,6 +73,22 @@ class HubPublishError(RuntimeError):
     def __init__(self, message: str, transient: bool = False):
         super().__init__(message)
         self.transient = transient
+
+
+
+
+def _status(err: BaseException) -> Optional[int]:
+    """The HTTP status along ``err``'s chain, if any."""
+    for link in _error_chain(err):
+        status = getattr(getattr(link, "response", None), "status_code", None)
+        if isinstance(status, int):
+            return status
+    return None
+
+
+class HubCredentialsError(HubPublishError, InputError):
+    """The Hub refused the credentials (401): no token, or one it does not accept; the message
+    says where a token comes from, never the token. An ``InputError`` too: the CLI exits 2."""
 
 
 def resolve_token(token: Optional[str]) -> Optional[str]:
@@ -251,6 +269,12 @@ class HubUploader:
                 with redacted_logs(self._token):
                     return call()
             except Exception as err:  # classify, redact, and either wait or give up
+                if _status(err) == 401:
+                    found = "a token" if self._token else "no token (HF_TOKEN unset, no saved login)"
+                    raise HubCredentialsError(
+                        f"{what} {self.where}: the Hub refused the credentials (401 Unauthorized) with {found}: set "
+                        f"HF_TOKEN to a token with write access, or run `hf auth login` "
+                        f"(the Hub said: {self.redact(describe(err))})") from None
                 transient = is_transient(err)
                 detail = self.redact(describe(err))
                 if not transient or attempt == self.retries:

@@ -45,7 +45,7 @@ from typing import Optional, Union
 
 from omegaconf import DictConfig
 
-from atlas_lightning.hub.client import HubPublishError, HubUploader, check_repo_id
+from atlas_lightning.hub.client import HubCredentialsError, HubPublishError, HubUploader, check_repo_id
 from atlas_lightning.hub.readme import (
     GENERATED_MARK,
     LeftOut,
@@ -220,7 +220,8 @@ def publish_data_root(
     question: Optional[str] = None,
     use_xet: Optional[bool] = None,
 ) -> dict:
-    """Write README.md and FILES.txt into ``root``, then send the data root to ``repo_id``.
+    """Create ``repo_id`` if needed (refused credentials stop here: ``HubCredentialsError``), write
+    README.md and FILES.txt into ``root``, then send the data root to ``repo_id``.
 
     Args:
         root: the data root (``paths.root``).
@@ -256,6 +257,9 @@ def _publish(root: Path, uploader: HubUploader, selection: Selection, *, repo_id
     if name is not None:
         names = [name] + [n for n in names if n != name]
 
+    # the repo first: a refused token (or a missing repo that cannot be made) stops the publish
+    # before README.md and FILES.txt are written into the root
+    url = uploader.ensure_repo()
     readme = root / "README.md"
     readme_state = "kept"
     if _readme_is_generated(readme):
@@ -272,7 +276,6 @@ def _publish(root: Path, uploader: HubUploader, selection: Selection, *, repo_id
     files = [(p, local) for p, local, _ in selection.published]
     files += [("README.md", readme), ("FILES.txt", root / "FILES.txt")]
     log.info("publishing %d files (%d left out) from %s to %s", len(files), len(selection.left_out), root, uploader.where)
-    url = uploader.ensure_repo()
     what = "data root" + (" with weights" if weights else "")
     commits = uploader.upload(files, f"Publish {what}" + (f" ({name})" if name else ""))
     return {
@@ -293,7 +296,8 @@ def _publish(root: Path, uploader: HubUploader, selection: Selection, *, repo_id
 def publish_from_config(cfg: DictConfig, weights: bool = False) -> int:
     """The ``publish`` verb: the data root ``paths.root`` to ``hub.repo_id`` (required) on
     ``hub.endpoint``. Prints the result as JSON; returns 0, or 1 with the error on stderr when
-    the Hub refused (the message names the repo, never the token)."""
+    the Hub failed (the message names the repo, never the token); refused credentials raise
+    ``HubCredentialsError`` (exit 2), before anything is written into the root."""
     repo_id = cfg.hub.repo_id
     if not repo_id:
         raise ConfigError("hub.repo_id is not set: add hub.repo_id=<owner>/<name> to publish the data root")
@@ -307,6 +311,8 @@ def publish_from_config(cfg: DictConfig, weights: bool = False) -> int:
             endpoint=cfg.hub.endpoint, private=cfg.hub.private, name=cfg.name,
             question=cfg.hub.description,
         )
+    except HubCredentialsError:
+        raise  # the user's to fix (a token): the CLI names it and exits 2
     except HubPublishError as err:
         print(f"atlas-lightning publish: {err}", file=sys.stderr)
         return 1

@@ -110,6 +110,28 @@ def _check_tokenizer(file: Path, where: str) -> None:
                           f"({str(err).splitlines()[0][:200] if str(err) else type(err).__name__})") from None
 
 
+def linear_module_names(path: str | Path) -> set[str]:
+    """The modules of the folder's weights that hold a 2-D ``weight`` (the linear layers LoRA can
+    target, and embeddings), read from the safetensors headers alone (``check_model_folder``
+    first: this assumes readable headers)."""
+    names: set[str] = set()
+    for file in sorted(Path(str(path)).expanduser().glob("*.safetensors")):
+        with open(file, "rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        names.update(name[: -len(".weight")] for name, entry in header.items()
+                     if name.endswith(".weight") and isinstance(entry, dict) and len(entry.get("shape", ())) == 2)
+    return names
+
+
+def unmatched_lora_targets(targets, modules: set[str]) -> list[str]:
+    """The entries of a LoRA ``target_modules`` list that name none of ``modules``, as peft
+    matches them: a module named so or ending in ``.<entry>``; ``all-linear`` (or none) matches
+    always (the config's rules allow nothing else)."""
+    if targets is None or targets == "all-linear":
+        return []
+    return [str(t) for t in targets if not any(name == t or name.endswith(f".{t}") for name in modules)]
+
+
 def _check_safetensors_header(file: Path, where: str) -> set[str]:
     """The names of the tensors in ``file``'s header, once the header parses and every tensor's
     data lies inside the file (a truncated copy fails)."""

@@ -32,11 +32,10 @@ Contract:
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from dataclasses import replace
-from typing import Optional
+from typing import Callable, Optional
 
 import lightning as L
 from omegaconf import DictConfig
@@ -100,21 +99,24 @@ class _RolloutSteps(IterableDataset):
             producer.stop(timeout_s=0)
 
 
-class RolloutProgress:
-    """A one-line display on rank 0: trajectories done out of the total, tokens a second."""
+#: ``sink(label, done, total, tokens_per_second)``: told of a rollout's progress (the progress bar).
+ProgressSink = Callable[[str, int, int, float], None]
 
-    def __init__(self, label: str, enabled: bool, every_s: float = 2.0) -> None:
-        self.label, self.enabled, self.every_s = label, enabled, every_s
+
+class RolloutProgress:
+    """A rollout's progress (trajectories done out of the total, tokens a second), passed to
+    ``sink`` at most every ``every_s`` seconds and once at the end; nothing without a sink."""
+
+    def __init__(self, label: str, sink: Optional[ProgressSink], every_s: float = 1.0) -> None:
+        self.label, self.sink, self.every_s = label, sink, every_s
         self._last = 0.0
 
     def __call__(self, done: int, total: int, stats: LoopStats) -> None:
         now = time.monotonic()
-        if not self.enabled or (done < total and now - self._last < self.every_s):
+        if self.sink is None or (done < total and now - self._last < self.every_s):
             return
         self._last = now
-        end = "\n" if done == total else "\r"
-        sys.stderr.write(f"{self.label}: {done}/{total} trajectories, {stats.tokens_per_second:,.0f} tok/s{end}")
-        sys.stderr.flush()
+        self.sink(self.label, done, total, stats.tokens_per_second)
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -127,6 +129,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.cfg = cfg
         self.engine = engine
         self.questions = questions
+        #: Told of each rollout's progress on rank 0 (``RolloutProgress``); the progress bar sets it.
+        self.progress_sink: Optional[ProgressSink] = None
         #: The engine ``setup`` built, which ``teardown`` closes (None for one passed in).
         self._built_engine: Optional[Engine] = None
         self.next_step = 1
@@ -251,7 +255,7 @@ class RolloutDataModule(L.LightningDataModule):
             version = self.weights_version
             self.engine.wake_up()  # a no-op after a weight sync, which wakes the engine itself
             timing["wake_rollout"] = time.monotonic() - started
-            progress = RolloutProgress(f"{partition} step {step}", enabled=self.rank == 0)
+            progress = RolloutProgress(f"{partition} step {step}", self.progress_sink if self.rank == 0 else None)
             looped = time.monotonic()
             stats = AgentLoop(self.engine, self.chat, self._limits()).run(
                 trajectories, sampling, seed_parts=seed_parts, progress=progress)

@@ -69,6 +69,7 @@ def check_inputs(cfg: DictConfig, *, data: bool = True) -> RunFacts:
     _check_writable(folders)
     check_machine(cfg)
     check_model_folder(cfg.model.path)
+    _check_lora_targets(cfg.model)
     questions = None
     if data:
         from atlas_lightning.questions.loader import load_splits
@@ -86,6 +87,25 @@ def check_inputs(cfg: DictConfig, *, data: bool = True) -> RunFacts:
             raise ConfigError(f"model.{role}_adapter={folder}: no such folder")
     return RunFacts(folders=folders, lora=lora_shapes(cfg), questions=questions,
                     start=resume_path(cfg, folders["checkpoints"]))
+
+
+def _check_lora_targets(model_cfg) -> None:
+    """``model.lora.target_modules`` (and ``model.critic_lora``'s) each name a module of the base
+    (peft would fail on none matching only after the engine started, and skip a typo silently
+    when another target matches)."""
+    from atlas_lightning.planning.model_folder import linear_module_names, unmatched_lora_targets
+
+    modules = None
+    for key in ("lora", "critic_lora"):
+        targets = model_cfg[key].target_modules
+        if targets is None or targets == "all-linear":
+            continue
+        modules = linear_module_names(model_cfg.path) if modules is None else modules
+        unmatched = unmatched_lora_targets(list(targets), modules)
+        if unmatched:
+            leaves = sorted({name.rsplit(".", 1)[-1] for name in modules})
+            raise ConfigError(f"model.{key}.target_modules: {', '.join(unmatched)} names no module of the base "
+                              f"{model_cfg.path} (its linear modules end in: {', '.join(leaves[:20])})")
 
 
 def _check_writable(dirs: Mapping[str, Path]) -> None:

@@ -374,3 +374,21 @@ def test_a_resume_folder_that_does_not_exist_is_named_so(tmp_path, sample_data_d
     err = capsys.readouterr().err
     assert code == 2 and f"trainer.resume={tmp_path}/nope/global_step_5: no such folder" in err, err
     assert not root.exists()
+
+
+@pytest.mark.parametrize("override, unmatched", [("model.lora.target_modules=[q_prj]", "q_prj"),
+                                                 ("model.lora.target_modules=[q_proj,v_prj]", "v_prj"),
+                                                 ("model.critic_lora.target_modules=[o_projj]", "o_projj")])
+def test_lora_targets_that_name_no_module_of_the_base_are_refused_before_anything_is_written(
+        override, unmatched, tmp_path, capsys):
+    model = write_fake_model_folder(tmp_path / "model", tensors=())
+    header = json.dumps({f"model.layers.0.self_attn.{m}.weight": {"dtype": "F32", "shape": [2, 1],
+                                                                   "data_offsets": [8 * i, 8 * i + 8]}
+                          for i, m in enumerate(("q_proj", "k_proj", "v_proj", "o_proj"))}).encode()
+    (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 32)
+    root = tmp_path / "root"
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}", f"model.path={model}", override])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"target_modules: {unmatched} names no module of the base" in err and "q_proj" in err
+    assert not root.exists()

@@ -23,7 +23,9 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
   refused (every snapshot's data had none).
 * the run's folders, ``paths.{artifacts,checkpoints,outputs,logs,wandb,runs}``, derived from
   ``paths.root`` and ``name`` (the README's layout, which ``run_dirs`` computed), and the callbacks'
-  arguments interpolated from them, ``name`` and ``trainer.total_steps`` (``derived``).
+  arguments interpolated from them, ``name`` and ``trainer.total_steps`` (``derived``);
+* ``callbacks.progress``: the progress bar in RL steps (``callbacks/progress.py``), in the default
+  callbacks.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def derived(now: dict) -> dict:
         "checkpoint": {"total_steps": steps, "checkpoints": paths["checkpoints"]},
     }
     out = {f"paths.{key}": value for key, value in paths.items()}
+    if "callbacks.nan_guard._target_" in now:  # the progress bar joined the default callbacks
+        out.update({"callbacks.progress._target_": "atlas_lightning.callbacks.progress.RLProgressBar",
+                    "callbacks.progress.total_steps": steps})
     for callback, values in arguments.items():
         if f"callbacks.{callback}._target_" in now:
             out.update({f"callbacks.{callback}.{key}": value for key, value in values.items()})

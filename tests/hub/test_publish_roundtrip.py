@@ -9,7 +9,7 @@ import logging
 import pytest
 from huggingface_hub import constants, hf_hub_download, snapshot_download
 
-from atlas_lightning.hub.client import HubPublishError
+from atlas_lightning.hub.client import HubCredentialsError, HubPublishError
 from atlas_lightning.config import ConfigError, compose
 from atlas_lightning.hub.publish import publish_data_root, publish_from_config
 
@@ -184,6 +184,21 @@ def test_publish_from_config(hub, hf_env, fake_run, capsys):
     assert set(hub.files(REPO)) == fake_run.published | {"README.md", "FILES.txt"}
 
     hub.token = "hf_rotated000000000000000000000"
-    assert publish_from_config(cfg, weights=True) == 1
+    with pytest.raises(HubCredentialsError) as info:
+        publish_from_config(cfg, weights=True)
+    assert REPO in str(info.value) and hf_env not in str(info.value)
+    assert "set HF_TOKEN to a token with write access, or run `hf auth login`" in str(info.value)
+
+
+def test_refused_credentials_exit_2_before_anything_is_written(hub, hf_env, fake_run, capsys, monkeypatch):
+    from atlas_lightning.cli import main
+
+    (fake_run.root / "README.md").unlink(missing_ok=True)
+    before = {p: p.stat().st_mtime_ns for p in fake_run.root.rglob("*") if p.is_file()}
+    monkeypatch.setenv("HF_TOKEN", "hf_notTheRightOne0000000000000000")
+    code = main(["publish", f"paths.root={fake_run.root}", f"name={fake_run.name}", f"hub.repo_id={REPO}",
+                 f"hub.endpoint={hub.endpoint}"])
     err = capsys.readouterr().err
-    assert REPO in err and hf_env not in err
+    assert code == 2 and "refused the credentials (401 Unauthorized)" in err and "hf auth login" in err, err
+    assert "Traceback" not in err and "hf_notTheRightOne" not in err
+    assert {p: p.stat().st_mtime_ns for p in fake_run.root.rglob("*") if p.is_file()} == before  # no README, FILES
