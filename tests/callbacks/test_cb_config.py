@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from atlas_lightning.callbacks.progress import RLProgressBar
+
 from hydra.utils import instantiate
 
 from atlas_lightning.callbacks.artifacts import ArtifactDumpCallback
@@ -19,7 +21,7 @@ def test_standard_callbacks_compose_and_instantiate():
                    "callbacks.nan_guard.policy=rollback"])
     built = {name: instantiate(spec) for name, spec in cfg.callbacks.items()}
     assert {name: type(cb) for name, cb in built.items()} == {
-        "weight_sync": WeightSyncCallback,
+        "weight_sync": WeightSyncCallback, "progress": RLProgressBar,
         "nan_guard": NaNGuardCallback, "artifacts": ArtifactDumpCallback,
         "validation": ValidationCallback, "figures": FiguresCallback,
         "hub": HubCheckpointCallback, "checkpoint": StepCheckpoint,
@@ -28,6 +30,7 @@ def test_standard_callbacks_compose_and_instantiate():
     assert built["checkpoint"].every_n_steps == cfg.trainer.save_every and not built["hub"].enabled
     assert built["validation"].val_every == 3 and built["validation"].val_before_train is False
     assert built["nan_guard"].policy == "rollback"
+    assert built["progress"].total_steps == cfg.trainer.total_steps
 
 
 def test_callbacks_take_their_folders_and_settings_from_the_config(tmp_path):

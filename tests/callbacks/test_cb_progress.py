@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 
 from atlas_lightning.callbacks.progress import RLProgressBar, step_line, validation_objective
-from atlas_lightning.callbacks.validation import ValidationCallback
 
 
 def test_the_step_line_says_step_reward_time_and_validation():
@@ -24,7 +23,7 @@ def test_a_fit_prints_and_logs_one_line_a_step_with_the_validation_objective(tmp
     cfg = h.make_cfg(tmp_path, total_steps=3)
     bar = RLProgressBar(total_steps=3)
     with caplog.at_level(logging.INFO, logger="atlas_lightning.progress"):
-        h.fit(cfg, chat, [ValidationCallback(val_every=2), bar], enable_progress_bar=True)
+        h.fit(cfg, chat, [h.callback(cfg, "validation", val_every=2), bar], enable_progress_bar=True)
     lines = [r.getMessage() for r in caplog.records if r.name == "atlas_lightning.progress"]
     steps = [line for line in lines if line.startswith("step ")]
     assert [line.split(" | ")[0] for line in steps] == ["step 1/3", "step 2/3", "step 3/3"]
