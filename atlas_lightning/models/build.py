@@ -45,6 +45,8 @@ import torch
 from torch import nn
 
 from . import attention  # noqa: F401  (registers sdpa_varlen before a base asks for it)
+from atlas_lightning.errors import InputError
+
 from .actor_critic import ACTOR, CRITIC, ActorCritic
 from .adapters import adapter_lora_config, load_adapter
 
@@ -81,9 +83,34 @@ def load_base(model_cfg: Any, device: str | torch.device | None = None, *, rando
             raise FileNotFoundError(f"base model folder {path} does not exist (a local folder, never a hub id)")
         # on the CPU nothing to place: no device map, exactly the load the CPU figures were made with
         placed = {"device_map": {"": device}} if device.type != "cpu" else {}
-        base = AutoModelForCausalLM.from_pretrained(path, **options, **placed)
+        base, info = AutoModelForCausalLM.from_pretrained(path, **options, **placed, output_loading_info=True)
+        _refuse_missing(path, info)
     base.config.use_cache = False
     return base
+
+
+class BaseWeightsError(InputError):
+    """A base folder that does not supply every weight its architecture has: those would be left
+    at their random initialisation."""
+
+
+def check_base_weights(path: str | Path) -> None:
+    """Every tensor the folder's architecture expects is in its weight files, as transformers maps
+    checkpoint names onto the model (tied weights excepted), read on the meta device (no tensor
+    data is read): ``BaseWeightsError`` naming the missing ones otherwise. The engine reads the
+    same folder, so this covers both sides; ``load_base`` checks the real load again."""
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(str(path), device_map="meta", output_loading_info=True)
+    _refuse_missing(str(path), info)
+
+
+def _refuse_missing(path: str, info: dict) -> None:
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise BaseWeightsError(f"model.path={path}: its weight files lack {len(missing)} tensor(s) the model has "
+                               f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): they would train "
+                               f"from random values; the folder is incomplete (a shard or tensors left out)")
 
 
 def build_actor_critic(model_cfg: Any, *, seed: int = 0, actor_adapter: Optional[str] = None,

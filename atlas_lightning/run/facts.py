@@ -85,8 +85,11 @@ def check_inputs(cfg: DictConfig, *, data: bool = True) -> RunFacts:
         folder = cfg.model.get(f"{role}_adapter")
         if folder and not Path(folder).is_dir():
             raise ConfigError(f"model.{role}_adapter={folder}: no such folder")
-    return RunFacts(folders=folders, lora=lora_shapes(cfg), questions=questions,
-                    start=resume_path(cfg, folders["checkpoints"]))
+    start = resume_path(cfg, folders["checkpoints"])
+    from atlas_lightning.models.build import check_base_weights
+
+    check_base_weights(cfg.model.path)  # last: it imports transformers, and reads every header
+    return RunFacts(folders=folders, lora=lora_shapes(cfg), questions=questions, start=start)
 
 
 def _check_lora_targets(model_cfg) -> None:

@@ -392,3 +392,26 @@ def test_lora_targets_that_name_no_module_of_the_base_are_refused_before_anythin
     assert code == 2, err
     assert f"target_modules: {unmatched} names no module of the base" in err and "q_proj" in err
     assert not root.exists()
+
+
+def test_a_base_folder_that_lacks_weights_of_its_architecture_is_refused_before_anything_is_written(
+        tiny_model_dir, sample_data_dir, tmp_path, capsys):
+    """The whole class: whatever tensor is absent (here one MLP weight, with the index consistent),
+    transformers' own mapping of the checkpoint onto the architecture names it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    tensors = load_file(model / "model.safetensors")
+    dropped = sorted(name for name in tensors if ".mlp.down_proj." in name)[0]
+    del tensors[dropped]
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    root = tmp_path / "root"
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}", f"model.path={model}",
+                 f"data.root={sample_data_dir}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"its weight files lack 1 tensor(s) the model has ({dropped})" in err and "Traceback" not in err
+    assert not root.exists()

@@ -71,12 +71,14 @@ def test_a_folder_base_is_read_straight_onto_the_device(monkeypatch, tiny_model_
 
     config = ModelConfig(path=str(tiny_model_dir), dtype="float32")
     calls = _spy(monkeypatch, AutoModelForCausalLM, "from_pretrained",
-                 result=lambda *a, **k: SimpleNamespace(config=SimpleNamespace(use_cache=True)))
+                 result=lambda *a, **k: (SimpleNamespace(config=SimpleNamespace(use_cache=True)),
+                                         {"missing_keys": set()}))
     build.load_base(config, CARD)
     build.load_base(config, "cpu")
     (_, on_card), (_, on_host) = calls
     assert on_card["device_map"] == {"": CARD} and "device_map" not in on_host
     assert on_card["dtype"] == torch.float32 and on_card["attn_implementation"] == config.attn_implementation
+    assert on_card["output_loading_info"] and on_host["output_loading_info"]  # a missing weight is refused
 
 
 def test_kernels_are_chosen_for_the_device_the_base_was_built_on(monkeypatch, qwen3_5_base):

@@ -164,10 +164,10 @@ def _model_folder(tmp_path):
 
 
 @pytest.fixture
-def cfg_of(tmp_path, sample_data_dir):
+def cfg_of(tmp_path, sample_data_dir, tiny_model_dir):
+    """A run's config on the tiny model (a whole base: the start-up checks read its weights)."""
     def make(*overrides):
-        model = tmp_path / "model" if (tmp_path / "model").exists() else _model_folder(tmp_path)
-        return compose(["experiment=tiny-cpu", f"paths.root={tmp_path}", "name=run", f"model.path={model}",
+        return compose(["experiment=tiny-cpu", f"paths.root={tmp_path}", "name=run", f"model.path={tiny_model_dir}",
                         f"data.root={sample_data_dir}", *overrides])
     return make
 
@@ -323,7 +323,7 @@ def test_a_starting_adapter_without_a_lora_shape_is_refused_before_anything_is_w
     (adapter / "adapter_config.json").write_text(json.dumps({"r": 4}))
     with pytest.raises(AdapterConfigError, match="field lora_alpha=None is not a positive number"):
         check_inputs(cfg_of(f"model.actor_adapter={adapter}"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "model"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # nothing written
 
 
 # -- resuming this run's model from a checkpoint of another ---------------------------------------
