@@ -90,6 +90,9 @@ class ModelConfig:
     #: A local folder in Hugging Face layout (config.json, weights, tokenizer). Never a hub id:
     #: nothing is downloaded at run time.
     path: str = "${paths.cache}/tiny-model"
+    #: The architecture ``path`` holds, by name (``planning/named_shapes.py``: ``qwen3_6_27b``,
+    #: ``dense8b``, ...): ``plan`` sizes a run from it while ``path`` is not there yet.
+    shape: Optional[str] = None
     dtype: str = "bfloat16"
     lora: LoraConfig = field(default_factory=LoraConfig)
     #: The critic's LoRA when it starts fresh, e.g. ``model.critic_lora.rank=32`` or

@@ -1,12 +1,6 @@
 """Model shapes the benchmark builds with random weights, straight on the device.
 
-* ``dense8b``: the Qwen3-8B shape (hidden 4096, 36 layers, 32 query / 8 KV heads of 128,
-  MLP 12288, vocabulary 151,936): an 8B dense transformer, packed layout.
-* ``qwen3_6_27b``: the Qwen3.6-27B text shape (transformers ``qwen3_5`` architecture: hidden
-  5120, 64 layers, three Gated DeltaNet linear-attention layers to one full-attention layer,
-  24 query / 4 KV heads of 256 with an output gate, linear attention 16 key / 48 value heads of
-  128, MLP 17408, vocabulary 248,320): recurrent layers, so the padded layout.
-* ``tiny`` / ``tiny_hybrid``: the same two architectures at toy size, for CPU smoke runs.
+The shapes (``dense8b``, ``qwen3_6_27b``, ``tiny``, ``tiny_hybrid``) are ``planning/named_shapes.py``'s.
 
 ``layers`` cuts the decoder to its first ``n`` layers (the hybrid keeps its 3:1 pattern when
 ``n`` is a multiple of 4): per-layer cost and MFU are what a shorter stack measures; tokens a
@@ -26,6 +20,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from atlas_lightning.planning.named_shapes import NAMED_CONFIGS
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -42,29 +38,8 @@ class ModelShape:
         return int(self.config["vocab_size"])
 
 
-SHAPES = {
-    "dense8b": ModelShape("dense8b", "qwen3", dict(
-        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rope_theta=1000000.0, tie_word_embeddings=False,
-    )),
-    "qwen3_6_27b": ModelShape("qwen3_6_27b", "qwen3_5", dict(
-        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
-        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        max_position_embeddings=262144, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-    )),
-    "tiny": ModelShape("tiny", "qwen3", dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, tie_word_embeddings=False,
-    )),
-    "tiny_hybrid": ModelShape("tiny_hybrid", "qwen3_5", dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=8192, tie_word_embeddings=False,
-    )),
-}
+#: The named shapes of ``planning/named_shapes.py`` (one definition, which ``plan`` reads too).
+SHAPES = {name: ModelShape(name, model_type, dict(fields)) for name, (model_type, fields) in NAMED_CONFIGS.items()}
 
 
 def shape_by_name(name: str) -> ModelShape:

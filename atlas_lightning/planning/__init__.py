@@ -13,8 +13,11 @@ Card memory: the ``card_gib`` argument (``--card-gib``), else ``plan.card_gib`` 
 report's A100 80GB).
 Hybrid models' linear-attention kernel: the config key ``model.linear_attention_kernel``, the
 one the trainer reads (``models/linear_kernels.py``): ``fla`` or ``torch`` as given; ``auto``
-is ``fla`` when flash-linear-attention is installed on the planning machine (a GPU plan),
-else ``torch`` (transformers' reference code, far hungrier), and the plan says so.
+is planned for the target, not the planning machine: ``fla`` on GPUs (the CUDA install brings
+flash-linear-attention), ``torch`` on a CPU run; the plan prints which it assumed.
+
+The shape: ``model.path``'s ``config.json``, or, while that folder is not there (the weights
+not yet fetched), the named ``model.shape`` (``named_shapes.py``; ``model=qwen3_6_27b`` sets it).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from .shapes import ModelShape, ShapeError, read_model_shape, shape_from_config
 DEFAULT_CARD_GIB = 80.0
 
 __all__ = ["GIB", "ModelShape", "Phase", "Plan", "ShapeError", "card_gib_of", "estimate", "linear_kernel_of",
-           "make_plan", "read_model_shape", "shape_from_config"]
+           "make_plan", "planned_shape", "read_model_shape", "shape_from_config"]
 
 
 def card_gib_of(cfg: Any, card_gib: Optional[float] = None) -> float:
@@ -42,26 +45,58 @@ def card_gib_of(cfg: Any, card_gib: Optional[float] = None) -> float:
 def linear_kernel_of(cfg: Any, kernel: Optional[str] = None) -> str:
     """``fla`` or ``torch``: ``kernel`` if given, else the config's ``model.linear_attention_kernel``
     (module doc). The planner only looks for the package; it never imports torch."""
-    from atlas_lightning.models.linear_kernels import KERNELS, KEY, resolve
+    from atlas_lightning.models.linear_kernels import KERNELS, KEY
 
     requested = kernel or cfg.model.linear_attention_kernel
     if requested not in KERNELS:
         raise ValueError(f"{KEY}={requested!r} is not one of {', '.join(KERNELS)}")
     if requested != "auto":
         return requested  # what the run will ask for, whatever this machine has installed
-    on_gpu = str(cfg.trainer.accelerator) != "cpu"
-    return resolve("auto", "cuda" if on_gpu else "cpu", import_modules=False)
+    # ``auto`` is planned for the target, not for the planning machine: a GPU run takes fla where
+    # the CUDA install has it (pyproject's cuda extras and README, "Install"), a CPU run torch
+    return "fla" if str(cfg.trainer.accelerator) != "cpu" else "torch"
+
+
+def planned_shape(cfg: Any) -> ModelShape:
+    """The shape to plan: ``cfg.model.path``'s ``config.json`` when the folder is there, else the
+    named ``cfg.model.shape`` (``named_shapes.py``: plan before the weights are fetched);
+    ``ShapeError`` naming both keys when neither is."""
+    from pathlib import Path
+
+    from .named_shapes import named_config
+
+    path, name = cfg.model.path, cfg.model.get("shape")
+    if (Path(str(path)) / "config.json").is_file():
+        return read_model_shape(path)
+    if not name:
+        try:
+            return read_model_shape(path)  # refused, naming model.path
+        except ShapeError as err:
+            raise ShapeError(f"{err}; to plan before the weights are fetched, name the architecture: "
+                             f"model.shape=qwen3_6_27b (or dense8b, ...)") from None
+    try:
+        return shape_from_config(named_config(str(name)), f"model.shape={name}")
+    except ValueError as err:
+        raise ShapeError(str(err)) from None
 
 
 def make_plan(cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: Optional[str] = None,
               shape: Optional[ModelShape] = None) -> Plan:
-    """The plan of ``cfg``: the shape of ``cfg.model.path`` (or ``shape``), the estimate, and every
-    refusal (layout first, then memory). Raises ``ShapeError`` when the model folder is unreadable."""
-    shape = shape or read_model_shape(cfg.model.path)
-    plan = estimate(shape, cfg, card_gib=card_gib_of(cfg, card_gib), linear_kernel=linear_kernel_of(cfg, linear_kernel))
+    """The plan of ``cfg``: the shape of ``cfg.model.path`` (or ``shape``; ``planned_shape``), the
+    estimate, and every refusal (layout first, then memory). The kernels it assumed are in its
+    notes. Raises ``ShapeError`` when no shape can be read."""
+    shape = shape or planned_shape(cfg)
+    kernel = linear_kernel_of(cfg, linear_kernel)
+    plan = estimate(shape, cfg, card_gib=card_gib_of(cfg, card_gib), linear_kernel=kernel)
     plan.refusals[:0] = layout_refusals(cfg, shape)
-    if shape.recurrent and plan.model.get("linear_attention_kernel") == "torch" and plan.device == "gpu":
-        plan.notes.append("linear attention on transformers' torch reference code (model.linear_attention_kernel="
-                          f"{cfg.model.linear_attention_kernel}; flash-linear-attention not "
-                          "installed here): estimated with its much larger activations")
+    if not shape.source.endswith("config.json"):
+        plan.notes.append(f"shape from {shape.source} ({cfg.model.path} is not there yet)")
+    if shape.recurrent:
+        why = ("model.linear_attention_kernel=auto on CUDA: flash-linear-attention, which the CUDA install brings"
+               if cfg.model.linear_attention_kernel == "auto" and kernel == "fla" else
+               f"model.linear_attention_kernel={cfg.model.linear_attention_kernel}")
+        plan.notes.append(f"assumed linear-attention kernel: {kernel} ({why})")
+        if kernel == "torch" and plan.device == "gpu":
+            plan.notes.append("linear attention on transformers' torch reference code: estimated with its much "
+                              "larger activations")
     return plan

@@ -24,6 +24,8 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
 * the run's folders, ``paths.{artifacts,checkpoints,outputs,logs,wandb,runs}``, derived from
   ``paths.root`` and ``name`` (the README's layout, which ``run_dirs`` computed), and the callbacks'
   arguments interpolated from them, ``name`` and ``trainer.total_steps`` (``derived``);
+* ``model.shape``: the architecture ``plan`` sizes while ``model.path`` is not there yet
+  (``qwen3_6_27b`` in the model group of that name, else null);
 * ``callbacks.progress``: the progress bar in RL steps (``callbacks/progress.py``), in the default
   callbacks.
 """
@@ -68,6 +70,8 @@ def derived(now: dict) -> dict:
         "checkpoint": {"total_steps": steps, "checkpoints": paths["checkpoints"]},
     }
     out = {f"paths.{key}": value for key, value in paths.items()}
+    # the named architecture plan sizes before the weights are fetched (conf/model/qwen3_6_27b.yaml)
+    out["model.shape"] = "qwen3_6_27b" if now["model.path"] == "/models/Qwen3.6-27B" else None
     if "callbacks.nan_guard._target_" in now:  # the progress bar joined the default callbacks
         out.update({"callbacks.progress._target_": "atlas_lightning.callbacks.progress.RLProgressBar",
                     "callbacks.progress.total_steps": steps})

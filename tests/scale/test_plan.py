@@ -176,17 +176,32 @@ def test_report_budgets_on_80gb_cards(qwen27b_dir, tmp_path):
 
 def test_linear_kernel_is_the_config_key(qwen27b_dir, tmp_path):
     """The plan reads model.linear_attention_kernel (no environment variable): fla and torch as
-    given; auto looks for flash-linear-attention on this machine and says when it plans without it."""
-    import importlib.util
-
+    given; auto is planned for the target, whatever this machine has installed: fla on GPUs, torch
+    on a CPU run, and the plan says which it assumed."""
     run = "r28-continued-cost-8gpu-t49152-memory"
     for kernel in ("fla", "torch"):
         plan = make_plan(_cfg(run, qwen27b_dir, tmp_path, f"model.linear_attention_kernel={kernel}"), card_gib=80)
         assert plan.model["linear_attention_kernel"] == kernel
+        assert any(note.startswith(f"assumed linear-attention kernel: {kernel} ") for note in plan.notes)
     auto = make_plan(_cfg(run, qwen27b_dir, tmp_path), card_gib=80)
-    installed = importlib.util.find_spec("fla") is not None
-    assert auto.model["linear_attention_kernel"] == ("fla" if installed else "torch")
-    assert installed or any("model.linear_attention_kernel=auto" in note for note in auto.notes)
+    assert auto.model["linear_attention_kernel"] == "fla" and auto.ok  # the training of record fits 80 GiB
+    assert any("fla (model.linear_attention_kernel=auto on CUDA" in note for note in auto.notes)
+    on_cpu = make_plan(_cfg(run, qwen27b_dir, tmp_path, "trainer.accelerator=cpu"), card_gib=80)
+    assert on_cpu.model["linear_attention_kernel"] == "torch"
+
+
+def test_a_run_is_planned_from_its_named_shape_before_the_weights_are_fetched(qwen27b_dir, tmp_path):
+    """model.shape stands in for a model.path that is not there yet, and plans as its config.json does."""
+    run = "r28-continued-cost-8gpu-t49152-memory"
+    from_folder = make_plan(_cfg(run, qwen27b_dir, tmp_path), card_gib=80)
+    named = make_plan(_cfg(run, qwen27b_dir, tmp_path, f"model.path={tmp_path}/not-fetched", "model.shape=qwen3_6_27b"),
+                      card_gib=80)
+    assert named.phase("update_actor").tensors == pytest.approx(from_folder.phase("update_actor").tensors, rel=1e-3)
+    assert any("shape from model.shape=qwen3_6_27b" in note for note in named.notes)
+    with pytest.raises(ShapeError, match="model.shape=qwen3_6_27b"):
+        make_plan(_cfg(run, qwen27b_dir, tmp_path, f"model.path={tmp_path}/not-fetched", "model.shape=null"))
+    with pytest.raises(ShapeError, match="'nope' is not a known shape"):
+        make_plan(_cfg(run, qwen27b_dir, tmp_path, f"model.path={tmp_path}/not-fetched", "model.shape=nope"))
     with pytest.raises(ConfigError, match="model.linear_attention_kernel"):
         _cfg(run, qwen27b_dir, tmp_path, "model.linear_attention_kernel=cuda")
 
