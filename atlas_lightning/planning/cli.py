@@ -24,8 +24,6 @@ def run_plan(cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: Optio
     return the exit code (module doc)."""
     from .model_folder import check_model_folder
 
-    from pathlib import Path
-
     try:
         if Path(str(cfg.model.path)).exists() or not cfg.model.get("shape"):
             check_model_folder(cfg.model.path, loads=False)  # fit's check, of what a plan reads (exit 2)
