@@ -16,20 +16,21 @@ the objective at step 0; the mean difference and its standard error (sample stan
 of the differences / sqrt(questions)); ``z`` = mean / SE. Learning is shown when ``z > 3``.
 
 Output: a markdown table on stdout and ``ROOT/learning.json``. Who calls it: people, and the
-README's figures come from it. Needs only the standard library (and the CLI it launches).
+README's figures come from it. The reading and the test are ``store/learning_curve.py``'s, which
+``fit``'s closing summary prints for any run. Needs no torch (only the CLI it launches).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from atlas_lightning.store.learning_curve import read_step, summarize, val_steps
 
 EXPERIMENT = "tiny-cpu"
 
@@ -54,45 +55,6 @@ def train(root: Path, seed: int, overrides: list[str]) -> float:
 def _finished(root: Path, name: str) -> bool:
     summary = root / "outputs" / name / "learning_done.json"
     return summary.is_file()
-
-
-def val_steps(root: Path, name: str) -> dict[int, Path]:
-    folder = root / "artifacts" / name / "val"
-    steps = {}
-    for step_dir in folder.glob("step_*") if folder.is_dir() else ():
-        if step_dir.name[5:].isdigit() and (step_dir / "manifest.json").is_file():
-            steps[int(step_dir.name[5:])] = step_dir
-    return dict(sorted(steps.items()))
-
-
-def read_step(step_dir: Path) -> dict[str, dict]:
-    """question_id -> mean over its trajectories of objective, acc, cost (USD) and explores."""
-    per_question: dict[str, list[dict]] = {}
-    for path in sorted(step_dir.glob("*.json")):
-        if path.name == "manifest.json":
-            continue
-        record = json.loads(path.read_text(encoding="utf-8"))
-        reward = record["reward"]
-        per_question.setdefault(record["question_id"], []).append(
-            {"objective": float(reward["objective"]), "acc": float(reward["acc"]),
-             "cost_usd": float(reward["cost_total"]), "explores": float(reward["num_explores"])})
-    if not per_question:
-        raise ValueError(f"{step_dir}: no trajectory records")
-    return {qid: {key: statistics.fmean(r[key] for r in rows) for key in rows[0]} for qid, rows in per_question.items()}
-
-
-def summarize(steps: dict[int, dict[str, dict]]) -> dict:
-    """Per-step means and the paired last-vs-first test."""
-    curve = {step: {key: statistics.fmean(q[key] for q in questions.values())
-                    for key in ("objective", "acc", "cost_usd", "explores")} | {"questions": len(questions)}
-             for step, questions in steps.items()}
-    first, last = min(steps), max(steps)
-    common = sorted(set(steps[first]) & set(steps[last]))
-    diffs = [steps[last][q]["objective"] - steps[first][q]["objective"] for q in common]
-    mean = statistics.fmean(diffs) if diffs else float("nan")
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
-    return {"curve": curve, "first_step": first, "last_step": last, "paired_questions": len(common),
-            "objective_gain": mean, "gain_se": se, "z": mean / se if se and se > 0 else float("nan")}
 
 
 def markdown(results: dict) -> str:
@@ -128,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                 done.write_text(json.dumps({"train_seconds": seconds}) + "\n", encoding="utf-8")
             else:
                 seconds = json.loads(done.read_text())["train_seconds"]
-        steps = val_steps(args.root, name)
+        steps = val_steps(Path(args.root) / "artifacts" / name)
         if len(steps) < 2:
             raise SystemExit(f"{args.root}/artifacts/{name}/val holds validation steps {list(steps)}: need step 0 and a later one")
         result = summarize({step: read_step(folder) for step, folder in steps.items()})

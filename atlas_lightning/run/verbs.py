@@ -48,6 +48,7 @@ def fit(cfg: DictConfig) -> int:
 
 def _closing_summary(cfg: DictConfig, facts: RunFacts, seconds: float) -> None:
     from atlas_lightning.store.checkpoints import latest_complete
+    from atlas_lightning.store.learning_curve import learning_line
 
     dirs, shapes = facts.folders, facts.lora
     latest = latest_complete(dirs["checkpoints"])
@@ -64,7 +65,11 @@ def _closing_summary(cfg: DictConfig, facts: RunFacts, seconds: float) -> None:
     figures = dirs["artifacts"] / "val_figures"
     if figures.is_dir():
         lines.append(f"  figures      {figures}")
+    learned = learning_line(dirs["artifacts"])
+    if learned:
+        lines.append(f"  learning     {learned}")
     print("\n".join(lines), file=sys.stderr)
+    log.info("closing summary:\n%s", "\n".join(lines))
 
 
 def _step_of(path: Optional[str]) -> int:
