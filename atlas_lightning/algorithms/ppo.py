@@ -85,11 +85,14 @@ def compute_gae_advantage_return(
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
+    whiten: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over response tokens that steps over masked (tool/padding) tokens.
 
     Args: three ``(bs, response_length)`` tensors (rewards per token, the critic's values at
-    rollout time, the response mask) and the discount ``gamma`` and GAE ``lam``.
+    rollout time, the response mask), the discount ``gamma`` and GAE ``lam``, and ``whiten``
+    (verl's behaviour, the default: whiten the advantages over this call's batch; False leaves
+    that to the caller, e.g. a step that whitens over the tokens of every rank at once).
 
     The recursion runs right to left over positions. At a position with mask 1 it is the
     usual ``delta_t = r_t + gamma * V_next - V_t``, ``A_t = delta_t + gamma * lam * A_next``,
@@ -102,7 +105,8 @@ def compute_gae_advantage_return(
     Returns ``(advantages, returns)``, both ``(bs, response_length)``:
     ``returns = A + values`` with the raw ``A``; ``advantages = masked_whiten(A, response_mask)``
     (mean and unbiased std over all unmasked tokens of the batch, so the batch needs at least
-    two of them). No gradient flows (computed under ``torch.no_grad``).
+    two of them), or the raw ``A`` itself when ``whiten`` is False. No gradient flows (computed
+    under ``torch.no_grad``).
     """
     _check_same_shape(
         "compute_gae_advantage_return", "token_level_rewards",
@@ -128,7 +132,8 @@ def compute_gae_advantage_return(
             reversed_advantages.append(next_advantage)
         advantages = torch.stack(reversed_advantages[::-1], dim=1)
         returns = advantages + values
-        advantages = masked_whiten(advantages, response_mask)
+        if whiten:
+            advantages = masked_whiten(advantages, response_mask)
     return advantages, returns
 
 

@@ -122,3 +122,22 @@ def test_bad_input_is_named():
     lonely[0, 0] = 1
     with pytest.raises(ValueError, match="selects one element"):
         compute_gae_advantage_return(rewards, values, lonely, 1.0, 1.0)
+
+
+def test_whiten_off_gives_the_raw_advantages_and_the_same_returns():
+    """``whiten=False`` leaves the whitening to the caller (the PPO step whitens over every rank's
+    tokens at once): the advantages are GAE's own, the returns are the same as verl's default."""
+    rewards, values, mask = _case(seed=7)
+    whitened, returns = compute_gae_advantage_return(rewards, values, mask, 0.9, 0.8)
+    raw, raw_returns = compute_gae_advantage_return(rewards, values, mask, 0.9, 0.8, whiten=False)
+    assert torch.equal(raw_returns, returns)
+    expected = ref_raw_advantages(rewards.tolist(), values.tolist(), mask.tolist(), 0.9, 0.8)
+    assert _flat(raw.tolist()) == pytest.approx(_flat(expected), rel=1e-10, abs=1e-12)
+    assert torch.allclose(whitened, ref_whiten_tensor(raw, mask))
+    lonely = torch.zeros_like(mask)  # one token here: nothing to whiten locally, and no error
+    lonely[0, 0] = 1
+    compute_gae_advantage_return(rewards, values, lonely, 1.0, 1.0, whiten=False)
+
+
+def ref_whiten_tensor(x, mask):
+    return torch.tensor(ref_whiten(x.tolist(), mask.tolist()), dtype=x.dtype)
