@@ -399,6 +399,10 @@ def validate(cfg: DictConfig) -> None:
     if cfg.hub.publish_checkpoints and not cfg.hub.repo_id:
         raise ConfigError("hub.publish_checkpoints=true needs hub.repo_id=<owner>/<name>")
     for name, spec in (cfg.callbacks or {}).items():
+        retired = name == "weight_sync" or str((spec or {}).get("_target_", "")).endswith(".WeightSyncCallback")
+        if spec is not None and retired:  # a config saved before the sync became the step's last phase
+            raise ConfigError(f"callbacks.{name}: the weight sync is no longer a callback but a stage of the PPO "
+                              f"step, run in every fit (ppo/module.py); remove callbacks.{name} from the config")
         if spec is not None and "_target_" not in spec:
             raise ConfigError(f"callbacks.{name} needs a _target_ (a class path)")
         if spec is not None:

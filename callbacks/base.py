@@ -17,7 +17,8 @@ event                       raised by                           when, on which r
 ==========================  ==================================  ======================================
 
 ``Checkpointable`` is what ``StepCheckpoint`` (``save_adapters``) and the NaN guard's rollback
-(``restore_checkpoint``) call on the LightningModule; ``PPOModule`` implements it.
+(``restore_checkpoint``, then ``sync_weights``) call on the LightningModule; ``PPOModule``
+implements it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class RLCallback(L.Callback):
     def on_rl_weights_restored(self, trainer: Any, pl_module: Any, step: int, checkpoint: Path) -> None:
         """The NaN guard met a non-finite step ``step`` and restored the trainable tensors and
         optimizer states of ``checkpoint`` (a ``global_step_M`` folder, M < step); the engines
-        still hold the discarded weights until someone syncs them."""
+        already serve them (weights version M: the guard called ``pl_module.sync_weights``)."""
 
     def on_rl_validation_end(self, trainer: Any, pl_module: Any, step: int, metrics: dict,
                              rows: Optional[list]) -> None:
@@ -60,3 +61,7 @@ class Checkpointable(Protocol):
     def restore_checkpoint(self, step_dir: Path) -> None:
         """The trainable tensors and optimizer states of checkpoint folder ``step_dir``, in
         place. Collective."""
+
+    def sync_weights(self, version: int, log_step: Optional[int] = None) -> dict:
+        """The engines serve the module's actor as weights version ``version`` (its metrics
+        logged at RL step ``log_step``, default ``version``). Collective."""

@@ -21,10 +21,10 @@ The module has already refused to step the optimizers for such a step and says s
      checkpointed;
    - ``rollback``: calls ``pl_module.restore_checkpoint(step_dir)`` with that checkpoint (all
      ranks: it is collective; the module must be ``Checkpointable``, ``base.py``), then
-     ``on_rl_weights_restored(trainer, pl_module, step, step_dir)`` on every ``RLCallback``
-     (the weight sync must push the restored actor to the engines before the next rollout),
-     logs ``nan_guard/rollbacks`` (the run's count) at step N and lets training go on with the
-     next batch (the data cursor is not rewound).
+     ``pl_module.sync_weights(M, log_step=N)`` (the engines serve the restored actor, version
+     M, before the next rollout), then ``on_rl_weights_restored(trainer, pl_module, step,
+     step_dir)`` on every ``RLCallback``, logs ``nan_guard/rollbacks`` (the run's count) at step
+     N and lets training go on with the next batch (the data cursor is not rewound).
      Without a checkpoint, or after ``max_rollbacks`` rollbacks, it stops as ``stop`` does.
 
 Every rank must see the same ``finite`` (the module decides it across ranks: the callbacks'
@@ -34,8 +34,8 @@ not share its file system) and broadcasts them; a failure there is raised on eve
 Merging the ranks' diagnostics: ``what`` is the union; each name's ``count`` is the sum over
 ranks and its ``trajectories`` the union (each rank is taken to report its own trajectories).
 
-``check_probe(logprobs, step)`` (also ``check_probe_logprobs``) is for the weight-sync
-callback: ``NonFiniteError`` when the engine's probe log-probs hold a NaN or inf.
+``NonFiniteError`` (``errors.py``) is also what the weight sync raises for an engine whose
+probe log-probs are not finite (``rollout/sync.py``).
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import lightning as L
-import numpy as np
 
+from atlas_lightning.errors import NonFiniteError
 from atlas_lightning.store.records import FILE_VERSION, utc_now
-from atlas_lightning.store.checkpoints import latest_verified
+from atlas_lightning.store.checkpoints import checkpoint_step, latest_verified
 from atlas_lightning.distributed import on_rank_zero
 from atlas_lightning.store.files import atomic_write_json, json_safe
 from atlas_lightning.store.step_folder import gather_step, write_step_folder
@@ -58,39 +58,6 @@ from atlas_lightning.ppo.step_output import read_step_output
 log = logging.getLogger(__name__)
 
 POLICIES = ("stop", "rollback")
-
-
-class NonFiniteError(RuntimeError):
-    """Training met a NaN/inf it must not go on with. ``step``: the RL step; ``what``: the
-    quantities; ``last_good_checkpoint``: the folder to resume from (None if there is none);
-    ``diagnostic``: the written ``nonfinite/step_N.json`` (None if not written)."""
-
-    def __init__(self, message: str, *, step: int, what: Sequence[str] = (),
-                 last_good_checkpoint: Optional[Path] = None, diagnostic: Optional[Path] = None) -> None:
-        super().__init__(message)
-        self.step = step
-        self.what = list(what)
-        self.last_good_checkpoint = last_good_checkpoint
-        self.diagnostic = diagnostic
-
-
-def check_probe_logprobs(logprobs: Any, step: int, where: str = "the engine's probe") -> None:
-    """``NonFiniteError`` if any of ``logprobs`` (a sequence, numpy array or tensor of per-token
-    log-probs) is NaN or inf; ``ValueError`` if it is empty (an empty probe proves nothing)."""
-    if hasattr(logprobs, "detach"):
-        logprobs = logprobs.detach().float().cpu().numpy()
-    values = np.asarray(logprobs, dtype=np.float64).reshape(-1)
-    if values.size == 0:
-        raise ValueError(f"step {step}: {where} has no log-probs to check")
-    bad = np.flatnonzero(~np.isfinite(values))
-    if bad.size:
-        shown = ", ".join(f"{i}: {values[i]}" for i in bad[:5])
-        raise NonFiniteError(
-            f"step {step}: {where} log-probs hold {bad.size} non-finite value(s) of {values.size} "
-            f"(position: value {shown}{', ...' if bad.size > 5 else ''}); the engines' weights are broken "
-            "(e.g. a wrong merge); refusing to roll out with them",
-            step=step, what=["probe_logprobs"],
-        )
 
 
 def merge_diagnostics(diagnostics: Sequence[Optional[Mapping[str, Any]]]) -> dict:
@@ -173,13 +140,6 @@ class NaNGuardCallback(L.Callback):
         self.rollbacks = 0
         #: ``{"step", "what", "action", "checkpoint"}`` of every non-finite step met (checkpointed).
         self.events: list[dict] = []
-
-    # -- the probe (weight sync) ------------------------------------------------------------
-
-    @staticmethod
-    def check_probe(logprobs: Any, step: int) -> None:
-        """See ``check_probe_logprobs``."""
-        check_probe_logprobs(logprobs, step)
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -268,11 +228,14 @@ class NaNGuardCallback(L.Callback):
                   checkpoint: Path) -> None:
         if not isinstance(pl_module, Checkpointable):
             raise NonFiniteError(
-                f"step {step}: policy rollback needs pl_module.restore_checkpoint(step_dir) (Checkpointable), "
+                f"step {step}: policy rollback needs pl_module.restore_checkpoint(step_dir) and "
+                f"pl_module.sync_weights(version, log_step) (Checkpointable), "
                 f"which {type(pl_module).__name__} lacks; the last good checkpoint is {checkpoint}",
                 step=step, what=merged["what"], last_good_checkpoint=checkpoint)
         log.warning("step %d: non-finite %s; rolling back to %s", step, ", ".join(merged["what"]), checkpoint)
         pl_module.restore_checkpoint(checkpoint)
+        # the engines still serve the discarded weights: the restored ones before the next rollout
+        pl_module.sync_weights(checkpoint_step(checkpoint), log_step=step)
         for callback in rl_callbacks(trainer):
             callback.on_rl_weights_restored(trainer, pl_module, step, checkpoint)
         self.rollbacks += 1

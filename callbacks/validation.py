@@ -28,9 +28,10 @@ Other callbacks hear of it: every ``RLCallback`` (``base.py``) gets ``on_rl_vali
 pl_module, step, metrics, rows)`` on every rank (``rows``: the per-trajectory rows of
 ``_summary.trajectory_row`` on rank 0, None elsewhere); the figures callback draws from it.
 
-Ordering: the weights the engines serve at step N must be the updated ones, so the weight-sync
-callback must run before this one, in ``on_train_start`` and ``on_train_batch_end`` (earlier in
-the callback list; ``verbs.build_callbacks`` puts it first).
+Ordering: the engines serve the step-N weights when this runs, whatever the callbacks' order:
+the weight sync is the PPO step's last phase (``ppo/module.py``), which Lightning finishes
+before any callback's ``on_train_batch_end``, and the starting weights are synced in the
+module's ``on_fit_start``, before any ``on_train_start``.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ of that shape (``bench/shapes.py``, built on the GPU; the tokenizer of ``--token
 What the callback measures, per RL step (rank 0's clocks; every rank runs the same phases):
 
 * the step's wall time: from the start of its rollout to the start of the next one (the last
-  step: to the end of training), so that every callback (weight sync, records, validation,
-  figures, checkpoint) is inside it;
+  step: to the end of training), so that the weight sync and every callback (records,
+  validation, figures, checkpoint) are inside it;
 * each phase's seconds and peak memory, as the run logs them (``timing_s/*`` and ``memory/*``
   of ``runs/<name>/<id>/history.csv``): ``wake_rollout``, ``gen`` (the agent loop), ``sleep``,
   ``assemble``, ``old_log_prob``, ``values``, ``ref``, ``adv``, ``update_critic``,
@@ -326,8 +326,9 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
                                                                            "critic/score", "actor/", "critic/"))},
         }
         if wall:
+            # the weight sync (wake, update_weights) is the step's last phase, not a callback
             inside = sum(phases.get(p, 0.0) for p in ("wake_rollout", "gen", "sleep", "assemble") + UPDATE_COMPUTE
-                         + ("adv",)) + sum(callbacks.values())
+                         + ("adv", "wake", "update_weights")) + sum(callbacks.values())
             row["other_s"] = wall - inside
             # validation and checkpoints run every val_every / save_every steps: a step that has one
             # shows it apart, and the amortised share spreads each over its period

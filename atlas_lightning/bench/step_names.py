@@ -2,7 +2,7 @@
 and its reader (``bench/projection.py``) both set apart. Plain strings, so that the projection
 reads a report without importing Lightning or the callbacks."""
 
-#: the callback that moves the trained weights into the engines (the step's ``update_weights``)
+#: the weight sync, in reports written while it was a callback (now the step's own ``update_weights``)
 SYNC_CALLBACK = "WeightSyncCallback"
 #: the callback whose seconds are validation (run every ``trainer.val_every`` steps)
 VALIDATION_CALLBACK = "ValidationCallback"

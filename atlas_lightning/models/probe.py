@@ -1,10 +1,10 @@
 """The trainer's side of the weight-sync probe: the actor's log-probs of one token sequence.
 
-The weight-sync callback compares them with the engine's log-probs of the same sequence
-(``Engine.prompt_logprobs``) after each sync; they must agree within
-``rollout.max_logprob_gap``.
+The weight sync compares them with the engine's log-probs of the same sequence
+(``Engine.prompt_logprobs``) after each sync; they must agree within a bound set from the
+measured noise, never above ``rollout.max_logprob_gap``.
 
-Who calls it: ``callbacks/weight_sync.py``.
+Who calls it: ``rollout/sync.py``.
 """
 
 from __future__ import annotations

@@ -15,6 +15,12 @@ Per RL step (one ``RolloutBatch`` of this rank's trajectories; README, "PPO"):
    on every rank (FSDP collectives); losses normalised by the mini-batch's token count on all
    ranks (verl's ``token-mean`` with ``dp_size``), gradient clipping, one optimizer step per
    mini-batch. A non-finite gradient norm skips that optimizer step and is counted.
+4. ``update_weights``: the updated actor reaches the engines, verified (``rollout/sync.py``,
+   ``sync_weights``), at the end of the step and only when the step is finite. Lightning runs
+   ``training_step`` to its end before any callback's ``on_train_batch_end`` (validation of
+   step N runs there) and before it fetches the next batch (whose rollout samples these
+   weights): the order is Lightning's, whatever the callbacks' order. The starting weights are
+   synced in ``on_fit_start`` (``on_train_start`` for a resumed FSDP2 run: see there).
 
 Non-finite values (entropy, log-probs, values, losses, gradient norms) are checked before
 any optimizer step that depends on them; when one is found, the step's remaining optimizer
@@ -25,18 +31,21 @@ Steps are RL steps: ``rl_step`` is the batch's 1-based step and is what every me
 folder and file is named by. Lightning's ``trainer.global_step`` counts optimizer steps and
 is never shown to users.
 
-Output: a ``StepOutput`` (``ppo/step_output.py``), read by every callback.
+Output: a ``StepOutput`` (``ppo/step_output.py``), read by every callback. Its metrics are
+computed by ``ppo/metrics.py``.
 
 Measuring a phase (``phase_hook``): the step enters ``phase_hook(name, rl_step)`` (a context
 manager) around each of its phases, in order ``old_log_prob``, ``values``, ``ref`` (when a KL is
 on), ``adv``, ``update_critic``, ``update_actor`` (the updates only when they run), on every
-rank; ``timing_s/<name>`` includes the hook. The hook must not change what a phase computes:
-memory-check mode (``run/memory_check.py``) measures each phase's peak memory through it.
+rank; ``timing_s/<name>`` includes the hook. ``sync_weights`` enters ``phase_hook("update_weights",
+version)`` around every weight sync (its seconds are the sync's own ``timing_s/update_weights``
+and ``timing_s/wake``). The hook must not change what a phase computes: memory-check mode
+(``run/memory_check.py``) measures each phase's peak memory through it.
 
-Besides the step, the module holds only its checkpoint contract: what Lightning's checkpoint
-keeps (``on_save_checkpoint``), the adapters as PEFT folders (``save_adapters``) and the
-rollback (``restore_checkpoint``), which the step checkpoint and the NaN guard call. Moving
-weights to the engines is the weight-sync callback's, on ``self.model``.
+Besides the step, the module holds its checkpoint contract: what Lightning's checkpoint keeps
+(``on_save_checkpoint``: the RL step, skipped optimizer steps and the weight sync's version and
+engine-side id), the adapters as PEFT folders (``save_adapters``), the rollback
+(``restore_checkpoint``) and ``sync_weights``, which the step checkpoint and the NaN guard call.
 
 What is sharded: with ``ModelParallelStrategy`` every decoder layer, the value head and the
 root are FSDP2 units over the data-parallel mesh (``models/sharding.py``). What is saved:
@@ -64,8 +73,11 @@ from atlas_lightning.algorithms.functional import masked_mean, masked_whiten
 from atlas_lightning.algorithms.kl import apply_kl_penalty, kl_penalty
 from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
+from atlas_lightning.ppo.metrics import (ROLE_METRICS, data_metrics, mean_over_ranks, memory_metrics,
+                                         per_trajectory, timed)
 from atlas_lightning.ppo.step_output import StepOutput
 from atlas_lightning.rollout.batch import RolloutBatch
+from atlas_lightning.rollout.sync import WeightSync
 
 #: ``phase_hook(name, rl_step)``: a context manager the step enters around each phase.
 PhaseHook = Callable[[str, int], ContextManager[Any]]
@@ -117,6 +129,8 @@ class PPOModule(L.LightningModule):
         self.phase_hook = phase_hook
         #: Optimizer steps taken in the current RL step, by role (a non-finite step reports them).
         self.steps_applied = {"critic": 0, "actor": 0}
+        #: The step's last phase: the actor to the engines (``sync_weights``). Not a submodule.
+        self.weight_sync = weight_sync_of(cfg)
 
     # -- model and optimizers -------------------------------------------------------------
 
@@ -197,12 +211,16 @@ class PPOModule(L.LightningModule):
         if isinstance(state, dict):
             for key in [k for k in state if k not in keep]:
                 del state[key]
-        checkpoint["atlas"] = {"rl_step": self.rl_step, "skipped_optimizer_steps": dict(self.skipped_optimizer_steps)}
+        checkpoint["atlas"] = {"rl_step": self.rl_step, "skipped_optimizer_steps": dict(self.skipped_optimizer_steps),
+                               "weight_sync": self.weight_sync.state_dict()}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """The state ``on_save_checkpoint`` kept; an absent key (an older checkpoint) reads as a
+        fresh run's."""
         atlas = checkpoint.get("atlas", {})
         self.rl_step = int(atlas.get("rl_step", 0))
         self.skipped_optimizer_steps.update(atlas.get("skipped_optimizer_steps", {}))
+        self.weight_sync.load_state_dict(atlas.get("weight_sync", {}))
 
     def save_adapters(self, step_dir: Path) -> None:
         """``step_dir/{actor,critic}/lora_adapter`` as PEFT folders. Collective; rank 0 writes."""
@@ -220,6 +238,48 @@ class PPOModule(L.LightningModule):
         checkpoint = strategy.load_checkpoint(lightning_state_path(step_dir))
         strategy.load_model_state_dict(checkpoint, strict=False)
         strategy.load_optimizer_state_dict(checkpoint)
+
+    # -- the weights the engines serve ----------------------------------------------------
+
+    def on_fit_start(self) -> None:
+        """The starting weights (version ``rl_step``: 0, or the resumed step) reach the engine
+        before anything samples from it. Lightning calls ``on_fit_start`` (every callback's, then
+        this) after ``configure_model``, the strategy's setup and, where the strategy restores a
+        checkpoint before its setup (one device), that restore; the datamodule built the engine
+        before all of it, in ``setup``. Every ``on_train_start`` comes later: ``ValidationCallback``
+        validates step 0 there on a fresh run, with these weights."""
+        if not self._restored_after_fit_start():
+            self.sync_weights(self.rl_step)
+
+    def on_train_start(self) -> None:
+        """A run resumed under a strategy that restores the checkpoint after ``on_fit_start``
+        (FSDP2's ``ModelParallelStrategy``: ``restore_checkpoint_after_setup``) serves the
+        restored weights here. Lightning calls every callback's ``on_train_start`` before this
+        one, but none samples on a resumed run (validation before training is a fresh run's),
+        and the first batch is fetched after it (the train dataloader is sized, so Lightning
+        fetches nothing ahead)."""
+        if self._restored_after_fit_start():
+            self.sync_weights(self.rl_step)
+
+    def _restored_after_fit_start(self) -> bool:
+        return self.resume_from is not None and bool(self.trainer.strategy.restore_checkpoint_after_setup)
+
+    def sync_weights(self, version: int, log_step: Optional[int] = None) -> dict[str, float]:
+        """Serve the actor as weights version ``version`` on the datamodule's engine, verified
+        (``rollout/sync.py``), and log the sync's metrics at RL step ``log_step`` (default
+        ``version``); returns them. Called by the step (its last phase), ``on_fit_start``, the NaN
+        guard's rollback (version M, logged at the bad step) and the ``validate`` verb. A
+        datamodule without an engine (memory check's synthetic steps, a test's fixed batches) has
+        nothing to serve: ``{}``. Collective."""
+        datamodule = self.trainer.datamodule
+        if getattr(datamodule, "engine", None) is None:
+            return {}
+        # outside any autocast of the step's precision plugin (Lightning enters it around
+        # training_step): every sync merges and probes alike, wherever it is called from
+        with self._hooked("update_weights", version), torch.autocast(self.device.type, enabled=False):
+            metrics = self.weight_sync.sync(self.model, datamodule, version=version, device=self.device)
+        self.log_metrics(metrics, step=version if log_step is None else log_step)
+        return metrics
 
     # -- logging --------------------------------------------------------------------------
 
@@ -292,7 +352,7 @@ class PPOModule(L.LightningModule):
         self.rl_step = batch.step
         cfg = self.cfg.algorithm
         timing = dict(batch.timing)
-        memory: dict[str, float] = {}  # per-phase peaks on CUDA (``_timed``)
+        memory: dict[str, float] = {}  # per-phase peaks on CUDA (``metrics.timed``)
         started = time.monotonic()
         nonfinite: dict[str, Any] = {}
         self.steps_applied = {"critic": 0, "actor": 0}
@@ -317,13 +377,7 @@ class PPOModule(L.LightningModule):
 
         metrics: dict[str, float] = {}
         with self._phase(timing, "adv"):
-            rewards = scores
-            if cfg.use_kl_in_reward:
-                rewards, kl_metrics = apply_kl_penalty(scores, old_log_prob, ref_log_prob, mask, cfg.kl_coef, cfg.kl_penalty)
-                metrics.update(kl_metrics)
-            advantages, returns = ppo.compute_gae_advantage_return(rewards, values, mask, cfg.gamma, cfg.lam)
-            raw_advantages = returns - values
-            advantages = _global_whiten(raw_advantages, mask) if cfg.norm_adv else raw_advantages
+            rewards, advantages, returns = self._advantages(scores, old_log_prob, ref_log_prob, values, mask, metrics)
         data = StepTensors(seqs=seqs, prompts=prompts, mask=mask, old_log_prob=old_log_prob, values=values,
                            returns=returns, advantages=advantages, ref_log_prob=ref_log_prob)
 
@@ -337,30 +391,58 @@ class PPOModule(L.LightningModule):
         timing["step"] = timing.get("wait_rollout", timing.get("rollout", timing.get("gen", 0.0))) \
             + time.monotonic() - started
 
-        metrics.update(self._data_metrics(batch, data, scores, rewards, entropy, timing))
-        metrics.update(_memory_metrics(memory, batch.memory))
+        metrics.update(data_metrics(batch, mask=mask, values=values, returns=returns, advantages=advantages,
+                                    old_log_prob=old_log_prob, scores=scores, rewards=rewards, entropy=entropy,
+                                    timing=timing))
+        metrics.update(memory_metrics(memory, batch.memory))
         if nonfinite:
             # the diagnostic says what this step already changed: the weights moved by these steps
             nonfinite["optimizer_steps_applied"] = dict(self.steps_applied)
         output = StepOutput(
             step=batch.step,
             batch=batch,
-            tensors=_per_trajectory(batch, mask, values=values, returns=returns, advantages=advantages,
-                                    old_log_probs=old_log_prob, token_rewards=rewards, ref_log_probs=ref_log_prob),
+            tensors=per_trajectory(batch, values=values, returns=returns, advantages=advantages,
+                                   old_log_probs=old_log_prob, token_rewards=rewards, ref_log_probs=ref_log_prob),
             metrics=metrics,
             finite=not nonfinite,
             nonfinite=nonfinite or None,
         )
         self.log_metrics(metrics, step=batch.step)
+        if output.finite:  # a non-finite step ships nothing: the NaN guard decides (module doc, 4.)
+            self.sync_weights(batch.step)
         return output
+
+    def _advantages(self, scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: Optional[torch.Tensor],
+                    values: torch.Tensor, mask: torch.Tensor, metrics: dict) -> tuple[torch.Tensor, ...]:
+        """``(rewards, advantages, returns)``, each ``(bs, width)``: the token rewards ``scores``
+        less ``kl_coef`` x KL when the KL is in the reward (its metrics into ``metrics``), GAE's
+        returns, and the advantages whitened over every rank's tokens when ``norm_adv``."""
+        cfg = self.cfg.algorithm
+        rewards = scores
+        if cfg.use_kl_in_reward:
+            rewards, kl_metrics = apply_kl_penalty(scores, old_log_prob, ref_log_prob, mask, cfg.kl_coef,
+                                                   cfg.kl_penalty)
+            metrics.update(kl_metrics)
+        # whiten=False: the whitening is over every rank's tokens at once, here, not per rank
+        _, returns = ppo.compute_gae_advantage_return(rewards, values, mask, cfg.gamma, cfg.lam, whiten=False)
+        # The advantage as the returns carry it, returns - values: the form this step has always
+        # whitened. GAE's own A differs from it by float32 rounding on some tokens (returns =
+        # A + values is rounded); the recorded runs and figures were made with this form.
+        advantages = returns - values
+        if cfg.norm_adv:
+            advantages = _global_whiten(advantages, mask)
+        return rewards, advantages, returns
 
     @contextmanager
     def _phase(self, timing: dict, name: str, memory: Optional[dict] = None):
         """Time phase ``name`` into ``timing`` (and its CUDA memory peaks into ``memory``,
-        ``_timed``) and run it inside ``phase_hook`` (module doc)."""
-        with _timed(timing, name, memory):
-            with self.phase_hook(name, self.rl_step) if self.phase_hook is not None else nullcontext():
-                yield
+        ``metrics.timed``) and run it inside ``phase_hook`` (module doc)."""
+        with timed(timing, name, memory), self._hooked(name, self.rl_step):
+            yield
+
+    def _hooked(self, name: str, step: int) -> ContextManager[Any]:
+        """``phase_hook(name, step)`` (module doc), or nothing without a hook."""
+        return self.phase_hook(name, step) if self.phase_hook is not None else nullcontext()
 
     def _update(self, role: str, data: StepTensors, nonfinite: dict) -> dict[str, float]:
         """``ppo_epochs`` x mini-batches x micro-batches of one role; metrics averaged verl's way
@@ -404,8 +486,8 @@ class PPOModule(L.LightningModule):
                 applied[role] += 1
             if "stopped_at" in nonfinite:
                 break
-        keys = list(_ROLE_METRICS[role]) + (["actor/kl_loss"] if role == "actor" and cfg.use_kl_loss else [])
-        out = _mean_over_ranks({key: history.get(key, []) for key in keys})
+        keys = list(ROLE_METRICS[role]) + (["actor/kl_loss"] if role == "actor" and cfg.use_kl_loss else [])
+        out = mean_over_ranks({key: history.get(key, []) for key in keys})
         out[f"{role}/skipped_steps"] = float(self.skipped_optimizer_steps[role])
         out[f"{role}/lr"] = cfg.actor_lr if role == "actor" else cfg.critic_lr
         return out
@@ -458,52 +540,6 @@ class PPOModule(L.LightningModule):
             stats["actor/kl_loss"] *= scale
         return stats
 
-    # -- metrics --------------------------------------------------------------------------
-
-    def _data_metrics(self, batch: RolloutBatch, data: StepTensors, scores: torch.Tensor, rewards: torch.Tensor,
-                      entropy: Optional[torch.Tensor], timing: dict) -> dict[str, float]:
-        """verl's data metrics over the whole batch (all ranks), plus reward fields and timing.
-        ``scores``: the token rewards; ``rewards``: as GAE saw them (KL penalty in when on)."""
-        mask, values, returns, advantages = data.mask, data.values, data.returns, data.advantages
-        old_log_prob = data.old_log_prob
-        n = float(len(batch))
-        token_sum = float(mask.sum())
-        seq_scores = scores.sum(-1)
-        seq_rewards = rewards.sum(-1)
-        sums = dist_utils.all_reduce_sum([
-            n, token_sum, float(seq_scores.sum()), float(seq_rewards.sum()),
-            float((advantages * mask).sum()), float((returns * mask).sum()), float((values * mask).sum()),
-            float((entropy * mask).sum()) if entropy is not None else 0.0,
-            float(sum(batch.sequence_lengths())),
-            float(((old_log_prob - batch.padded("response_logprobs").to(self.device)).abs() * mask).sum()),
-        ])
-        n_all, tokens_all = max(sums[0], 1.0), max(sums[1], 1.0)
-        world = dist_utils.world_size()
-        out = {
-            "critic/score/mean": sums[2] / n_all,
-            "critic/rewards/mean": sums[3] / n_all,
-            "critic/advantages/mean": sums[4] / tokens_all,
-            "critic/returns/mean": sums[5] / tokens_all,
-            "critic/values/mean": sums[6] / tokens_all,
-            "actor/entropy": sums[7] / tokens_all,
-            "rollout/logprob_diff_mean": sums[9] / tokens_all,
-            "perf/total_num_tokens": sums[8],
-            "perf/throughput": sums[8] / max(timing.get("step", 1e-9), 1e-9) / world,
-            "training/rl_step": float(batch.step),
-        }
-        # Reward means and batch-level metrics: averaged over ranks weighted by trajectories.
-        local = batch.metrics()
-        gathered = dist_utils.gather_objects((len(batch), local, batch.invariants))
-        if gathered is not None:
-            out.update(_combine_batch_metrics(gathered))
-        out = dist_utils.broadcast_object(out)
-        out.update({f"timing_s/{k}": float(v) for k, v in timing.items()})
-        out["rollout/weights_version"] = float(batch.weights_version if batch.weights_version is not None else -1)
-        if batch.staleness is not None:  # versions the rollout lags the trained policy (README, "The separate layout")
-            out["rollout/staleness"] = float(dist_utils.all_reduce_max([float(batch.staleness)])[0])
-        out["rollout/gen_tokens_per_s"] = batch.stats.tokens_per_second
-        return out
-
     def validation_step(self, batch, batch_idx):
         """Nothing: validation rollouts run in ``ValidationCallback`` (the ``validate`` verb
         drives it from ``on_validation_start``); Lightning needs the hook to exist."""
@@ -511,46 +547,6 @@ class PPOModule(L.LightningModule):
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-@contextmanager
-def _timed(timing: dict, name: str, memory: Optional[dict] = None):
-    """Seconds of the block into ``timing[name]``; on CUDA with ``memory`` given, also the
-    block's peak of PyTorch's allocated and reserved memory in GiB
-    (``memory["peak_allocated_gib/<name>"]``, ``memory["peak_reserved_gib/<name>"]``; the
-    counters are reset when the block starts, and the device is synchronised at both ends so
-    that the seconds are the phase's own)."""
-    cuda = memory is not None and torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.monotonic()
-    yield
-    if cuda:
-        torch.cuda.synchronize()
-        for key, value in (("peak_allocated_gib", torch.cuda.max_memory_allocated()),
-                           ("peak_reserved_gib", torch.cuda.max_memory_reserved())):
-            memory[f"{key}/{name}"] = max(memory.get(f"{key}/{name}", 0.0), value / 2**30)
-    timing[name] = timing.get(name, 0.0) + time.monotonic() - start
-
-
-def _memory_metrics(phases: dict[str, float], rollout: dict[str, float]) -> dict[str, float]:
-    """``memory/<key>``: the step's per-phase peaks and the rollout's card figures, each the
-    maximum over ranks (collective: every rank has the same keys, the same phases having run).
-
-    The peaks are the trainer's: PyTorch's counters less ``rollout["engine_allocated_gib"]``, the
-    colocated engine's weights and KV cache, which PyTorch counts as allocated even while the
-    engine sleeps (vLLM's memory pool keeps its addresses; seen on the H200: a 0.3-utilisation
-    engine's 41.9 GiB in every update phase of a model of a few MB). That is what ``plan``'s
-    tensors predict."""
-    engine = float(rollout.get("engine_allocated_gib", 0.0))
-    trainer = {k: max(v - engine, 0.0) if k.startswith(("peak_allocated_gib/", "peak_reserved_gib/")) else v
-               for k, v in phases.items()}
-    keys = sorted(set(trainer) | set(rollout))
-    if not keys:
-        return {}
-    values = dist_utils.all_reduce_max([trainer.get(k, rollout.get(k, 0.0)) for k in keys])
-    return {f"memory/{k}": v for k, v in zip(keys, values)}
 
 
 def _contiguous_chunks(n: int, parts: int) -> list[list[int]]:
@@ -617,45 +613,9 @@ def _agree_on_nonfinite(nonfinite: dict, phase: str) -> bool:
     return anywhere
 
 
-def _per_trajectory(batch: RolloutBatch, mask: torch.Tensor, **tensors) -> dict[str, list[np.ndarray]]:
-    out = {}
-    lengths = [len(r.response_ids) for r in batch.records]
-    for name, tensor in tensors.items():
-        if tensor is None:
-            continue
-        cpu = tensor.detach().float().cpu().numpy()
-        out[name] = [cpu[i, :n].astype(np.float32) for i, n in enumerate(lengths)]
-    return out
-
-
-#: The per-micro-batch metrics of each role, in a fixed order (every rank reduces the same list).
-_ROLE_METRICS = {
-    "actor": ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/grad_norm"),
-    "critic": ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"),
-}
-
-
-def _mean_over_ranks(history: dict[str, list[float]]) -> dict[str, float]:
-    """verl's reduction: the mean of every value each rank recorded (micro-batches, optimizer
-    steps), over all ranks. Collective; the keys must be the same on every rank."""
-    keys = list(history)
-    totals = dist_utils.all_reduce_sum([float(sum(history[k])) for k in keys] + [float(len(history[k])) for k in keys])
-    return {k: (totals[i] / totals[len(keys) + i] if totals[len(keys) + i] else 0.0) for i, k in enumerate(keys)}
-
-
-def _combine_batch_metrics(gathered: list) -> dict[str, float]:
-    """Rank-0 merge of every rank's ``RolloutBatch.metrics()``: trajectory-weighted means,
-    maxima where the name says so, invariants recomputed over all trajectories."""
-    from atlas_lightning.reward import batch_invariants
-
-    total = sum(n for n, _, _ in gathered) or 1
-    out: dict[str, float] = {}
-    keys = set().union(*(m.keys() for _, m, _ in gathered))
-    for key in keys:
-        values = [(n, m[key]) for n, m, _ in gathered if key in m]
-        if key.endswith("_max") or key.endswith("/max"):
-            out[key] = max((v for _, v in values), key=abs if key.endswith("events_max") else None)
-        else:
-            out[key] = sum(n * v for n, v in values) / total
-    out.update(batch_invariants([row for _, _, rows in gathered for row in rows]))
-    return out
+def weight_sync_of(cfg: DictConfig) -> WeightSync:
+    """The run's weight sync, from ``rollout.*`` and the run's folders (the exported adapters under
+    ``paths.outputs/.engine_adapters``: hidden, never published)."""
+    r = cfg.rollout
+    return WeightSync(kind=r.weight_sync, bucket_mb=r.bucket_mb, logprob_gap_factor=r.logprob_gap_factor,
+                      max_logprob_gap=r.max_logprob_gap, adapter_folder=Path(cfg.paths.outputs) / ".engine_adapters")

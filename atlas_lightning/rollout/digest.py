@@ -29,7 +29,7 @@ H200 (``bench/results/step-h200-run2-b-merged.*``): the copies to the host domin
 fingerprint reads each tensor on its own device (one float64 conversion and one matrix product
 a pass); on this repository's 2-core CPU machine 0.6 GB/s (sha256: 1.7 GB/s a thread).
 
-Who calls it: the weight-sync callback (what was sent), the engines (what they hold), tests.
+Who calls it: the weight sync (``rollout/sync.py``: what was sent), the engines (what they hold), tests.
 """
 
 from __future__ import annotations

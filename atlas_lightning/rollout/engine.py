@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional, Protocol
 
 import torch
 
@@ -78,14 +78,30 @@ class SyncReport:
     ``digest``: per-tensor fingerprint (``digest.tensor_digest``) of what the engine holds (or received; ``held`` says which);
     ``form``: how the trainer computes the same digest of what it sent: ``{"kind": "lora",
     "dtype": "float32" | None, "scale_b": bool}`` (``digest.lora_digest``), ``{"kind":
-    "tensors"}`` (``digest.digest_named`` over HF names) or ``{"kind": "buckets"}`` (one
-    ``digest.bucket_digest`` per bucket, named ``bucket<i>``)."""
+    "tensors"}`` (``digest.digest_named`` over HF names), ``{"kind": "buckets"}`` (one
+    ``digest.bucket_digest`` per bucket, named ``bucket<i>``) or ``{"kind": "unverified"}``
+    (buckets whose receipt nothing reports back, e.g. nccl: only the count is compared)."""
 
     tensor_count: int
     digest: Optional[WeightDigest] = None
     held: str = "held by the engine"
     form: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+
+
+class MergedWeights(Protocol):
+    """The actor merged into the base, as one weight sync offers it (``rollout/sync.py``): in
+    buckets of a bounded size, in one of two forms. An engine reads exactly one of them, once,
+    to the end (``Engine.load_merged``); the sync digests what was read."""
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named tensors, bucket by bucket (memory stays at one bucket)."""
+
+    def packs(self, digest: bool = True) -> Iterator[tuple[torch.Tensor, list]]:
+        """Packed buckets ``(buffer, views)`` (``models.weights.merged_weight_packs``: one
+        contiguous buffer, ``views`` its HF-named tensors). ``digest``: the sender records each
+        bucket's digest, for an engine that reports what its workers received (False where
+        nothing comes back to compare, e.g. nccl)."""
 
 
 def request_seed(*parts: object) -> int:
@@ -135,21 +151,14 @@ class Engine(ABC):
         """Replace the base weights (HF names) in place; report what is held."""
         raise NotImplementedError(f"{self.name} cannot reload weights")
 
-    #: True when merged weights reach this engine as packed buckets (``load_weight_packs``)
-    #: rather than as a stream of named tensors (``load_weights``); the weight sync picks the
-    #: path by it.
-    takes_weight_packs: bool = False
-    #: Whether ``load_weight_packs`` reports what the engine's workers received (a digest per
-    #: bucket); False for a backend that answers nothing back (nccl): the probe is then the check.
-    reads_back: bool = True
-
-    def load_weight_packs(self, packs: Iterable[tuple[torch.Tensor, list]], version: Optional[int] = None) -> SyncReport:
-        """Replace the base weights from packed buckets: each ``(buffer, views)`` of
-        ``models.weights.merged_weight_packs`` (one contiguous buffer, ``views`` its HF-named
-        tensors), served as weights version ``version``; report what is held, counted as
-        the digest covers the views. Collective where the engine is shared by the
-        training ranks. Engines that set ``takes_weight_packs`` implement it."""
-        raise NotImplementedError(f"{self.name} cannot take packed weight buckets (takes_weight_packs is False)")
+    def load_merged(self, weights: MergedWeights, version: int) -> SyncReport:
+        """Serve the actor merged into the base (``weights``) as weights version ``version``;
+        report what is held. How the weights arrive is the engine's: by default a stream of
+        HF-named tensors through ``load_weights``; an engine whose weights arrive otherwise (a
+        shared server: packed buckets through vLLM's weight transfer,
+        ``separate.SharedServerEngine``) overrides it. It reads ``weights`` once, to the end.
+        Collective where the engine is shared by the training ranks."""
+        return self.load_weights(weights.tensors())
 
     @abstractmethod
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:

@@ -12,9 +12,10 @@ every training process.
   the server never holds more than ``rollout.max_in_flight``.
 - Weight movement is collective and driven by rank 0, the only rank that changes the server:
   ``set_adapter`` (LoRA sync: rank 0 loads the adapter under a new name, every rank then names
-  it in its requests) and ``load_weight_packs`` (merged sync through vLLM's weight-transfer
-  API, ``weight_transfer.ServerWeightTransfer``; every rank drives the bucket generator, whose
-  FSDP2 gathers are collective, and rank 0 sends). The report rank 0 gets is every rank's.
+  it in its requests) and ``load_merged`` (merged sync: packed buckets, ``load_weight_packs``,
+  through vLLM's weight-transfer API, ``weight_transfer.ServerWeightTransfer``; every rank
+  drives the bucket generator, whose FSDP2 gathers are collective, and rank 0 sends). The
+  report rank 0 gets is every rank's.
 
 The weight sync holds every rank's ``engine_lock`` and passes a barrier before calling these,
 so no rank's producer has requests in flight while the server's weights change.
@@ -34,7 +35,7 @@ import torch
 from omegaconf import DictConfig
 
 from atlas_lightning import distributed as dist_utils
-from atlas_lightning.rollout.engine import AdapterVersion, SyncReport
+from atlas_lightning.rollout.engine import AdapterVersion, MergedWeights, SyncReport
 from atlas_lightning.rollout.engines.args import EngineArgs, client_in_flight
 from atlas_lightning.rollout.engines.server_engine import ServerEngine
 from atlas_lightning.rollout.engines.server_process import VLLMServer
@@ -45,8 +46,6 @@ log = logging.getLogger(__name__)
 class SharedServerEngine(ServerEngine):
     """A training rank's client of the one shared server; rank 0 owns the server (``server``)
     and the weight transfer (``transfer``). Weight methods are collective over training ranks."""
-
-    takes_weight_packs = True
 
     def __init__(self, url: str, *, rank: int, transfer=None, reads_back: bool = True, **kwargs) -> None:
         super().__init__(url, **kwargs)
@@ -65,6 +64,11 @@ class SharedServerEngine(ServerEngine):
         self._adapter = name
         self._model = name if name is not None else self._base
         return report
+
+    def load_merged(self, weights: MergedWeights, version: int) -> SyncReport:
+        """Merged weights reach the server as packed buckets (``load_weight_packs``), digested
+        per bucket where the workers report what they received (``reads_back``)."""
+        return self.load_weight_packs(weights.packs(digest=self.reads_back), version=version)
 
     def load_weight_packs(self, packs: Iterable, version: Optional[int] = None) -> SyncReport:
         """Merged weights in packed buckets to the server (rank 0 sends; the others only drive

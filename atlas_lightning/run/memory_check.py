@@ -227,6 +227,7 @@ class MemoryCheckModule(PPOModule):
         self._engine_box: dict = {}  # the engine stays out of the module's submodules
 
     def on_train_start(self) -> None:
+        super().on_train_start()
         self.probe = PhaseProbe(self.device)
         self.generation = self._measure_generation() if self.measure_generation else {
             "measured": False, "why": "not measured (generation=False)"}
@@ -237,18 +238,16 @@ class MemoryCheckModule(PPOModule):
             self._engine_box["serving"] = ServingSide(self.cfg)
             self._engine_box["serving"].start(self.trainer, self)
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        serving = self._engine_box.get("serving")
-        if serving is not None:  # the step's weight sync, as fit's callback runs it
-            serving.sync(self.trainer, self, version=batch.step)
-
     @property
     def serving(self):
         """The separate layout's ``ServingSide`` (None elsewhere)."""
         return self._engine_box.get("serving")
 
     def measure_phase(self, name: str, step: int):
-        """The phase hook: the probe's context for a measured phase, else nothing."""
+        """The phase hook: the probe's context for a measured phase, the serving side's around a
+        weight sync (separate layout: the step's own ``update_weights``), else nothing."""
+        if name == "update_weights" and self.serving is not None:
+            return self.serving.measuring_sync(self.trainer, self, step)
         if name not in MEASURED_PHASES:
             return contextlib.nullcontext()
         return self.probe.phase(name, step)

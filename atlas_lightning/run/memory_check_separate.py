@@ -14,11 +14,13 @@ arriving beside it) and the sender's buckets. So, besides the synthetic PPO step
    tokens each at temperature 1, as its producer would;
 2. after every synthetic step: that step's weight sync.
 
-Every weight sync is ``fit``'s own, ``callbacks.weight_sync.WeightSyncCallback.sync``: merged
-weights gathered, merged and packed in buckets of at most ``rollout.bucket_mb`` and sent through
-``rollout/engines/weight_transfer.py`` (``gloo`` on CPU, vLLM's ``nccl`` on GPUs), or the LoRA
-adapter loaded by name; then verified as in ``fit`` (tensor count and digest, the log-prob gap
-on a probe sequence), so a transfer that delivers wrong weights fails the check.
+Every weight sync is ``fit``'s own, the module's ``PPOModule.sync_weights`` (the step's last
+phase, ``rollout/sync.py``): merged weights gathered, merged and packed in buckets of at most
+``rollout.bucket_mb`` and sent through ``rollout/engines/weight_transfer.py`` (``gloo`` on CPU,
+vLLM's ``nccl`` on GPUs), or the LoRA adapter loaded by name; then verified as in ``fit``
+(tensor count and digest, the log-prob gap on a probe sequence), so a transfer that delivers
+wrong weights fails the check. The module measures each sync through its phase hook
+(``measuring_sync``).
 
 Measured:
 
@@ -35,7 +37,8 @@ Who calls it: ``memory_check.MemoryCheckModule`` when ``layout.mode=separate``.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -48,7 +51,7 @@ MAX_BURST = 256
 
 class _RecordingEngine:
     """The layout's engine, unchanged, keeping the ``SyncReport`` of every merged transfer
-    (``load_weight_packs``) and LoRA load (``set_adapter``) for the report."""
+    (``load_merged``) and LoRA load (``set_adapter``) for the report."""
 
     def __init__(self, engine) -> None:
         self._engine = engine
@@ -57,8 +60,8 @@ class _RecordingEngine:
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
-    def load_weight_packs(self, packs, version: Optional[int] = None):
-        report = self._engine.load_weight_packs(packs, version=version)
+    def load_merged(self, weights, version: int):
+        report = self._engine.load_merged(weights, version=version)
         self.reports.append(report)
         return report
 
@@ -78,11 +81,9 @@ class ServingSide:
         self.memory: Optional[ServingMemory] = None
         self.generation: dict = {"measured": False, "why": "not run"}
         self.transfers: list[dict] = []
-        self._sync = None
 
     def start(self, trainer, module) -> None:
         """Build the engine (rank 0 starts the server), sync the initial weights, generate."""
-        from atlas_lightning.callbacks.weight_sync import WeightSyncCallback
         from atlas_lightning.rollout.factory import build_engine
 
         engine = build_engine(self.cfg, rank=trainer.global_rank, local_rank=trainer.local_rank,
@@ -91,8 +92,7 @@ class ServingSide:
         trainer.datamodule.engine = self.engine
         if trainer.global_rank == 0:
             self.memory = ServingMemory(pid=server_pid(engine), cards=serving_cards_of(self.cfg))
-        self._sync = WeightSyncCallback()
-        self.sync(trainer, module, version=0)
+        module.sync_weights(0)  # measured through the module's phase hook (measuring_sync)
         self.generate(trainer, module)
 
     def _window(self, phase: str, step: int):
@@ -100,14 +100,15 @@ class ServingSide:
 
         return self.memory.window(phase, step) if self.memory is not None else nullcontext()
 
-    def sync(self, trainer, module, version: int) -> None:
-        """``fit``'s weight sync of ``version`` (module doc), the send side measured on every
-        training rank, the receive side on the serving side."""
+    @contextmanager
+    def measuring_sync(self, trainer, module, version: int) -> Iterator[None]:
+        """Around ``fit``'s weight sync of ``version`` (module doc): the send side measured on
+        every training rank, the receive side on the serving side, the transfer recorded."""
         dist_utils.barrier()
         before = len(self.engine.reports)
         started = time.monotonic()
         with module.probe.phase("update_weights", version), self._window("receive_weights", version):
-            metrics = self._sync.sync(trainer, module, version=version)
+            yield
         if trainer.global_rank == 0:
             report = self.engine.reports[before] if len(self.engine.reports) > before else None
             extra = dict(getattr(report, "extra", {}) or {})
@@ -116,7 +117,7 @@ class ServingSide:
                 "tensors": getattr(report, "tensor_count", None), "buckets": extra.get("buckets"),
                 "largest_bucket_mib": extra["largest_bucket_bytes"] / 2**20 if "largest_bucket_bytes" in extra else None,
                 "bucket_mb": float(self.cfg.rollout.bucket_mb), "backend": extra.get("backend"),
-                "logprob_gap": metrics.get("rollout/logprob_gap"),
+                "logprob_gap": module.weight_sync.last_gap,
             })
 
     def generate(self, trainer, module) -> None:

@@ -3,9 +3,9 @@
 ``fit`` verifies and reads what the run starts from once (``run/facts.py``: folders, LoRA
 shapes, question splits, the checkpoint to resume), then builds the Lightning pieces from the
 config and those facts: the ``RolloutDataModule`` (the loaded questions, engines, rollouts), the
-``PPOModule`` (the PPO step), the strategy (one device, or FSDP2 through
-``ModelParallelStrategy``), the loggers and the callbacks (weight sync first, the configured
-ones, checkpoints last), then runs ``Trainer.fit``.
+``PPOModule`` (the PPO step, its weight sync included), the strategy (one device, or FSDP2
+through ``ModelParallelStrategy``), the loggers and the configured callbacks (checkpoints last),
+then runs ``Trainer.fit``.
 """
 
 from __future__ import annotations
@@ -88,7 +88,6 @@ def validate(cfg: DictConfig) -> int:
     import lightning as L
 
     from atlas_lightning.callbacks.validation import ValidationCallback
-    from atlas_lightning.callbacks.weight_sync import WeightSyncCallback
     from atlas_lightning.rollout.datamodule import RolloutDataModule
     from atlas_lightning.ppo.module import PPOModule
 
@@ -103,7 +102,7 @@ def validate(cfg: DictConfig) -> int:
     class _ValidateOnce(L.Callback):
         def on_validation_start(self, trainer, pl_module):
             pl_module.rl_step = step
-            WeightSyncCallback().sync(trainer, pl_module, version=step)
+            pl_module.sync_weights(step)  # the weights to validate reach the engine before its rollout
             validation = ValidationCallback(val_every=1, artifacts=facts.folders["artifacts"],
                                             checkpoints=facts.folders["checkpoints"], run_id=cfg.name)
             results.update(validation.run_validation(trainer, pl_module, step))

@@ -69,8 +69,7 @@ def build_callbacks(cfg: DictConfig, facts: Optional["RunFacts"] = None) -> list
     """Every callback of ``cfg.callbacks`` (``conf/callbacks/default.yaml``), in its order, built
     from its entry (its settings and folders are interpolated there); a null entry is skipped.
     The run's record (an ``ArtifactDumpCallback``: ``run.json``) also gets what no key holds: the
-    resolved config and the LoRA shapes of ``facts``. The weight sync is listed first (validation
-    after step N must sample the step-N weights); Lightning runs the step checkpoint (a
+    resolved config and the LoRA shapes of ``facts``. Lightning runs the step checkpoint (a
     ``Checkpoint``) last."""
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import Checkpoint

@@ -231,6 +231,8 @@ class ScriptedModule(L.LightningModule):
         self.draws: list[tuple] = []
         self.outputs: dict[int, dict] = {}
         self.restored: list[Path] = []
+        #: ``(version, log_step)`` of every ``sync_weights`` call (the NaN guard's rollback asks for one).
+        self.synced: list[tuple[int, Optional[int]]] = []
         self.optimizer_steps = 0
 
     def configure_optimizers(self):
@@ -279,6 +281,11 @@ class ScriptedModule(L.LightningModule):
         if self.trainer.is_global_zero:
             write_adapters(Path(step_dir), self.critic.weight)
 
+    def sync_weights(self, version: int, log_step: Optional[int] = None) -> dict:
+        """Records the call (there is no engine here), as ``PPOModule.sync_weights`` is asked."""
+        self.synced.append((version, log_step))
+        return {}
+
     def restore_checkpoint(self, step_dir) -> None:
         step_dir = Path(step_dir)
         state = load_file(str(step_dir / "critic" / "lora_adapter" / "adapter_model.safetensors"))
@@ -318,7 +325,7 @@ class FolderCheckpoint(L.pytorch.callbacks.Checkpoint):
 
 
 class RestoreListener(RLCallback):
-    """Records ``on_rl_weights_restored`` calls (what the weight-sync callback would act on)."""
+    """Records ``on_rl_weights_restored`` calls (a user's callback hearing of a rollback)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, Path]] = []

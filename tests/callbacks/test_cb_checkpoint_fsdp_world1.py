@@ -6,7 +6,11 @@ Two defects this guards against. The format followed the world size, so a one-GP
 distributed checkpoint *folder* named ``lightning/state.ckpt``, which ``lightning_state_path``
 (looking for a file there) passed over. And Lightning's ``ModelParallelStrategy`` asked the
 checkpoint for every key of the module, the frozen base too, which the PPO module never saves:
-no FSDP2 run (eight cards either) could resume ("Missing key in checkpoint state_dict")."""
+no FSDP2 run (eight cards either) could resume ("Missing key in checkpoint state_dict").
+
+And one order: ``ModelParallelStrategy`` restores a checkpoint after ``on_fit_start``, so a
+resumed FSDP2 run serves its starting weights from ``on_train_start`` (``PPOModule``'s own
+hooks here): the restored weights, as version N, not the fresh ones as version 0."""
 
 from __future__ import annotations
 
@@ -28,17 +32,21 @@ def gloo_world_one():
         dist.destroy_process_group()
 
 
-def _sharded_module(h, cfg):
-    from atlas_lightning.ppo.module import PPOModule
+def _sharded_module(h, cfg, resume_from=None):
+    from atlas_lightning.ppo.module import PPOModule, weight_sync_of
 
     class Sharded(h.ScriptedModule):
         """The scripted module with a frozen base beside its trainable tensors, sharded, and
         PPOModule's own checkpoint contents: trainable tensors only (the base comes from
-        ``model.path``), Adam's states, the RL step."""
+        ``model.path``), Adam's states, the RL step, the weight sync's state; and PPOModule's
+        starting sync (``on_fit_start``, ``on_train_start``), recorded with the weights it saw."""
 
         _trainable_keys = PPOModule._trainable_keys
         on_save_checkpoint = PPOModule.on_save_checkpoint
         on_load_checkpoint = PPOModule.on_load_checkpoint
+        on_fit_start = PPOModule.on_fit_start
+        on_train_start = PPOModule.on_train_start
+        _restored_after_fit_start = PPOModule._restored_after_fit_start
 
         def __init__(self, cfg):
             super().__init__(cfg)
@@ -46,6 +54,14 @@ def _sharded_module(h, cfg):
             self.base.requires_grad_(False)
             self.strict_loading = False
             self.skipped_optimizer_steps = {"actor": 0, "critic": 0}
+            self.resume_from = resume_from
+            self.weight_sync = weight_sync_of(cfg)
+            self.served: list[tuple[int, torch.Tensor]] = []
+
+        def sync_weights(self, version, log_step=None):
+            self.weight_sync.sync_id += 1  # as a real sync counts it
+            self.served.append((version, self.critic.weight.full_tensor().detach().clone()))
+            return super().sync_weights(version, log_step)
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.critic.parameters(), lr=0.05)
@@ -80,8 +96,8 @@ class _CrashAt(L.Callback):
             raise _Crash(f"crash during step {self.step}")
 
 
-def _fit(h, cfg, chat, callbacks=(), ckpt_path=None):
-    module, dm = _sharded_module(h, cfg), h.ScriptedDataModule(cfg, chat)
+def _fit(h, cfg, chat, callbacks=(), ckpt_path=None, resume_from=None):
+    module, dm = _sharded_module(h, cfg, resume_from), h.ScriptedDataModule(cfg, chat)
     trainer = h.make_trainer([*callbacks, h.callback(cfg, "checkpoint", every_n_steps=2)],
                              strategy=TrainableStateStrategy(data_parallel_size=1, tensor_parallel_size=1))
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
@@ -91,7 +107,7 @@ def _fit(h, cfg, chat, callbacks=(), ckpt_path=None):
 def test_world_one_fsdp2_saves_a_distributed_checkpoint_and_resumes(tmp_path, h, chat, gloo_world_one):
     cfg = h.make_cfg(tmp_path, total_steps=4)
     with pytest.raises(_Crash):
-        _fit(h, cfg, chat, callbacks=[_CrashAt(3)])
+        _fit(h, cfg, chat, callbacks=[_CrashAt(3)])  # a fresh run: served from on_fit_start, version 0
     folder = latest_complete(run_dirs(cfg)["checkpoints"])
     assert folder is not None and folder.name == "global_step_2"
     state = lightning_state_path(folder)
@@ -101,8 +117,12 @@ def test_world_one_fsdp2_saves_a_distributed_checkpoint_and_resumes(tmp_path, h,
     from safetensors.torch import load_file
 
     saved = load_file(str(folder / "critic" / "lora_adapter" / "adapter_model.safetensors"))["weight"]
-    resumed, dm = _fit(h, cfg, chat, callbacks=[_RestoredWeights()], ckpt_path=str(state))
+    resumed, dm = _fit(h, cfg, chat, callbacks=[_RestoredWeights()], ckpt_path=str(state), resume_from=folder)
     assert sorted(resumed.outputs) == [3, 4]  # steps 1-2 are not sampled again
+    # the starting sync came after the restore (on_train_start), with step 2's weights as version 2,
+    # under an engine-side id the checkpoint carried on (never reused)
+    assert [version for version, _ in resumed.served] == [2] and torch.equal(resumed.served[0][1], saved)
+    assert resumed.weight_sync.sync_id == 2
     assert dm.next_step == 5 and resumed.optimizer_steps == 2
     assert torch.equal(resumed.restored_weight, saved)  # step 3 started from the saved weights
     assert resumed.restored_adam_steps == [2.0]  # and from Adam's state after step 2

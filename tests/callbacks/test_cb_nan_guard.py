@@ -7,13 +7,11 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from atlas_lightning.store.checkpoints import is_complete, latest_complete
 from atlas_lightning.callbacks.nan_guard import (
     NaNGuardCallback,
     NonFiniteError,
-    check_probe_logprobs,
     describe_applied,
     merge_diagnostics,
 )
@@ -85,6 +83,7 @@ def test_rollback_restores_the_last_good_checkpoint_and_goes_on(tmp_path, h, cha
 
     good = dirs["checkpoints"] / "global_step_2"
     assert module.restored == [good] and listener.calls == [(3, good)]
+    assert module.synced == [(2, 3)]  # the engines serve the restored step-2 weights; logged at step 3
     assert (3, {"nan_guard/rollbacks": 1.0}) in module.logged
     assert module.optimizer_steps == 4 and checkpoint.saved == [2, 4]
     assert sorted(p.name for p in (dirs["artifacts"] / "train").iterdir()) == ["step_1", "step_2", "step_4", "step_5"]
@@ -126,18 +125,6 @@ def test_latest_complete_ignores_validation_only_and_unfinished_folders(tmp_path
     assert latest_complete(tmp_path, before_step=2) is None
     assert latest_complete(tmp_path / "missing") is None
 
-
-def test_probe_logprobs_must_be_finite():
-    NaNGuardCallback.check_probe([-0.1, -2.5, -30.0], step=4)
-    check_probe_logprobs(torch.tensor([-0.5, -1.0], dtype=torch.bfloat16), step=4)
-    with pytest.raises(NonFiniteError, match=r"step 7: the engine's probe log-probs hold 1 non-finite value\(s\) of 3 "
-                                             r"\(position: value 1: nan\)") as caught:
-        NaNGuardCallback("artifacts", "checkpoints", "run").check_probe(np.array([-0.1, np.nan, -0.2]), step=7)
-    assert caught.value.step == 7 and caught.value.what == ["probe_logprobs"]
-    with pytest.raises(NonFiniteError, match="2 non-finite"):
-        check_probe_logprobs(torch.tensor([[-0.1, float("-inf")], [float("inf"), -1.0]]), step=2)
-    with pytest.raises(ValueError, match="step 3: the engine's probe has no log-probs"):
-        check_probe_logprobs([], step=3)
 
 
 def test_diagnostics_of_several_ranks_merge():

@@ -373,6 +373,21 @@ def test_a_resume_folder_that_does_not_exist_is_named_so(tmp_path, sample_data_d
                  f"model.path={write_fake_model_folder(tmp_path / 'model')}"])
     err = capsys.readouterr().err
     assert code == 2 and f"trainer.resume={tmp_path}/nope/global_step_5: no such folder" in err, err
+
+
+@pytest.mark.parametrize("entry", [
+    ["+callbacks.weight_sync._target_=atlas_lightning.callbacks.weight_sync.WeightSyncCallback"],
+    ["+callbacks.sync._target_=atlas_lightning.callbacks.weight_sync.WeightSyncCallback"],
+])
+def test_a_config_that_still_lists_the_weight_sync_callback_exits_2(tmp_path, capsys, entry):
+    """A config saved while the weight sync was a callback: refused before anything is written,
+    saying that the sync is now the step's and the entry goes."""
+    root = tmp_path / "root"
+    assert main(["fit", "experiment=tiny-cpu", f"paths.root={root}", *entry]) == 2
+    err = capsys.readouterr().err
+    name = entry[0].split(".")[1]
+    assert f"callbacks.{name}: the weight sync is no longer a callback but a stage of the PPO step" in err
+    assert f"remove callbacks.{name} from the config" in err
     assert not root.exists()
 
 

@@ -28,6 +28,8 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
   (``qwen3_6_27b`` in the model group of that name, else null);
 * ``callbacks.progress``: the progress bar in RL steps (``callbacks/progress.py``), in the default
   callbacks.
+* ``callbacks.weight_sync``: the weight sync is no callback any more but the PPO step's last
+  phase (``ppo/module.py``); a config that still lists it is refused (``test_bad_config.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ SNAPSHOT = json.loads((Path(__file__).parent / "composed_configs_9a2a50e.json").
 #: The snapshot's overrides beside each case's own (paths that depend on the machine).
 FIXED = ["paths.root=/ROOT", "paths.cache=/CACHE"]
 MOVED = {"rollout.tensor_parallel_size": "layout.engine_tp"}
-REMOVED = {"algorithm.adv_estimator", "algorithm.shuffle_minibatches", "trainer.log_every"}
+REMOVED = {"algorithm.adv_estimator", "algorithm.shuffle_minibatches", "trainer.log_every",
+           "callbacks.weight_sync._target_"}
 ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.description": None,
          "reward._target_": "atlas_lightning.reward.CostReward", "rollout.logprob_gap_factor": 4.0,
          "model.linear_attention_kernel": "auto", "model.layer_recompute": None,

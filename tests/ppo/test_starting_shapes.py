@@ -135,7 +135,7 @@ def test_a_critic_of_another_shape_trains_a_step_and_exports(start, tiny_model_d
     head = load_file(str(out / "critic" / "lora_adapter" / "value_head.safetensors"))
     assert torch.equal(model.value_head.weight.detach(), head["weight"])
     # what the weight sync sends the engines carries the actor's own scaling (12 / 4), not model.lora's (16 / 8)
-    from atlas_lightning.callbacks.weight_sync import export_actor_adapter
+    from atlas_lightning.rollout.sync import export_actor_adapter
 
     sent = export_actor_adapter(module.model, tmp_path / "export")
     assert len(sent) == len(after["actor"]) // 2

@@ -4,10 +4,10 @@ compares what came back with what was sent (CPU, no engine)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from atlas_lightning.callbacks.weight_sync import WeightSyncCallback, WeightSyncError
 from atlas_lightning.rollout.digest import (
     WeightDigest,
     bucket_digest,
@@ -18,7 +18,9 @@ from atlas_lightning.rollout.digest import (
     lora_modules,
     tensor_digest,
 )
+from atlas_lightning.errors import NonFiniteError
 from atlas_lightning.rollout.engine import SyncReport
+from atlas_lightning.rollout.sync import WeightSyncError, check_held, check_probe_logprobs
 
 
 def _modules(seed=0, layers=3):
@@ -129,7 +131,7 @@ def test_lora_modules_refuses_a_factor_without_its_partner():
         lora_modules(state, 2.0)
 
 
-# -- the callback's comparison -------------------------------------------------------------------
+# -- the weight sync's comparison -------------------------------------------------------------------
 
 
 def _buckets(seed):
@@ -142,14 +144,14 @@ def test_buckets_received_as_sent_pass_and_a_changed_one_is_named():
     sent = WeightDigest({f"bucket{i}": bucket_digest(b) for i, b in enumerate(buckets)})
     report = SyncReport(tensor_count=6, digest=WeightDigest(dict(sent.entries)), form={"kind": "buckets"},
                         held="received by the server's workers")
-    WeightSyncCallback._check_held(sent, report, 3, sent_tensors=6)
+    check_held(sent, report, 3, sent_tensors=6)
     buckets[1][2][1][0] += 1e-7
     report.digest = WeightDigest({f"bucket{i}": bucket_digest(b) for i, b in enumerate(buckets)})
     with pytest.raises(WeightSyncError, match=r"v3: what the engine holds \(received by the server's workers\) is "
                                               r"not what the trainer sent: bucket1 differs"):
-        WeightSyncCallback._check_held(sent, report, 3, sent_tensors=6)
+        check_held(sent, report, 3, sent_tensors=6)
     with pytest.raises(WeightSyncError, match="the engine took 5 tensors"):
-        WeightSyncCallback._check_held(sent, SyncReport(tensor_count=5, digest=sent, form={"kind": "buckets"}), 3,
+        check_held(sent, SyncReport(tensor_count=5, digest=sent, form={"kind": "buckets"}), 3,
                                        sent_tensors=6)
 
 
@@ -157,11 +159,11 @@ def test_an_engine_in_another_dtype_is_compared_in_its_dtype():
     modules = _modules()
     held = lora_digest(modules, dtype=torch.bfloat16, scale_b=True)
     report = SyncReport(tensor_count=len(held), digest=held, form={"kind": "lora", "dtype": "bfloat16", "scale_b": True})
-    WeightSyncCallback._check_held(modules, report, 1)
+    check_held(modules, report, 1)
     unscaled = lora_digest(modules, dtype=torch.bfloat16, scale_b=False)
     report.digest = unscaled  # an engine that did not apply the scaling it says it did
     with pytest.raises(WeightSyncError, match="lora_B differs"):
-        WeightSyncCallback._check_held(modules, report, 1)
+        check_held(modules, report, 1)
 
 
 def test_merged_tensors_digest_by_name():
@@ -169,3 +171,16 @@ def test_merged_tensors_digest_by_name():
     assert digest_named(named).entries == {"a": tensor_digest(torch.ones(2)), "b": tensor_digest(torch.zeros(3))}
     with pytest.raises(ValueError, match="names given twice"):
         digest_named(named + [("a", torch.ones(2))])
+
+
+def test_probe_logprobs_must_be_finite():
+    check_probe_logprobs([-0.1, -2.5, -30.0], step=4)
+    check_probe_logprobs(torch.tensor([-0.5, -1.0], dtype=torch.bfloat16), step=4)
+    with pytest.raises(NonFiniteError, match=r"step 7: the engine's probe log-probs hold 1 non-finite value\(s\) of 3 "
+                                             r"\(position: value 1: nan\)") as caught:
+        check_probe_logprobs(np.array([-0.1, np.nan, -0.2]), step=7)
+    assert caught.value.step == 7 and caught.value.what == ["probe_logprobs"]
+    with pytest.raises(NonFiniteError, match="2 non-finite"):
+        check_probe_logprobs(torch.tensor([[-0.1, float("-inf")], [float("inf"), -1.0]]), step=2)
+    with pytest.raises(ValueError, match="step 3: the engine's probe has no log-probs"):
+        check_probe_logprobs([], step=3)

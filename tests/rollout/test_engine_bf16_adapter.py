@@ -25,7 +25,7 @@ _SCRIPT = """
 import json, sys
 import torch
 from atlas_lightning.config import compose
-from atlas_lightning.callbacks.weight_sync import export_actor_adapter
+from atlas_lightning.rollout.sync import export_actor_adapter
 from atlas_lightning.models.build import build_actor_critic
 from atlas_lightning.models.probe import probe_logprobs
 from atlas_lightning.rollout.digest import dtype_named, lora_digest

@@ -114,7 +114,7 @@ def test_seeded_sampling_survives_prompts_beyond_one_step_budget(vllm_engine):
 
 
 def test_merged_weights_in_buckets_reach_the_in_process_engine(vllm_engine, hf_engine, tiny_model_dir, randomize):
-    """The colocated merged sync (``callbacks/weight_sync.py``): ``merged_weight_buckets`` streamed
+    """The colocated merged sync (``rollout/sync.py``): ``merged_weight_buckets`` streamed
     into one reload, with bucket boundaries inside fused layers (loading bucket by bucket
     corrupted those layers); the engine then serves the merged model, and a fresh adapter
     (B = 0, so merged = base exactly) brings the base back for the tests after this one."""

@@ -1,5 +1,6 @@
-"""Weight-sync faults at the report's actor learning rate (1e-6), through the real callback, a
-real trainer model and the real in-process vLLM engine: each is refused with a named error.
+"""Weight-sync faults at the report's actor learning rate (1e-6), through the real weight sync
+(``rollout/sync.py``, as the PPO module builds it), a real trainer model and the real in-process
+vLLM engine: each is refused with a named error.
 
 After a clean first sync (which calibrates the probe), the actor takes one AdamW step at
 lr 1e-6 (each factor moves by about 1e-6), then the next sync meets one fault:
@@ -24,10 +25,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from atlas_lightning.callbacks.weight_sync import WeightSyncCallback, WeightSyncError
 from atlas_lightning.config import compose
 from atlas_lightning.rollout.engine import AdapterVersion, EngineError, SyncReport
-from atlas_lightning.rollout.engines.server_engine import adapter_folder_digest
+from atlas_lightning.rollout.engines.adapter_folder import adapter_folder_digest
+from atlas_lightning.rollout.sync import WeightSyncError
 
 pytestmark = pytest.mark.vllm
 
@@ -46,20 +47,18 @@ def setup(tiny_model_dir, vllm_engine, tmp_path):
     cfg = compose(["experiment=tiny-cpu", f"model.path={tiny_model_dir}", f"paths.root={tmp_path}", "name=faults"])
     module = PPOModule(cfg)
     module.configure_model()
-    module.log_metrics = lambda metrics, step: None
     engine = _FaultyEngine(vllm_engine)
     dm = SimpleNamespace(engine=engine, probe_token_ids=lambda: PROBE, weights_version=None)
-    trainer = SimpleNamespace(datamodule=dm)
-    callback = WeightSyncCallback()
-    first = callback.sync(trainer, module, version=0)
-    assert callback.noise_gap is not None and first["rollout/logprob_gap"] < 1e-4
+    sync = module.weight_sync  # the module's own, as fit runs it
+    first = sync.sync(module.model, dm, version=0)
+    assert sync.noise_gap is not None and first["rollout/logprob_gap"] < 1e-4 and dm.weights_version == 0
 
     optimizer = torch.optim.AdamW(module.model.actor_parameters(), lr=1e-6)  # the report's actor lr
     packed = pack_sequences([torch.tensor(PROBE[::-1])], [10])
     log_probs, _ = module.model.actor_forward(packed, temperature=1.0, compute_entropy=False)
     (-log_probs.sum()).backward()
     optimizer.step()
-    yield SimpleNamespace(module=module, engine=engine, trainer=trainer, callback=callback, cfg=cfg)
+    yield SimpleNamespace(module=module, engine=engine, serving=dm, sync=sync, cfg=cfg)
     vllm_engine.set_adapter(None)
 
 
@@ -104,7 +103,7 @@ def _swap_layers(tensors):
 
 
 def _sync(s):
-    return s.callback.sync(s.trainer, s.module, version=1)
+    return s.sync.sync(s.module.model, s.serving, version=1)
 
 
 def test_a_clean_sync_at_the_reports_learning_rate_passes(setup):
@@ -132,16 +131,16 @@ def test_two_layers_factors_swapped_before_the_engine_loads_them(setup):
 
 @pytest.mark.parametrize("fault", [_scale_one_b, _swap_layers, lambda t: t.pop(Q0_B)])
 def test_a_fault_in_the_exported_folder_is_named_before_any_engine_reads_it(setup, monkeypatch, fault):
-    from atlas_lightning.callbacks import weight_sync
+    from atlas_lightning.rollout import sync
 
-    export = weight_sync.export_actor_adapter
+    export = sync.export_actor_adapter
 
     def faulty_export(model, folder):
         sent = export(model, folder)
         _edit(Path(folder), fault)
         return sent
 
-    monkeypatch.setattr(weight_sync, "export_actor_adapter", faulty_export)
+    monkeypatch.setattr(sync, "export_actor_adapter", faulty_export)
     loads = []
     setup.engine.before_load = loads.append
     with pytest.raises(WeightSyncError, match=r"weight sync v1: (the exported adapter .*/sync2 does not hold what "
@@ -152,7 +151,7 @@ def test_a_fault_in_the_exported_folder_is_named_before_any_engine_reads_it(setu
 
 def test_a_tensor_dropped_from_an_adapter_is_named_by_the_engine(setup, tmp_path):
     folder = tmp_path / "dropped"
-    from atlas_lightning.callbacks.weight_sync import export_actor_adapter
+    from atlas_lightning.rollout.sync import export_actor_adapter
 
     export_actor_adapter(setup.module.model, folder)
     _edit(folder, lambda tensors: tensors.pop(Q0_B))
@@ -176,4 +175,4 @@ def test_an_engine_that_reports_the_new_folder_but_serves_the_old_is_caught_by_t
     gap = float(message.split("differ by ")[1].split(" ")[0])
     # the fixed limit this replaced let it through; the measured-noise bound does not
     assert gap < setup.cfg.rollout.max_logprob_gap
-    assert gap > setup.callback.last_bound
+    assert gap > setup.sync.last_bound

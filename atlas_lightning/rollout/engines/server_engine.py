@@ -16,14 +16,16 @@ every sync). Differences a caller must know:
   request leaves unset, so every request sets them all (penalties neutral, ``min_p`` 0).
   Its extra EOS ids are applied in both engines alike, so they are left alone.
 - ``set_adapter``'s ``SyncReport`` is computed here, from the adapter folder's safetensors
-  file (an exact per-tensor digest, ``digest.py``): the server has no HTTP route to read back
-  what its worker holds. It proves the folder holds what the trainer sent; that the server *serves* it is proven by the weight-sync
-  callback's log-prob probe (``prompt_logprobs`` through the same adapter name), which fails
-  on a stale or missing adapter. ``set_adapter`` also checks that ``/v1/models`` lists the new
+  file (``adapter_folder.adapter_folder_digest``, an exact per-tensor digest): the server has
+  no HTTP route to read back what its worker holds. It proves the folder holds what the trainer
+  sent; that the server *serves* it is proven by the weight sync's log-prob probe
+  (``rollout/sync.py``; ``prompt_logprobs`` through the same adapter name), which fails on a
+  stale or missing adapter. ``set_adapter`` also checks that ``/v1/models`` lists the new
   adapter at that folder and no longer lists the old one.
-- ``load_weights`` (merged-weight sync) is not available here: merged weights reach a server
-  through vLLM's weight-transfer API in the separate layout (``separate.py``,
-  ``weight_transfer.py``); ``sleep``/``wake_up`` are no-ops.
+- ``load_weights`` and ``load_merged`` (merged-weight sync) are not available here: merged
+  weights reach a server through vLLM's weight-transfer API in the separate layout
+  (``separate.SharedServerEngine.load_merged``, ``weight_transfer.py``); ``sleep``/``wake_up``
+  are no-ops.
 """
 
 from __future__ import annotations
@@ -51,37 +53,10 @@ from atlas_lightning.rollout.engine import (
 )
 from atlas_lightning.rollout.engines.server_http import GONE, decode_body, error_message, http_call
 from atlas_lightning.rollout.engines.server_process import VLLMServer, log_tail
-from atlas_lightning.rollout.digest import WeightDigest, lora_digest, lora_modules
-from atlas_lightning.rollout.engines.vllm_engine import check_adapter_folder
+from atlas_lightning.rollout.digest import WeightDigest
+from atlas_lightning.rollout.engines.adapter_folder import adapter_folder_digest
 
 log = logging.getLogger(__name__)
-
-# ------------------------------------------------------------------------------ adapters
-
-
-def adapter_folder_digest(folder: str | Path) -> WeightDigest:
-    """The digest of a PEFT LoRA folder as written (``digest.lora_digest`` with no dtype or
-    scaling: what the weight sync's adapter export sent, tensor for tensor). Raises
-    ``EngineError`` naming the folder (and the tensor, for a factor without its partner)."""
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    weights, config_path = folder / "adapter_model.safetensors", folder / "adapter_config.json"
-    if not weights.is_file() or not config_path.is_file():
-        raise EngineError(f"adapter folder {folder}: no adapter_config.json and adapter_model.safetensors there")
-    check_adapter_folder(str(folder))
-    try:
-        state = load_file(str(weights))
-    except Exception as err:  # safetensors' own error types, named
-        raise EngineError(f"adapter folder {folder}: unreadable ({type(err).__name__}: {err})") from err
-    try:
-        modules = lora_modules(state, 1.0)
-    except ValueError as err:
-        raise EngineError(f"adapter folder {folder}: {err}") from None
-    if not modules:
-        raise EngineError(f"adapter folder {folder}: no LoRA tensors in {weights.name}")
-    return lora_digest(modules)
-
 
 # ------------------------------------------------------------------------------ the engine
 

@@ -43,6 +43,7 @@ from atlas_lightning.rollout.engine import (
     GenerationResult,
     SyncReport,
 )
+from atlas_lightning.rollout.engines.adapter_folder import check_adapter_folder
 from atlas_lightning.rollout.engines.args import EngineArgs
 
 
@@ -86,27 +87,6 @@ def _held_lora(worker, lora_id: int) -> Optional[dict]:
             dtypes.add(str(a.dtype).removeprefix("torch."))
             folded = folded and scaling == 1
     return {"entries": entries, "dtype": dtypes.pop() if len(dtypes) == 1 else sorted(dtypes), "scale_b": folded}
-
-
-def check_adapter_folder(folder: str) -> None:
-    """What vLLM would otherwise fail on with a bare ``TypeError``: every ``lora_A`` of the
-    folder's safetensors has its ``lora_B`` and the reverse. ``EngineError`` naming the folder
-    and the tensor (read from the header: no tensor data is loaded)."""
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    path = Path(folder) / "adapter_model.safetensors"
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            keys = set(handle.keys())
-    except Exception as err:  # a missing or damaged file, named
-        raise EngineError(f"adapter folder {folder}: {path.name} is not readable ({type(err).__name__}: {err})") from err
-    for key in sorted(keys):
-        for mine, other in ((".lora_A.", ".lora_B."), (".lora_B.", ".lora_A.")):
-            if mine in key and key.replace(mine, other) not in keys:
-                raise EngineError(f"adapter folder {folder}: {key.replace(mine, other)} is missing from {path.name} "
-                                  f"(its partner {key} is there); refusing to load it")
 
 
 def _reload_weights(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:

@@ -1,0 +1,347 @@
+"""The weight sync: the actor's weights reach the engines, verified (README, "The separate layout").
+
+``WeightSync.sync(model, serving, version)`` is the last phase of an RL step (``update_weights``,
+run by ``PPOModule``: ``ppo/module.py`` says when), on every rank together (FSDP gathers are
+collective). ``model`` is the trainer's ``ActorCritic``; ``serving`` is what serves the rollouts,
+the ``RolloutDataModule``: its ``engine``, ``engine_lock``, ``asynchronous``,
+``probe_token_ids()``, ``engine_allocated_bytes`` and the ``weights_version`` it publishes.
+
+Order of work:
+
+0. wake: a colocated engine that slept through the update (sleep mode) takes its memory back
+   (``timing_s/wake``; ``timing_s/update_weights`` is the rest of the sync, and
+   ``memory/peak_allocated_gib/update_weights`` its peak on CUDA);
+1. export, from ``model`` through the model-level functions of ``models/``: with ``kind="lora"``
+   the actor adapter as a PEFT folder ``adapter_folder/syncK`` (rank 0 writes; the newest
+   ``keep_versions`` are kept); with ``kind="merged"`` the adapter merged into the base, in
+   buckets of at most ``bucket_mb`` MiB, offered to the engine as ``MergedWeights``
+   (``rollout/engine.py``). How merged weights arrive is the engine's (``Engine.load_merged``):
+   an in-process engine reads them as a stream of named tensors, the separate layout's shared
+   server as packed buckets through vLLM's weight-transfer API; the sync digests whichever it read;
+2. load: each engine serves version ``K`` (a LoRA id never used before: ``sync_id``);
+3. verify, exactly (``rollout/digest.py``: a fingerprint per tensor over dtype, shape and
+   bytes, computed on the tensor's device): with LoRA, the exported folder against what the
+   trainer sent (a tensor dropped, altered or swapped between layers is named with the folder,
+   before any engine reads it), then what the engine holds against what was sent: the
+   in-process engine reads back the factors its worker holds, in the dtype it holds them and
+   with the scaling folded in as vLLM does it; a server reports its folder (LoRA) or the digest
+   of each bucket its workers received (merged, gloo). Then the trainer's and the engine's
+   log-probs of a probe sequence are compared (``rollout/logprob_gap``) against a bound set
+   from the noise measured at this process's first sync (``rollout/logprob_gap_bound``:
+   ``logprob_gap_factor`` times that gap, no tighter than a few float32 roundings, never above
+   ``max_logprob_gap``): it catches an engine that serves something other than what it
+   reports. A mismatch raises ``WeightSyncError`` naming the tensors, a non-finite engine
+   log-prob ``errors.NonFiniteError``: no rollout ever runs on weights that are not the
+   trained ones.
+
+The weights version served is the number of updates applied; it is published to ``serving``
+(``weights_version``) while the sync still holds ``engine_lock``, so that a rollout records the
+version it really sampled with (the asynchronous layout's producer waits on it). Every sync gets
+a new engine-side id (``sync_id``, never reused: an engine caches adapters by id); ``version``
+and ``sync_id`` are the resumable state (``state_dict``), kept in the module's checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from atlas_lightning import distributed as dist_utils
+from atlas_lightning.errors import NonFiniteError
+from atlas_lightning.rollout.digest import WeightDigest, bucket_digest, dtype_named, lora_digest, tensor_digest
+from atlas_lightning.rollout.engine import AdapterVersion, EngineError
+
+#: The two ways the actor reaches the engines (``rollout.weight_sync``).
+KINDS = ("lora", "merged")
+#: float32's relative resolution (2**-23): the finest gap two float32 log-probs can show.
+FLOAT32_EPS = 2.0 ** -23
+#: A clean engine differs from the trainer by a few roundings of the largest probe log-prob
+#: (a log-softmax over the vocabulary; seen: 3-5 float32 ulps on the tiny model, gaps 3.8e-6 to
+#: 5.7e-6 at |log-prob| 10.7): the noise floor, so that a lucky first sync cannot set the bound
+#: below what later clean syncs show.
+NOISE_ULPS = 4
+
+
+class WeightSyncError(RuntimeError):
+    """The engines do not hold the weights the trainer sent."""
+
+
+# ----------------------------------------------------------------------------- what is sent
+
+
+def export_actor_adapter(model, folder: Path) -> dict:
+    """Write ``model``'s actor adapter to ``folder`` (PEFT layout) for the engines and return what
+    was sent: ``{PEFT module name: (A, B, scaling)}``, full tensors on every rank (digested by
+    ``rollout.digest.lora_digest``), the scaling from the adapter's own config. Collective; rank
+    0 writes."""
+    from atlas_lightning.models.adapters import save_adapter
+    from atlas_lightning.models.weights import adapter_state
+    from atlas_lightning.rollout.digest import lora_modules
+
+    state = adapter_state(model, "actor")
+    save_adapter(model, "actor", folder)
+    config = model.peft_model.peft_config["actor"]
+    scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
+    return lora_modules(state, scaling)
+
+
+class MergedActor:
+    """The actor merged into ``model``'s base (``models.weights``), in buckets of at most
+    ``bucket_bytes``: the ``MergedWeights`` an engine reads (``Engine.load_merged``). Records
+    what was read: ``sent`` (a digest per tensor streamed, or per bucket packed when asked),
+    ``tensor_count`` and ``finished`` (the engine read to the end)."""
+
+    def __init__(self, model, bucket_bytes: int) -> None:
+        self.model = model
+        self.bucket_bytes = bucket_bytes
+        self.sent = WeightDigest()
+        self.tensor_count = 0
+        self.finished = False
+
+    def tensors(self) -> Iterator[tuple[str, Any]]:
+        from atlas_lightning.models.weights import merged_weight_buckets
+
+        # one reload for the whole sync (vllm_engine._reload_weights), bucket by bucket
+        for bucket in merged_weight_buckets(self.model, "actor", self.bucket_bytes):
+            for name, tensor in bucket:
+                self.sent.entries[name] = tensor_digest(tensor)
+                self.tensor_count += 1
+                yield name, tensor
+        self.finished = True
+
+    def packs(self, digest: bool = True) -> Iterator[tuple[Any, list]]:
+        from atlas_lightning.models.weights import merged_weight_packs
+
+        for buffer, views in merged_weight_packs(self.model, "actor", self.bucket_bytes):
+            if digest:
+                self.sent.entries[f"bucket{len(self.sent)}"] = bucket_digest(views)
+            self.tensor_count += len(views)
+            yield buffer, views
+        self.finished = True
+
+
+# ----------------------------------------------------------------------------- the checks
+
+
+def check_folder(folder: Path, sent: dict, version: int) -> None:
+    """The exported folder holds exactly what was sent (before any engine reads it): a tensor
+    dropped, altered or moved is named with the folder, never left to the engine."""
+    from atlas_lightning.rollout.engines.adapter_folder import adapter_folder_digest
+
+    try:
+        written = adapter_folder_digest(folder)
+    except EngineError as err:
+        raise WeightSyncError(f"weight sync v{version}: {err}") from None
+    expected = lora_digest(sent)
+    if written.total != expected.total:
+        raise WeightSyncError(f"weight sync v{version}: the exported adapter {folder} does not hold what the "
+                              f"trainer sent: {'; '.join(expected.differences(written))}")
+
+
+def check_held(sent, report, version: int, sent_tensors: Optional[int] = None) -> None:
+    """What the engine reports holding (``report``, a ``SyncReport``) against what was sent,
+    exactly: ``sent`` is the adapter's ``{module: (A, B, scaling)}`` (digested in the form the
+    engine holds it) or the ``WeightDigest`` of the merged tensors or buckets sent
+    (``sent_tensors``: how many tensors the buckets held). ``WeightSyncError`` naming what differs."""
+    form = report.form or {}
+    if form.get("kind") in ("buckets", "unverified") and report.tensor_count != sent_tensors:
+        raise WeightSyncError(f"weight sync v{version}: the engine took {report.tensor_count} tensors "
+                              f"({report.held}), the trainer sent {sent_tensors}")
+    if form.get("kind") == "unverified":  # nothing came back (nccl): the probe is the check
+        return
+    if report.digest is None:
+        raise WeightSyncError(f"weight sync v{version}: the engine reported no digest of what it holds")
+    if form.get("kind") == "lora":
+        dtype = form.get("dtype")
+        if isinstance(dtype, list):
+            raise WeightSyncError(f"weight sync v{version}: the engine holds the adapter in several dtypes {dtype}")
+        expected = lora_digest(sent, dtype=dtype_named(dtype), scale_b=bool(form.get("scale_b")))
+    else:
+        expected = sent
+    if form.get("kind") != "buckets" and report.tensor_count != len(expected):
+        raise WeightSyncError(f"weight sync v{version}: the engine holds {report.tensor_count} tensors "
+                              f"({report.held}), the trainer sent {len(expected)}: "
+                              f"{'; '.join(expected.differences(report.digest))}")
+    if report.digest.total != expected.total:
+        raise WeightSyncError(f"weight sync v{version}: what the engine holds ({report.held}) is not what the "
+                              f"trainer sent: {'; '.join(expected.differences(report.digest))}")
+
+
+def check_probe_logprobs(logprobs: Any, step: int, where: str = "the engine's probe") -> None:
+    """``NonFiniteError`` if any of ``logprobs`` (a sequence, numpy array or tensor of per-token
+    log-probs) is NaN or inf; ``ValueError`` if it is empty (an empty probe proves nothing)."""
+    if hasattr(logprobs, "detach"):
+        logprobs = logprobs.detach().float().cpu().numpy()
+    values = np.asarray(logprobs, dtype=np.float64).reshape(-1)
+    if values.size == 0:
+        raise ValueError(f"step {step}: {where} has no log-probs to check")
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        shown = ", ".join(f"{i}: {values[i]}" for i in bad[:5])
+        raise NonFiniteError(
+            f"step {step}: {where} log-probs hold {bad.size} non-finite value(s) of {values.size} "
+            f"(position: value {shown}{', ...' if bad.size > 5 else ''}); the engines' weights are broken "
+            "(e.g. a wrong merge); refusing to roll out with them",
+            step=step, what=["probe_logprobs"],
+        )
+
+
+# ----------------------------------------------------------------------------- the sync
+
+
+class WeightSync:
+    """The actor to the engines, verified (module doc). ``kind``: ``lora`` or ``merged``
+    (``rollout.weight_sync``); ``bucket_mb``: the merged buckets' cap in MiB (``rollout.bucket_mb``);
+    ``logprob_gap_factor`` and ``max_logprob_gap``: the probe's bound (``rollout.*``);
+    ``adapter_folder``: where LoRA exports go (``outputs/<name>/.engine_adapters``: hidden, never
+    published); ``keep_versions``: exported adapters kept (the engine may still read them)."""
+
+    def __init__(self, *, kind: str, bucket_mb: float, logprob_gap_factor: float, max_logprob_gap: float,
+                 adapter_folder: str | Path, keep_versions: int = 2) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"WeightSync: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) or keep_versions < 1:
+            # the newest exported adapter is the one the engine serves: it must stay
+            raise ValueError(f"WeightSync: keep_versions must be an int >= 1, got {keep_versions!r}")
+        self.kind = kind
+        self.bucket_bytes = int(float(bucket_mb) * 2**20)
+        self.logprob_gap_factor = float(logprob_gap_factor)
+        self.max_logprob_gap = float(max_logprob_gap)
+        self.adapter_folder = Path(adapter_folder)
+        self.keep_versions = keep_versions
+        #: The version the engines serve (None before the first sync) and the last engine-side id.
+        self.version: Optional[int] = None
+        self.sync_id = 0
+        self.last_gap: Optional[float] = None
+        self.last_bound: Optional[float] = None
+        #: The probe gap of this process's first sync: the engine's numerical noise (not saved:
+        #: a resumed process measures its own engine).
+        self.noise_gap: Optional[float] = None
+
+    def sync(self, model, serving, version: int, device: Any = "cpu") -> dict[str, float]:
+        """Serve ``model``'s actor as weights version ``version`` on ``serving.engine``, verified;
+        returns the sync's metrics (module doc). ``device``: where the trainer's probe runs.
+        Collective: every rank calls it."""
+        self.sync_id += 1
+        engine = serving.engine
+        woken = time.monotonic()
+        # no rollout runs while weights move (the asynchronous layout's producer waits)
+        with getattr(serving, "engine_lock", None) or contextlib.nullcontext():
+            if getattr(serving, "asynchronous", False):
+                dist_utils.barrier()  # every rank's producer is idle before the shared server changes
+            engine.wake_up()  # slept through the update (colocated sleep mode); a no-op otherwise
+            started = time.monotonic()
+            _reset_peak()
+            report = self._load(model, engine, version)
+            gap = self._probe(model, serving.probe_token_ids(), engine, version, device)
+            serving.weights_version = version  # published under the lock: the next rollout samples it
+        self.version = version
+        self.last_gap = gap
+        metrics = {"rollout/logprob_gap": gap, "rollout/logprob_gap_bound": self.last_bound,
+                   "timing_s/update_weights": time.monotonic() - started, "timing_s/wake": started - woken,
+                   "rollout/sync_tensor_count": float(report.tensor_count)}
+        metrics.update(_peak_metrics(int(getattr(serving, "engine_allocated_bytes", 0) or 0)))
+        return metrics
+
+    def _load(self, model, engine, version: int):
+        """Export, load and check what the engine holds (steps 1-3 of the module doc, probe aside)."""
+        if self.kind == "lora":
+            folder = self.adapter_folder / f"sync{self.sync_id}"
+            sent = export_actor_adapter(model, folder)
+            dist_utils.barrier()
+            check_folder(folder, sent, version)
+            report = engine.set_adapter(AdapterVersion(str(folder), version=self.sync_id))
+            self._prune()
+            check_held(sent, report, version)
+            return report
+        merged = MergedActor(model, self.bucket_bytes)
+        report = engine.load_merged(merged, version=version)
+        if not merged.finished:  # the engine's own digest would match what it did read
+            raise WeightSyncError(f"weight sync v{version}: the engine stopped reading the merged weights after "
+                                  f"{merged.tensor_count} tensors")
+        check_held(merged.sent, report, version, sent_tensors=merged.tensor_count)
+        return report
+
+    def _probe(self, model, probe: list[int], engine, version: int, device: Any) -> float:
+        """Max |trainer - engine| log-prob over the probe sequence ``probe``, against a bound set
+        from the measured noise: the gap of this process's first sync (weights verified by
+        digest, so only numerics differ) times ``logprob_gap_factor``, never below ``NOISE_ULPS``
+        float32 roundings of the probe's largest log-prob nor above ``max_logprob_gap``. The
+        first sync itself is held to ``max_logprob_gap``. Non-finite engine log-probs raise
+        ``NonFiniteError``."""
+        from atlas_lightning.models.probe import probe_logprobs
+
+        engine_lp = engine.prompt_logprobs(probe)
+        check_probe_logprobs(engine_lp, version)
+        trainer_lp = probe_logprobs(model, probe, device)
+        if len(engine_lp) != len(trainer_lp):
+            raise WeightSyncError(f"weight sync: probe lengths differ ({len(engine_lp)} vs {len(trainer_lp)})")
+        gap = max(abs(a - b) for a, b in zip(engine_lp, trainer_lp))
+        gap, scale = dist_utils.all_reduce_max([gap, max(1.0, max(abs(x) for x in trainer_lp))])
+        bound = self._bound(scale)
+        self.last_bound = bound
+        if not gap <= bound:
+            why = ("rollout.max_logprob_gap" if self.noise_gap is None else
+                   f"{self.logprob_gap_factor} x the first sync's gap {self.noise_gap:.3g}")
+            raise WeightSyncError(
+                f"weight sync v{version}: trainer and engine log-probs differ by {gap:.4g} on the probe sequence, "
+                f"above the bound {bound:.3g} ({why}): the engine does not serve the trained weights; "
+                f"refusing to roll out")
+        if self.noise_gap is None:
+            self.noise_gap = gap
+        return gap
+
+    def _bound(self, scale: float) -> float:
+        """The probe's bound (see ``_probe``); ``scale``: the largest |log-prob| on the probe."""
+        if self.noise_gap is None:
+            return self.max_logprob_gap
+        floor = NOISE_ULPS * scale * FLOAT32_EPS
+        return min(self.max_logprob_gap, self.logprob_gap_factor * max(self.noise_gap, floor))
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep_versions`` exported adapters (the engine may still read them)."""
+        if not dist_utils.is_rank_zero():
+            return
+        for old in self.adapter_folder.glob("sync*"):
+            try:
+                if int(old.name[4:]) <= self.sync_id - self.keep_versions:
+                    shutil.rmtree(old, ignore_errors=True)
+            except ValueError:
+                continue
+
+    # -- resumable state ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"version": self.version, "sync_id": self.sync_id}
+
+    def load_state_dict(self, state: dict) -> None:
+        """``state`` as ``state_dict`` wrote it; an absent key reads as a fresh sync's."""
+        self.version = state.get("version")
+        self.sync_id = int(state.get("sync_id", 0))
+
+
+def _reset_peak() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_metrics(engine_bytes: int = 0) -> dict[str, float]:
+    """The sync's peak of PyTorch's allocated memory less the engine's own allocation
+    (``RolloutDataModule.engine_allocated_bytes``): the trainer's side (GiB, the maximum over
+    ranks; CUDA only)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.synchronize()
+    peak = dist_utils.all_reduce_max([(torch.cuda.max_memory_allocated() - engine_bytes) / 2**30])[0]
+    return {"memory/peak_allocated_gib/update_weights": peak}
