@@ -34,7 +34,8 @@ Order of work:
    log-prob ``errors.NonFiniteError``: no rollout ever runs on weights that are not the
    trained ones.
 
-The weights version served is the number of updates applied; it is published to ``serving``
+The weights version served is the number of updates applied (0 before training; after a NaN
+guard rollback to step M, M again); it is published to ``serving``
 (``weights_version``) while the sync still holds ``engine_lock``, so that a rollout records the
 version it really sampled with (the asynchronous layout's producer waits on it). Every sync gets
 a new engine-side id (``sync_id``, never reused: an engine caches adapters by id); ``version``
