@@ -89,7 +89,7 @@ def test_a_users_own_config_dir_and_callback_by_class_path(tmp_path):
     cfg = compose(["experiment=mine"], user_config_dir=str(tmp_path))
     assert cfg.name == "mine" and cfg.trainer.total_steps == 2
     names = [type(c).__name__ for c in build_callbacks(cfg)]
-    assert names[0] == "NaNGuardCallback" and "Timer" in names and names[-1] == "StepCheckpoint"
+    assert names[0] == "RLProgressBar" and "Timer" in names and names[-1] == "StepCheckpoint"
 
     with pytest.raises(ConfigError, match="callbacks.bad"):  # refused with the config, before any work
         compose(["experiment=tiny-cpu", "+callbacks.bad._target_=no.such.Callback"])

@@ -60,7 +60,8 @@ def test_the_step_syncs_before_validation_and_the_next_rollout_with_no_sync_call
     datamodule = RolloutDataModule(cfg, engine=engine)
     served = _Served()
     # validation listed FIRST, before anything else: it still samples the step-N weights
-    validation = ValidationCallback(val_every=1, val_before_train=True, val_on_last_step=True)
+    validation = ValidationCallback(artifacts=cfg.paths.artifacts, checkpoints=cfg.paths.checkpoints, run_id=cfg.name,
+                                    val_every=1, val_before_train=True, val_on_last_step=True)
     loggers = build_loggers(cfg)
     trainer = build_trainer(cfg, callbacks=[validation, served, *configured], loggers=loggers)
     trainer.fit(PPOModule(cfg), datamodule=datamodule)
