@@ -281,6 +281,9 @@ class TrainerConfig:
     val_every: int = 5
     val_before_train: bool = True
     save_every: int = 5
+    #: Dollars a card-hour, for the step's card cost beside its explores' (``cost/gpu_usd``;
+    #: ``ppo/metrics.cost_metrics``): an on-demand H100/H200-class price; set your own.
+    gpu_hour_usd: float = 2.5
     accelerator: str = "auto"
     #: Training processes on this node: the layout's training cards.
     devices: int = II("layout.train_gpus")

@@ -260,6 +260,7 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "trainer.total_steps": Int(1),
     "trainer.val_every": Int(0),
     "trainer.save_every": Int(0),
+    "trainer.gpu_hour_usd": Real(0.0),
     "trainer.accelerator": OneOf(("auto", "cpu", "gpu", "cuda")),
     "trainer.devices": Int(1),
     "trainer.num_nodes": Int(1),

@@ -185,7 +185,8 @@ class ArtifactDumpCallback(L.Callback):
             records, tensors, versions = gathered
             write_step_folder(
                 self.artifacts / "train", out.step, records, tensors,
-                manifest_extra={"partition": "train", "run_id": self.run_id, "weights_version": versions[0]},
+                manifest_extra={"partition": "train", "run_id": self.run_id, "weights_version": versions[0],
+                                "cost": {k.split("/", 1)[1]: v for k, v in out.metrics.items() if k.startswith("cost/")}},
             )
 
         on_rank_zero(write, f"the train dump of step {out.step}")

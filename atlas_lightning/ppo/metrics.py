@@ -91,6 +91,7 @@ def data_metrics(batch: RolloutBatch, *, mask: torch.Tensor, values: torch.Tenso
         "actor/entropy": sums[7] / tokens_all,
         "rollout/logprob_diff_mean": sums[9] / tokens_all,
         "perf/total_num_tokens": sums[8],
+        "perf/trajectories": sums[0],
         "perf/throughput": sums[8] / max(timing.get("step", 1e-9), 1e-9) / world,
         "training/rl_step": float(batch.step),
     }
@@ -104,6 +105,24 @@ def data_metrics(batch: RolloutBatch, *, mask: torch.Tensor, values: torch.Tenso
     if batch.staleness is not None:  # versions the rollout lags the trained policy (README, "The separate layout")
         out["rollout/staleness"] = float(dist_utils.all_reduce_max([float(batch.staleness)])[0])
     out["rollout/gen_tokens_per_s"] = batch.stats.tokens_per_second
+    return out
+
+
+def cost_metrics(step_seconds: float, cards: int, gpu_hour_usd: float, trajectories: float,
+                 explore_usd_per_trajectory: Optional[float]) -> dict[str, float]:
+    """What the step cost in cards, beside what its explores cost (the reward's dollars):
+    ``cost/gpu_seconds`` (the step's wall time x every card the run holds, serving cards
+    included), ``cost/gpu_usd`` at ``gpu_hour_usd`` a card-hour (``trainer.gpu_hour_usd``), both
+    per trajectory too, and ``cost/explore_usd`` (the dollars the step's explores revealed, the
+    reward's ``cost_total`` summed over every trajectory) with its per-trajectory mean."""
+    gpu_seconds = float(step_seconds) * int(cards)
+    gpu_usd = gpu_seconds / 3600.0 * float(gpu_hour_usd)
+    n = max(float(trajectories), 1.0)
+    out = {"cost/gpu_seconds": gpu_seconds, "cost/gpu_usd": gpu_usd,
+           "cost/gpu_seconds_per_trajectory": gpu_seconds / n, "cost/gpu_usd_per_trajectory": gpu_usd / n}
+    if explore_usd_per_trajectory is not None:
+        out["cost/explore_usd_per_trajectory"] = float(explore_usd_per_trajectory)
+        out["cost/explore_usd"] = float(explore_usd_per_trajectory) * n
     return out
 
 

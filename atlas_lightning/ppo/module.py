@@ -73,8 +73,8 @@ from atlas_lightning.algorithms.functional import masked_mean, masked_whiten
 from atlas_lightning.algorithms.kl import apply_kl_penalty, kl_penalty
 from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
-from atlas_lightning.ppo.metrics import (ROLE_METRICS, data_metrics, mean_over_ranks, memory_metrics,
-                                         per_trajectory, timed)
+from atlas_lightning.ppo.metrics import (ROLE_METRICS, cost_metrics, data_metrics, mean_over_ranks,
+                                         memory_metrics, per_trajectory, timed)
 from atlas_lightning.ppo.step_output import StepOutput
 from atlas_lightning.rollout.batch import RolloutBatch
 from atlas_lightning.rollout.sync import WeightSync
@@ -395,6 +395,9 @@ class PPOModule(L.LightningModule):
                                     old_log_prob=old_log_prob, scores=scores, rewards=rewards, entropy=entropy,
                                     timing=timing))
         metrics.update(memory_metrics(memory, batch.memory))
+        metrics.update(cost_metrics(timing["step"], self.cfg.layout.gpus, self.cfg.trainer.gpu_hour_usd,
+                                    metrics["perf/trajectories"],
+                                    metrics.get("reward/cost_total")))
         if nonfinite:
             # the diagnostic says what this step already changed: the weights moved by these steps
             nonfinite["optimizer_steps_applied"] = dict(self.steps_applied)

@@ -24,6 +24,7 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
 * the run's folders, ``paths.{artifacts,checkpoints,outputs,logs,wandb,runs}``, derived from
   ``paths.root`` and ``name`` (the README's layout, which ``run_dirs`` computed), and the callbacks'
   arguments interpolated from them, ``name`` and ``trainer.total_steps`` (``derived``);
+* ``trainer.gpu_hour_usd`` (2.5): the card-hour price the step's card cost is counted at;
 * ``model.shape``: the architecture ``plan`` sizes while ``model.path`` is not there yet
   (``qwen3_6_27b`` in the model group of that name, else null);
 * ``callbacks.progress``: the progress bar in RL steps (``callbacks/progress.py``), in the default
@@ -54,7 +55,7 @@ ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.de
          "model.linear_attention_kernel": "auto", "model.layer_recompute": None,
          "model.critic_lora.rank": None, "model.critic_lora.alpha": None, "model.critic_lora.dropout": None,
          "model.critic_lora.target_modules": None, "model.elementwise_kernels": "auto",
-         "model.attention_length_bucket": None, "data.label_conflicts": "refuse"}
+         "model.attention_length_bucket": None, "data.label_conflicts": "refuse", "trainer.gpu_hour_usd": 2.5}
 
 
 def derived(now: dict) -> dict:
