@@ -33,9 +33,10 @@ $(STAMP): pyproject.toml
 assets: setup
 	test -f $(CACHE)/sample-data/gpqa/train.parquet || $(BIN)/atlas-lightning data sample --out $(CACHE)/sample-data
 	test -f $(CACHE)/tiny-model/config.json || $(BIN)/atlas-lightning data tiny-model --out $(CACHE)/tiny-model
-	# The SFT warm start the demo trains from (10-14 min once on 2 cores; cached, deterministic).
+	# The SFT warm start the demo trains from: the shipped bytes of its deterministic build (the
+	# tests rebuild it and compare; `atlas-lightning data tiny-orchestrator` re-makes it, 6-14 min).
 	test -f $(CACHE)/tiny-orchestrator/sft_summary.json || \
-		$(BIN)/atlas-lightning data tiny-orchestrator --base $(CACHE)/tiny-model --out $(CACHE)/tiny-orchestrator
+		$(BIN)/atlas-lightning data demo-model --out $(CACHE)/tiny-orchestrator
 
 demo: assets
 	ATLAS_LIGHTNING_CACHE=$(CACHE) $(BIN)/atlas-lightning fit experiment=tiny-cpu $(DEMO_ARGS)

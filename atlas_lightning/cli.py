@@ -8,7 +8,8 @@
     atlas-lightning fit experiment=mine --config-dir ./myconf    # a user's own config groups
     atlas-lightning data sample --out DIR
     atlas-lightning data tiny-model --out DIR
-    atlas-lightning data tiny-orchestrator --out DIR --base DIR   # the SFT warm start of tiny-cpu
+    atlas-lightning data demo-model --out DIR                     # the shipped tiny orchestrator (tiny-cpu's model)
+    atlas-lightning data tiny-orchestrator --out DIR --base DIR   # the SFT warm start of tiny-cpu, built
                                     # [--eval-questions 0: no greedy/sampled check after training]
     atlas-lightning bench --tiny                                  # the update benchmark (atlas_lightning/bench/)
     atlas-lightning bench --help                                  # every benchmark: step, learning, ...
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--weights", action="store_true", help="also send adapter weights")
 
     data = verbs.add_parser("data", help="build the bundled sample data or the tiny local model")
-    data_verbs = data.add_subparsers(dest="data_verb", metavar="{sample,tiny-model,tiny-orchestrator}")
+    data_verbs = data.add_subparsers(dest="data_verb", metavar="{sample,tiny-model,demo-model,tiny-orchestrator}")
     data_verbs.required = True
     sample = data_verbs.add_parser("sample", help="write the generated sample question parquets")
     sample.add_argument("--out", required=True, type=Path)
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = data_verbs.add_parser("tiny-model", help="build the tiny Qwen3-architecture model and tokenizer")
     tiny.add_argument("--out", required=True, type=Path)
     tiny.add_argument("--seed", type=int, default=0)
+    demo_model = data_verbs.add_parser("demo-model", help="install the shipped tiny orchestrator (tiny-cpu's model, "
+                                                          "the bytes tiny-orchestrator builds) in seconds")
+    demo_model.add_argument("--out", required=True, type=Path)
     orchestrator = data_verbs.add_parser(
         "tiny-orchestrator", help="SFT the tiny model on runtime-rendered tool-call episodes (tiny-cpu's model)")
     orchestrator.add_argument("--out", required=True, type=Path)
@@ -143,6 +147,10 @@ def _run_data(args: argparse.Namespace) -> int:
         from atlas_lightning.demo.sample import build_sample
 
         summary = build_sample(args.out, seed=args.seed)
+    elif args.data_verb == "demo-model":
+        from atlas_lightning.demo.shipped_model import install_shipped_model
+
+        summary = install_shipped_model(args.out)
     elif args.data_verb == "tiny-model":
         from atlas_lightning.demo.tiny_model import build_tiny_model
 
