@@ -321,6 +321,51 @@ def _move_into_place(staging: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _base_folder(staging: Path, base: Path | None, seed: int) -> Path:
+    """The tiny model to start from: ``base`` (every model file there, or ``FileNotFoundError``
+    naming those missing), else one built with ``build_tiny_model(seed=seed)`` inside ``staging``."""
+    from atlas_lightning.demo.tiny_model import build_tiny_model
+
+    if base is None:
+        base_dir = staging / ".base"
+        build_tiny_model(base_dir, seed=seed)
+        return base_dir
+    base_dir = Path(base)
+    missing = [name for name in MODEL_FILES if not (base_dir / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"build_tiny_orchestrator: base {base_dir} lacks {', '.join(missing)}")
+    return base_dir
+
+
+def _summary(out: Path, seed: int, sample_seed: int, base: Path | None, base_weights: str, recipe: SFTRecipe,
+             demos: list, losses: list[float], evaluation: dict, seconds: dict, staging: Path) -> dict:
+    """``sft_summary.json``'s content (module doc): inputs, recipe, losses, evaluation, timings, file digests."""
+    import torch
+    import transformers
+
+    tail = losses[-20:]
+    return {
+        "out": str(out),
+        "seed": seed,
+        "sample_seed": sample_seed,
+        "base": str(base) if base is not None else None,
+        "base_weights_sha256": base_weights,
+        "recipe": asdict(recipe),
+        "limits": asdict(TINY_CPU_LIMITS),
+        "demos": _demo_stats(demos),
+        "steps": len(losses),
+        "demos_seen": len(losses) * recipe.batch_size,
+        "first_loss": losses[0],
+        "final_loss": sum(tail) / len(tail),
+        "loss_every_10_steps": [round(v, 5) for v in losses[::10]],
+        "eval": evaluation,
+        "seconds": seconds,
+        "torch_threads": torch.get_num_threads(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "files": {name: sha256_file(staging / name) for name in MODEL_FILES},
+    }
+
+
 def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, *,
                             recipe: SFTRecipe = DEFAULT_RECIPE, sample_seed: int = 0) -> dict:
     """SFT the tiny model on scripted episodes and save it under ``out`` (see the module docstring).
@@ -332,11 +377,9 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
     ``out/sft_summary.json``.
     """
     import torch
-    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from atlas_lightning.demo.tiny_model import build_tiny_model
     from atlas_lightning.rollout.chat import ChatFormat
 
     started = time.monotonic()
@@ -346,14 +389,7 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        if base is None:
-            base_dir = staging / ".base"
-            build_tiny_model(base_dir, seed=seed)
-        else:
-            base_dir = Path(base)
-            missing = [name for name in MODEL_FILES if not (base_dir / name).is_file()]
-            if missing:
-                raise FileNotFoundError(f"build_tiny_orchestrator: base {base_dir} lacks {', '.join(missing)}")
+        base_dir = _base_folder(staging, base, seed)
         base_weights = sha256_file(base_dir / "model.safetensors")
         chat = ChatFormat(AutoTokenizer.from_pretrained(base_dir))
         pad_id = chat.tokenizer.pad_token_id
@@ -387,28 +423,9 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
         made = sorted(p.name for p in staging.iterdir())
         if made != sorted(MODEL_FILES):
             raise RuntimeError(f"tiny orchestrator build wrote {made}, expected {sorted(MODEL_FILES)}")
-        tail = losses[-20:]
-        summary = {
-            "out": str(out),
-            "seed": seed,
-            "sample_seed": sample_seed,
-            "base": str(base) if base is not None else None,
-            "base_weights_sha256": base_weights,
-            "recipe": asdict(recipe),
-            "limits": asdict(TINY_CPU_LIMITS),
-            "demos": _demo_stats(demos),
-            "steps": len(losses),
-            "demos_seen": len(losses) * recipe.batch_size,
-            "first_loss": losses[0],
-            "final_loss": sum(tail) / len(tail),
-            "loss_every_10_steps": [round(v, 5) for v in losses[::10]],
-            "eval": evaluation,
-            "seconds": {"demos": round(built_demos - started, 2), "train": round(trained - built_demos, 2),
-                        "eval": round(evaluated - trained, 2), "total": round(evaluated - started, 2)},
-            "torch_threads": torch.get_num_threads(),
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-            "files": {name: sha256_file(staging / name) for name in MODEL_FILES},
-        }
+        summary = _summary(out, seed, sample_seed, base, base_weights, recipe, demos, losses, evaluation,
+                           {"demos": round(built_demos - started, 2), "train": round(trained - built_demos, 2),
+                            "eval": round(evaluated - trained, 2), "total": round(evaluated - started, 2)}, staging)
         (staging / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         for path in staging.iterdir():
             path.chmod(0o644)  # safetensors' temp file would leave the weights owner-only

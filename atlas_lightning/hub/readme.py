@@ -312,11 +312,19 @@ def _run_bullet(inputs: ReadmeInputs, name: str) -> str:
 
 def render_readme(inputs: ReadmeInputs) -> str:
     """The README's Markdown text (YAML front matter for the Hub, then sections 1-5)."""
-    repo, names = inputs.repo_id, list(inputs.names)
     published_paths = {item.path for item in inputs.published}
+    out = _heading_and_links(inputs)
+    out += _tree_section(inputs, published_paths)
+    out += _reading_section(inputs, published_paths)
+    out += _fields_section(inputs)
+    out += _left_out_section(inputs)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _heading_and_links(inputs: ReadmeInputs) -> list[str]:
+    """Front matter, title and section 1 (what is published, the question, the runs)."""
+    repo, names = inputs.repo_id, list(inputs.names)
     title = inputs.title or f"ATLAS data root: {', '.join(names) if names else repo}"
-    raw = file_url(inputs.endpoint, inputs.repo_type, repo, "raw", "<path>")
-    resolve = file_url(inputs.endpoint, inputs.repo_type, repo, "resolve", "<path>")
     total = sum(item.size for item in inputs.published)
     out = [
         "---",
@@ -342,7 +350,12 @@ def render_readme(inputs: ReadmeInputs) -> str:
         out += [f"Question. {inputs.question.strip()}", ""]
     out += ["Runs.", ""]
     out += [_run_bullet(inputs, name) for name in names] or ["- (no run folders found)"]
-    out += ["", "## 2. Directory tree", "",
+    return out
+
+
+def _tree_section(inputs: ReadmeInputs, published_paths: set[str]) -> list[str]:
+    """Section 2: the folders a run writes, and this repository's tree."""
+    out = ["", "## 2. Directory tree", "",
             "Each run <name> writes, at the same paths on every machine:", ""]
     present_tops = {path.split("/", 1)[0] for path in published_paths}
     for top, note in _FOLDER_NOTES.items():
@@ -352,7 +365,15 @@ def render_readme(inputs: ReadmeInputs) -> str:
             f"with its size, one a line, `{FILES_TXT_HEADERLESS_FORMAT}`, sorted by path).", "",
             "What this repository holds:", "", "```"]
     out += compact_tree(inputs.published) or ["(nothing)"]
-    out += ["```", "", "## 3. How to read each kind of file", "",
+    return out + ["```", ""]
+
+
+def _reading_section(inputs: ReadmeInputs, published_paths: set[str]) -> list[str]:
+    """Section 3: how each kind of file is read (raw or resolve URLs, adapters, the run export)."""
+    repo = inputs.repo_id
+    raw = file_url(inputs.endpoint, inputs.repo_type, repo, "raw", "<path>")
+    resolve = file_url(inputs.endpoint, inputs.repo_type, repo, "resolve", "<path>")
+    out = ["## 3. How to read each kind of file", "",
             f"Text, CSV, JSON, JSONL and log files: {raw}. Parquet, .npz, images and any file stored with LFS: "
             f"{resolve} (raw/ returns only the LFS pointer of those).", ""]
     adapters = sorted({p.rsplit("/lora_adapter/", 1)[0] + "/lora_adapter" for p in published_paths
@@ -371,8 +392,13 @@ def render_readme(inputs: ReadmeInputs) -> str:
             "actor/*, critic/*, timing_s/<phase>, reward/<field> means; the process-reward invariants "
             "reward/mapping_sum_error_max and reward/mapped_slots_minus_events_max (0 at every step when the "
             "reward placement is exact). summary.json holds each metric's last value; config.json the resolved "
-            "configuration.", "",
-            "## 4. Row fields", "",
+            "configuration.", ""]
+    return out
+
+
+def _fields_section(inputs: ReadmeInputs) -> list[str]:
+    """Section 4: the fields of a trajectory record and of a validation dump row."""
+    return ["## 4. Row fields", "",
             "A trajectory record (artifacts/<name>/{train,val}/step_N/<uid>_<session>.json): "
             + ", ".join(RECORD_FIELDS)
             + "; episode (the runtime's record: generations, proposed calls, events with each explore's explore_k, "
@@ -390,8 +416,12 @@ def render_readme(inputs: ReadmeInputs) -> str:
             "Terminal reason codes: " + ", ".join(f"{code} {reason}" for reason, code in TERMINAL_REASON_CODES.items())
             + ".", "",
             "A validation dump row (checkpoints/<name>/global_step_N/val_dumps/N.jsonl): input, output, gts, score, "
-            "step, uid and the same reward breakdown keys.", "",
-            "## 5. What is left out, and the inputs", ""]
+            "step, uid and the same reward breakdown keys.", ""]
+
+
+def _left_out_section(inputs: ReadmeInputs) -> list[str]:
+    """Section 5: what was left out (by reason), what is never published, the inputs linked."""
+    out = ["## 5. What is left out, and the inputs", ""]
     if inputs.left_out:
         by_reason: dict[str, list[LeftOut]] = defaultdict(list)
         for item in inputs.left_out:
@@ -407,7 +437,7 @@ def render_readme(inputs: ReadmeInputs) -> str:
     out += ["Never published: anything in the root outside the folders above, hidden files and folders "
             "(temporary files of atomic writes, half-written .tmp-* step folders) and symbolic links.", ""]
     inputs_lines = []
-    for name in names:
+    for name in inputs.names:
         config = _run_config(inputs.root, name)
         for label, key in (("base model", "model.path"), ("question data", "data.root"),
                            ("starting actor adapter", "model.actor_adapter"),
@@ -418,7 +448,7 @@ def render_readme(inputs: ReadmeInputs) -> str:
                 inputs_lines.append(f"- {name}: {label} `{value}`.")
     if inputs_lines:
         out += ["Inputs, linked and not copied:", ""] + inputs_lines + [""]
-    return "\n".join(out).rstrip() + "\n"
+    return out
 
 
 def render_files_txt(files: Iterable[PublishedFile]) -> str:

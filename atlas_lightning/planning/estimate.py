@@ -428,6 +428,16 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = N
         plan.phases.append(Phase(f"update_{role}", train_cards, terms, overhead, sequential=sequential,
                                  tokens=inputs.update_tokens, slack=slack))
 
+    _add_sync_phases(plan, model, s, inputs, engine, overhead, train_cards, slack)
+
+    _capacity_refusals(plan, model, inputs, engine, card)
+    return plan
+
+
+def _add_sync_phases(plan: Plan, model: "_Model", s: ModelShape, inputs: Inputs, engine: dict, overhead: dict,
+                     train_cards: str, slack: float) -> None:
+    """The weight sync's phase on the training cards (the adapter gathered, or merged buckets and
+    their send buffers) and, for merged weights to a separate server, the serving cards' receive."""
     sync = model.resident()
     if inputs.weight_sync == "merged":
         bucket = max(inputs.bucket_bytes, s.largest_tensor_params * inputs.dtype_bytes)
@@ -443,9 +453,6 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = N
         sync["gathered adapter"] = model.lora["actor"] * 4
         sync_overhead = dict(overhead)
     plan.phases.append(Phase("update_weights", train_cards, sync, sync_overhead, slack=slack))
-
-    _capacity_refusals(plan, model, inputs, engine, card)
-    return plan
 
 
 def _receive_phase(s: ModelShape, inputs: Inputs, engine: dict, bucket: float) -> Phase:
