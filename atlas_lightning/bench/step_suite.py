@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from atlas_lightning.bench.learning import read_step, summarize, val_steps
+from atlas_lightning.store.learning_curve import read_step, summarize, val_steps
 from atlas_lightning.store.checkpoints import MARKER, checkpoint_step, is_complete, step_dir
 
 STAGES = ("a", "kr", "merged", "b")
@@ -154,7 +154,7 @@ def run_summary(root: Path, name: str) -> dict:
     more), the history's phase, memory, rollout and validation columns by step, the complete
     checkpoints and the first files of each one's Lightning state."""
     result: dict = {"run": name}
-    steps = val_steps(root, name)
+    steps = val_steps(root / "artifacts" / name)
     result["validation_steps"] = list(steps)
     if len(steps) >= 2:
         result["learning"] = summarize({step: read_step(folder) for step, folder in steps.items()})
