@@ -66,7 +66,7 @@ def check_inputs(cfg: DictConfig, *, data: bool = True) -> RunFacts:
     from atlas_lightning.run.environment import check_machine
 
     folders = run_dirs(cfg)
-    _check_writable(folders)
+    check_writable(folders)
     check_machine(cfg)
     check_model_folder(cfg.model.path)
     _check_lora_targets(cfg.model)
@@ -111,7 +111,7 @@ def _check_lora_targets(model_cfg) -> None:
                               f"{model_cfg.path} (its linear modules end in: {', '.join(leaves[:20])})")
 
 
-def _check_writable(dirs: Mapping[str, Path]) -> None:
+def check_writable(dirs: Mapping[str, Path]) -> None:
     """Every folder the run writes (``run_dirs``: root, outputs, logs, checkpoints, artifacts,
     runs, wandb) is a folder, or the nearest existing folder above it is, and a file can be made
     there. Tried with an unnamed temporary file rather than ``os.access``, which says yes to root

@@ -23,7 +23,8 @@ Checks, in order (each prints one line; the exit code is 0 when all pass, 2 othe
 5. ``plan``: ``planning.make_plan`` passes (layouts and memory; cards of ``plan.card_gib``
    GiB, default 80, or ``--card-gib``);
 6. ``environment``: enough GPUs on this node for ``trainer.devices``, vLLM importable when the
-   engine is vLLM (found, not imported), the output root writable, a W&B key when logging online.
+   engine is vLLM (found, not imported), every folder the run writes writable
+   (``run/facts.check_writable``, as ``fit``), a W&B key when logging online.
 
 ``--cpu-preflight`` relaxes only the GPU count, and says so: it lets a GPU run's real config be
 checked on a CPU machine (tests swap in the tiny model; the launchers pass it when their
@@ -37,7 +38,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import re
 import sys
 import time
@@ -253,8 +253,10 @@ def check_plan(cfg, card_gib: Optional[float]) -> str:
 
 def check_environment(cfg, cpu: bool) -> str:
     """The machine's side (``run/environment.check_machine``: cards, W&B key), vLLM found when
-    the engine is vLLM, the output root writable."""
+    the engine is vLLM, every folder the run writes writable (``facts.check_writable``)."""
+    from atlas_lightning.config import run_dirs
     from atlas_lightning.run.environment import check_machine
+    from atlas_lightning.run.facts import check_writable
 
     notes = check_machine(cfg, count_gpus=not cpu)
     if cpu and cfg.trainer.accelerator in ("gpu", "cuda"):
@@ -263,10 +265,7 @@ def check_environment(cfg, cpu: bool) -> str:
         if importlib.util.find_spec("vllm") is None:
             raise PreflightError(f"rollout.engine={cfg.rollout.engine}: vllm is not installed in {sys.prefix}")
         notes.append("vllm found")
-    root = Path(cfg.paths.root)
-    existing = next((p for p in (root, *root.parents) if p.exists()), None)
-    if existing is None or not os.access(existing, os.W_OK):
-        raise PreflightError(f"paths.root={root}: not writable (nearest existing folder: {existing})")
+    check_writable(run_dirs(cfg))  # fit's own check of every folder the run writes
     return "; ".join(notes) or "ok"
 
 
