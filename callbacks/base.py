@@ -9,14 +9,16 @@ it needs:
 event                       raised by                           when, on which ranks
 ==========================  ==================================  ======================================
 ``on_checkpoint_saved``     ``StepCheckpoint`` (checkpoint.py)  ``global_step_N/`` is complete (marker
-                                                                written); every rank
+                                                                written; heard at a later step's end
+                                                                when written in the background); every
+                                                                rank
 ``on_rl_weights_restored``  ``NaNGuardCallback`` (rollback)     the trainer's weights were rolled back
                                                                 to ``global_step_M``; every rank
 ``on_rl_validation_end``    ``ValidationCallback``              validation of step N is logged; every
                                                                 rank (``rows`` on rank 0 only)
 ==========================  ==================================  ======================================
 
-``Checkpointable`` is what ``StepCheckpoint`` (``save_adapters``) and the NaN guard's rollback
+``Checkpointable`` is what ``StepCheckpoint`` (``snapshot_adapters``) and the NaN guard's rollback
 (``restore_checkpoint``, then ``sync_weights``) call on the LightningModule; ``PPOModule``
 implements it.
 """
@@ -24,7 +26,7 @@ implements it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import lightning as L
 
@@ -55,8 +57,10 @@ def rl_callbacks(trainer: Any, *, besides: Any = None) -> list[RLCallback]:
 class Checkpointable(Protocol):
     """What the step checkpoint and the NaN guard's rollback ask of the LightningModule."""
 
-    def save_adapters(self, step_dir: Path) -> None:
-        """``step_dir/{actor,critic}/lora_adapter/`` as PEFT folders. Collective; rank 0 writes."""
+    def snapshot_adapters(self) -> Callable[[Path], None]:
+        """Both adapters copied to the host now (collective), and a function that writes those
+        copies as ``step_dir/{actor,critic}/lora_adapter/`` later, from any thread, with no
+        collective (rank 0 writes; elsewhere it does nothing): the step checkpoint's adapters."""
 
     def restore_checkpoint(self, step_dir: Path) -> None:
         """The trainable tensors and optimizer states of checkpoint folder ``step_dir``, in

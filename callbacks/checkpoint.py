@@ -9,79 +9,152 @@ else is in place, ``checkpoint.json`` (step, files, sizes, sha256). A folder wit
 left. ``latest_checkpointed_iteration.txt`` beside the folders names the newest complete one
 (verl's file).
 
-Collective: every rank takes part in the gathers and in Lightning's save; rank 0 writes the
-adapters, moves files into place and writes the marker. Non-finite steps are never saved.
-Once a folder is complete, every ``RLCallback`` hears ``on_checkpoint_saved`` (``base.py``).
-The module must be ``Checkpointable`` (``save_adapters``), as ``PPOModule`` is.
+Written while the next step runs (``background=True``, the default): at the step's end every
+rank takes host copies of the adapters and of Lightning's state (collective, the only part the
+step waits for: ``timing_s/checkpoint``), then a background thread writes the files, and rank 0
+moves them into place and writes the marker last (``checkpoint_write.py``). At most one save is
+in flight: the next step's end waits for it (``finish_pending``, collective) before anything
+else of the callback, so does fit's end (``on_train_end``, also a clean stop) and the NaN
+guard before it names or restores the latest checkpoint (``wait_for_checkpoints``). Only then
+is the folder complete for the run: every ``RLCallback`` hears ``on_checkpoint_saved``
+(``base.py``) and ``timing_s/checkpoint_write`` (the background seconds) is logged at the step
+that waited. A write that failed on any rank raises ``CheckpointWriteError`` there, on every
+rank, naming the step, the folder and the error. ``background=False`` writes inline, through
+the same code, before the step ends. No checkpoint is ever deleted here (there is no pruning):
+the last complete one stays whatever happens to the one being written.
+
+Non-finite steps are never saved. The module must be ``Checkpointable`` (``snapshot_adapters``),
+as ``PPOModule`` is.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
+import logging
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.strategies import ModelParallelStrategy
 
 from atlas_lightning import distributed as dist_utils
-from atlas_lightning.store.atomic import atomic_write_text
-from atlas_lightning.store.checkpoints import LATEST, MARKER, STATE_DIR, step_dir, write_marker
+from atlas_lightning.store.checkpoints import MARKER, latest_complete
 from atlas_lightning.callbacks.base import rl_callbacks
+from atlas_lightning.callbacks.checkpoint_write import (BackgroundWrite, new_checkpoint_group, stage_checkpoint,
+                                                        writes_sharded_state)
 from atlas_lightning.ppo.step_output import read_step_output
+
+log = logging.getLogger(__name__)
+
+#: How long an exception's exit waits for a write in flight before leaving it unfinished (no marker).
+EXIT_WAIT_S = 600.0
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint's files could not be written (in the background or inline); the folder has no marker."""
+
 
 class StepCheckpoint(Checkpoint):
     """Save under ``checkpoints`` (the run's ``paths.checkpoints``) every ``every_n_steps`` RL
-    steps and, with ``save_last``, at the last step, ``total_steps`` (``trainer.total_steps``)."""
+    steps and, with ``save_last``, at the last step, ``total_steps`` (``trainer.total_steps``).
+    ``background``: write while the next step runs (module doc); False: before the step ends."""
 
     def __init__(self, checkpoints: str | Path, every_n_steps: int = 5, total_steps: Optional[int] = None,
-                 save_last: bool = True) -> None:
+                 save_last: bool = True, background: bool = True) -> None:
         self.checkpoints = Path(checkpoints)
         self.every_n_steps = every_n_steps
         self.total_steps = total_steps
         self.save_last = save_last
+        self.background = background
         self.last_saved: Optional[int] = None
+        self._pending: Optional[BackgroundWrite] = None
+        self._group: Any = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = batch.step
+        started = time.monotonic()
+        waited = self._pending is not None
+        self.finish_pending(trainer, pl_module, log_step=step)
         if outputs is not None and not read_step_output(outputs, "StepCheckpoint.on_train_batch_end").finite:
             return
-        step = batch.step
         last = self.total_steps is not None and step == self.total_steps
-        if (self.every_n_steps and step % self.every_n_steps == 0) or (self.save_last and last):
+        saves = (self.every_n_steps and step % self.every_n_steps == 0) or (self.save_last and last)
+        if saves:
             self.save(trainer, pl_module, step)
+        if saves or waited:
+            _log(pl_module, {"timing_s/checkpoint": time.monotonic() - started}, step)
 
     def save(self, trainer, pl_module, step: int) -> Path:
-        checkpoints = self.checkpoints
-        final = step_dir(checkpoints, step)
-        tmp = checkpoints / f".tmp-global_step_{step}"
-        if dist_utils.is_rank_zero():
-            shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / STATE_DIR).mkdir(parents=True)
-        dist_utils.barrier()
-        pl_module.save_adapters(tmp)
-        # the strategy decides the format, not the world size: FSDP2 (ModelParallelStrategy) saves a
-        # torch.distributed checkpoint folder, also at world 1 (one GPU)
-        distributed_state = isinstance(trainer.strategy, ModelParallelStrategy)
-        trainer.save_checkpoint(tmp / STATE_DIR if distributed_state else tmp / STATE_DIR / "state.ckpt")
-        dist_utils.barrier()
-        if dist_utils.is_rank_zero():
-            final.mkdir(parents=True, exist_ok=True)
-            (final / MARKER).unlink(missing_ok=True)
-            for part in ("actor", "critic", STATE_DIR):
-                shutil.rmtree(final / part, ignore_errors=True)
-                os.replace(tmp / part, final / part)
-            shutil.rmtree(tmp, ignore_errors=True)
-            write_marker(final, step)
-            atomic_write_text(checkpoints / LATEST, f"{step}\n")
-        dist_utils.barrier()
+        """Stage step ``step``'s checkpoint and write it (in the background with ``background``);
+        returns its folder, complete once ``finish_pending`` has returned. Collective."""
+        self.finish_pending(trainer, pl_module, log_step=step)
+        if self._group is None and writes_sharded_state(trainer.strategy):
+            self._group = new_checkpoint_group()
+        write = BackgroundWrite(stage_checkpoint(trainer, pl_module, step, self.checkpoints, self._group))
+        self._pending = write
+        if self.background:
+            write.start()
+        else:
+            write.run()
+            self.finish_pending(trainer, pl_module, log_step=step)
+        return write.staged.folder
+
+    def finish_pending(self, trainer, pl_module, log_step: Optional[int] = None) -> None:
+        """Wait for the save in flight, if any; raise ``CheckpointWriteError`` on every rank if it
+        failed on any; else it is complete: log its seconds at ``log_step`` and tell every
+        ``RLCallback``. Collective."""
+        write, self._pending = self._pending, None
+        if write is None:
+            return
+        write.join()
+        step, folder = write.staged.step, write.staged.folder
+        mine = None if write.error is None else f"rank {dist_utils.rank()}: {type(write.error).__name__}: {write.error}"
+        failures = [f for f in dist_utils.gather_objects(mine) or [] if f]
+        failure = dist_utils.broadcast_object(failures[0] if failures else None)
+        if failure is not None:
+            raise CheckpointWriteError(
+                f"the checkpoint of step {step} could not be written ({failure}); {folder} has no {MARKER} and is "
+                f"no checkpoint; the last complete one is {latest_complete(self.checkpoints)}") from write.error
         self.last_saved = step
+        _log(pl_module, {"timing_s/checkpoint_write": write.write_s}, step if log_step is None else log_step)
         for callback in rl_callbacks(trainer, besides=self):
-            callback.on_checkpoint_saved(trainer, final, step)
-        return final
+            callback.on_checkpoint_saved(trainer, folder, step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.finish_pending(trainer, pl_module)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """The run failed: let a write in flight finish (it is a good checkpoint of an earlier
+        step), without collectives (other ranks may be gone), up to ``EXIT_WAIT_S``."""
+        write, self._pending = self._pending, None
+        if write is None:
+            return
+        if not write.join(EXIT_WAIT_S):
+            log.warning("checkpoint of step %d still being written after %.0f s; left without its %s",
+                        write.staged.step, EXIT_WAIT_S, MARKER)
+        elif write.error is not None:
+            log.warning("checkpoint of step %d could not be written: %s", write.staged.step, write.error)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._pending is not None:
+            self._pending.join()
 
     def state_dict(self) -> dict:
         return {"last_saved": self.last_saved}
 
     def load_state_dict(self, state: dict) -> None:
         self.last_saved = state.get("last_saved")
+
+
+def wait_for_checkpoints(trainer, log_step: Optional[int] = None) -> None:
+    """Every ``StepCheckpoint`` of ``trainer`` finishes its save in flight (``finish_pending``).
+    Collective."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, StepCheckpoint):
+            callback.finish_pending(trainer, trainer.lightning_module, log_step=log_step)
+
+
+def _log(pl_module, metrics: dict, step: int) -> None:
+    """``metrics`` at RL step ``step`` through the module's ``log_metrics`` (rank 0 logs), if it has one."""
+    log_metrics = getattr(pl_module, "log_metrics", None)
+    if log_metrics is not None:
+        log_metrics(metrics, step=step)

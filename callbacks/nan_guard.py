@@ -27,6 +27,9 @@ The module has already refused to step the optimizers for such a step and says s
      N and lets training go on with the next batch (the data cursor is not rewound).
      Without a checkpoint, or after ``max_rollbacks`` rollbacks, it stops as ``stop`` does.
 
+A checkpoint still being written in the background (the step checkpoint's, of an earlier step)
+is finished first (``wait_for_checkpoints``), so the guard names and restores the newest one.
+
 Every rank must see the same ``finite`` (the module decides it across ranks: the callbacks'
 collectives depend on it). Rank 0 alone picks the checkpoint and the action (other nodes may
 not share its file system) and broadcasts them; a failure there is raised on every rank.
@@ -53,6 +56,7 @@ from atlas_lightning.distributed import on_rank_zero
 from atlas_lightning.store.files import atomic_write_json, json_safe
 from atlas_lightning.store.step_folder import gather_step, write_step_folder
 from atlas_lightning.callbacks.base import Checkpointable, rl_callbacks
+from atlas_lightning.callbacks.checkpoint import wait_for_checkpoints
 from atlas_lightning.ppo.step_output import read_step_output
 
 log = logging.getLogger(__name__)
@@ -148,6 +152,8 @@ class NaNGuardCallback(L.Callback):
         out = read_step_output(outputs, "NaNGuardCallback.on_train_batch_end")
         if out.finite:
             return
+        # a checkpoint still being written (the previous step's) is the latest good one once complete
+        wait_for_checkpoints(trainer, log_step=out.step)
         gathered = gather_step(out.step, out.records, out.tensors, extra=dict(out.nonfinite or {}))
 
         def decide_and_write() -> tuple:

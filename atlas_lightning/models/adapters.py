@@ -51,7 +51,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -84,23 +84,61 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def save_adapter(model: ActorCritic, adapter_name: str, folder: str | Path) -> Path:
-    """Write ``adapter_name`` (and, for the critic, the value head) as a PEFT folder at
-    ``folder``, atomically. Collective under FSDP2 (all ranks call; rank 0 writes)."""
-    from safetensors.torch import save_file
+@dataclass
+class AdapterCopy:
+    """One adapter as its PEFT folder will hold it, on the host: its tensors (copies: later
+    updates of the model do not change them), its config and its base's identity. Written by
+    ``write_adapter_copy`` from any thread, with no collective."""
 
+    name: str
+    config: Any
+    state: dict[str, Tensor]
+    value_head: Optional[dict[str, Tensor]]
+    identity: dict
+
+
+def copy_adapter(model: ActorCritic, adapter_name: str, keep: bool = True) -> Optional[AdapterCopy]:
+    """``adapter_name`` (and, for the critic, the value head) copied to the host. Collective
+    under FSDP2 (all ranks call: the tensors are gathered whole); None where ``keep`` is False
+    (the ranks that write nothing)."""
     if adapter_name not in ADAPTERS:
         raise ValueError(f"adapter_name={adapter_name!r} is not one of {', '.join(ADAPTERS)}")
-    folder = Path(folder)
     state = adapter_state(model, adapter_name)
     value_head = None
     if adapter_name == CRITIC:
         with torch.no_grad():
             value_head = {n: full_tensor(p.detach()).clone() for n, p in model.value_head.named_parameters()}
+    if not keep:
+        return None
+    return AdapterCopy(name=adapter_name, config=_saved_config(model, adapter_name),
+                       state={k: v.detach().to("cpu").contiguous() for k, v in state.items()},
+                       value_head=None if value_head is None else {k: v.to("cpu").contiguous()
+                                                                   for k, v in value_head.items()},
+                       identity={**model.base_identity, "adapter_name": adapter_name, "base_path": model.base_path})
+
+
+def copy_adapters(model: ActorCritic) -> list[AdapterCopy]:
+    """Both adapters copied to the host (``copy_adapter``) on rank 0, ``[]`` on the other ranks.
+    Collective under FSDP2."""
+    copies = [copy_adapter(model, name, keep=_rank() == 0) for name in ADAPTERS]
+    return [c for c in copies if c is not None]
+
+
+def write_adapter_copies(copies: list[AdapterCopy], step_dir: str | Path) -> None:
+    """``step_dir/<name>/lora_adapter`` for each of ``copies`` (``write_adapter_copy``)."""
+    for copy_ in copies:
+        write_adapter_copy(copy_, Path(step_dir) / copy_.name / "lora_adapter")
+
+
+def save_adapter(model: ActorCritic, adapter_name: str, folder: str | Path) -> Path:
+    """Write ``adapter_name`` (and, for the critic, the value head) as a PEFT folder at
+    ``folder``, atomically. Collective under FSDP2 (all ranks call; rank 0 writes)."""
+    folder = Path(folder)
+    copied = copy_adapter(model, adapter_name, keep=_rank() == 0)
     failure: BaseException | None = None
-    if _rank() == 0:
+    if copied is not None:
         try:
-            _write_folder(model, adapter_name, folder, state, value_head, save_file)
+            write_adapter_copy(copied, folder)
         except BaseException as err:  # re-raised below, after the other ranks have heard of it
             failure = err
     # every rank leaves together, and all of them fail if rank 0 could not write
@@ -121,23 +159,26 @@ def save_adapters(model: ActorCritic, step_dir: str | Path) -> None:
         save_adapter(model, name, Path(step_dir) / name / "lora_adapter")
 
 
-def _write_folder(model: ActorCritic, adapter_name: str, folder: Path, state, value_head, save_file) -> None:
+def write_adapter_copy(copied: AdapterCopy, folder: str | Path) -> Path:
+    """``copied`` as a PEFT folder at ``folder``, atomically (written under a temporary name beside
+    it, then renamed into place). No collective: one process writes."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        _saved_config(model, adapter_name).save_pretrained(str(tmp))
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_FILE),
-                  metadata={"format": "pt"})
-        if value_head is not None:
-            save_file({k: v.to("cpu").contiguous() for k, v in value_head.items()}, str(tmp / VALUE_HEAD_FILE),
-                      metadata={"format": "pt"})
-        identity = {**model.base_identity, "adapter_name": adapter_name, "base_path": model.base_path}
-        (tmp / BASE_FILE).write_text(json.dumps(identity, indent=2) + "\n")
+        copied.config.save_pretrained(str(tmp))
+        save_file(copied.state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if copied.value_head is not None:
+            save_file(copied.value_head, str(tmp / VALUE_HEAD_FILE), metadata={"format": "pt"})
+        (tmp / BASE_FILE).write_text(json.dumps(copied.identity, indent=2) + "\n")
         _replace_folder(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return folder
 
 
 def _saved_config(model: ActorCritic, adapter_name: str):

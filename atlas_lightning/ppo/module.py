@@ -44,7 +44,8 @@ and ``timing_s/wake``). The hook must not change what a phase computes: memory-c
 
 Besides the step, the module holds its checkpoint contract: what Lightning's checkpoint keeps
 (``on_save_checkpoint``: the RL step, skipped optimizer steps and the weight sync's version and
-engine-side id), the adapters as PEFT folders (``save_adapters``), the rollback
+engine-side id), the adapters as PEFT folders (``save_adapters``; ``snapshot_adapters`` for a
+checkpoint written in the background), the rollback
 (``restore_checkpoint``) and ``sync_weights``, which the step checkpoint and the NaN guard call.
 
 What is sharded: with ``ModelParallelStrategy`` every decoder layer, the value head and the
@@ -227,6 +228,17 @@ class PPOModule(L.LightningModule):
         from atlas_lightning.models.adapters import save_adapters
 
         save_adapters(self.model, step_dir)
+
+    def snapshot_adapters(self) -> Callable[[Path], None]:
+        """Both adapters copied to the host now (collective under FSDP2), and the function that
+        writes those copies as ``step_dir/{actor,critic}/lora_adapter`` later, from any thread
+        (rank 0 writes; elsewhere it does nothing): the step checkpoint's adapters, written while
+        the next step runs."""
+        from functools import partial
+
+        from atlas_lightning.models.adapters import copy_adapters, write_adapter_copies
+
+        return partial(write_adapter_copies, copy_adapters(self.model))
 
     def restore_checkpoint(self, step_dir: Path) -> None:
         """Trainable tensors (LoRA factors, value head) and optimizer states from a complete

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -234,6 +235,7 @@ class ScriptedModule(L.LightningModule):
         #: ``(version, log_step)`` of every ``sync_weights`` call (the NaN guard's rollback asks for one).
         self.synced: list[tuple[int, Optional[int]]] = []
         self.optimizer_steps = 0
+        self.write_delay_s = 0.0
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -276,10 +278,17 @@ class ScriptedModule(L.LightningModule):
         if self.trainer.is_global_zero:
             self.logged.append((step, dict(metrics)))
 
-    def save_adapters(self, step_dir) -> None:
-        """``step_dir/{actor,critic}/lora_adapter/`` (rank 0 writes), as ``PPOModule.save_adapters``."""
-        if self.trainer.is_global_zero:
-            write_adapters(Path(step_dir), self.critic.weight)
+    def snapshot_adapters(self):
+        """A host copy of the weights now, and its writer for later, as ``PPOModule.snapshot_adapters``
+        (rank 0 writes). ``write_delay_s``: the writer first sleeps that long (a slow disk)."""
+        weight, writes = self.critic.weight.detach().clone(), self.trainer.is_global_zero
+
+        def write(step_dir) -> None:
+            if writes:
+                time.sleep(self.write_delay_s)
+                write_adapters(Path(step_dir), weight)
+
+        return write
 
     def sync_weights(self, version: int, log_step: Optional[int] = None) -> dict:
         """Records the call (there is no engine here), as ``PPOModule.sync_weights`` is asked."""

@@ -73,10 +73,10 @@ def _sharded_module(h, cfg, resume_from=None):
                 fully_shard(self.base, mesh=self.device_mesh["data_parallel"])
                 fully_shard(self.critic, mesh=self.device_mesh["data_parallel"])
 
-        def save_adapters(self, step_dir):
-            full = self.critic.weight.full_tensor()  # collective: every rank
-            if self.trainer.is_global_zero:
-                h.write_adapters(step_dir, full)
+        def snapshot_adapters(self):
+            full = self.critic.weight.full_tensor().detach().clone()  # collective: every rank
+            writes = self.trainer.is_global_zero
+            return lambda step_dir: h.write_adapters(step_dir, full) if writes else None
 
     return Sharded(cfg)
 

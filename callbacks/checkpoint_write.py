@@ -1,0 +1,193 @@
+"""One checkpoint folder written in two halves, so that the writing can overlap the next step.
+
+``stage_checkpoint`` (at the step's end, on the main thread, collective: every rank calls it)
+takes host copies of everything the folder will hold: the two adapters
+(``Checkpointable.snapshot_adapters``) and Lightning's resumable state (what
+``trainer.save_checkpoint`` dumps first: the trainable tensors, both optimizers' AdamW moments,
+the loops, the callbacks' states, the data cursor, the module's record). They are copies, so the
+next update cannot change what is being written. ``StagedCheckpoint.write`` then writes the
+files from those copies into ``.tmp-global_step_N/`` and, on rank 0 once every rank's files are
+complete, moves them into ``global_step_N/``, writes ``checkpoint.json`` (sizes, sha256s; last,
+atomically) and ``latest_checkpointed_iteration.txt``. ``write`` runs no collective on the
+process group the step uses, so it may run on a background thread while the next step runs. A
+process killed at any moment leaves ``global_step_N/`` without its marker: not a checkpoint
+(``store/checkpoints.py``), and the previous complete one is what a resume finds.
+
+The Lightning state keeps its two formats (``store/checkpoints.py``):
+
+* under FSDP2 (``ModelParallelStrategy``) a torch.distributed checkpoint folder, written by
+  torch's own ``async_save``: it stages the state in host memory (``DefaultStager``: a copy,
+  made before it returns) and writes it on a thread of its own, each rank its shards. Its
+  planning and metadata collectives run on a gloo group made for checkpoints alone
+  (``new_checkpoint_group``), never on the group the step's collectives use (two threads on one
+  group would interleave their messages). Rank 0 adds Lightning's ``meta.pt`` (the rest of
+  the state), as ``ModelParallelStrategy.save_checkpoint`` does;
+* otherwise ``state.ckpt``, written by rank 0 through the strategy's ``CheckpointIO`` from a
+  host copy made by the same stager.
+
+Why not Lightning's ``AsyncCheckpointIO``: ``ModelParallelStrategy`` does not write its
+distributed checkpoints through ``CheckpointIO``, the plugin clones the state on the device (a
+second copy of it in GPU memory, not the host) and it reports no completion to write the marker
+after.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from atlas_lightning import distributed as dist_utils
+from atlas_lightning.store.atomic import atomic_write_text
+from atlas_lightning.store.checkpoints import LATEST, MARKER, PARTS, STATE_DIR, step_dir, write_marker
+
+
+def staging_dir(checkpoints: Path, step: int) -> Path:
+    """Where step ``step``'s files are written before they move into ``global_step_<step>``
+    (a name ``checkpoint_step`` does not parse: never taken for a checkpoint)."""
+    return Path(checkpoints) / f".tmp-global_step_{step}"
+
+
+def writes_sharded_state(strategy: Any) -> bool:
+    """FSDP2 (``ModelParallelStrategy``) saves a torch.distributed checkpoint folder, also at world 1:
+    the strategy decides the format, not the world size."""
+    return isinstance(strategy, ModelParallelStrategy)
+
+
+def new_checkpoint_group() -> Any:
+    """A gloo process group of every rank, for the checkpoint writes' own collectives (module
+    doc). Collective: every rank calls it, at the same point."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+
+def host_copy(obj: Any) -> Any:
+    """``obj`` with every tensor copied to host memory (torch's ``DefaultStager``, what
+    ``async_save`` stages with): a copy even of a tensor already on the host."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    try:
+        return stager.stage(obj)
+    finally:
+        stager.close()
+
+
+@dataclass
+class StagedCheckpoint:
+    """Step ``step``'s checkpoint as host copies, and how to write it (module doc).
+
+    ``write_adapters(folder)``: the module's adapter writer (rank 0 writes). ``state``: on rank
+    0, the host copy of Lightning's state (``state.ckpt``) or, beside ``sharded``, of the rest
+    of it (``meta.pt``); None elsewhere. ``sharded``: ``async_save``'s future (FSDP2).
+    ``checkpoint_io``: what writes ``state.ckpt``."""
+
+    step: int
+    checkpoints: Path
+    write_adapters: Callable[[Path], None]
+    state: Optional[dict]
+    sharded: Any = None
+    checkpoint_io: Any = None
+
+    @property
+    def folder(self) -> Path:
+        return step_dir(self.checkpoints, self.step)
+
+    def write(self) -> None:
+        """Write every file, then (rank 0) move them into place and write the marker last. No
+        collective on the step's process group: safe on a background thread."""
+        tmp, rank_zero = staging_dir(self.checkpoints, self.step), dist_utils.is_rank_zero()
+        if rank_zero:
+            self.write_adapters(tmp)
+        if self.sharded is not None:
+            from lightning.fabric.strategies.fsdp import _METADATA_FILENAME
+            import torch
+
+            # rank 0's save returns once every rank's shards and the index are written
+            self.sharded.result()
+            if rank_zero:
+                torch.save(self.state, tmp / STATE_DIR / _METADATA_FILENAME)
+        elif rank_zero:
+            self.checkpoint_io.save_checkpoint(self.state, tmp / STATE_DIR / "state.ckpt")
+        if rank_zero:
+            publish(tmp, self.folder, self.step, self.checkpoints)
+
+
+def publish(tmp: Path, final: Path, step: int, checkpoints: Path) -> None:
+    """Move the written parts from ``tmp`` into ``final`` (kept: its ``val_dumps/``), then the
+    marker, then ``latest_checkpointed_iteration.txt``. A kill before the marker leaves no
+    checkpoint at ``final``."""
+    final.mkdir(parents=True, exist_ok=True)
+    (final / MARKER).unlink(missing_ok=True)
+    for part in PARTS:
+        shutil.rmtree(final / part, ignore_errors=True)
+        os.replace(tmp / part, final / part)
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_marker(final, step)
+    atomic_write_text(checkpoints / LATEST, f"{step}\n")
+
+
+def stage_checkpoint(trainer: Any, pl_module: Any, step: int, checkpoints: Path,
+                     group: Any = None) -> StagedCheckpoint:
+    """Host copies of step ``step``'s checkpoint (module doc); under FSDP2 the sharded state's
+    write has already started on ``group`` (``new_checkpoint_group``). Collective."""
+    tmp = staging_dir(checkpoints, step)
+    rank_zero = dist_utils.is_rank_zero()
+    if rank_zero:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / STATE_DIR).mkdir(parents=True)
+    dist_utils.barrier()
+    write_adapters = pl_module.snapshot_adapters()
+    # what trainer.save_checkpoint saves (it dumps, then writes at once)
+    checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    if not writes_sharded_state(trainer.strategy):
+        return StagedCheckpoint(step, checkpoints, write_adapters, host_copy(checkpoint) if rank_zero else None,
+                                checkpoint_io=trainer.strategy.checkpoint_io)
+    from torch.distributed.checkpoint import async_save
+
+    # ModelParallelStrategy.save_checkpoint's layout: the tensors as a distributed checkpoint, the rest in meta.pt
+    tensors = {"state_dict": checkpoint.pop("state_dict")}
+    tensors.update({f"optimizer_{index}": state for index, state in enumerate(checkpoint.pop("optimizer_states", []))})
+    future = async_save(tensors, checkpoint_id=tmp / STATE_DIR, process_group=group)
+    return StagedCheckpoint(step, checkpoints, write_adapters, host_copy(checkpoint) if rank_zero else None,
+                            sharded=future)
+
+
+class BackgroundWrite:
+    """``staged.write()`` on a thread of its own (``start``), or on the caller's (``run``); its
+    error and its seconds are kept for the main loop (``error``, ``write_s``). A daemon thread:
+    a process that ends does not wait for it (the folder then has no marker)."""
+
+    def __init__(self, staged: StagedCheckpoint) -> None:
+        self.staged = staged
+        self.error: Optional[BaseException] = None
+        self.write_s = 0.0
+        self._thread: Optional[threading.Thread] = None
+
+    def run(self) -> None:
+        started = time.monotonic()
+        try:
+            self.staged.write()
+        except BaseException as err:  # the main loop raises it (StepCheckpoint.finish_pending)
+            self.error = err
+        finally:
+            self.write_s = time.monotonic() - started
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name=f"checkpoint-write-step-{self.staged.step}", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the write; False if it is still running after ``timeout`` seconds."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
