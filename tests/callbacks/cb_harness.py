@@ -6,6 +6,8 @@ with the tiny tokenizer, ChatML stop token, tool responses from ``ChatFormat``),
 assembled by ``atlas_lightning.rollout.batch.assemble_batch``. The module computes real values
 (an embedding critic), GAE returns and advantages (``algorithms.ppo``) and steps a real optimizer;
 it reports a non-finite step where told to, skipping its optimizer step as ``PPOModule`` does.
+``sharded_module`` is that module with a frozen base, sharded by FSDP2 (``TrainableStateStrategy``),
+saving what ``PPOModule`` saves; ``slow_disk`` makes a module's checkpoint writes slow.
 ``FolderCheckpoint`` stands in for the checkpoint callback: a ``lightning.Checkpoint`` that writes
 ``global_step_N/{actor,critic}/lora_adapter/`` folders every ``save_every`` steps (and, unlike
 the real one, does not itself skip non-finite steps: the guard must be what protects them).
@@ -235,7 +237,6 @@ class ScriptedModule(L.LightningModule):
         #: ``(version, log_step)`` of every ``sync_weights`` call (the NaN guard's rollback asks for one).
         self.synced: list[tuple[int, Optional[int]]] = []
         self.optimizer_steps = 0
-        self.write_delay_s = 0.0
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -280,15 +281,9 @@ class ScriptedModule(L.LightningModule):
 
     def snapshot_adapters(self):
         """A host copy of the weights now, and its writer for later, as ``PPOModule.snapshot_adapters``
-        (rank 0 writes). ``write_delay_s``: the writer first sleeps that long (a slow disk)."""
+        (rank 0 writes)."""
         weight, writes = self.critic.weight.detach().clone(), self.trainer.is_global_zero
-
-        def write(step_dir) -> None:
-            if writes:
-                time.sleep(self.write_delay_s)
-                write_adapters(Path(step_dir), weight)
-
-        return write
+        return lambda step_dir: write_adapters(Path(step_dir), weight) if writes else None
 
     def sync_weights(self, version: int, log_step: Optional[int] = None) -> dict:
         """Records the call (there is no engine here), as ``PPOModule.sync_weights`` is asked."""
@@ -300,6 +295,77 @@ class ScriptedModule(L.LightningModule):
         state = load_file(str(step_dir / "critic" / "lora_adapter" / "adapter_model.safetensors"))
         self.critic.weight.data.copy_(state["weight"])
         self.restored.append(step_dir)
+
+
+def sharded_module(cfg, resume_from=None):
+    from atlas_lightning.ppo.module import PPOModule, weight_sync_of
+
+    class Sharded(ScriptedModule):
+        """The scripted module with a frozen base beside its trainable tensors, sharded, and
+        PPOModule's own checkpoint contents: trainable tensors only (the base comes from
+        ``model.path``), Adam's states, the RL step, the weight sync's state; and PPOModule's
+        starting sync (``on_fit_start``, ``on_train_start``), recorded with the weights it saw."""
+
+        _trainable_keys = PPOModule._trainable_keys
+        on_save_checkpoint = PPOModule.on_save_checkpoint
+        on_load_checkpoint = PPOModule.on_load_checkpoint
+        on_fit_start = PPOModule.on_fit_start
+        on_train_start = PPOModule.on_train_start
+        _restored_after_fit_start = PPOModule._restored_after_fit_start
+
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.base = torch.nn.Linear(8, 8)
+            self.base.requires_grad_(False)
+            self.strict_loading = False
+            self.skipped_optimizer_steps = {"actor": 0, "critic": 0}
+            self.resume_from = resume_from
+            self.weight_sync = weight_sync_of(cfg)
+            self.served: list[tuple[int, torch.Tensor]] = []
+
+        def sync_weights(self, version, log_step=None):
+            self.weight_sync.sync_id += 1  # as a real sync counts it
+            self.served.append((version, self.critic.weight.full_tensor().detach().clone()))
+            return super().sync_weights(version, log_step)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.critic.parameters(), lr=0.05)
+
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+
+            if not hasattr(self.critic.weight, "full_tensor"):
+                fully_shard(self.base, mesh=self.device_mesh["data_parallel"])
+                fully_shard(self.critic, mesh=self.device_mesh["data_parallel"])
+
+        def snapshot_adapters(self):
+            full = self.critic.weight.full_tensor().detach().clone()  # collective: every rank
+            writes = self.trainer.is_global_zero
+            return lambda step_dir: write_adapters(step_dir, full) if writes else None
+
+    return Sharded(cfg)
+
+
+def slow_disk(module, from_step: int, seconds: float, signals: Optional[Path] = None):
+    """``module`` whose checkpoint adapter writes, from RL step ``from_step`` on, first touch
+    ``signals/writing_<step>`` (when given) and sleep ``seconds`` (a slow disk; the write that
+    follows is the real one)."""
+    snapshot = module.snapshot_adapters
+
+    def slow_snapshot():
+        write, step = snapshot(), module.rl_step
+
+        def slow_write(step_dir) -> None:
+            if step >= from_step and module.trainer.is_global_zero:
+                if signals is not None:
+                    (signals / f"writing_{step}").touch()
+                time.sleep(seconds)
+            write(step_dir)
+
+        return slow_write
+
+    module.snapshot_adapters = slow_snapshot
+    return module
 
 
 def write_adapters(folder: Path, weight: torch.Tensor) -> None:

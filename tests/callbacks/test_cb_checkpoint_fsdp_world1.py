@@ -32,55 +32,6 @@ def gloo_world_one():
         dist.destroy_process_group()
 
 
-def _sharded_module(h, cfg, resume_from=None):
-    from atlas_lightning.ppo.module import PPOModule, weight_sync_of
-
-    class Sharded(h.ScriptedModule):
-        """The scripted module with a frozen base beside its trainable tensors, sharded, and
-        PPOModule's own checkpoint contents: trainable tensors only (the base comes from
-        ``model.path``), Adam's states, the RL step, the weight sync's state; and PPOModule's
-        starting sync (``on_fit_start``, ``on_train_start``), recorded with the weights it saw."""
-
-        _trainable_keys = PPOModule._trainable_keys
-        on_save_checkpoint = PPOModule.on_save_checkpoint
-        on_load_checkpoint = PPOModule.on_load_checkpoint
-        on_fit_start = PPOModule.on_fit_start
-        on_train_start = PPOModule.on_train_start
-        _restored_after_fit_start = PPOModule._restored_after_fit_start
-
-        def __init__(self, cfg):
-            super().__init__(cfg)
-            self.base = torch.nn.Linear(8, 8)
-            self.base.requires_grad_(False)
-            self.strict_loading = False
-            self.skipped_optimizer_steps = {"actor": 0, "critic": 0}
-            self.resume_from = resume_from
-            self.weight_sync = weight_sync_of(cfg)
-            self.served: list[tuple[int, torch.Tensor]] = []
-
-        def sync_weights(self, version, log_step=None):
-            self.weight_sync.sync_id += 1  # as a real sync counts it
-            self.served.append((version, self.critic.weight.full_tensor().detach().clone()))
-            return super().sync_weights(version, log_step)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.critic.parameters(), lr=0.05)
-
-        def configure_model(self):
-            from torch.distributed.fsdp import fully_shard
-
-            if not hasattr(self.critic.weight, "full_tensor"):
-                fully_shard(self.base, mesh=self.device_mesh["data_parallel"])
-                fully_shard(self.critic, mesh=self.device_mesh["data_parallel"])
-
-        def snapshot_adapters(self):
-            full = self.critic.weight.full_tensor().detach().clone()  # collective: every rank
-            writes = self.trainer.is_global_zero
-            return lambda step_dir: h.write_adapters(step_dir, full) if writes else None
-
-    return Sharded(cfg)
-
-
 class _Crash(RuntimeError):
     pass
 
@@ -97,7 +48,7 @@ class _CrashAt(L.Callback):
 
 
 def _fit(h, cfg, chat, callbacks=(), ckpt_path=None, resume_from=None):
-    module, dm = _sharded_module(h, cfg, resume_from), h.ScriptedDataModule(cfg, chat)
+    module, dm = h.sharded_module(cfg, resume_from), h.ScriptedDataModule(cfg, chat)
     trainer = h.make_trainer([*callbacks, h.callback(cfg, "checkpoint", every_n_steps=2)],
                              strategy=TrainableStateStrategy(data_parallel_size=1, tensor_parallel_size=1))
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
