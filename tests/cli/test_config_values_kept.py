@@ -29,6 +29,8 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
   (``qwen3_6_27b`` in the model group of that name, else null);
 * ``callbacks.progress``: the progress bar in RL steps (``callbacks/progress.py``), in the default
   callbacks.
+* ``callbacks.checkpoint.background`` (true): checkpoints are written while the next step runs
+  (``callbacks/checkpoint.py``); false writes them before the step ends, as every snapshot did.
 * ``callbacks.weight_sync``: the weight sync is no callback any more but the PPO step's last
   phase (``ppo/module.py``); a config that still lists it is refused (``test_bad_config.py``).
 """
@@ -82,6 +84,8 @@ def derived(now: dict) -> dict:
     for callback, values in arguments.items():
         if f"callbacks.{callback}._target_" in now:
             out.update({f"callbacks.{callback}.{key}": value for key, value in values.items()})
+    if "callbacks.checkpoint._target_" in now:  # checkpoints written in the background
+        out["callbacks.checkpoint.background"] = True
     return out
 
 
