@@ -135,8 +135,8 @@ class StepCheckpoint(Checkpoint):
             log.warning("checkpoint of step %d could not be written: %s", write.staged.step, write.error)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        if self._pending is not None:
-            self._pending.join()
+        if self._pending is not None:  # not finished by on_train_end or on_exception: let it end, as there
+            self._pending.join(EXIT_WAIT_S)
 
     def state_dict(self) -> dict:
         return {"last_saved": self.last_saved}
