@@ -42,6 +42,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from lightning.pytorch.strategies import ModelParallelStrategy
+# imported with the callback, not at the first save (a fifth of a second, once, inside a step)
+from torch.distributed.checkpoint import async_save
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.store.atomic import atomic_write_text
@@ -71,8 +74,6 @@ def new_checkpoint_group() -> Any:
 def host_copy(obj: Any) -> Any:
     """``obj`` with every tensor copied to host memory (torch's ``DefaultStager``, what
     ``async_save`` stages with): a copy even of a tensor already on the host."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
     stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                           use_async_staging=False, use_non_blocking_copy=False))
     try:
@@ -151,8 +152,6 @@ def stage_checkpoint(trainer: Any, pl_module: Any, step: int, checkpoints: Path,
     if not writes_sharded_state(trainer.strategy):
         return StagedCheckpoint(step, checkpoints, write_adapters, host_copy(checkpoint) if rank_zero else None,
                                 checkpoint_io=trainer.strategy.checkpoint_io)
-    from torch.distributed.checkpoint import async_save
-
     # ModelParallelStrategy.save_checkpoint's layout: the tensors as a distributed checkpoint, the rest in meta.pt
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     tensors.update({f"optimizer_{index}": state for index, state in enumerate(checkpoint.pop("optimizer_states", []))})
