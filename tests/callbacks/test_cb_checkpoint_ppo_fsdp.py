@@ -1,0 +1,46 @@
+"""The PPO module itself under FSDP2 at two ranks (gloo), checkpointed at every step in the
+background: each folder verifies against its marker, its Lightning state is whole (both AdamW
+optimizers' moments, the loops, the data cursor: ``run/resume_state.py``), its adapters are
+PEFT folders of the module's two adapters, and a run resumes from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from atlas_lightning.run.resume_state import check_resume_state
+from atlas_lightning.store.checkpoints import MARKER, verify_checkpoint
+
+pytestmark = pytest.mark.multiprocess
+
+WORKER = Path(__file__).with_name("ppo_checkpoint_worker.py")
+FORKED_RANKS = Path(__file__).resolve().parents[1] / "forked_ranks.py"
+
+
+def _run(model: Path, root: Path, *extra: str) -> dict:
+    done = subprocess.run([sys.executable, str(FORKED_RANKS), "2", str(WORKER), str(model), str(root), *extra],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((root / "result.json").read_text())
+
+
+def test_ppo_module_checkpoints_written_in_the_background_verify_and_resume(tiny_model_dir, tmp_path):
+    assert _run(tiny_model_dir, tmp_path) == {"resumed_from": None, "rl_step": 3}
+    checkpoints = tmp_path / "checkpoints" / "ppo"
+    for step in (1, 2, 3):
+        folder = checkpoints / f"global_step_{step}"
+        files = verify_checkpoint(folder)["files"]
+        assert {"actor/lora_adapter/adapter_model.safetensors", "critic/lora_adapter/value_head.safetensors",
+                "lightning/.metadata", "lightning/meta.pt"} <= set(files)
+        check_resume_state(folder)
+    assert not list(checkpoints.glob(".tmp-*"))
+
+    (checkpoints / "global_step_3" / MARKER).unlink()  # as if killed before step 3's marker
+    assert _run(tiny_model_dir, tmp_path, "resume") == {"resumed_from": "global_step_2", "rl_step": 3}
+    verify_checkpoint(checkpoints / "global_step_3")
