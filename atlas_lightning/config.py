@@ -260,6 +260,15 @@ class AlgorithmConfig:
     #: Per-card token budget of forward-only passes (old/base log-probs, values).
     forward_max_token_len_per_gpu: int = 98304
     critic_warmup: int = 0
+    #: Off-policy correction of the policy loss (``algorithms/ppo.py``): ``none`` (the trainer's
+    #: old log-probs stand for the behaviour policy, as verl; synchronous runs need nothing else)
+    #: or ``decoupled`` (AReaL's decoupled PPO loss: trust region around the trainer's old
+    #: log-probs, each token weighted by old / the engine's log-prob, capped).
+    off_policy_loss: str = "none"
+    #: ``decoupled`` only: the cap on the behaviour importance weight, and what a weight above
+    #: it becomes: ``truncate`` (the cap, verl's TIS) or ``mask`` (0, AReaL's filter).
+    behav_imp_weight_cap: float = 5.0
+    behav_imp_weight_mode: str = "truncate"
 
 
 @dataclass

@@ -253,6 +253,9 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "algorithm.ppo_max_token_len_per_gpu": Int(1),
     "algorithm.forward_max_token_len_per_gpu": Int(1),
     "algorithm.critic_warmup": Int(0),
+    "algorithm.off_policy_loss": OneOf(("none", "decoupled")),
+    "algorithm.behav_imp_weight_cap": Real(1.0),
+    "algorithm.behav_imp_weight_mode": OneOf(("truncate", "mask")),
     # reward
     "reward.cost_per_usd": Real(0.0, MAX_COST_PER_USD),
     "reward.no_submit_reward": Real(-MAX_SHAPING, MAX_SHAPING),

@@ -36,6 +36,9 @@ ROLE_METRICS = {
     "actor": ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/grad_norm"),
     "critic": ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"),
 }
+#: The actor's extra metrics under ``algorithm.off_policy_loss=decoupled``
+#: (``algorithms.ppo.behaviour_importance_weights``).
+BEHAVIOUR_METRICS = ("actor/behav_imp_weight_mean", "actor/behav_capped_frac", "actor/behav_kl")
 
 
 @contextmanager
