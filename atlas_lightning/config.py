@@ -325,6 +325,11 @@ class LayoutConfig:
     engine_tp: int = 1
     #: Bound on how many updates a rollout may lag behind (separate mode).
     max_staleness: int = 1
+    #: What keeps a trajectory within ``max_staleness`` (separate mode, ``rollout/prefetch.py``):
+    #: ``wait`` (the producer waits for new weights before sampling further ahead; nothing is
+    #: dropped) or ``drop`` (it samples ahead without waiting, a bounded number of steps, and a
+    #: trajectory over the bound is dropped at hand-over, counted in the step's metrics).
+    staleness_policy: str = "wait"
 
 
 @dataclass

@@ -119,7 +119,16 @@ def assemble_batch(
             response_ids=np.asarray(traj.response_ids, dtype=np.int64),
             response_mask=np.asarray(traj.response_mask, dtype=np.int8),
             response_logprobs=np.asarray(traj.response_logprobs, dtype=np.float32),
+            **_versions(traj),
         ))
         rewards.append(dense)
     return RolloutBatch(step=step, partition=partition, records=records, token_rewards=rewards,
                         invariants=invariants, stats=stats, weights_version=weights_version)
+
+
+def _versions(traj: Trajectory) -> dict:
+    """``response_versions`` of a trajectory the agent loop drove (one version a response
+    token); nothing for one built by hand without them."""
+    if not traj.response_versions and traj.response_ids:
+        return {}
+    return {"response_versions": np.asarray(traj.response_versions, dtype=np.int64)}

@@ -257,7 +257,7 @@ class RolloutDataModule(L.LightningDataModule):
             timing["wake_rollout"] = time.monotonic() - started
             progress = RolloutProgress(f"{partition} step {step}", self.progress_sink if self.rank == 0 else None)
             looped = time.monotonic()
-            stats = AgentLoop(self.engine, self.chat, self._limits()).run(
+            stats = AgentLoop(self.engine, self.chat, self._limits(), policy_version=lambda: self.weights_version).run(
                 trajectories, sampling, seed_parts=seed_parts, progress=progress)
             timing["gen"] = time.monotonic() - looped
             _card_used(memory, "gen")

@@ -29,6 +29,10 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
   (``qwen3_6_27b`` in the model group of that name, else null);
 * ``callbacks.progress``: the progress bar in RL steps (``callbacks/progress.py``), in the default
   callbacks.
+* ``algorithm.off_policy_loss`` (``none``), ``algorithm.behav_imp_weight_cap`` (5.0),
+  ``algorithm.behav_imp_weight_mode`` (``truncate``), ``layout.staleness_policy`` (``wait``): the
+  asynchronous layout's off-policy correction and staleness cap; their defaults leave every run
+  computing what it did.
 * ``callbacks.weight_sync``: the weight sync is no callback any more but the PPO step's last
   phase (``ppo/module.py``); a config that still lists it is refused (``test_bad_config.py``).
 """
@@ -55,7 +59,9 @@ ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.de
          "model.linear_attention_kernel": "auto", "model.layer_recompute": None,
          "model.critic_lora.rank": None, "model.critic_lora.alpha": None, "model.critic_lora.dropout": None,
          "model.critic_lora.target_modules": None, "model.elementwise_kernels": "auto",
-         "model.attention_length_bucket": None, "data.label_conflicts": "refuse", "trainer.gpu_hour_usd": 2.5}
+         "model.attention_length_bucket": None, "data.label_conflicts": "refuse", "trainer.gpu_hour_usd": 2.5,
+         "algorithm.off_policy_loss": "none", "algorithm.behav_imp_weight_cap": 5.0,
+         "algorithm.behav_imp_weight_mode": "truncate", "layout.staleness_policy": "wait"}
 
 
 def derived(now: dict) -> dict:
