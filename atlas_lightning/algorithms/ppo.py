@@ -309,13 +309,9 @@ BEHAVIOUR_WEIGHT_MODES = ("truncate", "mask")
 _LOG_RATIO_BOUND = 20.0
 
 
-def behaviour_importance_weights(
-    old_log_prob: torch.Tensor,
-    rollout_log_prob: torch.Tensor,
-    response_mask: torch.Tensor,
-    cap: float,
-    mode: str = "truncate",
-) -> tuple[torch.Tensor, dict[str, float]]:
+def behaviour_importance_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                                 response_mask: torch.Tensor, cap: float,
+                                 mode: str = "truncate") -> tuple[torch.Tensor, dict[str, float]]:
     """Per-token behaviour importance weights ``w = pi_prox / pi_behav``, capped.
 
     ``old_log_prob``: the proximal policy's log-probs (the trainer's, before this step's
@@ -354,14 +350,8 @@ def behaviour_importance_weights(
 
 
 def compute_policy_loss_decoupled(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    rollout_log_prob: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    *,
+    old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    rollout_log_prob: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None, *,
     global_batch_info: Optional[Mapping[str, Any]] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The decoupled PPO loss of AReaL (arXiv:2505.24298), for rollouts sampled with older weights.

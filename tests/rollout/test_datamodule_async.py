@@ -134,12 +134,14 @@ def test_drop_policy_samples_ahead_and_drops_what_falls_over_the_bound(hf_engine
     """``drop``: the producer does not wait for weights, only for room; step 3, sampled with v0
     during update 1, is two versions behind when taken: its trajectories are dropped and the step
     is sampled again at once (no step skipped)."""
-    dm = RolloutDataModule(_cfg(tiny_model_dir, sample_data_dir, tmp_path, "layout.staleness_policy=drop"),
-                           engine=hf_engine)
-    module, sync = _SlowUpdates(update_s=4.0), _Sync()
-    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[sync])
-    trainer.fit(module, datamodule=dm)
+    module = _SlowUpdates(update_s=4.0)
+    _fit(RolloutDataModule(_cfg(tiny_model_dir, sample_data_dir, tmp_path, "layout.staleness_policy=drop"),
+                           engine=hf_engine), module)
     assert [s[:3] for s in module.seen] == [(1, 0, 0), (2, 0, 1), (3, 2, 0)]
     assert [s[4:] for s in module.seen] == [({0: 2, 1: 0}, 0), ({0: 0, 1: 2}, 0), ({0: 2, 1: 0}, 2)]
     assert all(len(s[3]) == 2 for s in module.seen)
+
+
+def _fit(dm: RolloutDataModule, module: L.LightningModule) -> None:
+    L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, callbacks=[_Sync()]).fit(module, datamodule=dm)
