@@ -10,7 +10,7 @@ CACHE ?= $(or $(ATLAS_LIGHTNING_CACHE),$(HOME)/.cache/atlas-lightning)
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup assets clean-venv
+.PHONY: demo test setup assets clean-venv verify-demo-model
 
 # Python writes the byte-code of what it imports, whatever the calling shell asks: the tests start
 # ~100 processes, and with PYTHONDONTWRITEBYTECODE set each would compile torch, vLLM and
@@ -44,6 +44,11 @@ demo: assets
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The whole rebuild of the shipped tiny orchestrator, compared byte for byte (~13 CPU-minutes);
+# `make test` replays its first steps only (tests/demo/test_shipped_model.py).
+verify-demo-model: setup
+	$(BIN)/python -m pytest --full-build tests/demo/test_shipped_model.py
 
 clean-venv:
 	rm -rf $(VENV)
