@@ -29,8 +29,9 @@ HTTP_ERRORS = (urllib3.exceptions.HTTPError, OSError, http.client.HTTPException)
 #: request failing): they lead to a liveness check and, if the server is gone, ``EngineError``.
 _GONE = (ConnectionRefusedError, ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected)
 #: Idle connections kept per server: above the most requests one process holds in flight
-#: (``rollout.max_in_flight``), so that none is closed and reopened between requests.
-_KEPT_PER_SERVER = 1024
+#: (``rollout.max_in_flight``, 640 by default), so that none is closed and reopened between
+#: requests (urllib3 opens connections only as needed; beyond this it warns and drops them).
+_KEPT_PER_SERVER = 4096
 _LOCK = threading.Lock()  # an exchange's connection, and who uses that connection now
 _current = threading.local()  # the exchange the calling thread sends
 
