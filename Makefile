@@ -8,7 +8,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CACHE ?= $(or $(ATLAS_LIGHTNING_CACHE),$(HOME)/.cache/atlas-lightning)
 DEMO_ARGS ?=
-PYTEST_ARGS ?=
+# Two workers, a test file each at a time (pytest-xdist): the suite is mostly one-threaded.
+TEST_WORKERS ?= 2
+PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: demo test setup assets clean-venv verify-demo-model
 

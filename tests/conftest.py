@@ -49,6 +49,16 @@ def pytest_configure(config):
     orchestrator_build.start_early(config)  # while the suite is collected, when it will be wanted
 
 
+def _file_weight(items) -> dict[str, int]:
+    """Per test file: 0 if it has a ``slow`` test, 1 if one starts engines or processes, else 2."""
+    weight: dict[str, int] = {}
+    for item in items:
+        mine = 0 if item.get_closest_marker("slow") else (
+            1 if item.get_closest_marker("vllm") or item.get_closest_marker("multiprocess") else 2)
+        weight[item.nodeid.split("::")[0]] = min(mine, weight.get(item.nodeid.split("::")[0], 2))
+    return weight
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     if not config.getoption("full_build"):
@@ -56,6 +66,11 @@ def pytest_collection_modifyitems(session, config, items):
         if skipped:
             config.hook.pytest_deselected(items=skipped)
             items[:] = [item for item in items if not item.get_closest_marker("full_build")]
+    # The longest files first (a stable sort: a file's tests keep their order): `make test` hands
+    # whole files to two workers (pytest-xdist, --dist loadfile), and a long file started last
+    # would leave the other core idle at the end.
+    weight = _file_weight(items)
+    items.sort(key=lambda item: weight[item.nodeid.split("::")[0]])
     orchestrator_build.after_collection(config, items)
 
 

@@ -76,8 +76,8 @@ def _tiny_inputs(run, tiny8, tiny_model_dir, sample_data_dir, step29) -> list[st
 
 @pytest.mark.parametrize("run", EXPERIMENTS)
 def test_every_launcher_runs_its_own_experiment(run):
-    """Its last line launches the experiment of its own name, asking for the GPUs its config trains
-    on (none for a CPU run); bash parses it."""
+    """Its last line launches the experiment of its own name, asking for the GPUs of its layout
+    (none for a CPU run); bash parses it."""
     from omegaconf import OmegaConf
 
     from atlas_lightning.config import compose
@@ -85,7 +85,7 @@ def test_every_launcher_runs_its_own_experiment(run):
     script = LAUNCH / f"{run}.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     cfg = compose([f"experiment={run}"])
-    gpus = 0 if OmegaConf.select(cfg, "trainer.accelerator") == "cpu" else int(cfg.trainer.devices)
+    gpus = 0 if OmegaConf.select(cfg, "trainer.accelerator") == "cpu" else int(cfg.layout.gpus)
     verb = "memory-check" if run.endswith("-memory") else "fit"
     last = script.read_text().strip().splitlines()[-1]
     assert last == f'ATLAS_GPUS_WANTED={gpus} atlas_launch {run} {verb} "$@"'
