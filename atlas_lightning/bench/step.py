@@ -24,7 +24,9 @@ What the callback measures, per RL step (rank 0's clocks; every rank runs the sa
   (``other``: Lightning's loop, the data hand-over);
 * shares: generation (``gen``), update compute (the five forward/backward phases) and the
   rest, with validation and the checkpoint apart (they run every ``trainer.val_every`` /
-  ``trainer.save_every`` steps) and amortised over those periods.
+  ``trainer.save_every`` steps) and amortised over those periods;
+* tokens/s/GPU as NeMo-RL publishes it (``tokens_per_gpu_second``): all tokens of the step's
+  trajectories over the step's seconds times the run's GPUs (``layout.gpus``).
 
 Generation against plain vLLM: the train rollout of ``replay_step`` (default 1) is recorded
 request by request (prompt tokens, sampling, the tokens each produced); at the end of that step
@@ -296,6 +298,17 @@ def phase_flops(cfg, lengths: list[int], responses: list[int]) -> Optional[dict[
             "update_actor": epochs * flops.train_step("actor", lengths, scored)}
 
 
+def tokens_per_gpu_second(tokens: int, gpus: int, wall: float, periodic_s: float, amortised_s: float) -> dict:
+    """NeMo-RL's figure of a step: all tokens processed (every trajectory's prompt and response
+    tokens, once) / (the step's seconds x the GPUs of the run); ``step``: as this step ran;
+    ``without_periodic``: without its validation and checkpoint (``periodic_s``); ``amortised``:
+    with those spread over their periods (``amortised_s``), what a long run averages."""
+    steady = wall - periodic_s
+    return {"step": tokens / (wall * gpus), "gpus": gpus,
+            "without_periodic": tokens / (steady * gpus) if steady > 0 else None,
+            "amortised": tokens / ((steady + amortised_s) * gpus) if steady + amortised_s > 0 else None}
+
+
 def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: dict[int, float],
                  ended: Optional[float], callback_s: dict[int, dict[str, float]], lengths: dict[int, list[int]],
                  generated: dict[int, int], replayed: dict[str, Any], responses: Optional[dict[int, list[int]]] = None,
@@ -341,6 +354,8 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
                              "overhead_with_periodic_amortised": (overhead + periodic)
                              / (wall - validation - checkpoint + periodic)}
             row["gen_tokens_per_s"] = (generated.get(step) or 0) / gen if gen else None
+            row["tokens_per_s_per_gpu"] = tokens_per_gpu_second(row["tokens"], int(cfg.layout.gpus), wall,
+                                                                validation + checkpoint, periodic)
         flops = phase_flops(cfg, lengths[step], responses.get(step, [])) if step in responses else None
         if flops:
             row["useful_tflop"] = {p: f / 1e12 for p, f in flops.items() if p in phases}
@@ -431,6 +446,12 @@ def markdown(report: dict) -> str:
                           f"{shares['checkpoint']:.1%} apart; with both amortised over their periods: "
                           f"{shares['overhead_with_periodic_amortised']:.1%}); "
                           f"asleep the card held {_fmt(row['memory_gib'].get('card_used_gib/asleep'), '.2f')} GiB", ""]
+        rate = row.get("tokens_per_s_per_gpu")
+        if rate:
+            lines += [f"tokens/s/GPU as NeMo-RL counts them (all {row['tokens']:,} tokens / (step s x {rate['gpus']} "
+                      f"GPUs)): {rate['step']:,.0f} this step; {_fmt(rate['without_periodic'], ',.0f')} without its "
+                      f"validation and checkpoint; {_fmt(rate['amortised'], ',.0f')} with them amortised over "
+                      "their periods", ""]
     plain = report.get("plain_generate", {})
     if plain.get("done"):
         lines.append(f"plain vllm.LLM.generate on step {plain['step']}'s {plain['requests']} requests: "
