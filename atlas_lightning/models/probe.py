@@ -20,16 +20,21 @@ from .actor_critic import ACTOR, ActorCritic
 from .packing import pack_sequences
 
 
-def probe_logprobs(model: ActorCritic, token_ids: list[int], device: torch.device | str) -> list[float]:
+def probe_logprobs(model: ActorCritic, token_ids: list[int], device: torch.device | str,
+                   base: bool = False) -> list[float]:
     """Log-probs (temperature 1) of tokens ``1..len-1`` of ``token_ids``, each given the ones
-    before it, under the actor adapter, in eval mode without grad (the training mode is put
-    back). Collective under FSDP2: every rank calls with the same ids."""
+    before it, under the actor adapter (``base``: with the adapters off), in eval mode without
+    grad (the training mode is put back). Collective under FSDP2: every rank calls with the
+    same ids."""
     packed = pack_sequences([torch.tensor(token_ids, dtype=torch.int64)], [1]).to(device)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            log_probs, _ = model.actor_forward(packed, temperature=1.0, compute_entropy=False)
+            if base:
+                log_probs = model.base_forward(packed, temperature=1.0)
+            else:
+                log_probs, _ = model.actor_forward(packed, temperature=1.0, compute_entropy=False)
     finally:
         model.train(was_training)
     return log_probs.float().cpu().tolist()

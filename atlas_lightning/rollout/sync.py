@@ -35,9 +35,10 @@ Order of work:
    trained ones;
 4. prove that the engine APPLIES what it was sent, whatever it reports and whatever the learning
    rate (``rollout/sync_probe.py``): the engine's probe log-probs must move from the last
-   verified state as the trainer's do (``rollout/applied_*``). The process's first sync loads
-   the actor, a marked actor and the actor again (sync ids K, K+1, K+2) and judges both moves:
-   an engine that ignores the adapter stops the run before any training
+   verified state as the trainer's do (``rollout/applied_*``). The process's first sync judges
+   the move from the base the engine served before it to the actor (when measurable), then
+   loads a marked actor and the actor again (sync ids K, K+1, K+2) and judges both moves: an
+   engine that ignores the adapter stops the run before any training
    (``sync_probe.StartingCheckError``, exit 2).
 
 The weights version served is the number of updates applied (0 before training; after a NaN
@@ -238,13 +239,13 @@ class WeightSync:
             engine.wake_up()  # slept through the update (colocated sleep mode); a no-op otherwise
             started = time.monotonic()
             _reset_peak()
-            report = self._load(model, engine, version)
             probe = serving.probe_token_ids()
-            reading = self._reading(model, probe, engine, version, device)
-            gap = self._check_gap(reading, version)
             if self.movement.reference is None:  # this process's first sync: the starting check
-                gap = self._check_gap(self._prove_start(model, engine, probe, version, device, reading), version)
+                report, gap = self._prove_start(model, engine, probe, version, device)
             else:
+                report = self._load(model, engine, version)
+                reading = self._reading(model, probe, engine, version, device)
+                gap = self._check_gap(reading, version)
                 self.movement.check(reading)
             serving.weights_version = version  # published under the lock: the next rollout samples it
         self.version = version
@@ -307,17 +308,27 @@ class WeightSync:
             self.noise_gap = gap
         return gap
 
-    def _prove_start(self, model, engine, probe: list[int], version: int, device: Any, actor: Reading) -> Reading:
-        """The starting check (``sync_probe`` module doc): from the actor (verified: the first
-        reference) to the marked actor and back, each load verified as any sync's and each move
-        judged; returns the reading of the actor served again."""
+    def _prove_start(self, model, engine, probe: list[int], version: int, device: Any):
+        """The starting check (``sync_probe`` module doc): from the base the engine serves before
+        any load (when it is the trainer's base) to the actor (judged when that move is
+        measurable: a starting adapter the engine ignores), to the marked actor and back to the
+        actor, each load verified as any sync's. Returns the last load's report and probe gap."""
         from atlas_lightning.models.probe import marked_actor, probe_logprobs
 
         def marked_probe(shift: float) -> np.ndarray:
             with marked_actor(model, shift):
                 return np.asarray(probe_logprobs(model, probe, device), dtype=np.float64)
 
-        self.movement.start(actor)
+        base = self._base_reading(model, probe, engine, version, device)
+        self._load(model, engine, version)
+        actor = self._reading(model, probe, engine, version, device)
+        if base is not None:
+            self.movement.start(base)
+            what = "the actor adapter" if self.kind == "lora" else "the merged actor"
+            self.movement.check(actor, starting=f"{what} against the base", may_wait=True)
+        self._check_gap(actor, version)
+        if self.movement.reference is not actor:  # the move from the base did not decide: start here
+            self.movement.start(actor)
         shift = mark_shift(marked_probe, actor.trainer, self.movement.noise)
         with marked_actor(model, shift):
             self.sync_id += 1
@@ -325,10 +336,23 @@ class WeightSync:
             marked = self._reading(model, probe, engine, version, device)
         self.movement.check(marked, starting=f"the marked adapter (every lora_B entry shifted by {shift:.3g})")
         self.sync_id += 1
-        self._load(model, engine, version)
+        report = self._load(model, engine, version)
         again = self._reading(model, probe, engine, version, device)
         self.movement.check(again, starting="the actor served again after the marked adapter")
-        return again
+        return report, self._check_gap(again, version)
+
+    def _base_reading(self, model, probe: list[int], engine, version: int, device: Any) -> Optional[Reading]:
+        """The trainer's base (adapters off) and what the engine serves before this process's
+        first load, when the two agree within ``max_logprob_gap`` (both read ``model.path``);
+        None when the engine serves something else (a server attached with other weights)."""
+        from atlas_lightning.models.probe import probe_logprobs
+
+        engine_lp = engine.prompt_logprobs(probe)
+        check_probe_logprobs(engine_lp, version)
+        trainer_lp = probe_logprobs(model, probe, device, base=True)
+        reading = Reading(version, np.asarray(trainer_lp, dtype=np.float64), np.asarray(engine_lp, dtype=np.float64))
+        gap = float(np.max(np.abs(reading.engine - reading.trainer))) if len(engine_lp) == len(trainer_lp) else math.inf
+        return reading if dist_utils.all_reduce_max([gap])[0] <= self.max_logprob_gap else None
 
     def _bound(self, scale: float) -> float:
         """The probe's bound (see ``_probe``); ``scale``: the largest |log-prob| on the probe."""

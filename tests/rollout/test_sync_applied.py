@@ -231,3 +231,35 @@ def test_fit_with_an_engine_that_ignores_the_adapter_exits_2_before_any_step(tin
     assert "atlas-lightning fit: weight sync v0, starting check: with the marked adapter" in result.stderr
     assert "the engine ignores the adapter it holds" in result.stderr and "Traceback" not in result.stderr
     assert not list(tmp_path.glob("checkpoints/ignored/global_step_*"))  # no step ran
+
+
+def test_a_starting_adapter_named_as_verl_exports_it_is_proven_with_and_without_it(engine, tiny_model_dir,
+                                                                                   tmp_path):
+    """``model.actor_adapter`` from a folder named as verl exported the report's (PEFT over
+    ``AutoModelForCausalLM``: ``base_model.model.model.layers...``): the move from the base to it
+    is judged at the start; an engine that ignores it is refused there, before the absolute probe."""
+    from safetensors import safe_open
+
+    from atlas_lightning.rollout.sync import export_actor_adapter
+
+    donor = _trainer(tiny_model_dir, tmp_path / "donor", "lora")
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in donor.model.actor_parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    folder = tmp_path / "verl_actor"
+    export_actor_adapter(donor.model, folder)
+    with safe_open(str(folder / "adapter_model.safetensors"), "pt") as handle:
+        keys = list(handle.keys())
+    assert keys and all(key.startswith("base_model.model.model.layers.") for key in keys)
+
+    module = _trainer(tiny_model_dir, tmp_path, "lora", f"model.actor_adapter={folder}")
+    with _behaving_as(engine, _ignoring_class()), pytest.raises(StartingCheckError) as info:
+        module.weight_sync.sync(module.model, _serving(engine), version=0)
+    assert "starting check: with the actor adapter against the base the trainer's probe" in str(info.value)
+    assert "the engine ignores the adapter it holds" in str(info.value)
+    engine.set_adapter(None)
+
+    module = _trainer(tiny_model_dir, tmp_path / "clean", "lora", f"model.actor_adapter={folder}")
+    module.weight_sync.sync(module.model, _serving(engine), version=0)  # the engine that applies it passes
+    assert module.weight_sync.movement.reference.version == 0
