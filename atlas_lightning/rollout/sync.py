@@ -344,18 +344,22 @@ class WeightSync:
     def _base_reading(self, model, probe: list[int], engine, version: int, device: Any) -> Optional[Reading]:
         """The trainer's base (adapters off) and what the engine serves before this process's
         first load, when the two agree within ``max_logprob_gap`` (both read ``model.path``);
-        None when the engine serves something else (a server attached with other weights)."""
+        None when the engine serves something else (a server attached with other weights) or
+        nothing (a merged engine that dropped its weights in its sleep). Collective."""
         from atlas_lightning.models.probe import probe_logprobs
 
-        engine_lp = engine.prompt_logprobs(probe)
-        check_probe_logprobs(engine_lp, version)
-        trainer_lp = probe_logprobs(model, probe, device, base=True)
+        try:
+            engine_lp = engine.prompt_logprobs(probe)
+        except EngineError:  # asleep without its weights: nothing to compare before the first load
+            engine_lp = []
+        trainer_lp = probe_logprobs(model, probe, device, base=True)  # every rank: an FSDP2 forward
+        agree = len(engine_lp) == len(trainer_lp) and bool(np.all(np.isfinite(engine_lp)))
         reading = Reading(version, np.asarray(trainer_lp, dtype=np.float64), np.asarray(engine_lp, dtype=np.float64))
-        gap = float(np.max(np.abs(reading.engine - reading.trainer))) if len(engine_lp) == len(trainer_lp) else math.inf
+        gap = float(np.max(np.abs(reading.engine - reading.trainer))) if agree else math.inf
         return reading if dist_utils.all_reduce_max([gap])[0] <= self.max_logprob_gap else None
 
     def _bound(self, scale: float) -> float:
-        """The probe's bound (see ``_probe``); ``scale``: the largest |log-prob| on the probe."""
+        """The probe's bound (see ``_check_gap``); ``scale``: the largest |log-prob| on the probe."""
         if self.noise_gap is None:
             return self.max_logprob_gap
         floor = NOISE_ULPS * scale * FLOAT32_EPS

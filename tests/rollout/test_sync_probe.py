@@ -184,3 +184,39 @@ def test_a_starting_check_failure_exits_2_with_its_message_and_no_traceback(monk
     err = capsys.readouterr().err
     assert "atlas-lightning fit: weight sync v0, starting check: the engine ignores the adapter it holds" in err
     assert "Traceback" not in err
+
+
+def test_a_merged_engine_that_cannot_answer_before_its_first_load_still_gets_the_starting_check(tiny_model_dir,
+                                                                                                tmp_path):
+    """A merged engine that slept without its weights (vLLM's level 2) has no base to compare
+    before the first load: the check starts from the actor, and the marked move still decides.
+    Through the real sync with the transformers reference engine (no vLLM)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from types import SimpleNamespace
+
+    from atlas_lightning.config import compose
+    from atlas_lightning.ppo.module import PPOModule
+    from atlas_lightning.rollout.engine import EngineError
+    from atlas_lightning.rollout.engines.hf_engine import HFEngine
+
+    class DroppedUntilLoaded(HFEngine):
+        loaded = False
+
+        def load_weights(self, weights):
+            self.loaded = True
+            return super().load_weights(weights)
+
+        def prompt_logprobs(self, token_ids):
+            if not self.loaded:
+                raise EngineError("weights dropped: no probe possible")
+            return super().prompt_logprobs(token_ids)
+
+    cfg = compose(["experiment=tiny-cpu", f"model.path={tiny_model_dir}", f"paths.root={tmp_path}",
+                   "rollout.weight_sync=merged"])
+    module = PPOModule(cfg)
+    module.configure_model()
+    engine = DroppedUntilLoaded(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+    serving = SimpleNamespace(engine=engine, probe_token_ids=lambda: list(range(20, 120)), weights_version=None)
+    metrics = module.weight_sync.sync(module.model, serving, version=0)
+    assert metrics["rollout/applied_residual_ratio"] < RESIDUAL_LIMIT / 4 and serving.weights_version == 0
