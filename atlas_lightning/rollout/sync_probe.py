@@ -51,11 +51,11 @@ the adapter does not target. The movement is what a rollout samples from. Its li
 that ignores only modules carrying less than about a quarter of the probe's movement passes.
 
 Figures (tiny model, float32, the vLLM CPU engine, ``tests/rollout/test_sync_applied.py``; the
-table is in the bench README, "The weight sync's proof of application"): a clean residual stays
-at 0.42-0.45 noises, so clean syncs pass 9-10x below the limit at lr 1e-6 (decided at the fifth
-update) and about 4,000x below at lr 2e-3, the starting check 34-37x below, for LoRA and merged
-syncs alike; an ignored adapter and a lying engine show a ratio of 1.00 (4x over) at both
-learning rates. By construction the false-alarm margin is at least 2x.
+table is in atlas_lightning/bench/README.md, "The weight sync's proof of application"): a clean
+residual stays at 0.42-0.45 noises, so clean syncs pass 9-10x below the limit at lr 1e-6
+(decided at the fifth update) and about 4,000x below at lr 2e-3, the starting check 34-37x
+below, for LoRA and merged syncs alike; an ignored adapter and a lying engine show a ratio of
+1.00 (4x over) at both learning rates. By construction the false-alarm margin is at least 2x.
 """
 
 from __future__ import annotations
