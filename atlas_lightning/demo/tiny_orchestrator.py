@@ -366,13 +366,22 @@ def _summary(out: Path, seed: int, sample_seed: int, base: Path | None, base_wei
     }
 
 
+def save_as_loaded(model, base_dir: Path, folder: Path) -> None:
+    """The trained model's weights and config into ``folder``, as transformers saves the
+    ``*ForCausalLM`` it trained (the default of ``build_tiny_orchestrator``'s ``save_model``)."""
+    model.save_pretrained(folder)
+
+
 def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, *,
-                            recipe: SFTRecipe = DEFAULT_RECIPE, sample_seed: int = 0) -> dict:
+                            recipe: SFTRecipe = DEFAULT_RECIPE, sample_seed: int = 0,
+                            save_model: Callable[..., None] = save_as_loaded) -> dict:
     """SFT the tiny model on scripted episodes and save it under ``out`` (see the module docstring).
 
     ``base``: a tiny model folder (``build_tiny_model``'s layout) to start from; ``None`` builds
     one with ``build_tiny_model(seed=seed)``. ``sample_seed``: the bundled sample whose train
-    questions are demonstrated and whose validation questions are evaluated. The global torch
+    questions are demonstrated and whose validation questions are evaluated. ``save_model(model,
+    base folder, folder)`` writes the trained weights in the base's checkpoint format
+    (``save_as_loaded``; a hybrid base: ``tiny_hybrid_orchestrator``). The global torch
     RNG and thread settings are left as they were. Returns the summary also written to
     ``out/sft_summary.json``.
     """
@@ -407,7 +416,7 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
             model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="sdpa")
             losses = train_on_demos(model, demos, recipe, seed, pad_id)
             trained = time.monotonic()
-            model.save_pretrained(staging)
+            save_model(model, base_dir, staging)
             for name in _TOKENIZER_FILES:
                 shutil.copyfile(base_dir / name, staging / name)
 
