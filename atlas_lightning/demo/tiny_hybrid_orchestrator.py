@@ -19,14 +19,19 @@ vision tower unchanged), which the trainer and vLLM both read. Output: ``tiny_or
 layout and ``sft_summary.json``. The full recipe (800 steps) takes on the order of the dense
 build's CPU time or more; a card is the place for it.
 
-Who calls it: tests (a few SFT steps), whoever builds the hybrid tiny orchestrator.
+Who calls it: tests (a few SFT steps); ``python -m atlas_lightning.demo.tiny_hybrid_orchestrator
+--out DIR [--seed N] [--steps N]`` (the full recipe by default).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 from atlas_lightning.demo.tiny_orchestrator import DEFAULT_RECIPE, SFTRecipe, build_tiny_orchestrator
 
@@ -81,3 +86,21 @@ def build_tiny_hybrid_orchestrator(out: Path, seed: int = 0, *, recipe: SFTRecip
         base = build_tiny_hybrid_base(Path(tmp) / "base", seed)
         return build_tiny_orchestrator(out, seed, base, recipe=recipe, sample_seed=sample_seed,
                                        save_model=save_image_text)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m atlas_lightning.demo.tiny_hybrid_orchestrator",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="the folder to write (replaced when it exists)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=DEFAULT_RECIPE.steps, help="SFT steps (the recipe's by default)")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: must be >= 1")
+    summary = build_tiny_hybrid_orchestrator(args.out, args.seed, recipe=replace(DEFAULT_RECIPE, steps=args.steps))
+    print(json.dumps({k: summary[k] for k in ("out", "steps", "first_loss", "final_loss", "eval")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
