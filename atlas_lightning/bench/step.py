@@ -3,13 +3,17 @@
     python -m atlas_lightning.bench.step --out DIR -- experiment=h200-8b [overrides]
     python -m atlas_lightning.bench.step --out DIR --build dense8b --model-dir /tmp/dense8b \\
         --tokenizer-from ~/.cache/atlas-lightning/tiny-model -- experiment=h200-8b model.path=/tmp/dense8b
+    python -m atlas_lightning.bench.step --out DIR --build qwen3_6_27b --layers 16 --model-dir /tmp/qwen3_6_27b \\
+        --tokenizer-from ~/.cache/atlas-lightning/tiny-model -- experiment=h200-8b model.path=/tmp/qwen3_6_27b
 
 What runs: the ``fit`` verb (``run.verbs.fit`` on the config composed from the overrides, as
 ``atlas-lightning fit`` runs it), with one callback more, ``StepBenchCallback``, added the documented way (``+callbacks.step_bench``).
 Everything else is the run as configured: the engine, sleep and wake, the weight sync and its
 checks, records, validation, checkpoints. ``--build SHAPE`` first writes a random-weight model
 of that shape (``bench/shapes.py``, built on the GPU; the tokenizer of ``--tokenizer-from``) to
-``--model-dir``, once: trainer and engine then load the same weights.
+``--model-dir``, once, in the format of its real checkpoints (Qwen3.5/3.6 shapes as
+``Qwen3_5ForConditionalGeneration``, what vLLM requires of them): trainer and engine then load
+the same weights. A bad ``--build`` request exits 2 before anything is written (``check_build``).
 
 What the callback measures, per RL step (rank 0's clocks; every rank runs the same phases):
 
