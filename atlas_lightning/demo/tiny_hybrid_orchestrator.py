@@ -16,8 +16,9 @@ Training reads the text model alone (``AutoModelForCausalLM``: ``Qwen3_5ForCausa
 transformers' torch Gated DeltaNet on CPU); the result is written back in the base's checkpoint
 format (``save_image_text``: the trained text weights under ``model.language_model.*``, the base's
 vision tower unchanged), which the trainer and vLLM both read. Output: ``tiny_orchestrator``'s
-layout and ``sft_summary.json``. The full recipe (800 steps) takes on the order of the dense
-build's CPU time or more; a card is the place for it.
+layout and ``sft_summary.json``. On CPU, transformers' reference Gated DeltaNet makes a step slow
+(10 steps took 394 s on two shared cores, against the dense build's 0.28 s a step): the full
+recipe (800 steps) belongs on a card (``--device cuda``, flash-linear-attention's kernels).
 
 Who calls it: tests (a few SFT steps); ``python -m atlas_lightning.demo.tiny_hybrid_orchestrator
 --out DIR [--seed N] [--steps N]`` (the full recipe by default).
@@ -77,15 +78,16 @@ def save_image_text(model, base_dir: Path, folder: Path) -> None:
 
 
 def build_tiny_hybrid_orchestrator(out: Path, seed: int = 0, *, recipe: SFTRecipe = DEFAULT_RECIPE,
-                                   sample_seed: int = 0) -> dict:
+                                   sample_seed: int = 0, device: str = "cpu") -> dict:
     """``tiny_orchestrator.build_tiny_orchestrator`` on the hybrid base (built from ``seed`` in a
-    temporary folder beside ``out``), saved as an image-text checkpoint; returns its summary."""
+    temporary folder beside ``out``), trained on ``device``, saved as an image-text checkpoint;
+    returns its summary."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.base.", dir=out.parent) as tmp:
         base = build_tiny_hybrid_base(Path(tmp) / "base", seed)
         return build_tiny_orchestrator(out, seed, base, recipe=recipe, sample_seed=sample_seed,
-                                       save_model=save_image_text)
+                                       save_model=save_image_text, device=device)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -94,10 +96,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the folder to write (replaced when it exists)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=DEFAULT_RECIPE.steps, help="SFT steps (the recipe's by default)")
+    parser.add_argument("--device", default="cpu", help="where it trains: cpu, or cuda (with fla: minutes, not hours)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps {args.steps}: must be >= 1")
-    summary = build_tiny_hybrid_orchestrator(args.out, args.seed, recipe=replace(DEFAULT_RECIPE, steps=args.steps))
+    summary = build_tiny_hybrid_orchestrator(args.out, args.seed, recipe=replace(DEFAULT_RECIPE, steps=args.steps),
+                                             device=args.device)
     print(json.dumps({k: summary[k] for k in ("out", "steps", "first_loss", "final_loss", "eval")}, indent=1))
     return 0
 

@@ -374,14 +374,15 @@ def save_as_loaded(model, base_dir: Path, folder: Path) -> None:
 
 def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, *,
                             recipe: SFTRecipe = DEFAULT_RECIPE, sample_seed: int = 0,
-                            save_model: Callable[..., None] = save_as_loaded) -> dict:
+                            save_model: Callable[..., None] = save_as_loaded, device: str = "cpu") -> dict:
     """SFT the tiny model on scripted episodes and save it under ``out`` (see the module docstring).
 
     ``base``: a tiny model folder (``build_tiny_model``'s layout) to start from; ``None`` builds
     one with ``build_tiny_model(seed=seed)``. ``sample_seed``: the bundled sample whose train
     questions are demonstrated and whose validation questions are evaluated. ``save_model(model,
     base folder, folder)`` writes the trained weights in the base's checkpoint format
-    (``save_as_loaded``; a hybrid base: ``tiny_hybrid_orchestrator``). The global torch
+    (``save_as_loaded``; a hybrid base: ``tiny_hybrid_orchestrator``). ``device``: where it trains
+    (the CPU: the byte-identical build of the module doc; a card trains faster, not bit-exactly). The global torch
     RNG and thread settings are left as they were. Returns the summary also written to
     ``out/sft_summary.json``.
     """
@@ -414,7 +415,7 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="sdpa")
-            losses = train_on_demos(model, demos, recipe, seed, pad_id)
+            losses = train_on_demos(model.to(device), demos, recipe, seed, pad_id)
             trained = time.monotonic()
             save_model(model, base_dir, staging)
             for name in _TOKENIZER_FILES:
