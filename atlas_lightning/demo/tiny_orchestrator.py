@@ -433,13 +433,23 @@ def replay_build_prefix(steps: int, seed: int = 0, *, recipe: SFTRecipe = DEFAUL
                 hf_logging.enable_progress_bar()
 
 
+def save_as_loaded(model, base_dir: Path, folder: Path) -> None:
+    """The trained model's weights and config into ``folder``, as transformers saves the
+    ``*ForCausalLM`` it trained (the default of ``build_tiny_orchestrator``'s ``save_model``)."""
+    model.save_pretrained(folder)
+
+
 def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, *,
-                            recipe: SFTRecipe = DEFAULT_RECIPE, sample_seed: int = 0) -> dict:
+                            recipe: SFTRecipe = DEFAULT_RECIPE, sample_seed: int = 0,
+                            save_model: Callable[..., None] = save_as_loaded, device: str = "cpu") -> dict:
     """SFT the tiny model on scripted episodes and save it under ``out`` (see the module docstring).
 
     ``base``: a tiny model folder (``build_tiny_model``'s layout) to start from; ``None`` builds
     one with ``build_tiny_model(seed=seed)``. ``sample_seed``: the bundled sample whose train
-    questions are demonstrated and whose validation questions are evaluated. The global torch
+    questions are demonstrated and whose validation questions are evaluated. ``save_model(model,
+    base folder, folder)`` writes the trained weights in the base's checkpoint format
+    (``save_as_loaded``; a hybrid base: ``tiny_hybrid_orchestrator``). ``device``: where it trains
+    (the CPU: the byte-identical build of the module doc; a card trains faster, not bit-exactly). The global torch
     RNG and thread settings are left as they were. Returns the summary also written to
     ``out/sft_summary.json``.
     """
@@ -469,7 +479,7 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = _fresh_model(base_dir)
+            model = _fresh_model(base_dir).to(device)
             trajectory = {}
 
             def record(step: int, loss: float) -> None:
@@ -478,7 +488,7 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
 
             losses = train_on_demos(model, demos, recipe, seed, pad_id, on_step=record)
             trained = time.monotonic()
-            model.save_pretrained(staging)
+            save_model(model, base_dir, staging)
             for name in _TOKENIZER_FILES:
                 shutil.copyfile(base_dir / name, staging / name)
 

@@ -74,16 +74,17 @@ KINDS = ("lora", "merged")
 
 
 def export_actor_adapter(model, folder: Path) -> dict:
-    """Write ``model``'s actor adapter to ``folder`` (PEFT layout) for the engines and return what
-    was sent: ``{PEFT module name: (A, B, scaling)}``, full tensors on every rank (digested by
-    ``rollout.digest.lora_digest``), the scaling from the adapter's own config. Collective; rank
-    0 writes."""
+    """Write ``model``'s actor adapter to ``folder`` (PEFT layout, tensors named as the base
+    checkpoint names them: vLLM ignores a Qwen3.5/3.6 adapter named otherwise) for the engines
+    and return what was sent: ``{PEFT module name: (A, B, scaling)}``, full tensors on every rank
+    (digested by ``rollout.digest.lora_digest``, which names a module from ``layers.<i>.`` on),
+    the scaling from the adapter's own config. Collective; rank 0 writes."""
     from atlas_lightning.models.adapters import save_adapter
     from atlas_lightning.models.weights import adapter_state
     from atlas_lightning.rollout.digest import lora_modules
 
     state = adapter_state(model, "actor")
-    save_adapter(model, "actor", folder)
+    save_adapter(model, "actor", folder, checkpoint_names=True)
     config = model.peft_model.peft_config["actor"]
     scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
     return lora_modules(state, scaling)
