@@ -215,6 +215,11 @@ class RolloutConfig(LoopLimits):
     #: CPU engine's KV cache in GiB (``VLLM_CPU_KVCACHE_SPACE``).
     cpu_kvcache_gib: int = 1
     enforce_eager: bool = False
+    #: vLLM's Gated DeltaNet prefill kernel for hybrid models (Qwen3.5/3.6; its engine argument
+    #: ``gdn_prefill_backend``): ``triton`` (vLLM's Triton/FLA kernels), ``flashinfer``, ``cutedsl``
+    #: (Blackwell), or ``auto``: ``triton`` on GPUs, nothing passed on CPU (vLLM's CPU kernel);
+    #: ``rollout/engines/args.py`` says why. Attention-only models ignore it.
+    gdn_prefill_backend: str = "auto"
     #: Ceiling on the gap between trainer and engine log-probs on the probe (nats/token). The
     #: bound actually applied is ``logprob_gap_factor`` times the gap measured at the run's first
     #: sync (the engine's numerical noise, weights verified by digest), never above this ceiling.

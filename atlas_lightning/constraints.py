@@ -224,6 +224,7 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "rollout.request_timeout_s": Real(0.0, low_open=True),
     "rollout.max_retries": Int(0),
     "rollout.cpu_kvcache_gib": Int(1),
+    "rollout.gdn_prefill_backend": OneOf(("auto", "triton", "flashinfer", "cutedsl")),
     "rollout.max_logprob_gap": Real(0.0, low_open=True),
     "rollout.logprob_gap_factor": Real(1.0),
     "rollout.server_url": Text(r"https?://[^\s/]+(:\d+)?/?", "http(s)://host:port", optional=True),

@@ -84,15 +84,23 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def save_adapter(model: ActorCritic, adapter_name: str, folder: str | Path) -> Path:
+def save_adapter(model: ActorCritic, adapter_name: str, folder: str | Path, *, checkpoint_names: bool = False) -> Path:
     """Write ``adapter_name`` (and, for the critic, the value head) as a PEFT folder at
-    ``folder``, atomically. Collective under FSDP2 (all ranks call; rank 0 writes)."""
+    ``folder``, atomically. Collective under FSDP2 (all ranks call; rank 0 writes).
+    ``checkpoint_names``: tensor keys in the base checkpoint's naming
+    (``checkpoint_names.lora_key_in_checkpoint_names``; what vLLM applies to a Qwen3.5/3.6
+    checkpoint), else as the model is loaded (what ``PeftModel.from_pretrained`` over
+    ``AutoModelForCausalLM`` reads)."""
     from safetensors.torch import save_file
+
+    from .checkpoint_names import lora_key_in_checkpoint_names
 
     if adapter_name not in ADAPTERS:
         raise ValueError(f"adapter_name={adapter_name!r} is not one of {', '.join(ADAPTERS)}")
     folder = Path(folder)
     state = adapter_state(model, adapter_name)
+    if checkpoint_names and model.checkpoint_names:
+        state = {lora_key_in_checkpoint_names(k, model.checkpoint_names): v for k, v in state.items()}
     value_head = None
     if adapter_name == CRITIC:
         with torch.no_grad():
@@ -328,16 +336,12 @@ def _renamed_to_loaded(model: ActorCritic, tensors: dict[str, Tensor], targets: 
     """``tensors`` with keys in the base checkpoint's naming renamed to this model's (module
     doc): ``base_model.model.<checkpoint module>.lora_A.weight`` -> the live key whose base
     weight is stored under that checkpoint name. Keys already this model's are kept."""
+    from .checkpoint_names import lora_key_in_checkpoint_names
+
     names = model.checkpoint_names
     if not names or set(tensors) <= set(targets):
         return tensors
-    prefix = "base_model.model."
-    by_checkpoint = {}
-    for key in targets:
-        module, found, rest = key[len(prefix):].partition(".lora_")
-        stored = names.get(f"{module}.weight") if key.startswith(prefix) and found else None
-        if stored and stored.endswith(".weight"):
-            by_checkpoint[f"{prefix}{stored[:-len('.weight')]}.lora_{rest}"] = key
+    by_checkpoint = {lora_key_in_checkpoint_names(key, names): key for key in targets}
     return {(key if key in targets else by_checkpoint.get(key, key)): tensor for key, tensor in tensors.items()}
 
 

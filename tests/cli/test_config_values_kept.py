@@ -35,6 +35,8 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
   computing what it did.
 * ``callbacks.weight_sync``: the weight sync is no callback any more but the PPO step's last
   phase (``ppo/module.py``); a config that still lists it is refused (``test_bad_config.py``).
+* ``rollout.gdn_prefill_backend`` (``auto``): vLLM's Gated DeltaNet prefill kernel for hybrid
+  models (``rollout/engines/args.py``); attention-only models, every snapshot's, ignore it.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.de
          "model.critic_lora.target_modules": None, "model.elementwise_kernels": "auto",
          "model.attention_length_bucket": None, "data.label_conflicts": "refuse", "trainer.gpu_hour_usd": 2.5,
          "algorithm.off_policy_loss": "none", "algorithm.behav_imp_weight_cap": 5.0,
-         "algorithm.behav_imp_weight_mode": "truncate", "layout.staleness_policy": "wait"}
+         "algorithm.behav_imp_weight_mode": "truncate", "layout.staleness_policy": "wait",
+         "rollout.gdn_prefill_backend": "auto"}
 
 
 def derived(now: dict) -> dict:
