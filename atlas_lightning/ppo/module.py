@@ -14,7 +14,10 @@ Per RL step (one ``RolloutBatch`` of this rank's trajectories; README, "PPO"):
    x micro-batches packed to ``algorithm.ppo_max_token_len_per_gpu`` tokens, the same number
    on every rank (FSDP collectives); losses normalised by the mini-batch's token count on all
    ranks (verl's ``token-mean`` with ``dp_size``), gradient clipping, one optimizer step per
-   mini-batch. A non-finite gradient norm skips that optimizer step and is counted.
+   mini-batch. A non-finite gradient norm skips that optimizer step and is counted. The actor's
+   loss is verl's vanilla one, or with ``algorithm.off_policy_loss=decoupled`` AReaL's
+   decoupled one, the engine's log-probs (the records' ``response_logprobs``) standing for the
+   behaviour policy (``algorithms/ppo.py``).
 4. ``update_weights``: the updated actor reaches the engines, verified (``rollout/sync.py``,
    ``sync_weights``), at the end of the step and only when the step is finite. Lightning runs
    ``training_step`` to its end before any callback's ``on_train_batch_end`` (validation of
