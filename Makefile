@@ -8,9 +8,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CACHE ?= $(or $(ATLAS_LIGHTNING_CACHE),$(HOME)/.cache/atlas-lightning)
 DEMO_ARGS ?=
-PYTEST_ARGS ?=
+# Two workers, a test file each at a time (pytest-xdist): the suite is mostly one-threaded.
+TEST_WORKERS ?= 2
+PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: demo test setup assets clean-venv
+.PHONY: demo test setup assets clean-venv verify-demo-model
 
 # Python writes the byte-code of what it imports, whatever the calling shell asks: the tests start
 # ~100 processes, and with PYTHONDONTWRITEBYTECODE set each would compile torch, vLLM and
@@ -44,6 +46,11 @@ demo: assets
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The whole rebuild of the shipped tiny orchestrator, compared byte for byte (~13 CPU-minutes);
+# `make test` replays its first steps only (tests/demo/test_shipped_model.py).
+verify-demo-model: setup
+	$(BIN)/python -m pytest --full-build tests/demo/test_shipped_model.py
 
 clean-venv:
 	rm -rf $(VENV)

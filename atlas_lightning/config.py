@@ -215,6 +215,11 @@ class RolloutConfig(LoopLimits):
     #: CPU engine's KV cache in GiB (``VLLM_CPU_KVCACHE_SPACE``).
     cpu_kvcache_gib: int = 1
     enforce_eager: bool = False
+    #: vLLM's Gated DeltaNet prefill kernel for hybrid models (Qwen3.5/3.6; its engine argument
+    #: ``gdn_prefill_backend``): ``triton`` (vLLM's Triton/FLA kernels), ``flashinfer``, ``cutedsl``
+    #: (Blackwell), or ``auto``: ``triton`` on GPUs, nothing passed on CPU (vLLM's CPU kernel);
+    #: ``rollout/engines/args.py`` says why. Attention-only models ignore it.
+    gdn_prefill_backend: str = "auto"
     #: Ceiling on the gap between trainer and engine log-probs on the probe (nats/token). The
     #: bound actually applied is ``logprob_gap_factor`` times the gap measured at the run's first
     #: sync (the engine's numerical noise, weights verified by digest), never above this ceiling.
@@ -260,6 +265,15 @@ class AlgorithmConfig:
     #: Per-card token budget of forward-only passes (old/base log-probs, values).
     forward_max_token_len_per_gpu: int = 98304
     critic_warmup: int = 0
+    #: Off-policy correction of the policy loss (``algorithms/ppo.py``): ``none`` (the trainer's
+    #: old log-probs stand for the behaviour policy, as verl; synchronous runs need nothing else)
+    #: or ``decoupled`` (AReaL's decoupled PPO loss: trust region around the trainer's old
+    #: log-probs, each token weighted by old / the engine's log-prob, capped).
+    off_policy_loss: str = "none"
+    #: ``decoupled`` only: the cap on the behaviour importance weight, and what a weight above
+    #: it becomes: ``truncate`` (the cap, verl's TIS) or ``mask`` (0, AReaL's filter).
+    behav_imp_weight_cap: float = 5.0
+    behav_imp_weight_mode: str = "truncate"
 
 
 @dataclass
@@ -316,6 +330,11 @@ class LayoutConfig:
     engine_tp: int = 1
     #: Bound on how many updates a rollout may lag behind (separate mode).
     max_staleness: int = 1
+    #: What keeps a trajectory within ``max_staleness`` (separate mode, ``rollout/prefetch.py``):
+    #: ``wait`` (the producer waits for new weights before sampling further ahead; nothing is
+    #: dropped) or ``drop`` (it samples ahead without waiting, a bounded number of steps, and a
+    #: trajectory over the bound is dropped at hand-over, counted in the step's metrics).
+    staleness_policy: str = "wait"
 
 
 @dataclass

@@ -224,6 +224,7 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "rollout.request_timeout_s": Real(0.0, low_open=True),
     "rollout.max_retries": Int(0),
     "rollout.cpu_kvcache_gib": Int(1),
+    "rollout.gdn_prefill_backend": OneOf(("auto", "triton", "flashinfer", "cutedsl")),
     "rollout.max_logprob_gap": Real(0.0, low_open=True),
     "rollout.logprob_gap_factor": Real(1.0),
     "rollout.server_url": Text(r"https?://[^\s/]+(:\d+)?/?", "http(s)://host:port", optional=True),
@@ -253,6 +254,9 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "algorithm.ppo_max_token_len_per_gpu": Int(1),
     "algorithm.forward_max_token_len_per_gpu": Int(1),
     "algorithm.critic_warmup": Int(0),
+    "algorithm.off_policy_loss": OneOf(("none", "decoupled")),
+    "algorithm.behav_imp_weight_cap": Real(1.0),
+    "algorithm.behav_imp_weight_mode": OneOf(("truncate", "mask")),
     # reward
     "reward.cost_per_usd": Real(0.0, MAX_COST_PER_USD),
     "reward.no_submit_reward": Real(-MAX_SHAPING, MAX_SHAPING),
@@ -277,6 +281,7 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "layout.serve_gpus": Int(0),
     "layout.engine_tp": Int(1),
     "layout.max_staleness": Int(0),
+    "layout.staleness_policy": OneOf(("wait", "drop")),
     # logger, hub
     "logger.mode": OneOf(("auto", "online", "offline", "disabled")),
     "logger.tags": Items(Text(r"[^\x00-\x1f]{1,64}", "a tag of 1-64 printable characters")),

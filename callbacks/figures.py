@@ -9,7 +9,10 @@ Files (README, "On-disk layout"), each rewritten atomically with the whole histo
   reasons stacked over steps) and ``terminal_reasons.json`` (per step, the count of each
   terminal reason; rewritten every finite step);
 - ``artifacts/<name>/val_figures/``: the same four figures over validation steps, plus
-  ``accuracy_views.png`` (``<bench>/<view>/acc`` over validation steps).
+  ``accuracy_views.png`` (``<bench>/<view>/acc`` over validation steps);
+- in the separate layout only, ``train_figures/staleness.png``: each step's trajectories by how
+  many versions they lag (stacked, dropped ones on top) and the trainer's and engine's idle
+  shares (``ppo/metrics.asynchronous_metrics``).
 
 When: the training figures every ``every_n_steps`` finite steps and at the last step (and at
 train end if the last drawn step is not the latest); the validation figures after every
@@ -163,9 +166,48 @@ def draw_accuracy_views(history: Sequence[Mapping], title: str) -> Figure:
     return figure
 
 
+def draw_staleness(history: Sequence[Mapping], title: str) -> Figure:
+    figure = _new_figure(9.0, 3.6)
+    figure.subplots_adjust(top=0.85)
+    left, right = figure.subplots(1, 2)
+    points = [h for h in history if "staleness" in h]
+    steps = [h["step"] for h in points]
+    lags = sorted({int(k) for h in points for k in h["staleness"]["trajectories"]})
+    bottom = [0.0] * len(points)
+    for lag in lags:
+        counts = [h["staleness"]["trajectories"].get(str(lag), 0.0) for h in points]
+        left.bar(steps, counts, bottom=bottom, width=0.8, label=f"{lag} behind")
+        bottom = [b + c for b, c in zip(bottom, counts)]
+    left.bar(steps, [h["staleness"]["dropped"] for h in points], bottom=bottom, width=0.8, color="tab:red",
+             label="dropped")
+    _step_axis(left)
+    left.set_ylabel("trajectories")
+    left.legend(fontsize="small")
+    for key, label in (("trainer_idle_share", "trainer idle"), ("engine_idle_share", "engine idle")):
+        right.plot(steps, [h["staleness"][key] for h in points], marker="o", markersize=3, label=label)
+    _step_axis(right)
+    right.set_ylim(0.0, 1.0)
+    right.set_ylabel("share of the step")
+    right.grid(alpha=0.3)
+    right.legend(fontsize="small")
+    figure.suptitle(title)
+    return figure
+
+
+def staleness_summary(metrics: Mapping[str, float]) -> Optional[dict]:
+    """What the staleness figure keeps of a step's metrics (None in synchronous layouts)."""
+    prefix = "rollout/staleness_hist/"
+    if not any(k.startswith(prefix) for k in metrics):
+        return None
+    return {"trajectories": {k[len(prefix):]: float(v) for k, v in metrics.items() if k.startswith(prefix)},
+            "dropped": float(metrics.get("rollout/dropped_trajectories", 0.0)),
+            "trainer_idle_share": float(metrics.get("perf/trainer_idle_share", 0.0)),
+            "engine_idle_share": float(metrics.get("perf/engine_idle_share", 0.0))}
+
+
 _DRAW = {
     "reward": draw_reward, "explores": draw_explores, "cost_vs_accuracy": draw_cost_vs_accuracy,
-    "terminal_reasons": draw_terminal_reasons, "accuracy_views": draw_accuracy_views,
+    "terminal_reasons": draw_terminal_reasons, "accuracy_views": draw_accuracy_views, "staleness": draw_staleness,
 }
 
 
@@ -219,7 +261,11 @@ class FiguresCallback(RLCallback):
         gathered = distributed.gather_objects([trajectory_row(r) for r in out.records])
 
         def record_and_draw() -> None:
-            self._add("train", step_summary(out.step, [row for rank_rows in gathered for row in rank_rows]))
+            summary = step_summary(out.step, [row for rank_rows in gathered for row in rank_rows])
+            staleness = staleness_summary(out.metrics)
+            if staleness is not None:
+                summary["staleness"] = staleness
+            self._add("train", summary)
             folder = self.artifacts / "train_figures"
             atomic_write_json(folder / TERMINAL_JSON, terminal_reason_history(self.history["train"], "train"))
             if out.step % self.every_n_steps == 0 or out.step == self.total_steps:
@@ -261,6 +307,8 @@ class FiguresCallback(RLCallback):
         if not history:
             return []
         names = TRAIN_FIGURES if partition == "train" else VAL_FIGURES
+        if any("staleness" in h for h in history):
+            names = names + ("staleness",)
         label = "train" if partition == "train" else "validation"
         if partition == "val":
             atomic_write_json(folder / TERMINAL_JSON, terminal_reason_history(history, "val"))

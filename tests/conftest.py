@@ -18,8 +18,8 @@ import pytest
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
-# Idle OpenMP threads sleep instead of spinning. The suite shares two cores with the background
-# build of the tiny orchestrator (tests/demo/conftest.py); spinning threads of one process then
+# Idle OpenMP threads sleep instead of spinning. The suite may share two cores with the background
+# build of the tiny orchestrator (``--full-build``, tests/orchestrator_build.py); spinning threads of one process then
 # burn the core another needs: the kill-and-resume test took 199 s and 206 CPU-s beside the build,
 # 71 s and 72 CPU-s with this (61 s alone). Read when torch first loads OpenMP: set before any
 # test imports torch, and inherited by every process a test starts.
@@ -33,18 +33,44 @@ _RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WO
                          "NODE_RANK", "GROUP_RANK")
 
 
-# -- the tiny orchestrator, built beside the tests (tests/orchestrator_build.py) ------------
+# -- the tiny orchestrator: shipped, and rebuilt on request (tests/orchestrator_build.py) ----
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import orchestrator_build  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full-build", action="store_true", default=False,
+                     help="also run the tests marked full_build: the whole ~13 CPU-minute rebuild of the shipped "
+                          "tiny orchestrator, compared byte for byte (make verify-demo-model)")
 
 
 def pytest_configure(config):
     orchestrator_build.start_early(config)  # while the suite is collected, when it will be wanted
 
 
+def _file_weight(items) -> dict[str, int]:
+    """Per test file: 0 if it has a ``slow`` test, 1 if one starts engines or processes, else 2."""
+    weight: dict[str, int] = {}
+    for item in items:
+        mine = 0 if item.get_closest_marker("slow") else (
+            1 if item.get_closest_marker("vllm") or item.get_closest_marker("multiprocess") else 2)
+        weight[item.nodeid.split("::")[0]] = min(mine, weight.get(item.nodeid.split("::")[0], 2))
+    return weight
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
+    if not config.getoption("full_build"):
+        skipped = [item for item in items if item.get_closest_marker("full_build")]
+        if skipped:
+            config.hook.pytest_deselected(items=skipped)
+            items[:] = [item for item in items if not item.get_closest_marker("full_build")]
+    # The longest files first (a stable sort: a file's tests keep their order): `make test` hands
+    # whole files to two workers (pytest-xdist, --dist loadfile), and a long file started last
+    # would leave the other core idle at the end.
+    weight = _file_weight(items)
+    items.sort(key=lambda item: weight[item.nodeid.split("::")[0]])
     orchestrator_build.after_collection(config, items)
 
 
@@ -53,8 +79,19 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="session")
-def orchestrator_dir(request):
-    """The warm-started tiny model's folder (``make demo``'s weights), once its build is done."""
+def orchestrator_dir(tmp_path_factory):
+    """The warm-started tiny model's folder as ``make demo`` installs it (the shipped bytes,
+    ``demo/shipped_model.py``; ``tests/demo/test_shipped_model.py`` checks the build makes them)."""
+    from atlas_lightning.demo.shipped_model import install_shipped_model
+
+    out = tmp_path_factory.mktemp("orchestrator") / "model"
+    install_shipped_model(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def built_orchestrator_dir(request):
+    """The tiny orchestrator built anew by this run (``--full-build`` only), once its build is done."""
     return orchestrator_build.built_folder(request.config)
 
 

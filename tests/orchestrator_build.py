@@ -1,7 +1,10 @@
 """The tiny orchestrator (the SFT warm start ``make demo`` trains from), built beside the tests.
 
-The test suite's hooks and the ``orchestrator_dir`` fixture (``tests/conftest.py``) call this
-module. The build (``DEFAULT_RECIPE``, seed 0: the weights ``make demo`` builds) takes about
+Only with ``pytest --full-build`` (``make verify-demo-model``): the default suite checks the
+build by replaying its first steps against the shipped trajectory
+(``tests/demo/test_shipped_model.py``), and its tests use the shipped model (``orchestrator_dir``).
+The test suite's hooks and the ``built_orchestrator_dir`` fixture (``tests/conftest.py``) call this
+module. The build (``DEFAULT_RECIPE``, seed 0: the weights ``make demo`` installs) takes about
 13 CPU minutes. It runs in a child process while the other tests run, and the tests that need it
 run last:
 
@@ -53,7 +56,7 @@ BUILD_ARGS = ("--seed", "0", "--eval-questions", "0")
 #: How long the test waiting for the build waits at most.
 BUILD_TIMEOUT_S = 3600
 #: The fixture that hands the built folder to a test.
-FIXTURE = "orchestrator_dir"
+FIXTURE = "built_orchestrator_dir"
 
 
 def build_key() -> str:
@@ -134,7 +137,7 @@ _STASH = pytest.StashKey[OrchestratorBuild]()
 def start_early(config: pytest.Config) -> None:
     """Before collection (``pytest_configure``): start the build when the run's paths include
     ``tests/demo`` (the folder or one above it), so that it runs while the suite is collected."""
-    if config.option.collectonly or _STASH in config.stash:
+    if config.option.collectonly or _STASH in config.stash or not config.getoption("full_build"):
         return
     demo = _TESTS / "demo"
     for arg in config.args:

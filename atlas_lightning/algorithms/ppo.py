@@ -46,12 +46,16 @@ from .kl import (
 )
 
 __all__ = [
+    "BEHAVIOUR_WEIGHT_MODES",
     "LOSS_AGG_MODES",
+    "OFF_POLICY_LOSSES",
     "FixedKLController",
+    "behaviour_importance_weights",
     "agg_loss",
     "apply_kl_penalty",
     "clip_by_value",
     "compute_gae_advantage_return",
+    "compute_policy_loss_decoupled",
     "compute_policy_loss_vanilla",
     "compute_value_loss",
     "kl_penalty",
@@ -290,6 +294,105 @@ def compute_policy_loss_vanilla(
         "actor/ppo_kl": ppo_kl.detach().item(),
         "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach().item(),
     }
+    return pg_loss, metrics
+
+
+# ----------------------------------------------------------------------------- off-policy correction
+
+#: ``algorithm.off_policy_loss``: ``none`` (the trainer's old log-probs are the behaviour policy:
+#: ``compute_policy_loss_vanilla``, bit for bit what the step has always run) or ``decoupled``
+#: (``compute_policy_loss_decoupled``).
+OFF_POLICY_LOSSES = ("none", "decoupled")
+#: ``algorithm.behav_imp_weight_mode``: what a behaviour weight above the cap becomes.
+BEHAVIOUR_WEIGHT_MODES = ("truncate", "mask")
+#: A log-ratio beyond this is a garbage token; exp of it would overflow (verl's SAFETY_BOUND).
+_LOG_RATIO_BOUND = 20.0
+
+
+def behaviour_importance_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                                 response_mask: torch.Tensor, cap: float,
+                                 mode: str = "truncate") -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token behaviour importance weights ``w = pi_prox / pi_behav``, capped.
+
+    ``old_log_prob``: the proximal policy's log-probs (the trainer's, before this step's
+    update); ``rollout_log_prob``: the behaviour policy's (the engine's, for the weights each
+    token was sampled with); ``response_mask``: 1 on generated tokens. All ``(bs, T)``.
+
+    ``mode``: ``truncate`` gives ``min(w, cap)`` (truncated importance sampling, verl's TIS);
+    ``mask`` gives 0 where ``w > cap`` and ``w`` elsewhere (AReaL's ``behav_imp_weight_cap``,
+    which filters such tokens out of the loss). Either way the weight is 0 off the mask, and
+    no gradient flows through it (it changes the measure, not the objective).
+
+    Returns ``(weights, metrics)``: ``actor/behav_imp_weight_mean`` (masked mean of the capped
+    weights), ``actor/behav_capped_frac`` (masked fraction of tokens above the cap),
+    ``actor/behav_kl`` (masked mean of ``rollout_log_prob - old_log_prob``, k1 from the
+    proximal to the behaviour policy: 0 when the engine sampled with the trainer's weights
+    exactly).
+    """
+    _check_same_shape("behaviour_importance_weights", "old_log_prob", old_log_prob=old_log_prob,
+                      rollout_log_prob=rollout_log_prob, response_mask=response_mask)
+    if mode not in BEHAVIOUR_WEIGHT_MODES:
+        raise ValueError(f"behaviour_importance_weights: mode={mode!r} is not one of {', '.join(BEHAVIOUR_WEIGHT_MODES)}")
+    if not cap >= 1.0:
+        raise ValueError(f"behaviour_importance_weights: cap={cap} must be >= 1 (a weight of 1 is on-policy)")
+    with torch.no_grad():
+        log_ratio = old_log_prob - rollout_log_prob
+        weights = torch.exp(torch.clamp(log_ratio, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
+        above = weights > cap
+        weights = torch.clamp(weights, max=cap) if mode == "truncate" else torch.where(above, 0.0, weights)
+        weights = weights * response_mask.to(weights.dtype)
+        metrics = {
+            "actor/behav_imp_weight_mean": masked_mean(weights, response_mask).item(),
+            "actor/behav_capped_frac": masked_mean(above.to(weights.dtype), response_mask).item(),
+            "actor/behav_kl": masked_mean(-log_ratio, response_mask).item(),
+        }
+    return weights, metrics
+
+
+def compute_policy_loss_decoupled(
+    old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    rollout_log_prob: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None, *,
+    global_batch_info: Optional[Mapping[str, Any]] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The decoupled PPO loss of AReaL (arXiv:2505.24298), for rollouts sampled with older weights.
+
+    Three policies: the behaviour policy that sampled each token (``rollout_log_prob``, the
+    engine's), the proximal policy (``old_log_prob``, the trainer's forward pass before this
+    step's update) and the current one (``log_prob``). The trust region is taken around the
+    proximal policy, not the behaviour one::
+
+        loss_t = w_t * dualclip(max(-A_t r_t, -A_t clip(r_t, 1 - low, 1 + high)))
+        r_t = pi_theta / pi_prox,   w_t = cap(pi_prox / pi_behav)   (no gradient through w)
+
+    ``w`` is ``behaviour_importance_weights`` (``config``: ``behav_imp_weight_cap``,
+    ``behav_imp_weight_mode``); the rest is ``compute_policy_loss_vanilla`` (same ``config``
+    clip keys, ``global_batch_info`` and aggregation) with ``rollout_is_weights=w``. When the
+    engine sampled with the trainer's weights exactly (``rollout_log_prob == old_log_prob``)
+    every ``w`` is 1 and the loss is the vanilla one, bit for bit.
+
+    Against verl's rollout correction (``rollout_corr_helper``; ``algorithm.rollout_correction``):
+    the same: verl's "decoupled" mode is this objective, its proximal policy the recomputed
+    ``old_log_prob``, its token-level TIS weights ``min(pi_old / pi_rollout, threshold)``
+    multiplied into the per-token PPO loss, detached (``mode=truncate`` here). What differs:
+    AReaL's cap filters rather than truncates (``mode=mask``: weight 0 above the cap; the token
+    stays in the loss's denominator); verl's rejection sampling (MIS) also rejects weights
+    below ``1/threshold`` and drops rejected tokens from the denominator, offers sequence-level
+    and geometric weights, batch-normalised weights and a "bypass" mode that skips the proximal
+    forward pass (``old = rollout``), none of which is here. Both target the same two gaps:
+    staleness (older weights) and the engine/trainer numerical mismatch.
+
+    Returns ``(pg_loss, metrics)``: ``compute_policy_loss_vanilla``'s metrics (clip fractions
+    and ``ppo_kl`` against the proximal policy) and ``behaviour_importance_weights``'.
+    """
+    if config is None:
+        raise ValueError("compute_policy_loss_decoupled: config is required (clip ratios, behaviour weight cap)")
+    weights, behaviour = behaviour_importance_weights(
+        old_log_prob, rollout_log_prob, response_mask, cap=float(_config_value(config, "behav_imp_weight_cap", 5.0)),
+        mode=str(_config_value(config, "behav_imp_weight_mode", "truncate")))
+    pg_loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                                                   config, rollout_is_weights=weights.to(log_prob.dtype),
+                                                   global_batch_info=global_batch_info)
+    metrics.update(behaviour)
     return pg_loss, metrics
 
 

@@ -3,13 +3,17 @@
     python -m atlas_lightning.bench.step --out DIR -- experiment=h200-8b [overrides]
     python -m atlas_lightning.bench.step --out DIR --build dense8b --model-dir /tmp/dense8b \\
         --tokenizer-from ~/.cache/atlas-lightning/tiny-model -- experiment=h200-8b model.path=/tmp/dense8b
+    python -m atlas_lightning.bench.step --out DIR --build qwen3_6_27b --layers 16 --model-dir /tmp/qwen3_6_27b \\
+        --tokenizer-from ~/.cache/atlas-lightning/tiny-model -- experiment=h200-8b model.path=/tmp/qwen3_6_27b
 
 What runs: the ``fit`` verb (``run.verbs.fit`` on the config composed from the overrides, as
 ``atlas-lightning fit`` runs it), with one callback more, ``StepBenchCallback``, added the documented way (``+callbacks.step_bench``).
 Everything else is the run as configured: the engine, sleep and wake, the weight sync and its
 checks, records, validation, checkpoints. ``--build SHAPE`` first writes a random-weight model
 of that shape (``bench/shapes.py``, built on the GPU; the tokenizer of ``--tokenizer-from``) to
-``--model-dir``, once: trainer and engine then load the same weights.
+``--model-dir``, once, in the format of its real checkpoints (Qwen3.5/3.6 shapes as
+``Qwen3_5ForConditionalGeneration``, what vLLM requires of them): trainer and engine then load
+the same weights. A bad ``--build`` request exits 2 before anything is written (``check_build``).
 
 What the callback measures, per RL step (rank 0's clocks; every rank runs the same phases):
 
@@ -24,7 +28,9 @@ What the callback measures, per RL step (rank 0's clocks; every rank runs the sa
   (``other``: Lightning's loop, the data hand-over);
 * shares: generation (``gen``), update compute (the five forward/backward phases) and the
   rest, with validation and the checkpoint apart (they run every ``trainer.val_every`` /
-  ``trainer.save_every`` steps) and amortised over those periods.
+  ``trainer.save_every`` steps) and amortised over those periods;
+* tokens/s/GPU as NeMo-RL publishes it (``tokens_per_gpu_second``): all tokens of the step's
+  trajectories over the step's seconds times the run's GPUs (``layout.gpus``).
 
 Generation against plain vLLM: the train rollout of ``replay_step`` (default 1) is recorded
 request by request (prompt tokens, sampling, the tokens each produced); at the end of that step
@@ -296,6 +302,17 @@ def phase_flops(cfg, lengths: list[int], responses: list[int]) -> Optional[dict[
             "update_actor": epochs * flops.train_step("actor", lengths, scored)}
 
 
+def tokens_per_gpu_second(tokens: int, gpus: int, wall: float, periodic_s: float, amortised_s: float) -> dict:
+    """NeMo-RL's figure of a step: all tokens processed (every trajectory's prompt and response
+    tokens, once) / (the step's seconds x the GPUs of the run); ``step``: as this step ran;
+    ``without_periodic``: without its validation and checkpoint (``periodic_s``); ``amortised``:
+    with those spread over their periods (``amortised_s``), what a long run averages."""
+    steady = wall - periodic_s
+    return {"step": tokens / (wall * gpus), "gpus": gpus,
+            "without_periodic": tokens / (steady * gpus) if steady > 0 else None,
+            "amortised": tokens / ((steady + amortised_s) * gpus) if steady + amortised_s > 0 else None}
+
+
 def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: dict[int, float],
                  ended: Optional[float], callback_s: dict[int, dict[str, float]], lengths: dict[int, list[int]],
                  generated: dict[int, int], replayed: dict[str, Any], responses: Optional[dict[int, list[int]]] = None,
@@ -341,6 +358,8 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
                              "overhead_with_periodic_amortised": (overhead + periodic)
                              / (wall - validation - checkpoint + periodic)}
             row["gen_tokens_per_s"] = (generated.get(step) or 0) / gen if gen else None
+            row["tokens_per_s_per_gpu"] = tokens_per_gpu_second(row["tokens"], int(cfg.layout.gpus), wall,
+                                                                validation + checkpoint, periodic)
         flops = phase_flops(cfg, lengths[step], responses.get(step, [])) if step in responses else None
         if flops:
             row["useful_tflop"] = {p: f / 1e12 for p, f in flops.items() if p in phases}
@@ -431,6 +450,12 @@ def markdown(report: dict) -> str:
                           f"{shares['checkpoint']:.1%} apart; with both amortised over their periods: "
                           f"{shares['overhead_with_periodic_amortised']:.1%}); "
                           f"asleep the card held {_fmt(row['memory_gib'].get('card_used_gib/asleep'), '.2f')} GiB", ""]
+        rate = row.get("tokens_per_s_per_gpu")
+        if rate:
+            lines += [f"tokens/s/GPU as NeMo-RL counts them (all {row['tokens']:,} tokens / (step s x {rate['gpus']} "
+                      f"GPUs)): {rate['step']:,.0f} this step; {_fmt(rate['without_periodic'], ',.0f')} without its "
+                      f"validation and checkpoint; {_fmt(rate['amortised'], ',.0f')} with them amortised over "
+                      "their periods", ""]
     plain = report.get("plain_generate", {})
     if plain.get("done"):
         lines.append(f"plain vllm.LLM.generate on step {plain['step']}'s {plain['requests']} requests: "
@@ -446,24 +471,55 @@ def markdown(report: dict) -> str:
 # ----------------------------------------------------------------------------- the command
 
 
-def build_model_folder(shape: str, folder: Path, tokenizer_from: Path, layers: Optional[int] = None) -> Path:
-    """A random-weight model of ``shape`` (``bench/shapes.py``, bf16, built on the GPU where there is
-    one) saved as a Hugging Face folder with ``tokenizer_from``'s tokenizer; kept when it exists."""
+#: The tokenizer files a model folder takes from ``--tokenizer-from`` (those that exist there).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def check_build(shape: str, layers: Optional[int], tokenizer_from: Path) -> None:
+    """``InputError`` naming the option, before anything is written: ``--build`` must be a known
+    shape, ``--layers`` within its decoder, and ``--tokenizer-from`` must hold a tokenizer
+    (``tokenizer.json``) whose every id is inside the shape's vocabulary."""
+    from transformers import AutoTokenizer
+
+    from atlas_lightning.errors import InputError
+
+    from .shapes import shape_by_name
+
+    try:
+        named = shape_by_name(shape)
+    except ValueError as err:
+        raise InputError(f"--build {shape}: {err}") from None
+    if layers is not None and not 1 <= layers <= named.num_layers:
+        raise InputError(f"--layers {layers}: {shape} has {named.num_layers} decoder layers (1..{named.num_layers})")
+    if not (tokenizer_from / "tokenizer.json").is_file():
+        raise InputError(f"--tokenizer-from {tokenizer_from}: no tokenizer.json there (a model folder's tokenizer)")
+    vocab = named.vocab_size
+    size = len(AutoTokenizer.from_pretrained(str(tokenizer_from)))
+    if size > vocab:
+        raise InputError(f"--tokenizer-from {tokenizer_from}: its {size:,} tokens do not fit {shape}'s vocabulary "
+                         f"of {vocab:,}")
+
+
+def build_model_folder(shape: str, folder: Path, tokenizer_from: Optional[Path], layers: Optional[int] = None) -> Path:
+    """A random-weight model of ``shape`` (first ``layers`` decoder layers; bf16, built on the GPU
+    where there is one) saved as its real checkpoints are (``shapes.build_checkpoint_model``:
+    Qwen3.5/3.6 shapes as ``Qwen3_5ForConditionalGeneration``, text model under
+    ``model.language_model.*`` beside a vision tower, the full vocabulary), with
+    ``tokenizer_from``'s tokenizer files (``TOKENIZER_FILES``, those there); written under a
+    temporary name and renamed into place; kept when it exists."""
     import torch
 
-    from .shapes import build_model, shape_by_name
+    from .shapes import build_checkpoint_model, shape_by_name
 
     if (folder / "config.json").is_file():
         return folder
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model(shape_by_name(shape), device=device, dtype=torch.bfloat16, attn_implementation="sdpa",
-                        layers=layers)
-    model.config.use_cache = True
+    model = build_checkpoint_model(shape_by_name(shape), device=device, dtype=torch.bfloat16, layers=layers)
     tmp = folder.parent / f".{folder.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-        if (tokenizer_from / name).is_file():
+    for name in TOKENIZER_FILES:
+        if tokenizer_from is not None and (tokenizer_from / name).is_file():
             shutil.copy(tokenizer_from / name, tmp / name)
     del model
     if torch.cuda.is_available():
@@ -485,7 +541,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.build:
         if args.model_dir is None or args.tokenizer_from is None:
             parser.error("--build needs --model-dir and --tokenizer-from")
+        from atlas_lightning.errors import InputError
+
         started = time.monotonic()
+        try:
+            check_build(args.build, args.layers, args.tokenizer_from)
+        except InputError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         build_model_folder(args.build, args.model_dir, args.tokenizer_from, args.layers)
         print(f"model folder {args.model_dir} ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
     from atlas_lightning.config import compose

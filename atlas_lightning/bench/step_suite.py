@@ -18,6 +18,12 @@ a failed stage never stops the next, and every stage writes what it measured to 
   (``step.py``, its plain-vLLM comparison included) -> ``merged/step_bench.*``, ``merged.log``;
 * ``b``: the step benchmark on a Qwen3-8B-shaped model built on the card (``experiment=h200-8b``)
   -> ``b/step_bench.json``, ``b/step_bench.md``, ``b.log`` (``--b-extra``: more overrides).
+* ``h`` / ``hm``: the step benchmark on the Qwen3.6-27B hybrid shape, its first ``--h-layers``
+  layers built on the card into ``--h-model-dir`` in its real checkpoint format (once: the stages
+  share it), at ``experiment=h200-8b``'s batch and budgets with flash-linear-attention in the
+  trainer (``model.linear_attention_kernel=fla``), LoRA sync (``h``) or merged sync (``hm``) ->
+  ``h-lora/`` or ``h-merged/`` (``step_bench.*``), ``h-lora.log`` / ``h-merged.log``
+  (``--h-extra``: more overrides).
 
 ``summary.txt`` gathers the versions, the card, each stage's outcome and, for a stage that failed,
 its errors and the end of its log. Needs on the card: vLLM and its dependencies, hydra-core,
@@ -45,7 +51,7 @@ from pathlib import Path
 from atlas_lightning.store.learning_curve import read_step, summarize, val_steps
 from atlas_lightning.store.checkpoints import MARKER, checkpoint_step, is_complete, step_dir
 
-STAGES = ("a", "kr", "merged", "b")
+STAGES = ("a", "kr", "merged", "b", "h", "hm")
 #: the history columns a stage's JSON keeps (the phases' seconds and peaks, rollout, validation)
 HISTORY_PREFIXES = ("timing_s/", "memory/", "rollout/", "perf/", "val/", "critic/score", "actor/", "response_length")
 #: a log longer than this keeps its end only (vLLM is verbose)
@@ -214,6 +220,25 @@ def stage_b(suite: Suite, opts: argparse.Namespace) -> None:
                  *suite.common, *shlex.split(opts.b_extra)])
 
 
+def _stage_hybrid(suite: Suite, opts: argparse.Namespace, sync: str, cap_s: float) -> None:
+    label = f"h-{sync}"
+    suite.note(f"{label}: Qwen3.6-27B hybrid shape, {opts.h_layers} layers, {sync} sync, fla, step benchmark")
+    _step_bench(suite, label, cap_s,
+                ["--build", "qwen3_6_27b", "--layers", str(opts.h_layers), "--model-dir", str(opts.h_model_dir),
+                 "--tokenizer-from", str(suite.cache / "tiny-model")],
+                ["experiment=h200-8b", f"name=h200-27b-{sync}", f"model.path={opts.h_model_dir}",
+                 "model.linear_attention_kernel=fla", f"rollout.weight_sync={sync}", f"paths.root={suite.runs / label}",
+                 *suite.common, *shlex.split(opts.h_extra)])
+
+
+def stage_h(suite: Suite, opts: argparse.Namespace) -> None:
+    _stage_hybrid(suite, opts, "lora", opts.h_s)
+
+
+def stage_hm(suite: Suite, opts: argparse.Namespace) -> None:
+    _stage_hybrid(suite, opts, "merged", opts.hm_s)
+
+
 def link_checkout_packages() -> None:
     """Uninstalled, the package's ``callbacks/`` and ``conf/`` are the checkout's top-level folders
     (pyproject's package-dir): link them into the package so that ``fit`` imports them."""
@@ -249,7 +274,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "ATLAS_LIGHTNING_CACHE", Path.home() / ".cache" / "atlas-lightning")), help="the built assets")
     p.add_argument("--runs", type=Path, default=Path("/tmp/runs"), help="the runs' paths.root, one folder a stage")
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/dense8b"), help="stage b: the built 8B-shaped model")
-    for stage, cap in zip(STAGES, (480, 240, 240, 540)):
+    p.add_argument("--h-model-dir", type=Path, default=Path("/tmp/qwen3_6_27b"),
+                   help="stages h, hm: the built 27B-shaped hybrid")
+    p.add_argument("--h-layers", type=int, default=16, help="stages h, hm: its first N decoder layers")
+    p.add_argument("--h-extra", default="", help="stages h, hm: more overrides")
+    for stage, cap in zip(STAGES, (480, 240, 240, 540, 570, 570)):
         p.add_argument(f"--{stage}-s", type=float, default=cap, help=f"stage {stage}'s time cap, seconds")
     p.add_argument("--a-kill-at", type=int, default=5, help="stage a: SIGKILL after this step's checkpoint")
     p.add_argument("--kr-n", type=int, default=8, help="stage kr: samples a question")
@@ -268,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in environment():
         suite.note(line)
     for stage in opts.stages:
-        {"a": stage_a, "kr": stage_kr, "merged": stage_merged, "b": stage_b}[stage](suite, opts)
+        {"a": stage_a, "kr": stage_kr, "merged": stage_merged, "b": stage_b, "h": stage_h,
+         "hm": stage_hm}[stage](suite, opts)
     for log in suite.out.glob("*.log"):
         if log.stat().st_size > LOG_BYTES:
             with log.open("rb") as handle:

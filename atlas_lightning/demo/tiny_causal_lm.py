@@ -32,10 +32,17 @@ def save_tiny_causal_lm(
     tie_word_embeddings: bool = False,
     initializer_range: float = 0.1,
     seed: int = 0,
+    full_attention_every: int = 2,
+    linear_num_key_heads: int = 2,
+    linear_num_value_heads: int = 2,
+    linear_head_dim: int = 16,
 ) -> Path:
     """Build a random model of ``arch`` (``qwen3`` or ``qwen3_5``), save it to ``folder`` in
     fp32 and return the folder. Same arguments and seed, same weights. ``initializer_range``
-    is larger than real models' 0.02 so that logits are far from uniform and errors show."""
+    is larger than real models' 0.02 so that logits are far from uniform and errors show.
+    ``qwen3_5`` only: every ``full_attention_every``-th layer is full attention, the others
+    Gated DeltaNet with ``linear_num_key_heads`` / ``linear_num_value_heads`` heads of
+    ``linear_head_dim`` (vLLM's CPU kernel takes 128 only; Qwen3.6-27B: every 4th, 16 / 48 of 128)."""
     folder = Path(folder)
     text = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -52,10 +59,12 @@ def save_tiny_causal_lm(
         elif arch == "qwen3_5":
             from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-            layer_types = ["linear_attention" if (i + 1) % 2 else "full_attention" for i in range(num_hidden_layers)]
+            layer_types = ["linear_attention" if (i + 1) % full_attention_every else "full_attention"
+                           for i in range(num_hidden_layers)]
             text.update(
-                layer_types=layer_types, linear_num_key_heads=2, linear_num_value_heads=2,
-                linear_key_head_dim=16, linear_value_head_dim=16,
+                layer_types=layer_types, linear_num_key_heads=linear_num_key_heads,
+                linear_num_value_heads=linear_num_value_heads, linear_key_head_dim=linear_head_dim,
+                linear_value_head_dim=linear_head_dim,
             )
             vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2)

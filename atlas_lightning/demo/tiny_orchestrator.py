@@ -65,6 +65,11 @@ TINY_CPU_RUNTIME = RuntimeConfig(max_explores=8, max_turns=9)
 #: The reward's lambda of ``experiment=tiny-cpu`` (1.0: spending matters there), for the summary's objective.
 COST_PER_USD = 1.0
 SUMMARY_FILE = "sft_summary.json"
+#: After which training steps the build fingerprints its weights (``weights_sha256``), kept in
+#: the summary under ``TRAJECTORY_KEY``: a replay of the first steps (``replay_build_prefix``)
+#: checks the build against the shipped model's own trajectory in seconds, not minutes.
+TRAJECTORY_STEPS = (1, 10, 40, 100, 200, 400, 800)
+TRAJECTORY_KEY = "weights_sha256_after_step"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -179,17 +184,19 @@ def learning_rate(step: int, recipe: SFTRecipe) -> float:
 
 
 def train_on_demos(model, demos: Sequence[Demo], recipe: SFTRecipe, seed: int, pad_id: int,
-                   on_step: Callable[[int, float], None] | None = None) -> list[float]:
+                   on_step: Callable[[int, float], None] | None = None, max_steps: int | None = None) -> list[float]:
     """Fine-tune ``model`` (a ``Qwen3ForCausalLM``, all weights, in place, on whatever device it
     is) on ``demos``; returns each step's loss. AdamW; gradients clipped to ``recipe.grad_clip``
-    (global norm). ``on_step(step, loss)`` is called after each step (0-based), e.g. to report."""
+    (global norm). ``on_step(step, loss)`` is called after each step (0-based), e.g. to report.
+    ``max_steps``: stop after that many steps of the same ``recipe.steps`` schedule (the order and
+    learning rates of the whole build: the weights equal the whole build's at that step)."""
     import torch
 
     device = next(model.parameters()).device
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
     losses = []
-    order = batch_order([len(d.input_ids) for d in demos], recipe.batch_size, recipe.steps, seed)
+    order = batch_order([len(d.input_ids) for d in demos], recipe.batch_size, recipe.steps, seed)[:max_steps]
     for step, indices in enumerate(order):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, recipe)
@@ -202,7 +209,7 @@ def train_on_demos(model, demos: Sequence[Demo], recipe: SFTRecipe, seed: int, p
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
         optimizer.step()
         losses.append(float(loss.detach()))
-        if step % 40 == 0 or step == recipe.steps - 1:
+        if step % 40 == 0 or step == len(order) - 1:
             log.info("SFT step %d/%d loss %.4f", step + 1, recipe.steps, losses[-1])
         if on_step is not None:
             on_step(step, losses[-1])
@@ -366,18 +373,88 @@ def _summary(out: Path, seed: int, sample_seed: int, base: Path | None, base_wei
     }
 
 
+def weights_sha256(model) -> str:
+    """sha256 over ``model``'s state (each tensor's name, dtype, shape and bytes, in name order):
+    the trajectory's fingerprint (``TRAJECTORY_STEPS``)."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach().contiguous().cpu()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _train_demos(chat, recipe: SFTRecipe, seed: int, sample_seed: int) -> list[Demo]:
+    """The demonstrations the build trains on (module doc: 4 per train question of the sample)."""
+    train_questions = sample_questions("train", sample_seed, recipe.train_questions)
+    return build_demos(train_questions, chat, TINY_CPU_LIMITS, TINY_CPU_RUNTIME,
+                       per_question=recipe.demos_per_question, seed=seed)
+
+
+def _fresh_model(base_dir: Path):
+    """The base, in float32 with sdpa attention, as the build trains it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def replay_build_prefix(steps: int, seed: int = 0, *, recipe: SFTRecipe = DEFAULT_RECIPE,
+                        sample_seed: int = 0) -> str:
+    """The first ``steps`` training steps of ``build_tiny_orchestrator(seed=seed, base=None)``,
+    run again in a temporary folder (nothing else written): ``weights_sha256`` of the weights
+    then, which equals the whole build's ``sft_summary.json`` entry ``TRAJECTORY_KEY[steps]`` when
+    the code and libraries still make the shipped model. A cheap check of the build (a few
+    percent of it) that the test suite runs; the whole rebuild is ``make verify-demo-model``."""
+    import torch
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from atlas_lightning.rollout.chat import ChatFormat
+
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory(prefix="tiny-orchestrator-replay-") as staging:
+        try:
+            base_dir = _base_folder(Path(staging), None, seed)
+            chat = ChatFormat(AutoTokenizer.from_pretrained(base_dir))
+            demos = _train_demos(chat, recipe, seed, sample_seed)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = _fresh_model(base_dir)
+                train_on_demos(model, demos, recipe, seed, chat.tokenizer.pad_token_id, max_steps=steps)
+            return weights_sha256(model)
+        finally:
+            if bars_were_on:
+                hf_logging.enable_progress_bar()
+
+
+def save_as_loaded(model, base_dir: Path, folder: Path) -> None:
+    """The trained model's weights and config into ``folder``, as transformers saves the
+    ``*ForCausalLM`` it trained (the default of ``build_tiny_orchestrator``'s ``save_model``)."""
+    model.save_pretrained(folder)
+
+
 def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, *,
-                            recipe: SFTRecipe = DEFAULT_RECIPE, sample_seed: int = 0) -> dict:
+                            recipe: SFTRecipe = DEFAULT_RECIPE, sample_seed: int = 0,
+                            save_model: Callable[..., None] = save_as_loaded, device: str = "cpu") -> dict:
     """SFT the tiny model on scripted episodes and save it under ``out`` (see the module docstring).
 
     ``base``: a tiny model folder (``build_tiny_model``'s layout) to start from; ``None`` builds
     one with ``build_tiny_model(seed=seed)``. ``sample_seed``: the bundled sample whose train
-    questions are demonstrated and whose validation questions are evaluated. The global torch
+    questions are demonstrated and whose validation questions are evaluated. ``save_model(model,
+    base folder, folder)`` writes the trained weights in the base's checkpoint format
+    (``save_as_loaded``; a hybrid base: ``tiny_hybrid_orchestrator``). ``device``: where it trains
+    (the CPU: the byte-identical build of the module doc; a card trains faster, not bit-exactly). The global torch
     RNG and thread settings are left as they were. Returns the summary also written to
     ``out/sft_summary.json``.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from atlas_lightning.rollout.chat import ChatFormat
@@ -394,9 +471,7 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
         chat = ChatFormat(AutoTokenizer.from_pretrained(base_dir))
         pad_id = chat.tokenizer.pad_token_id
 
-        train_questions = sample_questions("train", sample_seed, recipe.train_questions)
-        demos = build_demos(train_questions, chat, TINY_CPU_LIMITS, TINY_CPU_RUNTIME,
-                            per_question=recipe.demos_per_question, seed=seed)
+        demos = _train_demos(chat, recipe, seed, sample_seed)
         val_questions = sample_questions("val_full", sample_seed)
         val_demos = build_demos(sample_questions("val_full", sample_seed, recipe.val_loss_questions), chat,
                                 TINY_CPU_LIMITS, TINY_CPU_RUNTIME, per_question=1, seed=seed)
@@ -404,10 +479,16 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="sdpa")
-            losses = train_on_demos(model, demos, recipe, seed, pad_id)
+            model = _fresh_model(base_dir).to(device)
+            trajectory = {}
+
+            def record(step: int, loss: float) -> None:
+                if step + 1 in TRAJECTORY_STEPS:
+                    trajectory[str(step + 1)] = weights_sha256(model)
+
+            losses = train_on_demos(model, demos, recipe, seed, pad_id, on_step=record)
             trained = time.monotonic()
-            model.save_pretrained(staging)
+            save_model(model, base_dir, staging)
             for name in _TOKENIZER_FILES:
                 shutil.copyfile(base_dir / name, staging / name)
 
@@ -426,6 +507,7 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
         summary = _summary(out, seed, sample_seed, base, base_weights, recipe, demos, losses, evaluation,
                            {"demos": round(built_demos - started, 2), "train": round(trained - built_demos, 2),
                             "eval": round(evaluated - trained, 2), "total": round(evaluated - started, 2)}, staging)
+        summary[TRAJECTORY_KEY] = trajectory
         (staging / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         for path in staging.iterdir():
             path.chmod(0o644)  # safetensors' temp file would leave the weights owner-only

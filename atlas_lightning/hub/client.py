@@ -1,35 +1,34 @@
-"""Sending files to a Hugging Face Hub repository: retries, commit batches, Xet or plain LFS, and
-a token that never appears in a message.
+"""Sending files to a Hugging Face Hub repository: ``huggingface_hub`` does the work, this module
+adds only what it lacks.
 
-What ``huggingface_hub`` (2.4) does underneath, and what an endpoint must serve for it
-(``tests/hub/fake_hub.py`` serves exactly this):
+What the library does (``huggingface_hub`` 2.4, ``HfApi``): ``create_repo`` (409 "exists" taken
+with ``exist_ok``); ``upload_folder``: the preupload (regular or LFS), the transfer of LFS files,
+files already on the Hub with the same content skipped, the commit; with ``hf_xet`` installed a
+streamed Xet upload in as many commits as the Hub's limits need, its commits retried, resumable by
+running it again; without Xet one commit through the LFS batch API; its own retries of the
+preupload and LFS requests (429/5xx, network errors); the token (``HF_TOKEN``, then the login saved
+by ``hf auth login``); the ``Authorization`` header hidden in its own debug logs.
 
-- ``create_repo``: ``POST /api/repos/create`` (409 = exists, accepted with ``exist_ok``).
-- ``create_commit``: ``POST /api/validate-yaml`` when README.md is in the commit;
-  ``POST /api/<type>s/<repo>/preupload/<rev>`` (each file ``regular`` or ``lfs``); for ``lfs``
-  files either Xet (``GET /api/<type>s/<repo>/xet-write-token/<rev>``, then the Xet CAS) or the
-  LFS batch API (``POST /<prefix><repo>.git/info/lfs/objects/batch``, a ``PUT`` per object to the
-  URL it returns, then its ``verify``); finally ``POST /api/<type>s/<repo>/commit/<rev>`` with an
-  ndjson body: a ``header`` line, then one line per file (regular files inline, base64; LFS files
-  by sha256 and size).
+What this module adds, because the library lacks it:
 
-Xet: with ``hf_xet`` installed the library sends every LFS file through Xet, which fails on an
-endpoint without Xet. ``use_xet=None`` (default) asks the endpoint once (the ``xet-write-token``
-route must answer 200 with an ``X-Xet-Cas-Url`` header) and otherwise uses the LFS batch API,
-which every Hub serves. The switch is ``huggingface_hub.constants.HF_HUB_DISABLE_XET``, flipped
-only for the duration of our calls and under a lock.
-
-Retries: ``retries`` more attempts after the first on transient errors (HTTP 408/425/429/5xx,
-connection errors, timeouts), waiting ``backoff_s * 2**attempt`` seconds. A commit that is
-retried is rebuilt from the files and is idempotent: files already on the Hub with the same
-content are skipped by the library, so a publish can also simply be run again after a failure.
-A permanent error (401/403/404, a refused commit) raises ``HubPublishError`` at once.
-
-Token: from the caller, else ``HF_TOKEN``, else the login saved by ``hf auth login``. It is sent
-only in the ``Authorization`` header; every message this module logs or raises has it replaced
-by ``***``, errors are raised ``from None`` so a server's echo of it cannot surface through the
-exception chain, and while a Hub call runs every log record of the process is redacted too
-(``redacted_logs``: the HTTP libraries' debug traces print response headers verbatim).
+- Xet only where the endpoint offers it. With ``hf_xet`` installed the library sends every LFS
+  file through Xet and fails on an endpoint without it (a mirror, ``tests/hub/fake_hub.py``).
+  ``use_xet=None`` asks the endpoint once (``xet-write-token`` must answer 200 with an
+  ``X-Xet-Cas-Url`` header) and otherwise takes the LFS path, which every Hub serves. The switch
+  is ``huggingface_hub.constants.HF_HUB_DISABLE_XET``, flipped only during our calls, under a lock.
+- Retries of the calls the library does not retry (``create_repo``, the commit of the LFS path):
+  the whole call is tried ``retries`` more times on transient errors (408/425/429/5xx, connection
+  errors, timeouts), waiting ``backoff_s * 2**attempt`` seconds. Running an upload again is
+  idempotent (unchanged files are skipped). A permanent error raises ``HubPublishError`` at once.
+- Refused credentials (401) raise ``HubCredentialsError``: an ``InputError`` (the CLI exits 2)
+  whose message says to set ``HF_TOKEN`` or run ``hf auth login``.
+- A token that never appears in a message: a careless server may quote the ``Authorization``
+  header in its error text, which the library copies into its exceptions and which the HTTP
+  libraries' debug traces print with the response headers. Every message raised here has the
+  token replaced by ``***`` and is raised ``from None``; while a Hub call runs every log record
+  of the process is redacted too (``redacted_logs``).
+- ``upload(files, message)`` takes ``(path in repo, local path)`` pairs from anywhere on disk:
+  ``upload_folder`` sends one folder, so they are laid out as links in a temporary folder.
 
 Who calls it: ``atlas_lightning.hub.publish`` (the closing publish) and
 ``atlas_lightning.callbacks.hub.HubCheckpointCallback`` (checkpoint uploads during training).
@@ -39,9 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
 import re
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -53,13 +52,6 @@ log = logging.getLogger(__name__)
 
 REPO_TYPES = ("dataset", "model", "space")
 TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
-#: A commit carries at most this many files (the Hub's own limit is 25,000 LFS files)...
-MAX_FILES_PER_COMMIT = 2000
-#: ... and at most this many bytes of small files (sent inline, base64; the Hub caps a commit's
-#: inline payload at 1 GB).
-MAX_INLINE_BYTES_PER_COMMIT = 256 * 1024 * 1024
-#: Files from this size on are LFS on the Hub whatever their content.
-INLINE_SIZE_LIMIT = 10 * 1024 * 1024
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _XET_LOCK = threading.RLock()
 
@@ -75,34 +67,9 @@ class HubPublishError(RuntimeError):
         self.transient = transient
 
 
-
-
-def _status(err: BaseException) -> Optional[int]:
-    """The HTTP status along ``err``'s chain, if any."""
-    for link in _error_chain(err):
-        status = getattr(getattr(link, "response", None), "status_code", None)
-        if isinstance(status, int):
-            return status
-    return None
-
-
 class HubCredentialsError(HubPublishError, InputError):
     """The Hub refused the credentials (401): no token, or one it does not accept; the message
     says where a token comes from, never the token. An ``InputError`` too: the CLI exits 2."""
-
-
-def resolve_token(token: Optional[str]) -> Optional[str]:
-    """``token``, else ``HF_TOKEN``, else the saved login (None when there is none)."""
-    if token:
-        return token
-    if os.environ.get("HF_TOKEN"):
-        return os.environ["HF_TOKEN"]
-    try:
-        from huggingface_hub import get_token
-
-        return get_token()
-    except Exception:  # no saved login, or an unreadable one: publish without a token
-        return None
 
 
 def check_repo_id(repo_id: str, repo_type: str) -> None:
@@ -111,6 +78,8 @@ def check_repo_id(repo_id: str, repo_type: str) -> None:
     if repo_type not in REPO_TYPES:
         raise ValueError(f"repo_type={repo_type!r} must be one of {', '.join(REPO_TYPES)}")
 
+
+# ----------------------------------------------------------------------------- redaction
 
 _FACTORY_LOCK = threading.Lock()
 _SECRETS: dict[str, int] = {}
@@ -135,8 +104,7 @@ def _redacting_factory(*args, **kwargs) -> logging.LogRecord:
 @contextlib.contextmanager
 def redacted_logs(secret: Optional[str]) -> Iterator[None]:
     """While active, every log record created in this process (any logger, any thread) has
-    ``secret`` replaced by ``***``: an HTTP library's debug trace of a server that echoes the
-    Authorization header must not reveal the token either."""
+    ``secret`` replaced by ``***``."""
     global _PLAIN_FACTORY
     if not secret:
         yield
@@ -157,6 +125,9 @@ def redacted_logs(secret: Optional[str]) -> Iterator[None]:
                 logging.setLogRecordFactory(_PLAIN_FACTORY)
 
 
+# ----------------------------------------------------------------------------- errors
+
+
 def _error_chain(err: BaseException) -> Iterator[BaseException]:
     seen = set()
     while err is not None and id(err) not in seen:
@@ -165,18 +136,23 @@ def _error_chain(err: BaseException) -> Iterator[BaseException]:
         err = err.__cause__ or err.__context__
 
 
+def _status(err: BaseException) -> Optional[int]:
+    """The HTTP status along ``err``'s chain, if any."""
+    for link in _error_chain(err):
+        status = getattr(getattr(link, "response", None), "status_code", None)
+        if isinstance(status, int):
+            return status
+    return None
+
+
 def is_transient(err: BaseException) -> bool:
     """True for errors worth retrying: 408/425/429/5xx answers, connection errors, timeouts."""
     import httpx2
 
-    for link in _error_chain(err):
-        response = getattr(link, "response", None)
-        status = getattr(response, "status_code", None)
-        if isinstance(status, int):
-            return status in TRANSIENT_STATUS or status >= 500
-        if isinstance(link, (httpx2.TransportError, ConnectionError, TimeoutError)):
-            return True
-    return False
+    status = _status(err)
+    if status is not None:
+        return status in TRANSIENT_STATUS or status >= 500
+    return any(isinstance(link, (httpx2.TransportError, ConnectionError, TimeoutError)) for link in _error_chain(err))
 
 
 def describe(err: BaseException) -> str:
@@ -190,6 +166,9 @@ def describe(err: BaseException) -> str:
     return " <- ".join(lines)
 
 
+# ----------------------------------------------------------------------------- the uploader
+
+
 class HubUploader:
     """One repository on one endpoint. Construct, ``ensure_repo()``, then ``upload(files, message)``.
 
@@ -197,7 +176,7 @@ class HubUploader:
         repo_id: ``<owner>/<name>``.
         repo_type: ``dataset`` (default), ``model`` or ``space``.
         endpoint: the Hub's base URL (None: ``HF_ENDPOINT`` or https://huggingface.co).
-        token: see ``resolve_token``.
+        token: None: ``HF_TOKEN``, else the saved login (``huggingface_hub.get_token``).
         private: visibility when the repo is created (an existing repo is left as it is).
         retries: extra attempts on transient errors; backoff_s: the first wait, doubled each time.
         use_xet: None asks the endpoint, True/False force it.
@@ -206,7 +185,7 @@ class HubUploader:
     def __init__(self, repo_id: str, *, repo_type: str = "dataset", endpoint: Optional[str] = None,
                  token: Optional[str] = None, private: bool = True, retries: int = 3, backoff_s: float = 2.0,
                  use_xet: Optional[bool] = None):
-        from huggingface_hub import HfApi, constants
+        from huggingface_hub import HfApi, constants, get_token
 
         check_repo_id(repo_id, repo_type)
         if not isinstance(retries, int) or retries < 0:
@@ -217,8 +196,8 @@ class HubUploader:
         self.private = private
         self.retries = retries
         self.backoff_s = backoff_s
-        self._token = resolve_token(token)
-        self._api = HfApi(endpoint=self.endpoint, token=self._token if self._token else False)
+        self._token = token or get_token()
+        self._api = HfApi(endpoint=self.endpoint, token=self._token or False)
         self._use_xet = use_xet
 
     def __repr__(self) -> str:  # never the token
@@ -231,8 +210,6 @@ class HubUploader:
     def redact(self, text: str) -> str:
         return text.replace(self._token, "***") if self._token else text
 
-    # ------------------------------------------------------------------ operations
-
     def ensure_repo(self) -> str:
         """Create the repo if needed; returns its URL."""
         url = self._retrying("creating", lambda: self._api.create_repo(
@@ -240,28 +217,17 @@ class HubUploader:
         return str(url)
 
     def upload(self, files: Sequence[tuple[str, Path]], message: str) -> list[str]:
-        """Commit ``files`` (``(path in repo, local path)``) in order, in as few commits as the
-        limits allow; returns the commit ids. The repo must exist (``ensure_repo``)."""
-        from huggingface_hub import CommitOperationAdd
-
-        batches = plan_batches([(path, Path(local), Path(local).stat().st_size) for path, local in files])
-        commits = []
-        with self._xet_switch():
-            for number, batch in enumerate(batches, start=1):
-                summary = message if len(batches) == 1 else f"{message} ({number}/{len(batches)})"
-
-                def commit(batch=batch, summary=summary):
-                    # Fresh operations each attempt: the library mutates them.
-                    operations = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(local))
-                                  for path, local, _ in batch]
-                    return self._api.create_commit(self.repo_id, operations, commit_message=summary,
-                                                   repo_type=self.repo_type)
-
-                info = self._retrying(f"committing {len(batch)} files ({summary!r}) to", commit)
-                commits.append(info.oid)
-        return commits
-
-    # ------------------------------------------------------------------ internals
+        """Send ``files`` (``(path in repo, local path)``) with ``upload_folder``; returns the id
+        of the (last) commit. The repo must exist (``ensure_repo``)."""
+        with tempfile.TemporaryDirectory(prefix="atlas-hub-upload-") as folder:
+            for path, local in files:
+                link = Path(folder, path)
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(Path(local).resolve())
+            with self._xet_switch():
+                info = self._retrying(f"uploading {len(files)} files ({message!r}) to", lambda: self._api.upload_folder(
+                    repo_id=self.repo_id, repo_type=self.repo_type, folder_path=folder, commit_message=message))
+        return [info.oid]
 
     def _retrying(self, what: str, call: Callable[[], T]) -> T:
         for attempt in range(self.retries + 1):
@@ -269,14 +235,14 @@ class HubUploader:
                 with redacted_logs(self._token):
                     return call()
             except Exception as err:  # classify, redact, and either wait or give up
+                detail = self.redact(describe(err))
                 if _status(err) == 401:
                     found = "a token" if self._token else "no token (HF_TOKEN unset, no saved login)"
                     raise HubCredentialsError(
                         f"{what} {self.where}: the Hub refused the credentials (401 Unauthorized) with {found}: set "
-                        f"HF_TOKEN to a token with write access, or run `hf auth login` "
-                        f"(the Hub said: {self.redact(describe(err))})") from None
+                        f"HF_TOKEN to a token with write access, or run `hf auth login` (the Hub said: {detail})"
+                    ) from None
                 transient = is_transient(err)
-                detail = self.redact(describe(err))
                 if not transient or attempt == self.retries:
                     tries = f" after {attempt + 1} attempts" if attempt else ""
                     kind = "transient error" if transient else "error"
@@ -317,22 +283,3 @@ class HubUploader:
                 yield
             finally:
                 constants.HF_HUB_DISABLE_XET = before
-
-
-def plan_batches(files: Sequence[tuple[str, Path, int]], max_files: int = MAX_FILES_PER_COMMIT,
-                 max_inline_bytes: int = MAX_INLINE_BYTES_PER_COMMIT) -> list[list[tuple[str, Path, int]]]:
-    """Split ``(path, local, size)`` entries, in order, into commits of at most ``max_files`` files
-    and ``max_inline_bytes`` of small (possibly inline) files."""
-    batches: list[list] = []
-    current: list = []
-    inline = 0
-    for entry in files:
-        small = entry[2] if entry[2] < INLINE_SIZE_LIMIT else 0
-        if current and (len(current) >= max_files or inline + small > max_inline_bytes):
-            batches.append(current)
-            current, inline = [], 0
-        current.append(entry)
-        inline += small
-    if current:
-        batches.append(current)
-    return batches

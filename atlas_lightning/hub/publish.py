@@ -25,6 +25,12 @@ README.md: a README in the root that does not start with ``hub_readme.GENERATED_
 by a person and is published as it is; otherwise it is (re)generated. FILES.txt is always
 regenerated: every published file with its size.
 
+Order: the repo is created first (``HubUploader.ensure_repo``), README.md and FILES.txt are
+written into the root only after that (atomically), then everything is uploaded; a refused token
+(``HubCredentialsError``, exit 2) or a repo that cannot be made therefore leaves the root as it
+was. The transfer itself is ``huggingface_hub``'s (``client``); this module decides what is sent
+(the layout above, the reading copy) and writes the two files.
+
 Errors: ``ValueError`` for bad arguments (naming them); ``HubPublishError`` naming the repo (never
 the token) when the Hub fails for good; ``ConfigError`` from ``publish_from_config`` when
 ``hub.repo_id`` is unset.

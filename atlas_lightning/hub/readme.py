@@ -6,7 +6,13 @@ run's resolved config (``runs/<name>/<id>/config.json``, else ``artifacts/<name>
 steps under ``checkpoints/<name>/``, the last values of ``summary.json``, and the list of files
 being published and left out. ``render_files_txt`` lists every published file with its size.
 
-Who calls it: ``atlas_lightning.hub.publish.publish_data_root``. Pure Python.
+The card itself is ``huggingface_hub``'s: ``DatasetCard.from_template`` (``ModelCard`` for other
+repo types) renders ``data_root_card.md``, the README's layout as a Jinja template, with the card
+data (``pretty_name``, ``viewer: false``, the ``atlas-lightning`` tag) as its YAML front matter.
+What this module adds is what the library cannot know: the facts read from the root, and
+FILES.txt.
+
+Who calls it: ``atlas_lightning.hub.publish.publish_data_root``. No network.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -26,6 +33,8 @@ from atlas_lightning.store.records import RECORD_FIELDS, TOKEN_ARRAY_FIELDS
 #: any other (hand-written) README alone.
 GENERATED_MARK = "<!-- written by `atlas-lightning publish`; edit freely after removing this line -->"
 FILES_TXT_HEADERLESS_FORMAT = "<path>\\t<size in bytes>"
+#: The README's layout (a Jinja template, rendered by ``huggingface_hub``'s card).
+CARD_TEMPLATE = Path(__file__).with_name("data_root_card.md")
 _KEY_METRICS = ("gpqa/overall/acc", "lcb/overall/acc", "critic/score/mean", "reward/objective",
                 "reward/mapping_sum_error_max", "reward/mapped_slots_minus_events_max")
 _REWARD_FIELDS = ("objective", "final_reward", "training_reward", "acc", "cost", "cost_total",
@@ -269,7 +278,7 @@ def _manifest_facts(run_json: Any) -> list[str]:
 def _run_bullet(inputs: ReadmeInputs, name: str) -> str:
     root = inputs.root
     config = _run_config(root, name)
-    parts = [f"- **{name}**"]
+    parts = [f"**{name}**"]
     settings = []
     for label, key in (("model", "model.path"), ("questions a step", "algorithm.train_batch_size"),
                        ("samples a question", "rollout.n"), ("ppo_mini_batch_size", "algorithm.ppo_mini_batch_size"),
@@ -311,132 +320,49 @@ def _run_bullet(inputs: ReadmeInputs, name: str) -> str:
 
 
 def render_readme(inputs: ReadmeInputs) -> str:
-    """The README's Markdown text (YAML front matter for the Hub, then sections 1-5)."""
-    published_paths = {item.path for item in inputs.published}
-    out = _heading_and_links(inputs)
-    out += _tree_section(inputs, published_paths)
-    out += _reading_section(inputs, published_paths)
-    out += _fields_section(inputs)
-    out += _left_out_section(inputs)
-    return "\n".join(out).rstrip() + "\n"
+    """The README's Markdown text: ``huggingface_hub``'s card (``DatasetCard``, or ``ModelCard``
+    for other repo types) from ``data_root_card.md``, with this data root's facts."""
+    from huggingface_hub import DatasetCard, DatasetCardData, ModelCard, ModelCardData
+
+    names = list(inputs.names)
+    title = inputs.title or f"ATLAS data root: {', '.join(names) if names else inputs.repo_id}"
+    card, data = (DatasetCard, DatasetCardData) if inputs.repo_type == "dataset" else (ModelCard, ModelCardData)
+    rendered = card.from_template(data(pretty_name=title, viewer=False, tags=["atlas-lightning"]),
+                                  template_path=str(CARD_TEMPLATE), **_card_facts(inputs))
+    return str(rendered).rstrip() + "\n"
 
 
-def _heading_and_links(inputs: ReadmeInputs) -> list[str]:
-    """Front matter, title and section 1 (what is published, the question, the runs)."""
-    repo, names = inputs.repo_id, list(inputs.names)
-    title = inputs.title or f"ATLAS data root: {', '.join(names) if names else repo}"
-    total = sum(item.size for item in inputs.published)
-    out = [
-        "---",
-        f"pretty_name: {json.dumps(title)}",
-        "viewer: false",
-        "tags:",
-        "- atlas-lightning",
-        "---",
-        GENERATED_MARK,
-        "",
-        repo,
-        "",
-        f"# {title}",
-        "",
-        "## 1. Question and links",
-        "",
-        f"Read this first. This data root is published to the Hugging Face {inputs.repo_type} repository "
-        f"{repo} ({count(len(inputs.published), 'file')}, {human_bytes(total)}"
-        + (", weights included" if inputs.weights else ", without adapter weights and trainer states") + ").",
-        "",
-    ]
-    if inputs.question:
-        out += [f"Question. {inputs.question.strip()}", ""]
-    out += ["Runs.", ""]
-    out += [_run_bullet(inputs, name) for name in names] or ["- (no run folders found)"]
-    return out
+def _card_facts(inputs: ReadmeInputs) -> dict:
+    """What ``data_root_card.md`` fills in, computed from ``inputs`` and the root on disk."""
+    published = {item.path for item in inputs.published}
+    tops = {path.split("/", 1)[0] for path in published}
+    by_reason: dict[str, list[LeftOut]] = defaultdict(list)
+    for item in inputs.left_out:
+        by_reason[item.reason].append(item)
+    url = partial(file_url, inputs.endpoint, inputs.repo_type, inputs.repo_id, path="<path>")
+    return {
+        "mark": GENERATED_MARK, "repo": inputs.repo_id, "repo_type": inputs.repo_type, "weights": inputs.weights,
+        "published_size": f"{count(len(published), 'file')}, {human_bytes(sum(i.size for i in inputs.published))}",
+        "question": (inputs.question or "").strip(),
+        "runs": [_run_bullet(inputs, name) for name in inputs.names],
+        "folder_notes": [note for top, note in _FOLDER_NOTES.items() if top in tops],
+        "files_txt_format": FILES_TXT_HEADERLESS_FORMAT,
+        "tree": "\n".join(compact_tree(inputs.published) or ["(nothing)"]),
+        "raw_url": url(kind="raw"), "resolve_url": url(kind="resolve"),
+        "adapters": sorted({p.rsplit("/lora_adapter/", 1)[0] + "/lora_adapter" for p in published
+                            if "/lora_adapter/" in p and p.startswith("checkpoints/")}),
+        "record_fields": ", ".join(RECORD_FIELDS), "reward_fields": ", ".join(_REWARD_FIELDS),
+        "token_arrays": ", ".join(TOKEN_ARRAY_FIELDS),
+        "terminal_codes": ", ".join(f"{code} {reason}" for reason, code in TERMINAL_REASON_CODES.items()),
+        "left_out": [f"{reason}: {count(len(items), 'file')}, {human_bytes(sum(i.size for i in items))}."
+                     for reason, items in sorted(by_reason.items())],
+        "inputs": _inputs_lines(inputs),
+    }
 
 
-def _tree_section(inputs: ReadmeInputs, published_paths: set[str]) -> list[str]:
-    """Section 2: the folders a run writes, and this repository's tree."""
-    out = ["", "## 2. Directory tree", "",
-            "Each run <name> writes, at the same paths on every machine:", ""]
-    present_tops = {path.split("/", 1)[0] for path in published_paths}
-    for top, note in _FOLDER_NOTES.items():
-        if top in present_tops:
-            out.append(f"- {note}")
-    out += ["- README.md, FILES.txt (written by the closing publish; FILES.txt lists every file of the repo "
-            f"with its size, one a line, `{FILES_TXT_HEADERLESS_FORMAT}`, sorted by path).", "",
-            "What this repository holds:", "", "```"]
-    out += compact_tree(inputs.published) or ["(nothing)"]
-    return out + ["```", ""]
-
-
-def _reading_section(inputs: ReadmeInputs, published_paths: set[str]) -> list[str]:
-    """Section 3: how each kind of file is read (raw or resolve URLs, adapters, the run export)."""
-    repo = inputs.repo_id
-    raw = file_url(inputs.endpoint, inputs.repo_type, repo, "raw", "<path>")
-    resolve = file_url(inputs.endpoint, inputs.repo_type, repo, "resolve", "<path>")
-    out = ["## 3. How to read each kind of file", "",
-            f"Text, CSV, JSON, JSONL and log files: {raw}. Parquet, .npz, images and any file stored with LFS: "
-            f"{resolve} (raw/ returns only the LFS pointer of those).", ""]
-    adapters = sorted({p.rsplit("/lora_adapter/", 1)[0] + "/lora_adapter" for p in published_paths
-                       if "/lora_adapter/" in p and p.startswith("checkpoints/")})
-    if adapters:
-        example = adapters[-1]
-        out += [f"Adapters ({len(adapters)} published): `snapshot_download({json.dumps(repo)}, "
-                f"repo_type={json.dumps(inputs.repo_type)}, allow_patterns=\"{example}/*\")`, then "
-                "`PeftModel.from_pretrained(<base model>, <local path>/" + example + ")`.", ""]
-    else:
-        out += ["Adapters: not in this repository (published only by `atlas-lightning publish --weights`); "
-                "they stay on the machine that trained.", ""]
-    out += ["The run export (runs/<name>/<id>/history.csv) has one row per RL step `_step` (global_step: one "
-            "rollout batch and its update, never an optimizer step) and one column per metric: the validation "
-            "curves gpqa/overall/acc, lcb/overall/acc and their subset views gpqa/<subset>/acc; the PPO metrics "
-            "actor/*, critic/*, timing_s/<phase>, reward/<field> means; the process-reward invariants "
-            "reward/mapping_sum_error_max and reward/mapped_slots_minus_events_max (0 at every step when the "
-            "reward placement is exact). summary.json holds each metric's last value; config.json the resolved "
-            "configuration.", ""]
-    return out
-
-
-def _fields_section(inputs: ReadmeInputs) -> list[str]:
-    """Section 4: the fields of a trajectory record and of a validation dump row."""
-    return ["## 4. Row fields", "",
-            "A trajectory record (artifacts/<name>/{train,val}/step_N/<uid>_<session>.json): "
-            + ", ".join(RECORD_FIELDS)
-            + "; episode (the runtime's record: generations, proposed calls, events with each explore's explore_k, "
-              "candidate_idx, offsets, charged_cost_usd, tool_response, and the submit's payload; terminal_reason, "
-              "token counts); reward (the breakdown: " + ", ".join(_REWARD_FIELDS) + "); reward_trace (offsets, "
-              "values: where each reward piece lands, in response-token positions); and the per-token arrays "
-            + ", ".join(TOKEN_ARRAY_FIELDS) + (
-                " (last in the record, one line each; a null log-prob was not finite), also in the step's "
-                "tensors.npz (each name X flat, with X__offsets giving trajectory i as X[offsets[i]:offsets[i+1]], "
-                "plus uid and session_id) beside the trainer's values, returns, advantages and token rewards."
-                if inputs.weights else
-                ": stripped from the records of this repository, and the steps' tensors.npz left out "
-                "(the full publish, `atlas-lightning publish --weights`, keeps them); each step's manifest.json "
-                "lists the files as sent here."), "",
-            "Terminal reason codes: " + ", ".join(f"{code} {reason}" for reason, code in TERMINAL_REASON_CODES.items())
-            + ".", "",
-            "A validation dump row (checkpoints/<name>/global_step_N/val_dumps/N.jsonl): input, output, gts, score, "
-            "step, uid and the same reward breakdown keys.", ""]
-
-
-def _left_out_section(inputs: ReadmeInputs) -> list[str]:
-    """Section 5: what was left out (by reason), what is never published, the inputs linked."""
-    out = ["## 5. What is left out, and the inputs", ""]
-    if inputs.left_out:
-        by_reason: dict[str, list[LeftOut]] = defaultdict(list)
-        for item in inputs.left_out:
-            by_reason[item.reason].append(item)
-        out.append("Left out of this repository (still on the machine that trained):")
-        out.append("")
-        for reason in sorted(by_reason):
-            items = by_reason[reason]
-            out.append(f"- {reason}: {count(len(items), 'file')}, {human_bytes(sum(i.size for i in items))}.")
-        out.append("")
-    else:
-        out += ["Nothing under the published folders was left out.", ""]
-    out += ["Never published: anything in the root outside the folders above, hidden files and folders "
-            "(temporary files of atomic writes, half-written .tmp-* step folders) and symbolic links.", ""]
-    inputs_lines = []
+def _inputs_lines(inputs: ReadmeInputs) -> list[str]:
+    """Section 5's inputs: each run's base model, question data and starting adapters."""
+    lines = []
     for name in inputs.names:
         config = _run_config(inputs.root, name)
         for label, key in (("base model", "model.path"), ("question data", "data.root"),
@@ -445,10 +371,8 @@ def _left_out_section(inputs: ReadmeInputs) -> list[str]:
                            ("initialised from", "trainer.init_from")):
             value = _get(config, key)
             if value:
-                inputs_lines.append(f"- {name}: {label} `{value}`.")
-    if inputs_lines:
-        out += ["Inputs, linked and not copied:", ""] + inputs_lines + [""]
-    return out
+                lines.append(f"{name}: {label} `{value}`.")
+    return lines
 
 
 def render_files_txt(files: Iterable[PublishedFile]) -> str:

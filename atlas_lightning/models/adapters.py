@@ -97,13 +97,18 @@ class AdapterCopy:
     identity: dict
 
 
-def copy_adapter(model: ActorCritic, adapter_name: str, keep: bool = True) -> Optional[AdapterCopy]:
+def copy_adapter(model: ActorCritic, adapter_name: str, keep: bool = True, *,
+                 checkpoint_names: bool = False) -> Optional[AdapterCopy]:
     """``adapter_name`` (and, for the critic, the value head) copied to the host. Collective
     under FSDP2 (all ranks call: the tensors are gathered whole); None where ``keep`` is False
-    (the ranks that write nothing)."""
+    (the ranks that write nothing). ``checkpoint_names``: see ``save_adapter``."""
+    from .checkpoint_names import lora_key_in_checkpoint_names
+
     if adapter_name not in ADAPTERS:
         raise ValueError(f"adapter_name={adapter_name!r} is not one of {', '.join(ADAPTERS)}")
     state = adapter_state(model, adapter_name)
+    if checkpoint_names and model.checkpoint_names:
+        state = {lora_key_in_checkpoint_names(k, model.checkpoint_names): v for k, v in state.items()}
     value_head = None
     if adapter_name == CRITIC:
         with torch.no_grad():
@@ -130,11 +135,15 @@ def write_adapter_copies(copies: list[AdapterCopy], step_dir: str | Path) -> Non
         write_adapter_copy(copy_, Path(step_dir) / copy_.name / "lora_adapter")
 
 
-def save_adapter(model: ActorCritic, adapter_name: str, folder: str | Path) -> Path:
+def save_adapter(model: ActorCritic, adapter_name: str, folder: str | Path, *, checkpoint_names: bool = False) -> Path:
     """Write ``adapter_name`` (and, for the critic, the value head) as a PEFT folder at
-    ``folder``, atomically. Collective under FSDP2 (all ranks call; rank 0 writes)."""
+    ``folder``, atomically. Collective under FSDP2 (all ranks call; rank 0 writes).
+    ``checkpoint_names``: tensor keys in the base checkpoint's naming
+    (``checkpoint_names.lora_key_in_checkpoint_names``; what vLLM applies to a Qwen3.5/3.6
+    checkpoint), else as the model is loaded (what ``PeftModel.from_pretrained`` over
+    ``AutoModelForCausalLM`` reads)."""
     folder = Path(folder)
-    copied = copy_adapter(model, adapter_name, keep=_rank() == 0)
+    copied = copy_adapter(model, adapter_name, keep=_rank() == 0, checkpoint_names=checkpoint_names)
     failure: BaseException | None = None
     if copied is not None:
         try:
@@ -369,16 +378,12 @@ def _renamed_to_loaded(model: ActorCritic, tensors: dict[str, Tensor], targets: 
     """``tensors`` with keys in the base checkpoint's naming renamed to this model's (module
     doc): ``base_model.model.<checkpoint module>.lora_A.weight`` -> the live key whose base
     weight is stored under that checkpoint name. Keys already this model's are kept."""
+    from .checkpoint_names import lora_key_in_checkpoint_names
+
     names = model.checkpoint_names
     if not names or set(tensors) <= set(targets):
         return tensors
-    prefix = "base_model.model."
-    by_checkpoint = {}
-    for key in targets:
-        module, found, rest = key[len(prefix):].partition(".lora_")
-        stored = names.get(f"{module}.weight") if key.startswith(prefix) and found else None
-        if stored and stored.endswith(".weight"):
-            by_checkpoint[f"{prefix}{stored[:-len('.weight')]}.lora_{rest}"] = key
+    by_checkpoint = {lora_key_in_checkpoint_names(key, names): key for key in targets}
     return {(key if key in targets else by_checkpoint.get(key, key)): tensor for key, tensor in tensors.items()}
 
 

@@ -70,3 +70,23 @@ def name_map(model: nn.Module, folder: str | Path) -> tuple[Optional[dict[str, s
         if missing:
             return None, f"{len(missing)} parameter names are not in {folder}'s safetensors files, e.g. {missing[0]}"
     return mapping, ""
+
+
+#: PEFT's prefix of every adapter tensor key of a wrapped model.
+PEFT_PREFIX = "base_model.model."
+
+
+def lora_key_in_checkpoint_names(key: str, names: dict[str, str]) -> str:
+    """A PEFT adapter key (``base_model.model.<loaded module>.lora_A.weight``) renamed to the
+    base checkpoint's naming through ``names`` (``name_map``'s ``{loaded: checkpoint}``):
+    ``base_model.model.model.layers.0.linear_attn.in_proj_qkv.lora_A.weight`` ->
+    ``base_model.model.model.language_model.layers.0.linear_attn.in_proj_qkv.lora_A.weight`` for a
+    Qwen3.5/3.6 checkpoint. vLLM maps adapter names as it maps the checkpoint's, so an
+    image-text architecture applies only adapters named this way (an adapter named as the text
+    model is loaded is matched to no module and silently ignored). A key whose module has no
+    checkpoint name is kept as it is."""
+    module, found, rest = key.removeprefix(PEFT_PREFIX).partition(".lora_")
+    stored = names.get(f"{module}.weight") if key.startswith(PEFT_PREFIX) and found else None
+    if not stored or not stored.endswith(".weight"):
+        return key
+    return f"{PEFT_PREFIX}{stored[:-len('.weight')]}.lora_{rest}"

@@ -2,29 +2,60 @@
 
 The weight sync compares them with the engine's log-probs of the same sequence
 (``Engine.prompt_logprobs``) after each sync; they must agree within a bound set from the
-measured noise, never above ``rollout.max_logprob_gap``.
+measured noise, never above ``rollout.max_logprob_gap``. ``marked_actor`` makes the actor act
+measurably whatever its state, for the starting check that an engine applies what it is sent
+(``rollout/sync_probe.py``).
 
 Who calls it: ``rollout/sync.py``.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
-from .actor_critic import ActorCritic
+from .actor_critic import ACTOR, ActorCritic
 from .packing import pack_sequences
 
 
-def probe_logprobs(model: ActorCritic, token_ids: list[int], device: torch.device | str) -> list[float]:
+def probe_logprobs(model: ActorCritic, token_ids: list[int], device: torch.device | str,
+                   base: bool = False) -> list[float]:
     """Log-probs (temperature 1) of tokens ``1..len-1`` of ``token_ids``, each given the ones
-    before it, under the actor adapter, in eval mode without grad (the training mode is put
-    back). Collective under FSDP2: every rank calls with the same ids."""
+    before it, under the actor adapter (``base``: with the adapters off), in eval mode without
+    grad (the training mode is put back). Collective under FSDP2: every rank calls with the
+    same ids."""
     packed = pack_sequences([torch.tensor(token_ids, dtype=torch.int64)], [1]).to(device)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            log_probs, _ = model.actor_forward(packed, temperature=1.0, compute_entropy=False)
+            if base:
+                log_probs = model.base_forward(packed, temperature=1.0)
+            else:
+                log_probs, _ = model.actor_forward(packed, temperature=1.0, compute_entropy=False)
     finally:
         model.train(was_training)
     return log_probs.float().cpu().tolist()
+
+
+@contextmanager
+def marked_actor(model: ActorCritic, shift: float) -> Iterator[None]:
+    """Inside: the actor adapter with every ``lora_B`` entry shifted by ``shift`` (a fresh adapter,
+    ``lora_B = 0``, then acts through every adapted module). On leaving, the exact tensors are put
+    back. In place on each rank's own shard (FSDP2: a scalar shift needs no gather), so what the
+    sync exports, merges and probes inside is the marked actor."""
+    marked = [param for name, param in model.named_parameters() if f".lora_B.{ACTOR}." in name]
+    if not marked:
+        raise KeyError(f"no lora_B parameters of the {ACTOR} adapter to mark")
+    kept = [param.detach().clone() for param in marked]
+    with torch.no_grad():
+        for param in marked:
+            param.add_(shift)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for param, value in zip(marked, kept):
+                param.copy_(value)

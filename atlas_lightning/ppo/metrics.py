@@ -10,7 +10,8 @@ the tokens the policy generated.
 
 - ``data_metrics``: verl's data metrics (scores, rewards, advantages, returns, values, entropy,
   throughput), the rollout's reward and batch metrics (``combine_batch_metrics``), timing and
-  the rollout's weights version and staleness;
+  the rollout's weights version and staleness, and the separate layout's staleness histogram
+  and idle shares (``asynchronous_metrics``);
 - ``mean_over_ranks``: verl's reduction of the update metrics (``ROLE_METRICS``);
 - ``memory_metrics``: the step's per-phase memory peaks, the trainer's own (``timed``
   measures them);
@@ -36,6 +37,9 @@ ROLE_METRICS = {
     "actor": ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/grad_norm"),
     "critic": ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"),
 }
+#: The actor's extra metrics under ``algorithm.off_policy_loss=decoupled``
+#: (``algorithms.ppo.behaviour_importance_weights``).
+BEHAVIOUR_METRICS = ("actor/behav_imp_weight_mean", "actor/behav_capped_frac", "actor/behav_kl")
 
 
 @contextmanager
@@ -104,7 +108,34 @@ def data_metrics(batch: RolloutBatch, *, mask: torch.Tensor, values: torch.Tenso
     out["rollout/weights_version"] = float(batch.weights_version if batch.weights_version is not None else -1)
     if batch.staleness is not None:  # versions the rollout lags the trained policy (README, "The separate layout")
         out["rollout/staleness"] = float(dist_utils.all_reduce_max([float(batch.staleness)])[0])
+    out.update(asynchronous_metrics(batch, timing))
     out["rollout/gen_tokens_per_s"] = batch.stats.tokens_per_second
+    return out
+
+
+def asynchronous_metrics(batch: RolloutBatch, timing: dict) -> dict[str, float]:
+    """The separate layout's figures of a step; nothing in synchronous layouts, whose batches
+    carry no staleness histogram. Collective (every rank of a separate layout has one).
+
+    ``rollout/staleness_hist/<k>``: the step's trajectories (all ranks) whose oldest generated
+    token is ``k`` versions behind the trained weights, k = 0 .. ``layout.max_staleness``;
+    ``rollout/staleness_mean``; ``rollout/dropped_trajectories`` (over the bound, ``drop``);
+    ``perf/trainer_idle_share``: the step's wait for its rollout over its wall time (the most
+    idle rank); ``perf/engine_idle_share``: the producer's wait (for weights or room) over that
+    wait plus its rollout, on the least idle rank: the one shared server idles at most that."""
+    if not batch.staleness_counts:
+        return {}
+    keys = sorted(batch.staleness_counts)
+    counts = dist_utils.all_reduce_sum([float(batch.staleness_counts[k]) for k in keys] + [float(batch.dropped)])
+    idle = float(timing.get("engine_idle", 0.0))
+    trainer_idle, engine_busy = dist_utils.all_reduce_max([
+        float(timing.get("wait_rollout", 0.0)) / max(float(timing.get("step", 0.0)), 1e-9),
+        1.0 - idle / max(idle + float(timing.get("rollout", 0.0)), 1e-9)])
+    out = {f"rollout/staleness_hist/{k}": c for k, c in zip(keys, counts)}
+    out["rollout/staleness_mean"] = sum(k * c for k, c in zip(keys, counts)) / max(sum(counts[:-1]), 1.0)
+    out["rollout/dropped_trajectories"] = counts[-1]
+    out["perf/trainer_idle_share"] = trainer_idle
+    out["perf/engine_idle_share"] = 1.0 - engine_busy
     return out
 
 

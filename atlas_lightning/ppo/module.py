@@ -14,7 +14,10 @@ Per RL step (one ``RolloutBatch`` of this rank's trajectories; README, "PPO"):
    x micro-batches packed to ``algorithm.ppo_max_token_len_per_gpu`` tokens, the same number
    on every rank (FSDP collectives); losses normalised by the mini-batch's token count on all
    ranks (verl's ``token-mean`` with ``dp_size``), gradient clipping, one optimizer step per
-   mini-batch. A non-finite gradient norm skips that optimizer step and is counted.
+   mini-batch. A non-finite gradient norm skips that optimizer step and is counted. The actor's
+   loss is verl's vanilla one, or with ``algorithm.off_policy_loss=decoupled`` AReaL's
+   decoupled one, the engine's log-probs (the records' ``response_logprobs``) standing for the
+   behaviour policy (``algorithms/ppo.py``).
 4. ``update_weights``: the updated actor reaches the engines, verified (``rollout/sync.py``,
    ``sync_weights``), at the end of the step and only when the step is finite. Lightning runs
    ``training_step`` to its end before any callback's ``on_train_batch_end`` (validation of
@@ -74,8 +77,8 @@ from atlas_lightning.algorithms.functional import masked_mean, masked_whiten
 from atlas_lightning.algorithms.kl import apply_kl_penalty, kl_penalty
 from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
-from atlas_lightning.ppo.metrics import (ROLE_METRICS, cost_metrics, data_metrics, mean_over_ranks,
-                                         memory_metrics, per_trajectory, timed)
+from atlas_lightning.ppo.metrics import (BEHAVIOUR_METRICS, ROLE_METRICS, cost_metrics, data_metrics,
+                                         mean_over_ranks, memory_metrics, per_trajectory, timed)
 from atlas_lightning.ppo.step_output import StepOutput
 from atlas_lightning.rollout.batch import RolloutBatch
 from atlas_lightning.rollout.sync import WeightSync
@@ -92,8 +95,9 @@ class StepTensors:
     prompt's length. The rest are ``(bs, width)`` tensors on the module's device, ``width``
     being the batch's longest response, zero past a trajectory's response: ``mask`` (1 on
     generated tokens), ``old_log_prob`` (actor, before the update), ``values`` (critic),
-    ``returns``, ``advantages`` (whitened when ``algorithm.norm_adv``) and ``ref_log_prob``
-    (the base's; None when no KL is on)."""
+    ``returns``, ``advantages`` (whitened when ``algorithm.norm_adv``), ``ref_log_prob``
+    (the base's; None when no KL is on) and ``rollout_log_prob`` (the engine's behaviour
+    log-probs; None unless ``algorithm.off_policy_loss=decoupled``)."""
 
     seqs: list[torch.Tensor]
     prompts: list[int]
@@ -103,6 +107,7 @@ class StepTensors:
     returns: torch.Tensor
     advantages: torch.Tensor
     ref_log_prob: Optional[torch.Tensor]
+    rollout_log_prob: Optional[torch.Tensor] = None
 
     @property
     def width(self) -> int:
@@ -391,7 +396,9 @@ class PPOModule(L.LightningModule):
         with self._phase(timing, "adv"):
             rewards, advantages, returns = self._advantages(scores, old_log_prob, ref_log_prob, values, mask, metrics)
         data = StepTensors(seqs=seqs, prompts=prompts, mask=mask, old_log_prob=old_log_prob, values=values,
-                           returns=returns, advantages=advantages, ref_log_prob=ref_log_prob)
+                           returns=returns, advantages=advantages, ref_log_prob=ref_log_prob,
+                           rollout_log_prob=batch.padded("response_logprobs").to(self.device)
+                           if _decoupled(cfg) else None)
 
         if not nonfinite:
             with self._phase(timing, "update_critic", memory):
@@ -501,7 +508,8 @@ class PPOModule(L.LightningModule):
                 applied[role] += 1
             if "stopped_at" in nonfinite:
                 break
-        keys = list(ROLE_METRICS[role]) + (["actor/kl_loss"] if role == "actor" and cfg.use_kl_loss else [])
+        keys = list(ROLE_METRICS[role]) + (["actor/kl_loss"] if role == "actor" and cfg.use_kl_loss else []) \
+            + (list(BEHAVIOUR_METRICS) if role == "actor" and _decoupled(cfg) else [])
         out = mean_over_ranks({key: history.get(key, []) for key in keys})
         out[f"{role}/skipped_steps"] = float(self.skipped_optimizer_steps[role])
         out[f"{role}/lr"] = cfg.actor_lr if role == "actor" else cfg.critic_lr
@@ -534,9 +542,14 @@ class PPOModule(L.LightningModule):
         log_probs, entropy = self.model.actor_forward(packed, temperature=self.cfg.rollout.temperature,
                                                       compute_entropy=cfg.entropy_coeff != 0)
         log_prob = packed.scatter_responses(log_probs)
-        pg_loss, stats = ppo.compute_policy_loss_vanilla(
-            data.old_log_prob[rows], log_prob, data.advantages[rows], m, loss_agg_mode=cfg.loss_agg_mode, config=cfg,
-            global_batch_info={"dp_size": world, "batch_num_tokens": total_tokens})
+        loss_args = dict(loss_agg_mode=cfg.loss_agg_mode, config=cfg,
+                         global_batch_info={"dp_size": world, "batch_num_tokens": total_tokens})
+        if data.rollout_log_prob is None:
+            pg_loss, stats = ppo.compute_policy_loss_vanilla(data.old_log_prob[rows], log_prob, data.advantages[rows],
+                                                             m, **loss_args)
+        else:  # off-policy correction: the engine's log-probs are the behaviour policy
+            pg_loss, stats = ppo.compute_policy_loss_decoupled(data.old_log_prob[rows], log_prob, data.advantages[rows],
+                                                               m, data.rollout_log_prob[rows], **loss_args)
         loss = pg_loss
         if cfg.entropy_coeff != 0:
             ent = packed.scatter_responses(entropy)
@@ -562,6 +575,11 @@ class PPOModule(L.LightningModule):
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _decoupled(cfg: DictConfig) -> bool:
+    """``algorithm.off_policy_loss=decoupled``: the policy loss corrects for the behaviour policy."""
+    return cfg.get("off_policy_loss", "none") == "decoupled"
 
 
 def _contiguous_chunks(n: int, parts: int) -> list[list[int]]:

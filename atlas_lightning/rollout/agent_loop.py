@@ -11,7 +11,12 @@ Token contract, per trajectory (``Trajectory``):
 - ``response_ids``: every token after the prompt: generated turns exactly as the engine
   produced them, and tool-response tokens in between.
 - ``response_mask``: 1 on generated tokens, 0 on tool-response tokens.
-- ``response_logprobs``: the engine's log-prob of each generated token; 0.0 on mask-0 tokens.
+- ``response_logprobs``: the engine's log-prob of each generated token (the behaviour policy's);
+  0.0 on mask-0 tokens.
+- ``response_versions``: the weights version that generated each token, as ``policy_version()``
+  read when its request was (re)submitted; -1 on mask-0 tokens and where no version is known.
+  A request is never in flight across a weight change (the weight sync holds the engine), so
+  the version read at submission is the one that sampled the tokens.
 
 Limits (``config.LoopLimits``: the ``rollout`` keys the loop obeys): a turn may generate at
 most ``max_tokens_per_turn`` tokens and never more than the response budget
@@ -63,6 +68,7 @@ class Trajectory:
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     response_logprobs: list[float] = field(default_factory=list)
+    response_versions: list[int] = field(default_factory=list)
     attempt_id: int = 0
     turns: int = 0
     gen_seconds: float = 0.0
@@ -87,15 +93,22 @@ class LoopStats:
 
 
 ProgressFn = Callable[[int, int, LoopStats], None]
+#: ``policy_version()``: the weights version the engine serves now (None: unknown).
+VersionFn = Callable[[], Optional[int]]
+#: The version a token carries when none is known, and on tool-response tokens.
+NO_VERSION = -1
 
 
 class AgentLoop:
-    """Runs episodes to completion on one engine. Stateless between calls."""
+    """Runs episodes to completion on one engine. Stateless between calls. ``policy_version``:
+    the engine's weights version, stamped on each generated token (``response_versions``)."""
 
-    def __init__(self, engine: Engine, chat: ChatFormat, limits: LoopLimits) -> None:
+    def __init__(self, engine: Engine, chat: ChatFormat, limits: LoopLimits,
+                 policy_version: Optional[VersionFn] = None) -> None:
         self.engine = engine
         self.chat = chat
         self.limits = limits
+        self.policy_version = policy_version or (lambda: None)
 
     def run(
         self,
@@ -111,15 +124,20 @@ class AgentLoop:
         started = time.monotonic()
         waiting = [t for t in trajectories if not t.done]  # ready for their next turn
         in_flight: dict[str, tuple[Trajectory, GenerationRequest, float]] = {}
+        versions: dict[str, Optional[int]] = {}  # the weights version each request was sent to
         engine_failures = 0
         done = len(trajectories) - len(waiting)
+
+        def send(traj: Trajectory, request: GenerationRequest) -> None:
+            versions[request.request_id] = self.policy_version()
+            self.engine.submit(request)
+            in_flight[request.request_id] = (traj, request, time.monotonic())
 
         def submit(traj: Trajectory) -> None:
             request = self._next_request(traj, sampling, seed_parts)
             if request is None:
                 return
-            self.engine.submit(request)
-            in_flight[request.request_id] = (traj, request, time.monotonic())
+            send(traj, request)
             stats.requests += 1
 
         while waiting or in_flight:
@@ -153,11 +171,10 @@ class AgentLoop:
                 traj, request, sent = entry
                 if result.error is not None:
                     self._retry(traj, request, result.error, stats)
-                    self.engine.submit(request)
-                    in_flight[request.request_id] = (traj, request, time.monotonic())
+                    send(traj, request)
                     continue
                 traj.gen_seconds += time.monotonic() - sent
-                self._apply_turn(traj, request, result, stats)
+                self._apply_turn(traj, request, result, stats, versions.pop(request.request_id))
                 if traj.done:
                     done += 1
                     if progress:
@@ -165,7 +182,8 @@ class AgentLoop:
                         progress(done, len(trajectories), stats)
                 else:
                     waiting.append(traj)
-            self._expire(in_flight, stats)
+            for traj, request in self._expire(in_flight, stats):
+                send(traj, request)
         stats.seconds = time.monotonic() - started
         return stats
 
@@ -195,12 +213,14 @@ class AgentLoop:
             ),
         )
 
-    def _apply_turn(self, traj: Trajectory, request: GenerationRequest, result: GenerationResult, stats: LoopStats) -> None:
+    def _apply_turn(self, traj: Trajectory, request: GenerationRequest, result: GenerationResult, stats: LoopStats,
+                    version: Optional[int] = None) -> None:
         limits = self.limits
         start = len(traj.response_ids)
         traj.response_ids.extend(result.token_ids)
         traj.response_mask.extend([1] * len(result.token_ids))
         traj.response_logprobs.extend(result.logprobs)
+        traj.response_versions.extend([NO_VERSION if version is None else int(version)] * len(result.token_ids))
         traj.turns += 1
         stats.generated_tokens += len(result.token_ids)
         end = len(traj.response_ids)
@@ -231,6 +251,7 @@ class AgentLoop:
         traj.response_ids.extend(tool_ids)
         traj.response_mask.extend([0] * len(tool_ids))
         traj.response_logprobs.extend([0.0] * len(tool_ids))
+        traj.response_versions.extend([NO_VERSION] * len(tool_ids))
         traj.episode.on_tool_response_tokens(end, new_len)
         stats.tool_tokens += len(tool_ids)
 
@@ -254,17 +275,20 @@ class AgentLoop:
                 f"(last: {why}); the step is not recorded"
             )
 
-    def _expire(self, in_flight: dict, stats: LoopStats) -> None:
+    def _expire(self, in_flight: dict, stats: LoopStats) -> list[tuple[Trajectory, GenerationRequest]]:
+        """Abort the requests in flight longer than ``request_timeout_s``; returns them, to be
+        sent again (with the same seed)."""
         now = time.monotonic()
         expired = [rid for rid, (_, _, sent) in in_flight.items() if now - sent > self.limits.request_timeout_s]
         if not expired:
-            return
+            return []
         self.engine.abort(expired)
+        again = []
         for rid in expired:
             traj, request, _ = in_flight.pop(rid)
             self._retry(traj, request, f"timed out after {self.limits.request_timeout_s:.0f} s", stats)
-            self.engine.submit(request)
-            in_flight[rid] = (traj, request, time.monotonic())
+            again.append((traj, request))
+        return again
 
     @staticmethod
     def _names(in_flight: dict, waiting: list) -> str:

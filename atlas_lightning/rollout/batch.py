@@ -45,6 +45,12 @@ class RolloutBatch:
     #: ``card_used_gib/gen`` at the end of generation, ``card_used_gib/asleep`` after the sleep,
     #: ``engine_allocated_gib`` what PyTorch counts as allocated for the engine (asleep or not).
     memory: dict = field(default_factory=dict)
+    #: Asynchronous layout, set at hand-over: trajectories by how many versions their oldest
+    #: generated token lags the trainer's weights (``{k: count}``, k = 0 .. ``layout.max_staleness``),
+    #: and how many were dropped over that bound (``layout.staleness_policy=drop``). Empty and 0
+    #: in synchronous layouts.
+    staleness_counts: dict = field(default_factory=dict)
+    dropped: int = 0
 
     def __len__(self) -> int:
         return len(self.records)
@@ -56,7 +62,18 @@ class RolloutBatch:
                             token_rewards=[self.token_rewards[i] for i in indices],
                             invariants=[self.invariants[i] for i in indices], stats=self.stats,
                             weights_version=self.weights_version, timing=dict(self.timing),
-                            staleness=self.staleness, memory=dict(self.memory))
+                            staleness=self.staleness, memory=dict(self.memory),
+                            staleness_counts=dict(self.staleness_counts), dropped=self.dropped)
+
+    def oldest_versions(self) -> list[Optional[int]]:
+        """Each trajectory's oldest weights version among its generated tokens (its record's
+        ``response_versions``), or the batch's ``weights_version`` where a record has none."""
+        out = []
+        for record in self.records:
+            versions, mask = record.response_versions, record.response_mask
+            known = versions[(mask == 1) & (versions >= 0)] if versions is not None and mask is not None else ()
+            out.append(int(known.min()) if len(known) else self.weights_version)
+        return out
 
     def sequence_lengths(self) -> list[int]:
         return [len(r.prompt_ids) + len(r.response_ids) for r in self.records]
@@ -119,7 +136,16 @@ def assemble_batch(
             response_ids=np.asarray(traj.response_ids, dtype=np.int64),
             response_mask=np.asarray(traj.response_mask, dtype=np.int8),
             response_logprobs=np.asarray(traj.response_logprobs, dtype=np.float32),
+            **_versions(traj),
         ))
         rewards.append(dense)
     return RolloutBatch(step=step, partition=partition, records=records, token_rewards=rewards,
                         invariants=invariants, stats=stats, weights_version=weights_version)
+
+
+def _versions(traj: Trajectory) -> dict:
+    """``response_versions`` of a trajectory the agent loop drove (one version a response
+    token); nothing for one built by hand without them."""
+    if not traj.response_versions and traj.response_ids:
+        return {}
+    return {"response_versions": np.asarray(traj.response_versions, dtype=np.int64)}

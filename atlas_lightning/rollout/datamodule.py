@@ -14,8 +14,12 @@ Contract:
   carries ``weights_version``, the adapter version the engine served while sampling.
 - Asynchronous mode (``layout.mode=separate``): a ``prefetch.RolloutProducer`` thread samples
   step ``k + 1`` while update ``k`` runs, never more than ``layout.max_staleness`` versions
-  behind the trainer (it waits for the weight sync otherwise). Every batch gets ``staleness``
-  (trainer's version minus the batch's) when it is handed over; after a NaN-guard rollback what
+  behind the trainer (``layout.staleness_policy``: ``wait``, it waits for the weight sync
+  otherwise; ``drop``, it samples ahead regardless and the trajectories over the bound are
+  dropped at hand-over; a step left with none is sampled again at once, so no step is skipped).
+  Every batch gets ``staleness`` (trainer's version minus the batch's), the histogram of its
+  trajectories' staleness and the producer's wait (``timing["engine_idle"]``) when it is handed
+  over; after a NaN-guard rollback what
   was sampled ahead (with the discarded weights) is sampled again on the restored ones. The
   dataloader stays sized: Lightning itself never fetches ahead, the producer does, within the
   bound.
@@ -92,7 +96,14 @@ class _RolloutSteps(IterableDataset):
                     log.warning("weights rolled back to v%s: sampling step %d again", dm.weights_version, step)
                     producer = dm.start_producer(step, base_version=dm.weights_version)
                 batch = producer.take(step)
+                batch.timing["engine_idle"] = producer.waited_s.pop(step, 0.0)
                 batch = dm.handed_over(batch, waited_s=time.monotonic() - started)
+                if not len(batch):  # every trajectory was over the bound (drop): sample the step now
+                    log.warning("step %d: all %d trajectories over layout.max_staleness; sampling it again",
+                                step, batch.dropped)
+                    again = dm.handed_over(dm.rollout(step), waited_s=time.monotonic() - started)
+                    again.dropped += batch.dropped
+                    batch = again
                 dm.next_step = step + 1
                 yield batch
         finally:
@@ -257,7 +268,7 @@ class RolloutDataModule(L.LightningDataModule):
             timing["wake_rollout"] = time.monotonic() - started
             progress = RolloutProgress(f"{partition} step {step}", self.progress_sink if self.rank == 0 else None)
             looped = time.monotonic()
-            stats = AgentLoop(self.engine, self.chat, self._limits()).run(
+            stats = AgentLoop(self.engine, self.chat, self._limits(), policy_version=lambda: self.weights_version).run(
                 trajectories, sampling, seed_parts=seed_parts, progress=progress)
             timing["gen"] = time.monotonic() - looped
             _card_used(memory, "gen")
@@ -300,22 +311,45 @@ class RolloutDataModule(L.LightningDataModule):
             self.producer.stop(timeout_s=0)
         self.producer = RolloutProducer(self.rollout, self.clock, first=first, last=self.total_steps,
                                         max_staleness=int(self.cfg.layout.max_staleness),
-                                        base_version=base_version).start()
+                                        base_version=base_version, policy=self.staleness_policy).start()
         return self.producer
+
+    @property
+    def staleness_policy(self) -> str:
+        """``layout.staleness_policy``: ``wait`` or ``drop`` (``prefetch.py``)."""
+        return str(self.cfg.layout.get("staleness_policy", "wait"))
 
     def handed_over(self, batch: RolloutBatch, waited_s: Optional[float]) -> RolloutBatch:
         """``batch`` as the trainer gets it: its ``staleness`` (the trainer's version, i.e. the
         version the engine serves now, since every update is synced before the next step, minus
-        the batch's), checked against ``layout.max_staleness`` in asynchronous mode; the time
-        the trainer waited for it."""
+        the batch's), its trajectories held to ``layout.max_staleness`` in asynchronous mode
+        (``_within_bound``); the time the trainer waited for it."""
         if batch.weights_version is not None and self.weights_version is not None:
             batch.staleness = self.weights_version - batch.weights_version
-            bound = int(self.cfg.layout.max_staleness)
-            if self.asynchronous and not 0 <= batch.staleness <= bound:
-                raise RuntimeError(f"step {batch.step} was sampled with weights v{batch.weights_version}, the trainer "
-                                   f"holds v{self.weights_version}: staleness {batch.staleness} outside [0, {bound}]")
+            if self.asynchronous:
+                batch = self._within_bound(batch)
         if waited_s is not None:
             batch.timing["wait_rollout"] = waited_s
+        return batch
+
+    def _within_bound(self, batch: RolloutBatch) -> RolloutBatch:
+        """Each trajectory's staleness (the trainer's version minus its oldest generated token's,
+        ``RolloutBatch.oldest_versions``) counted into ``staleness_counts``; one over
+        ``layout.max_staleness`` is dropped (``drop``, counted in ``dropped``) or refused
+        (``wait``, whose producer never samples one: it would be a bug)."""
+        bound = int(self.cfg.layout.max_staleness)
+        lags = [self.weights_version - v for v in batch.oldest_versions()]
+        worst = max(lags, default=0)
+        if min(lags, default=0) < 0 or (self.staleness_policy == "wait" and worst > bound):
+            raise RuntimeError(f"step {batch.step} was sampled with weights v{batch.weights_version}, the trainer "
+                               f"holds v{self.weights_version}: staleness {worst} outside [0, {bound}]")
+        kept = [i for i, lag in enumerate(lags) if lag <= bound]
+        if len(kept) < len(lags):
+            log.warning("step %d: %d of %d trajectories over layout.max_staleness=%d dropped",
+                        batch.step, len(lags) - len(kept), len(lags), bound)
+            batch = batch.subset(kept)
+            batch.dropped = len(lags) - len(kept)
+        batch.staleness_counts = {k: sum(1 for i in kept if lags[i] == k) for k in range(bound + 1)}
         return batch
 
     def rollout(self, step: int) -> RolloutBatch:

@@ -28,4 +28,8 @@ def separate_refusals(cfg: Any) -> list[str]:
                    "set rollout.enable_sleep_mode=false")
     if int(cfg.layout.max_staleness) < 0:
         out.append("layout.max_staleness must be >= 0")
+    if cfg.layout.get("staleness_policy", "wait") == "drop" and int(cfg.layout.max_staleness) < 1:
+        out.append("layout.staleness_policy=drop samples one step ahead without waiting for weights: with "
+                   "layout.max_staleness=0 it would drop all of it; set layout.max_staleness >= 1 or "
+                   "layout.staleness_policy=wait")
     return out

@@ -15,6 +15,16 @@ loop; no collectives run on it):
   with version ``k - 1`` while update ``k`` runs; with 0 nothing overlaps. After a rollback
   the datamodule starts a new producer from the restored version.
 
+The staleness policy (``layout.staleness_policy``) says what holds a rollout within the bound:
+``wait`` (the default; the rule above: the producer waits for new weights, never samples a
+batch that would be too stale, and nothing is dropped) or ``drop`` (the producer waits only for
+room: it starts step ``s`` once ``s - max_staleness`` is taken, whatever version the engine
+serves, and the datamodule drops, at hand-over, every trajectory that has fallen more than
+``max_staleness`` versions behind). ``waited_s[step]``: how long the producer waited before
+sampling ``step`` (the engine's idle time, as this client sees it). Requests interrupted by new
+weights and a resume that keeps the trajectories in flight are designed, not built:
+atlas_lightning/bench/README.md, "Partial rollouts in the separate layout".
+
 The engine is shared with the weight sync and validation: every use of it holds
 ``engine_lock`` for its whole duration (a rollout, a sync), so a batch is sampled with exactly
 one version and a sync never swaps weights under a running rollout.
@@ -33,6 +43,9 @@ import time
 from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
+
+#: ``layout.staleness_policy`` (module doc).
+STALENESS_POLICIES = ("wait", "drop")
 
 
 class WeightsClock:
@@ -53,6 +66,11 @@ class WeightsClock:
             if version is not None and self._version is not None and version < self._version:
                 self.rollbacks += 1
             self._version = version
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Wake every waiter to look again (the version unchanged)."""
+        with self._cond:
             self._cond.notify_all()
 
     def wait_until(self, ready: Callable[[Optional[int]], bool], stop: threading.Event,
@@ -79,10 +97,14 @@ class RolloutProducer:
     sampled with). ``take(step)`` returns that step's batch, blocking until it is there."""
 
     def __init__(self, sample: Callable[[int], object], clock: WeightsClock, *, first: int, last: int,
-                 max_staleness: int, base_version: Optional[int] = None) -> None:
+                 max_staleness: int, base_version: Optional[int] = None, policy: str = "wait") -> None:
         if max_staleness < 0:
             raise ValueError(f"layout.max_staleness={max_staleness} must be >= 0")
-        self.sample, self.clock = sample, clock
+        if policy not in STALENESS_POLICIES:
+            raise ValueError(f"layout.staleness_policy={policy!r} is not one of {', '.join(STALENESS_POLICIES)}")
+        self.sample, self.clock, self.policy = sample, clock, policy
+        #: Seconds the producer waited before sampling each step (module doc).
+        self.waited_s: dict[int, float] = {}
         self.first, self.last, self.max_staleness = first, last, max_staleness
         #: The weights step ``first`` is trained on.
         self.base = first - 1 if base_version is None else base_version
@@ -94,8 +116,12 @@ class RolloutProducer:
         self._next_take = first
 
     def allowed(self, step: int, version: Optional[int]) -> bool:
-        """May step ``step`` be sampled now that the engine serves ``version``?"""
-        return version is not None and (step - self.first) - (version - self.base) <= self.max_staleness
+        """May step ``step`` be sampled now that the engine serves ``version`` (module doc)?"""
+        if version is None:
+            return False
+        if self.policy == "drop":
+            return step - self._next_take <= self.max_staleness
+        return (step - self.first) - (version - self.base) <= self.max_staleness
 
     def start(self) -> "RolloutProducer":
         self._thread.start()
@@ -103,8 +129,10 @@ class RolloutProducer:
 
     def _run(self) -> None:
         for step in range(self.first, self.last + 1):
+            started = time.monotonic()
             if self.clock.wait_until(lambda v, s=step: self.allowed(s, v), self._stop) is None:
                 return
+            self.waited_s[step] = time.monotonic() - started
             try:
                 batch = self.sample(step)
             except BaseException as err:  # handed to the trainer's thread by take()
@@ -131,12 +159,13 @@ class RolloutProducer:
         if got != step:
             raise RuntimeError(f"rollout producer: got step {got}, expected {step}")
         self._next_take = step + 1
+        self.clock.wake()  # room for one more step under the drop policy
         return batch
 
     def stop(self, timeout_s: Optional[float] = None) -> None:
         """End the thread after its current rollout and drop what was sampled ahead."""
         self._stop.set()
-        self.clock.publish(self.clock.version)  # wake a waiting producer
+        self.clock.wake()
         if self._thread.is_alive() and timeout_s != 0:
             started = time.monotonic()
             self._thread.join(timeout=timeout_s)

@@ -32,7 +32,14 @@ Order of work:
    ``max_logprob_gap``): it catches an engine that serves something other than what it
    reports. A mismatch raises ``WeightSyncError`` naming the tensors, a non-finite engine
    log-prob ``errors.NonFiniteError``: no rollout ever runs on weights that are not the
-   trained ones.
+   trained ones;
+4. prove that the engine APPLIES what it was sent, whatever it reports and whatever the learning
+   rate (``rollout/sync_probe.py``): the engine's probe log-probs must move from the last
+   verified state as the trainer's do (``rollout/applied_*``). The process's first sync judges
+   the move from the base the engine served before it to the actor (when measurable), then
+   loads a marked actor and the actor again (sync ids K, K+1, K+2) and judges both moves: an
+   engine that ignores the adapter stops the run before any training
+   (``sync_probe.StartingCheckError``, exit 2).
 
 The weights version served is the number of updates applied (0 before training; after a NaN
 guard rollback to step M, M again); it is published to ``serving``
@@ -57,36 +64,27 @@ from atlas_lightning import distributed as dist_utils
 from atlas_lightning.errors import NonFiniteError
 from atlas_lightning.rollout.digest import WeightDigest, bucket_digest, dtype_named, lora_digest, tensor_digest
 from atlas_lightning.rollout.engine import AdapterVersion, EngineError
+from atlas_lightning.rollout.sync_probe import (FLOAT32_EPS, NOISE_ULPS, MovementCheck, Reading, WeightSyncError,
+                                                mark_shift)
 
 #: The two ways the actor reaches the engines (``rollout.weight_sync``).
 KINDS = ("lora", "merged")
-#: float32's relative resolution (2**-23): the finest gap two float32 log-probs can show.
-FLOAT32_EPS = 2.0 ** -23
-#: A clean engine differs from the trainer by a few roundings of the largest probe log-prob
-#: (a log-softmax over the vocabulary; seen: 3-5 float32 ulps on the tiny model, gaps 3.8e-6 to
-#: 5.7e-6 at |log-prob| 10.7): the noise floor, so that a lucky first sync cannot set the bound
-#: below what later clean syncs show.
-NOISE_ULPS = 4
-
-
-class WeightSyncError(RuntimeError):
-    """The engines do not hold the weights the trainer sent."""
-
 
 # ----------------------------------------------------------------------------- what is sent
 
 
 def export_actor_adapter(model, folder: Path) -> dict:
-    """Write ``model``'s actor adapter to ``folder`` (PEFT layout) for the engines and return what
-    was sent: ``{PEFT module name: (A, B, scaling)}``, full tensors on every rank (digested by
-    ``rollout.digest.lora_digest``), the scaling from the adapter's own config. Collective; rank
-    0 writes."""
+    """Write ``model``'s actor adapter to ``folder`` (PEFT layout, tensors named as the base
+    checkpoint names them: vLLM ignores a Qwen3.5/3.6 adapter named otherwise) for the engines
+    and return what was sent: ``{PEFT module name: (A, B, scaling)}``, full tensors on every rank
+    (digested by ``rollout.digest.lora_digest``, which names a module from ``layers.<i>.`` on),
+    the scaling from the adapter's own config. Collective; rank 0 writes."""
     from atlas_lightning.models.adapters import save_adapter
     from atlas_lightning.models.weights import adapter_state
     from atlas_lightning.rollout.digest import lora_modules
 
     state = adapter_state(model, "actor")
-    save_adapter(model, "actor", folder)
+    save_adapter(model, "actor", folder, checkpoint_names=True)
     config = model.peft_model.peft_config["actor"]
     scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
     return lora_modules(state, scaling)
@@ -224,6 +222,9 @@ class WeightSync:
         #: The probe gap of this process's first sync: the engine's numerical noise (not saved:
         #: a resumed process measures its own engine).
         self.noise_gap: Optional[float] = None
+        #: The proof that the engine applies what it is sent (``sync_probe``; not saved either:
+        #: a resumed process proves its own engine with the starting check).
+        self.movement = MovementCheck(kind)
 
     def sync(self, model, serving, version: int, device: Any = "cpu") -> dict[str, float]:
         """Serve ``model``'s actor as weights version ``version`` on ``serving.engine``, verified;
@@ -239,14 +240,20 @@ class WeightSync:
             engine.wake_up()  # slept through the update (colocated sleep mode); a no-op otherwise
             started = time.monotonic()
             _reset_peak()
-            report = self._load(model, engine, version)
-            gap = self._probe(model, serving.probe_token_ids(), engine, version, device)
+            probe = serving.probe_token_ids()
+            if self.movement.reference is None:  # this process's first sync: the starting check
+                report, gap = self._prove_start(model, engine, probe, version, device)
+            else:
+                report = self._load(model, engine, version)
+                reading = self._reading(model, probe, engine, version, device)
+                gap = self._check_gap(reading, version)
+                self.movement.check(reading)
             serving.weights_version = version  # published under the lock: the next rollout samples it
         self.version = version
         self.last_gap = gap
         metrics = {"rollout/logprob_gap": gap, "rollout/logprob_gap_bound": self.last_bound,
                    "timing_s/update_weights": time.monotonic() - started, "timing_s/wake": started - woken,
-                   "rollout/sync_tensor_count": float(report.tensor_count)}
+                   "rollout/sync_tensor_count": float(report.tensor_count), **self.movement.metrics()}
         metrics.update(_peak_metrics(int(getattr(serving, "engine_allocated_bytes", 0) or 0)))
         return metrics
 
@@ -269,13 +276,9 @@ class WeightSync:
         check_held(merged.sent, report, version, sent_tensors=merged.tensor_count)
         return report
 
-    def _probe(self, model, probe: list[int], engine, version: int, device: Any) -> float:
-        """Max |trainer - engine| log-prob over the probe sequence ``probe``, against a bound set
-        from the measured noise: the gap of this process's first sync (weights verified by
-        digest, so only numerics differ) times ``logprob_gap_factor``, never below ``NOISE_ULPS``
-        float32 roundings of the probe's largest log-prob nor above ``max_logprob_gap``. The
-        first sync itself is held to ``max_logprob_gap``. Non-finite engine log-probs raise
-        ``NonFiniteError``."""
+    def _reading(self, model, probe: list[int], engine, version: int, device: Any) -> Reading:
+        """The trainer's and the engine's log-probs of the probe sequence ``probe`` (the engine's
+        checked finite: ``NonFiniteError``)."""
         from atlas_lightning.models.probe import probe_logprobs
 
         engine_lp = engine.prompt_logprobs(probe)
@@ -283,8 +286,16 @@ class WeightSync:
         trainer_lp = probe_logprobs(model, probe, device)
         if len(engine_lp) != len(trainer_lp):
             raise WeightSyncError(f"weight sync: probe lengths differ ({len(engine_lp)} vs {len(trainer_lp)})")
-        gap = max(abs(a - b) for a, b in zip(engine_lp, trainer_lp))
-        gap, scale = dist_utils.all_reduce_max([gap, max(1.0, max(abs(x) for x in trainer_lp))])
+        return Reading(version, np.asarray(trainer_lp, dtype=np.float64), np.asarray(engine_lp, dtype=np.float64))
+
+    def _check_gap(self, reading: Reading, version: int) -> float:
+        """Max |trainer - engine| log-prob over the probe sequence, against a bound set from the
+        measured noise: the gap of this process's first sync (weights verified by digest, so only
+        numerics differ) times ``logprob_gap_factor``, never below ``NOISE_ULPS`` float32
+        roundings of the probe's largest log-prob nor above ``max_logprob_gap``. The first sync
+        itself is held to ``max_logprob_gap``."""
+        gap = float(np.max(np.abs(reading.engine - reading.trainer)))
+        gap, scale = dist_utils.all_reduce_max([gap, max(1.0, float(np.max(np.abs(reading.trainer))))])
         bound = self._bound(scale)
         self.last_bound = bound
         if not gap <= bound:
@@ -298,8 +309,58 @@ class WeightSync:
             self.noise_gap = gap
         return gap
 
+    def _prove_start(self, model, engine, probe: list[int], version: int, device: Any):
+        """The starting check (``sync_probe`` module doc): from the base the engine serves before
+        any load (when it is the trainer's base) to the actor (judged when that move is
+        measurable: a starting adapter the engine ignores), to the marked actor and back to the
+        actor, each load verified as any sync's. Returns the last load's report and probe gap."""
+        from atlas_lightning.models.probe import marked_actor, probe_logprobs
+
+        def marked_probe(shift: float) -> np.ndarray:
+            with marked_actor(model, shift):
+                return np.asarray(probe_logprobs(model, probe, device), dtype=np.float64)
+
+        base = self._base_reading(model, probe, engine, version, device)
+        self._load(model, engine, version)
+        actor = self._reading(model, probe, engine, version, device)
+        if base is not None:
+            self.movement.start(base)
+            what = "the actor adapter" if self.kind == "lora" else "the merged actor"
+            self.movement.check(actor, starting=f"{what} against the base", may_wait=True)
+        self._check_gap(actor, version)
+        if self.movement.reference is not actor:  # the move from the base did not decide: start here
+            self.movement.start(actor)
+        shift = mark_shift(marked_probe, actor.trainer, self.movement.noise)
+        with marked_actor(model, shift):
+            self.sync_id += 1
+            self._load(model, engine, version)
+            marked = self._reading(model, probe, engine, version, device)
+        self.movement.check(marked, starting=f"the marked adapter (every lora_B entry shifted by {shift:.3g})")
+        self.sync_id += 1
+        report = self._load(model, engine, version)
+        again = self._reading(model, probe, engine, version, device)
+        self.movement.check(again, starting="the actor served again after the marked adapter")
+        return report, self._check_gap(again, version)
+
+    def _base_reading(self, model, probe: list[int], engine, version: int, device: Any) -> Optional[Reading]:
+        """The trainer's base (adapters off) and what the engine serves before this process's
+        first load, when the two agree within ``max_logprob_gap`` (both read ``model.path``);
+        None when the engine serves something else (a server attached with other weights) or
+        nothing (a merged engine that dropped its weights in its sleep). Collective."""
+        from atlas_lightning.models.probe import probe_logprobs
+
+        try:
+            engine_lp = engine.prompt_logprobs(probe)
+        except EngineError:  # asleep without its weights: nothing to compare before the first load
+            engine_lp = []
+        trainer_lp = probe_logprobs(model, probe, device, base=True)  # every rank: an FSDP2 forward
+        agree = len(engine_lp) == len(trainer_lp) and bool(np.all(np.isfinite(engine_lp)))
+        reading = Reading(version, np.asarray(trainer_lp, dtype=np.float64), np.asarray(engine_lp, dtype=np.float64))
+        gap = float(np.max(np.abs(reading.engine - reading.trainer))) if agree else math.inf
+        return reading if dist_utils.all_reduce_max([gap])[0] <= self.max_logprob_gap else None
+
     def _bound(self, scale: float) -> float:
-        """The probe's bound (see ``_probe``); ``scale``: the largest |log-prob| on the probe."""
+        """The probe's bound (see ``_check_gap``); ``scale``: the largest |log-prob| on the probe."""
         if self.noise_gap is None:
             return self.max_logprob_gap
         floor = NOISE_ULPS * scale * FLOAT32_EPS

@@ -5,17 +5,19 @@ On disk (README, "On-disk layout")::
     artifacts/<name>/{train,val}/step_N/
         <uid>_<session_id>.json   one TrajectoryRecord a trajectory (JSON, ``file_version`` 1)
         tensors.npz               the step's per-token arrays (prompt_ids, response_ids,
-                                  response_mask, response_logprobs, plus values, returns,
+                                  response_mask, response_logprobs, response_versions, plus values, returns,
                                   advantages, ... given by the caller), ragged, see below
         manifest.json             every file of the folder with its size and sha256, counts
 
-A record's JSON holds every field of ``RECORD_FIELDS``, then the four per-token arrays
+A record's JSON holds every field of ``RECORD_FIELDS``, then the per-token arrays
 ``TOKEN_ARRAY_FIELDS`` (``prompt_ids``, ``response_ids``, ``response_mask``,
-``response_logprobs``) when the record carries them (every record the trainer writes does; the
+``response_logprobs``: the seed report's four; ``response_versions``: the weights version that
+generated each response token, -1 on tool-response tokens and where none is known) that the
+record carries (every record the trainer writes carries all five; the
 reading copy that ``publish`` sends without ``--weights`` strips them, ``strip_token_arrays``),
 and may hold ``extra`` (a dict for additions that do not need a new version). Each array is one
 JSON line of numbers (the rest of the record is indented, one field a line, so that it reads by
-hand): token ids and mask as integers, log-probs as the shortest decimal that reads back to the
+hand): token ids, mask and versions as integers, log-probs as the shortest decimal that reads back to the
 same float32 (``null`` for a non-finite one; ``tensors.npz`` holds it exactly). When a record
 carries the arrays their lengths must agree with the episode's ``token_counts``: ``prompt_ids``
 with ``prompt``, ``response_ids`` with ``response``, the ones of ``response_mask`` with
@@ -59,11 +61,11 @@ RECORD_FIELDS = (
 )
 #: Per-token arrays: on the record object, in its JSON (after ``reward_trace``)
 #: and in the step's tensors.npz; stripped from the reading copy.
-TOKEN_ARRAY_FIELDS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs")
+TOKEN_ARRAY_FIELDS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "response_versions")
 OPTIONAL_FIELDS = ("extra",) + TOKEN_ARRAY_FIELDS
 #: The dtype each per-token array has on a record object.
 TOKEN_ARRAY_DTYPES = {"prompt_ids": np.int64, "response_ids": np.int64, "response_mask": np.int8,
-                      "response_logprobs": np.float32}
+                      "response_logprobs": np.float32, "response_versions": np.int64}
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _STR_FIELDS = ("run_id", "data_source", "benchmark", "question_id", "candidate_fingerprint", "ground_truth", "written_at")
@@ -127,6 +129,7 @@ class TrajectoryRecord:
     response_ids: np.ndarray | None = None
     response_mask: np.ndarray | None = None
     response_logprobs: np.ndarray | None = None
+    response_versions: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -188,6 +191,8 @@ class TrajectoryRecord:
                 raise RecordError(f"{where}: reward_trace offsets {offsets} fall outside the response (length {length})")
         if self.response_mask is not None and not np.isin(self.response_mask, (0, 1)).all():
             raise RecordError(f"{where}: response_mask must hold only 0 and 1")
+        if self.response_versions is not None and (self.response_versions < -1).any():
+            raise RecordError(f"{where}: response_versions must hold versions >= 0, or -1 (none)")
         self._validate_token_counts(where)
 
     def _validate_token_counts(self, where: str) -> None:

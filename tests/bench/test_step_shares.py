@@ -29,3 +29,18 @@ def test_validation_and_checkpoint_are_apart_and_amortised_over_their_periods():
     # a typical step: 86 s of gen, update and the rest, plus 8/5 s of validation and 6/2 s of checkpoint
     periodic = 8.0 / 5 + 6.0 / 2
     assert shares["overhead_with_periodic_amortised"] == pytest.approx((8.0 + periodic) / (86.0 + periodic))
+
+
+def test_tokens_per_gpu_second_counts_every_token_once_over_the_runs_gpus():
+    """NeMo-RL's tokens/s/GPU: all trajectories' tokens / (step seconds x GPUs), the step as run,
+    without its validation and checkpoint, and with those amortised over their periods."""
+    cfg = compose(["experiment=tiny-cpu", "trainer.total_steps=10", "trainer.val_every=5", "trainer.save_every=2"])
+    callbacks = {"ValidationCallback": 8.0, "StepCheckpoint": 6.0}
+    report = build_report(cfg, {1: {"timing_s/gen": 10.0}}, rollout_start={1: 0.0}, ended=100.0,
+                          callback_s={1: callbacks}, lengths={1: [1000, 3000]}, generated={1: 150}, replayed={})
+    rate = report["steps"][0]["tokens_per_s_per_gpu"]
+    gpus = int(cfg.layout.gpus)
+    assert rate["gpus"] == gpus
+    assert rate["step"] == pytest.approx(4000 / (100.0 * gpus))
+    assert rate["without_periodic"] == pytest.approx(4000 / (86.0 * gpus))
+    assert rate["amortised"] == pytest.approx(4000 / ((86.0 + 8.0 / 5 + 6.0 / 2) * gpus))

@@ -104,3 +104,25 @@ def test_unknown_stage_is_refused():
     assert exit_.value.code == 2
     opts = step_suite.parse_args(["b", "kr", "--b-s", "370", "--kr-model", "tiny-model"])
     assert (opts.stages, opts.b_s, opts.kr_s, opts.kr_model) == (["b", "kr"], 370, 240, "tiny-model")
+
+
+def test_the_hybrid_stages_run_the_step_benchmark_on_the_27b_checkpoint(tmp_path, monkeypatch):
+    """Stages ``h`` and ``hm``: the step benchmark builds the 27B hybrid shape (16 layers by
+    default) in its checkpoint format once, and runs fit with fla in the trainer, LoRA then
+    merged sync, each under its own cap."""
+    suite = Suite(out=tmp_path / "out", cache=tmp_path / "cache", runs=tmp_path / "runs", extra=[])
+    suite.out.mkdir()
+    ran = []
+    monkeypatch.setattr(suite, "run", lambda command, log, cap_s: ran.append((command, log.name, cap_s)) or 0)
+    opts = step_suite.parse_args(["h", "hm", "--h-layers", "24", "--h-extra", "trainer.total_steps=3"])
+    step_suite.stage_h(suite, opts)
+    step_suite.stage_hm(suite, opts)
+    for (command, log, cap), sync in zip(ran, ("lora", "merged")):
+        assert command[1:3] == ["-m", "atlas_lightning.bench.step"] and log == f"h-{sync}.log" and cap == 570
+        build = command[command.index("--build"):command.index("--")]
+        assert build == ["--build", "qwen3_6_27b", "--layers", "24", "--model-dir", "/tmp/qwen3_6_27b",
+                         "--tokenizer-from", str(tmp_path / "cache" / "tiny-model")]
+        overrides = command[command.index("--") + 1:]
+        assert {"experiment=h200-8b", "model.path=/tmp/qwen3_6_27b", "model.linear_attention_kernel=fla",
+                f"rollout.weight_sync={sync}", "logger.mode=disabled", "trainer.total_steps=3"} <= set(overrides)
+        assert overrides[-1] == "trainer.total_steps=3"

@@ -140,3 +140,25 @@ def test_figures_reach_wandb(tmp_path, h, chat, monkeypatch):
     expected = {f"train_figures/{n}": 2 for n in TRAIN_FIGURES}  # steps 1 and 2
     expected.update({f"val_figures/{n}": 2 for n in VAL_FIGURES})  # steps 0 and 2
     assert dict(logged) == expected
+
+
+def test_the_separate_layout_adds_a_staleness_figure(tmp_path):
+    """A step whose metrics carry the staleness histogram (the separate layout) adds
+    ``staleness.png`` to the training figures; a synchronous step's metrics add nothing."""
+    from atlas_lightning.callbacks.figures import staleness_summary
+
+    assert staleness_summary({"rollout/staleness": 0.0, "critic/score/mean": 1.0}) is None
+    figures = FiguresCallback(artifacts=tmp_path)
+    row = {"benchmark": "gpqa", "subsets": {}, "acc": 1.0, "objective": 1.0, "cost": 0.0, "cost_usd": 0.0,
+           "explores": 0, "score": 1.0, "terminal_reason": "submitted"}
+    for step, (fresh, stale, dropped) in enumerate([(4, 0, 0), (0, 4, 0), (1, 2, 1)], start=1):
+        summary = step_summary(step, [row])
+        summary["staleness"] = staleness_summary({
+            "rollout/staleness_hist/0": fresh, "rollout/staleness_hist/1": stale,
+            "rollout/dropped_trajectories": dropped, "perf/trainer_idle_share": 0.1, "perf/engine_idle_share": 0.3})
+        figures._add("train", summary)
+    assert figures.history["train"][2]["staleness"] == {"trajectories": {"0": 1.0, "1": 2.0}, "dropped": 1.0,
+                                                        "trainer_idle_share": 0.1, "engine_idle_share": 0.3}
+    paths = figures.draw(None, "train", tmp_path / "train_figures", 3)
+    assert sorted(Path(p).name for p in paths) == sorted(f"{n}.png" for n in TRAIN_FIGURES + ("staleness",))
+    assert (tmp_path / "train_figures" / "staleness.png").read_bytes()[:8] == PNG

@@ -31,8 +31,14 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
   callbacks.
 * ``callbacks.checkpoint.background`` (true): checkpoints are written while the next step runs
   (``callbacks/checkpoint.py``); false writes them before the step ends, as every snapshot did.
+* ``algorithm.off_policy_loss`` (``none``), ``algorithm.behav_imp_weight_cap`` (5.0),
+  ``algorithm.behav_imp_weight_mode`` (``truncate``), ``layout.staleness_policy`` (``wait``): the
+  asynchronous layout's off-policy correction and staleness cap; their defaults leave every run
+  computing what it did.
 * ``callbacks.weight_sync``: the weight sync is no callback any more but the PPO step's last
   phase (``ppo/module.py``); a config that still lists it is refused (``test_bad_config.py``).
+* ``rollout.gdn_prefill_backend`` (``auto``): vLLM's Gated DeltaNet prefill kernel for hybrid
+  models (``rollout/engines/args.py``); attention-only models, every snapshot's, ignore it.
 """
 
 from __future__ import annotations
@@ -57,7 +63,10 @@ ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.de
          "model.linear_attention_kernel": "auto", "model.layer_recompute": None,
          "model.critic_lora.rank": None, "model.critic_lora.alpha": None, "model.critic_lora.dropout": None,
          "model.critic_lora.target_modules": None, "model.elementwise_kernels": "auto",
-         "model.attention_length_bucket": None, "data.label_conflicts": "refuse", "trainer.gpu_hour_usd": 2.5}
+         "model.attention_length_bucket": None, "data.label_conflicts": "refuse", "trainer.gpu_hour_usd": 2.5,
+         "algorithm.off_policy_loss": "none", "algorithm.behav_imp_weight_cap": 5.0,
+         "algorithm.behav_imp_weight_mode": "truncate", "layout.staleness_policy": "wait",
+         "rollout.gdn_prefill_backend": "auto"}
 
 
 def derived(now: dict) -> dict:

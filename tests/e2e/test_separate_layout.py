@@ -2,8 +2,9 @@
 layout=separate_cpu rollout=vllm_server_cpu`` (training processes and one CPU vLLM server the
 first of them starts), 3 steps. Rollout k+1 is sampled during update k, staleness is logged
 every step and bounded, every weight sync is verified, and the step records are complete:
-two training ranks with merged weights (vLLM's weight-transfer API); one rank with the LoRA
-adapter, killed after step 2 and resumed without losing or repeating the prefetched step 3."""
+two training ranks with merged weights (vLLM's weight-transfer API) and the decoupled PPO loss;
+one rank with the LoRA adapter and the default loss, killed after step 2 and resumed without
+losing or repeating the prefetched step 3."""
 
 from __future__ import annotations
 
@@ -53,9 +54,11 @@ def _history(root: Path) -> list[dict]:
 @pytest.mark.parametrize("weight_sync, ranks", [("merged", 2)])  # LoRA, one rank: the resume test
 def test_fit_in_the_separate_layout(weight_sync, ranks, tiny_model_dir, sample_data_dir, tmp_path):
     """``ranks`` training processes (FSDP2 on gloo) share the one server; with 2, rank 0 sends the
-    merged weights while rank 1 only takes part in the gathers, and both feed the server."""
+    merged weights while rank 1 only takes part in the gathers, and both feed the server. The
+    policy loss corrects for the stale rollouts (``algorithm.off_policy_loss=decoupled``)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(2 // ranks), WANDB_MODE="disabled")
-    layout = [f"layout.gpus={ranks + 1}", f"layout.train_gpus={ranks}", f"trainer.devices={ranks}"]
+    layout = [f"layout.gpus={ranks + 1}", f"layout.train_gpus={ranks}", f"trainer.devices={ranks}",
+              "algorithm.off_policy_loss=decoupled"]
     result = subprocess.run(_command(tiny_model_dir, sample_data_dir, tmp_path, weight_sync, *layout),
                             capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -68,6 +71,16 @@ def test_fit_in_the_separate_layout(weight_sync, ranks, tiny_model_dir, sample_d
     # step 1 on the initial weights; then step k+1 was sampled during update k, one version behind
     assert staleness == [0.0, 1.0, 1.0] and versions == [0.0, 0.0, 1.0]
     assert all(s <= 1 for s in staleness)  # layout.max_staleness
+    # the staleness histogram of the 4 trajectories a step, none dropped, the idle shares
+    hist = [(float(steps[k]["rollout/staleness_hist/0"]), float(steps[k]["rollout/staleness_hist/1"]))
+            for k in range(1, STEPS + 1)]
+    assert hist == [(4.0, 0.0), (0.0, 4.0), (0.0, 4.0)]
+    for k in range(1, STEPS + 1):
+        assert float(steps[k]["rollout/dropped_trajectories"]) == 0.0
+        assert 0.0 <= float(steps[k]["perf/trainer_idle_share"]) <= 1.0
+        assert 0.0 <= float(steps[k]["perf/engine_idle_share"]) <= 1.0
+    # step 1 is on-policy: the behaviour weights are 1 up to the merged weights' numerical gap
+    assert abs(float(steps[1]["actor/behav_imp_weight_mean"]) - 1.0) < 1e-2
     gaps = [float(r["rollout/logprob_gap"]) for r in rows if r.get("rollout/logprob_gap")]
     assert len(gaps) == STEPS + 1 and max(gaps) < 1e-3  # the initial sync and one after each update
 
@@ -78,6 +91,9 @@ def test_fit_in_the_separate_layout(weight_sync, ranks, tiny_model_dir, sample_d
         assert manifest["weights_version"] == versions[step - 1]
         records = [read_record(p) for p in folder.glob("*.json") if p.name != "manifest.json"]
         assert len(records) == 4 and {r.global_steps for r in records} == {step}
+        for record in records:  # each generated token carries the version that sampled it
+            assert record.response_versions.tolist() == [versions[step - 1] if m else -1
+                                                         for m in record.response_mask.tolist()]
     for step in (2, 3):
         assert (tmp_path / "checkpoints" / NAME / f"global_step_{step}" / "checkpoint.json").is_file()
     server_log = (tmp_path / "logs" / f"vllm-server-{NAME}-separate.log").read_text()

@@ -1,31 +1,15 @@
-"""The uploader's pure parts: commit batching, error classification, log redaction."""
+"""The uploader's own parts (what huggingface_hub lacks): error classification, log redaction.
+Splitting a large upload into commits is the library's (``upload_folder``)."""
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import httpx2
 import pytest
 from huggingface_hub.errors import HfHubHTTPError
 
-from atlas_lightning.hub.client import (
-    INLINE_SIZE_LIMIT,
-    HubUploader,
-    is_transient,
-    plan_batches,
-    redacted_logs,
-)
-
-
-def test_batches_respect_file_count_and_inline_bytes():
-    entries = [(f"f{i}", Path(f"f{i}"), 10) for i in range(5)]
-    assert [len(b) for b in plan_batches(entries, max_files=2)] == [2, 2, 1]
-    assert [len(b) for b in plan_batches(entries, max_inline_bytes=25)] == [2, 2, 1]
-    big = [("w", Path("w"), INLINE_SIZE_LIMIT + 1)] * 3  # LFS files do not count as inline bytes
-    assert [len(b) for b in plan_batches(big + entries, max_inline_bytes=25)] == [5, 2, 1]
-    flat = [e for b in plan_batches(big + entries, max_files=3) for e in b]
-    assert flat == big + entries, "order must be kept"
+from atlas_lightning.hub.client import HubUploader, is_transient, redacted_logs
 
 
 def _http_error(status: int) -> HfHubHTTPError:

@@ -126,3 +126,28 @@ def test_engine_serving_the_trained_adapter_agrees_with_the_trainer(step_inputs,
     assert result.token_ids == greedy
     assert max(abs(a - b) for a, b in zip(result.logprobs, reference)) < 2e-4
     vllm_engine.set_adapter(None)
+
+
+@pytest.mark.vllm
+def test_decoupled_loss_on_an_on_policy_batch_is_the_vanilla_step(step_inputs):
+    """``algorithm.off_policy_loss=decoupled`` on a batch the engine sampled with the trainer's
+    own weights (the base, fresh adapters): every behaviour weight is 1 up to the engine's
+    numerical gap, and the step is the default one's up to that gap."""
+    batch_path, config_path, tmp, cfg = step_inputs
+    vanilla = _run(step_inputs, 1)
+    decoupled_cfg = OmegaConf.merge(cfg, {"algorithm": {"off_policy_loss": "decoupled"}})
+    (tmp / "decoupled.yaml").write_text(OmegaConf.to_yaml(decoupled_cfg))
+    out = tmp / "decoupled"
+    result = subprocess.run([sys.executable, str(FORKED_RANKS), "1", str(WORKER), str(batch_path),
+                             str(tmp / "decoupled.yaml"), str(out), "1"], capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-6000:]
+    m1 = json.loads((vanilla / "metrics.json").read_text())
+    m2 = json.loads((out / "metrics.json").read_text())
+    assert "actor/behav_kl" not in m1  # the default step computes what it always did
+    assert m2["actor/behav_imp_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert abs(m2["actor/behav_kl"]) < 1e-3 and m2["actor/behav_capped_frac"] == 0.0
+    for key in ("actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "critic/vf_loss"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-2, abs=1e-5), key
+    a, b = _adapter(vanilla, "actor"), _adapter(out, "actor")
+    assert max(float((a[name] - b[name]).abs().max()) for name in a) < 5e-4

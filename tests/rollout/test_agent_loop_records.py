@@ -87,7 +87,7 @@ def _run(chat, scripts: dict[str, list[str]], max_response_length: int):
                                        episode=episode, prompt_ids=prompt))
     engine = ScriptedEngine(chat, {f"{t.uid}/{t.session_id}": scripts[t.uid] for t in trajectories})
     limits = LoopLimits(max_response_length=max_response_length, max_tokens_per_turn=64, max_model_len=4096)
-    stats = AgentLoop(engine, chat, limits).run(trajectories, Sampling())
+    stats = AgentLoop(engine, chat, limits, policy_version=lambda: 7).run(trajectories, Sampling())
     return assemble_batch(trajectories, step=1, partition="train", run_id="r",
                           scorer=CostReward(cost_per_usd=0.1), stats=stats, weights_version=0)
 
@@ -109,12 +109,15 @@ def test_records_carry_arrays_consistent_with_token_counts(chat, tmp_path):
         assert len(record.response_ids) == len(mask) == len(record.response_logprobs) == counts["response"]
         assert int(mask.sum()) == counts["generated"] and int((mask == 0).sum()) == counts["tool_response"]
         assert rewards.dtype == np.float32 and len(rewards) == counts["response"]
-        # the JSON carries the four arrays, each on one line, and reads back identical
+        # every generated token carries the weights version that sampled it; tool tokens none
+        assert record.response_versions.tolist() == [7 if m else -1 for m in mask.tolist()]
+        # the JSON carries the seed's four arrays and the versions, each on one line, and reads back identical
         path = write_record(tmp_path, record)
         text = path.read_text()
         data = json.loads(text)
-        assert list(data)[-4:] == ["prompt_ids", "response_ids", "response_mask", "response_logprobs"]
-        for name in ("prompt_ids", "response_ids", "response_mask", "response_logprobs"):
+        names = ["prompt_ids", "response_ids", "response_mask", "response_logprobs", "response_versions"]
+        assert list(data)[-5:] == names
+        for name in names:
             assert sum(1 for line in text.splitlines() if line.startswith(f' "{name}": [')) == 1
         back = read_record(path)
         for name, array in record.token_arrays().items():

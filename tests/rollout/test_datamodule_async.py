@@ -46,7 +46,7 @@ class _SlowUpdates(L.LightningModule):
     def training_step(self, batch, batch_idx):
         started = time.monotonic()
         self.seen.append((batch.step, batch.weights_version, batch.staleness,
-                          tuple(r.question_id for r in batch.records)))
+                          tuple(r.question_id for r in batch.records), batch.staleness_counts, batch.dropped))
         opt = self.optimizers()
         opt.zero_grad()
         self.manual_backward((self.weight - 1.0).pow(2).sum())
@@ -96,6 +96,9 @@ def test_rollouts_overlap_updates_with_bounded_staleness(hf_engine, tiny_model_d
 
     # (step, version sampled with, staleness): step 1 on the initial weights, then one behind
     assert [s[:3] for s in module.seen] == [(1, 0, 0), (2, 0, 1), (3, 1, 1)]
+    # the histogram of the trajectories' staleness (2 a step), nothing dropped under "wait"
+    assert [s[4:] for s in module.seen] == [({0: 2, 1: 0}, 0), ({0: 0, 1: 2}, 0), ({0: 0, 1: 2}, 0)]
+
     for k in (1, 2):  # rollout k+1 started once batch k was handed over, before update k ended
         assert starts[k] < starts[k + 1] < module.spans[k][1], (k, starts, module.spans)
     # the cursor counts trained steps, not sampled ones (step k+1 was sampled when k was saved)
@@ -122,4 +125,23 @@ def test_synchronous_layout_never_prefetches(hf_engine, tiny_model_dir, sample_d
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[sync])
     trainer.fit(module, datamodule=dm)
     assert [s[:3] for s in module.seen] == [(1, 0, 0), (2, 1, 0), (3, 2, 0)]
+    assert all(s[4:] == ({}, 0) for s in module.seen)  # no histogram, nothing dropped: as before
     assert dm.producer is None
+
+
+def test_drop_policy_samples_ahead_and_drops_what_falls_over_the_bound(hf_engine, tiny_model_dir, sample_data_dir,
+                                                                      tmp_path):
+    """``drop``: the producer does not wait for weights, only for room; step 3, sampled with v0
+    during update 1, is two versions behind when taken: its trajectories are dropped and the step
+    is sampled again at once (no step skipped)."""
+    module = _SlowUpdates(update_s=4.0)
+    _fit(RolloutDataModule(_cfg(tiny_model_dir, sample_data_dir, tmp_path, "layout.staleness_policy=drop"),
+                           engine=hf_engine), module)
+    assert [s[:3] for s in module.seen] == [(1, 0, 0), (2, 0, 1), (3, 2, 0)]
+    assert [s[4:] for s in module.seen] == [({0: 2, 1: 0}, 0), ({0: 0, 1: 2}, 0), ({0: 2, 1: 0}, 2)]
+    assert all(len(s[3]) == 2 for s in module.seen)
+
+
+def _fit(dm: RolloutDataModule, module: L.LightningModule) -> None:
+    L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, callbacks=[_Sync()]).fit(module, datamodule=dm)

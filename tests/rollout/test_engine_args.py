@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 
 from atlas_lightning.config import compose
-from atlas_lightning.rollout.engines.args import MAX_NUM_SEQS, EngineArgs, client_in_flight, lora_rank_slot
+from atlas_lightning.rollout.engines.args import (
+    MAX_NUM_SEQS,
+    VLLM_GDN_PREFILL_KERNELS,
+    EngineArgs,
+    client_in_flight,
+    lora_rank_slot,
+)
 
 
 @pytest.mark.parametrize("run, tp, lora", [
@@ -51,6 +57,40 @@ def test_cpu_and_gpu_arguments():
     assert [lora_rank_slot(r) for r in (1, 8, 9, 64, 65, 320)] == [1, 8, 16, 64, 128, 320]
     with pytest.raises(ValueError, match="LoRA rank 600"):
         lora_rank_slot(600)
+
+
+def test_the_gdn_prefill_kernel_is_a_rollout_key(tmp_path, capsys):
+    """``rollout.gdn_prefill_backend`` reaches vLLM as its ``gdn_prefill_backend`` engine argument:
+    ``auto`` is Triton on GPUs (vLLM's own SM90 default, FlashInfer's JIT kernel, cannot be built
+    from the device wheels) and left to vLLM on CPU; a named kernel goes as it is, on both; a value
+    vLLM does not have is refused naming the key, by the config (exit 2) and by the arguments."""
+    from atlas_lightning.cli import main
+    from atlas_lightning.config import ConfigError
+    from atlas_lightning.constraints import CONSTRAINTS
+
+    args = EngineArgs.from_config(compose(["experiment=h200-8b"]))
+    assert args.gdn_prefill_backend == "auto"
+    assert args.vllm_kwargs(on_cpu=False)["gdn_prefill_backend"] == "triton"
+    assert "gdn_prefill_backend" not in args.vllm_kwargs(on_cpu=True)
+    for kernel in VLLM_GDN_PREFILL_KERNELS:
+        named = EngineArgs.from_config(compose(["experiment=h200-8b", f"rollout.gdn_prefill_backend={kernel}"]))
+        assert named.vllm_kwargs(on_cpu=False)["gdn_prefill_backend"] == kernel
+        assert named.vllm_kwargs(on_cpu=True)["gdn_prefill_backend"] == kernel
+    assert CONSTRAINTS["rollout.gdn_prefill_backend"].choices == ("auto", *VLLM_GDN_PREFILL_KERNELS)
+    with pytest.raises(ConfigError, match=r"rollout.gdn_prefill_backend='fla': is not one of auto, triton"):
+        compose(["experiment=tiny-cpu", "rollout.gdn_prefill_backend=fla"])
+    assert main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path}", "rollout.gdn_prefill_backend=fla"]) == 2
+    assert "rollout.gdn_prefill_backend" in capsys.readouterr().err and not any(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="rollout.gdn_prefill_backend='fla' is not one of"):
+        EngineArgs(**{**args.__dict__, "gdn_prefill_backend": "fla"}).vllm_kwargs(on_cpu=False)
+
+
+def test_engines_serve_the_language_model_only():
+    """The agent sends text alone: vLLM builds no vision tower of an image-text checkpoint
+    (Qwen3.5/3.6) and needs no image processor; attention-only models ignore the argument."""
+    args = EngineArgs.from_config(compose(["experiment=tiny-cpu", "model.path=/m"]))
+    assert args.vllm_kwargs(on_cpu=True)["language_model_only"] is True
+    assert args.vllm_kwargs(on_cpu=False)["language_model_only"] is True
 
 
 @pytest.mark.parametrize("overrides, ranks, each", [

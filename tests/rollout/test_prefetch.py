@@ -119,3 +119,29 @@ def test_after_a_rollback_a_new_producer_starts_from_the_restored_weights():
     time.sleep(0.2)
     assert [s for _, s, _ in log] == [5, 6]  # one ahead, not two
     producer.stop()
+
+
+def test_drop_policy_waits_for_room_not_for_weights():
+    clock, lock, log = WeightsClock(), threading.Lock(), []
+    clock.publish(0)
+    producer = RolloutProducer(_sampler(lock, clock, log, 0.01), clock, first=1, last=6, max_staleness=1,
+                               policy="drop").start()
+    time.sleep(0.3)  # no new weights: steps 1 and 2 are sampled (room for 1 + max_staleness), not 3
+    assert [s for _, s, _ in log] == [1, 2]
+    assert producer.take(1) == {"step": 1, "version": 0}
+    time.sleep(0.3)  # taking step 1 made room for step 3, still on version 0
+    assert [s for _, s, _ in log] == [1, 2, 3]
+    assert set(producer.waited_s) == {1, 2, 3} and producer.waited_s[3] >= 0.2
+    producer.stop(timeout_s=5)
+
+
+def test_wait_policy_records_how_long_it_waited_for_weights():
+    clock, lock, log = WeightsClock(), threading.Lock(), []
+    producer = RolloutProducer(_sampler(lock, clock, log, 0.01), clock, first=1, last=2, max_staleness=0).start()
+    time.sleep(0.2)
+    clock.publish(0)  # the first weights arrive: step 1 may start
+    assert producer.take(1) == {"step": 1, "version": 0}
+    assert producer.waited_s[1] >= 0.15
+    producer.stop(timeout_s=5)
+    with pytest.raises(ValueError, match="staleness_policy='skip' is not one of wait, drop"):
+        RolloutProducer(lambda s: s, clock, first=1, last=2, max_staleness=1, policy="skip")

@@ -143,8 +143,9 @@ def test_a_fault_in_the_exported_folder_is_named_before_any_engine_reads_it(setu
     monkeypatch.setattr(sync, "export_actor_adapter", faulty_export)
     loads = []
     setup.engine.before_load = loads.append
-    with pytest.raises(WeightSyncError, match=r"weight sync v1: (the exported adapter .*/sync2 does not hold what "
-                                              r"the trainer sent|adapter folder .*/sync2: ).*layers\.0\.self_attn"):
+    # sync ids 1-3 were the starting sync's three loads (rollout/sync_probe.py)
+    with pytest.raises(WeightSyncError, match=r"weight sync v1: (the exported adapter .*/sync4 does not hold what "
+                                              r"the trainer sent|adapter folder .*/sync4: ).*layers\.0\.self_attn"):
         _sync(setup)
     assert loads == []  # the engine never saw it
 

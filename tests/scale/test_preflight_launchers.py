@@ -1,5 +1,6 @@
 """Every ``launch/<run>.sh``: its pre-flight (plan + checks) passes on CPU for its real config
-with the tiny model swapped in (the asynchronous separate layouts included); and a
+with the tiny model swapped in (the asynchronous separate layouts included: three launchers run
+through the shell, every experiment's plan and pre-flight in-process); and a
 broken config (unknown key, missing data, an adapter of another rank or base) is caught there,
 in seconds, naming what is wrong."""
 
@@ -58,12 +59,58 @@ def test_there_is_one_launcher_per_experiment_and_a_slurm_template():
     assert (LAUNCH / "slurm.sbatch").is_file()
 
 
-@pytest.mark.parametrize("run", EXPERIMENTS)
-def test_launcher_preflight_on_cpu_with_the_tiny_model(run, tiny8, tiny_model_dir, sample_data_dir, step29, tmp_path):
+#: The launchers run through the shell in full: one of each kind (CPU; a GPU run continued from
+#: adapters; the separate layout). The others differ from these only in their last line, which
+#: ``test_every_launcher_runs_its_own_experiment`` checks, and their configs pass the same plan and
+#: pre-flight in-process (``test_every_experiment_plans_and_passes_preflight_on_cpu``).
+LAUNCHED = ("tiny-cpu", "r28-continued-cost-8gpu-n32", "r28-continued-cost-8gpu-t98304-separate6-2-memory")
+
+
+def _tiny_inputs(run, tiny8, tiny_model_dir, sample_data_dir, step29) -> list[str]:
     model = tiny_model_dir if run == "tiny-cpu" else tiny8
     args = [f"model.path={model}", f"data.root={sample_data_dir}"]
     if run == "r28-continued-cost-8gpu-n32":
         args.append(f"trainer.init_from={step29}")
+    return args
+
+
+@pytest.mark.parametrize("run", EXPERIMENTS)
+def test_every_launcher_runs_its_own_experiment(run):
+    """Its last line launches the experiment of its own name, asking for the GPUs of its layout
+    (none for a CPU run); bash parses it."""
+    from omegaconf import OmegaConf
+
+    from atlas_lightning.config import compose
+
+    script = LAUNCH / f"{run}.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    cfg = compose([f"experiment={run}"])
+    gpus = 0 if OmegaConf.select(cfg, "trainer.accelerator") == "cpu" else int(cfg.layout.gpus)
+    verb = "memory-check" if run.endswith("-memory") else "fit"
+    last = script.read_text().strip().splitlines()[-1]
+    assert last == f'ATLAS_GPUS_WANTED={gpus} atlas_launch {run} {verb} "$@"'
+
+
+@pytest.mark.parametrize("run", EXPERIMENTS)
+def test_every_experiment_plans_and_passes_preflight_on_cpu(run, tiny8, tiny_model_dir, sample_data_dir, step29,
+                                                            tmp_path, capsys):
+    """What each launcher runs before starting anything (the plan, then the pre-flight with
+    ``--cpu-preflight``), in-process, on its real config with the tiny model swapped in."""
+    from atlas_lightning.planning.cli import main as plan_main
+
+    args = [f"experiment={run}", f"paths.root={tmp_path}",
+            *_tiny_inputs(run, tiny8, tiny_model_dir, sample_data_dir, step29)]
+    assert plan_main(args) == 0, capsys.readouterr()
+    assert (tmp_path / "outputs" / run / "plan.json").is_file()
+    if run in SEPARATE:
+        assert "receive_weights" in capsys.readouterr().out  # the serving cards' bucket phase is planned
+    failed = {c.name: c.detail for c in run_preflight(args, cpu=True, echo=lambda line: None) if not c.ok}
+    assert failed == {}
+
+
+@pytest.mark.parametrize("run", LAUNCHED)
+def test_launcher_preflight_on_cpu_with_the_tiny_model(run, tiny8, tiny_model_dir, sample_data_dir, step29, tmp_path):
+    args = _tiny_inputs(run, tiny8, tiny_model_dir, sample_data_dir, step29)
     env = {**os.environ, "ATLAS_PREFLIGHT_ONLY": "1", "ATLAS_CPU_PREFLIGHT": "1", "ATLAS_ROOT": str(tmp_path),
            "ATLAS_PYTHON": str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv").is_dir() else "python3"}
     result = subprocess.run(["bash", str(LAUNCH / f"{run}.sh"), *args], env=env, capture_output=True, text=True,

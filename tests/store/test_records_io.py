@@ -221,3 +221,25 @@ def test_manifest_lists_and_verifies(build, tmp_path):
                                        "u1_s0.json: size or sha256 differs from the manifest"]
     with pytest.raises(RecordError, match="overwrite"):
         write_manifest(folder, extra={"files": []})
+
+
+def test_response_versions_ride_after_the_seeds_arrays_and_are_checked(build, tmp_path):
+    """The per-token weights version: an added array after the seed's four, never renaming one."""
+    record = make_record(build)
+    versions = np.where(record.response_mask == 1, 3, -1).astype(np.int64)
+    versions[-2:] = 4  # a turn that straddles a weight change
+    record.response_versions = versions
+    path = write_record(tmp_path, record)
+    data = json.loads(path.read_text())
+    assert list(data)[: len(SEED_SECTION_4)] == SEED_SECTION_4
+    assert list(data)[len(SEED_SECTION_4):] == ["prompt_ids", "response_ids", "response_mask", "response_logprobs",
+                                                "response_versions"]
+    back = read_record(path)
+    np.testing.assert_array_equal(back.response_versions, versions)
+    assert back.response_versions.dtype == np.int64
+    tensors = read_step_tensors(write_step_tensors(tmp_path, [record]))
+    np.testing.assert_array_equal(tensors["response_versions"][0], versions)
+    with pytest.raises(RecordError, match="response_versions must hold versions >= 0, or -1"):
+        dataclasses.replace(record, response_versions=versions - 5)
+    with pytest.raises(RecordError, match="response arrays differ in length"):
+        dataclasses.replace(record, response_versions=versions[:-1])

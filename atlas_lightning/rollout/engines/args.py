@@ -12,6 +12,20 @@ requests to their one engine). In the separate layout every training rank is a c
 one server, so each keeps ``max_in_flight // ranks`` in flight (``client_in_flight``): the
 server never holds more than ``max_in_flight``, the number the plan sized it for.
 
+Hybrid models (Qwen3.5/3.6: Gated DeltaNet and attention layers, checkpoints of the image-text
+architecture ``Qwen3_5ForConditionalGeneration``):
+
+* the Gated DeltaNet prefill kernel is ``rollout.gdn_prefill_backend``, passed as vLLM's engine
+  argument ``gdn_prefill_backend`` (``EngineArgs`` field since vLLM 0.26, which stores it in
+  ``additional_config``; its choices ``VLLM_GDN_PREFILL_KERNELS``). ``auto`` passes ``triton`` on
+  GPUs: vLLM's own default on an H100/H200 (SM90) is FlashInfer's kernel, JIT-built at the first
+  prefill, and the device wheel set cannot build it ("SM90 GDN prefill DSL kernel is
+  unavailable", seen on the H200); the Triton/FLA kernels run. On CPU nothing is passed: vLLM
+  takes its CPU kernel whatever is asked;
+* every engine is started ``language_model_only``: the agent sends text alone, so vLLM builds
+  no vision tower (its weights in the folder are skipped: no memory, no encoder profiling,
+  no image processor needed). Attention-only models ignore both.
+
 Pure Python (no torch, no vLLM): ``planning`` imports it. Who calls it: ``rollout.factory``,
 ``rollout.separate``, ``rollout.datamodule``, ``planning.estimate``, tests.
 """
@@ -24,6 +38,10 @@ from typing import Any, Optional
 #: Most sequences one engine schedules at once: vLLM's own default on 70 GB+ cards (H100, H200,
 #: B200); requests beyond it would wait in vLLM's queue while their timeouts run.
 MAX_NUM_SEQS = 1024
+
+#: vLLM's Gated DeltaNet prefill kernels (its ``gdn_prefill_backend`` choices in 0.26); the
+#: config's ``rollout.gdn_prefill_backend`` adds ``auto`` (module doc).
+VLLM_GDN_PREFILL_KERNELS = ("triton", "flashinfer", "cutedsl")
 
 #: LoRA ranks vLLM accepts for ``max_lora_rank``.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -61,6 +79,8 @@ class EngineArgs:
     #: ``adapter_config.json`` when it has one, else ``model.lora.rank``; ``store/lora_shapes.py``;
     #: the critic never reaches an engine). None: no LoRA (merged weights arrive in the base).
     lora_rank: Optional[int]
+    #: ``rollout.gdn_prefill_backend``: ``auto`` or one of ``VLLM_GDN_PREFILL_KERNELS`` (module doc).
+    gdn_prefill_backend: str = "auto"
 
     @classmethod
     def from_config(cls, cfg: Any) -> "EngineArgs":
@@ -80,11 +100,14 @@ class EngineArgs:
             enforce_eager=bool(r.enforce_eager),
             cpu_kvcache_gib=int(r.cpu_kvcache_gib),
             lora_rank=lora_shapes_or_config(cfg)[0]["actor"].max_rank if r.weight_sync == "lora" else None,
+            gdn_prefill_backend=str(r.gdn_prefill_backend),
         )
 
     def vllm_kwargs(self, *, on_cpu: bool) -> dict[str, Any]:
         """vLLM's engine arguments by its own names (``vllm.LLM(**kwargs)``; ``--name-with-dashes``
-        for its server). Log-probs are of the distribution sampled from (``processed_logprobs``)."""
+        for its server). Log-probs are of the distribution sampled from (``processed_logprobs``).
+        ``ValueError`` for a ``gdn_prefill_backend`` vLLM does not have."""
+        kernel = gdn_prefill_kernel(self.gdn_prefill_backend, on_cpu=on_cpu)
         kwargs: dict[str, Any] = dict(
             model=self.model,
             dtype=self.dtype,
@@ -95,7 +118,10 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
+            language_model_only=True,
         )
+        if kernel is not None:
+            kwargs["gdn_prefill_backend"] = kernel
         if on_cpu:
             # vLLM 0.32 rewinds a seeded request's generator (set_offset) when a chunked prefill
             # discards its sampled token, and CPU generators refuse that ("CPU Generator does not
@@ -108,6 +134,18 @@ class EngineArgs:
         if self.lora_rank is not None:
             kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(self.lora_rank), max_loras=1)
         return kwargs
+
+
+def gdn_prefill_kernel(choice: str, *, on_cpu: bool) -> Optional[str]:
+    """vLLM's ``gdn_prefill_backend`` for ``rollout.gdn_prefill_backend=choice`` (module doc):
+    ``auto`` is ``triton`` on GPUs and None (not passed) on CPU; a kernel of
+    ``VLLM_GDN_PREFILL_KERNELS`` is passed as it is; anything else is a ``ValueError`` naming the key."""
+    if choice == "auto":
+        return None if on_cpu else "triton"
+    if choice not in VLLM_GDN_PREFILL_KERNELS:
+        raise ValueError(f"rollout.gdn_prefill_backend={choice!r} is not one of auto, "
+                         f"{', '.join(VLLM_GDN_PREFILL_KERNELS)}")
+    return choice
 
 
 def client_in_flight(cfg: Any, training_ranks: int) -> int:

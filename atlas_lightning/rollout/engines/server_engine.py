@@ -30,16 +30,13 @@ every sync). Differences a caller must know:
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import queue
-import socket
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
-from urllib.parse import urlsplit
 
 import torch
 
@@ -51,7 +48,7 @@ from atlas_lightning.rollout.engine import (
     GenerationResult,
     SyncReport,
 )
-from atlas_lightning.rollout.engines.server_http import GONE, decode_body, error_message, http_call
+from atlas_lightning.rollout.engines.server_http import HTTP_ERRORS, Exchange, error_message, http_call, is_gone
 from atlas_lightning.rollout.engines.server_process import VLLMServer, log_tail
 from atlas_lightning.rollout.digest import WeightDigest
 from atlas_lightning.rollout.engines.adapter_folder import adapter_folder_digest
@@ -63,16 +60,15 @@ log = logging.getLogger(__name__)
 
 class _Call:
     """One submission of a request: the worker thread fills ``result`` (always, errors as
-    error results), sets ``gone`` when the server did not answer at all, and publishes the
-    open connection in ``conn`` so that ``abort`` can cut it (vLLM aborts a request whose
-    client disconnects)."""
+    error results), sets ``gone`` when the server did not answer at all; ``abort`` cuts its
+    ``exchange`` (vLLM aborts a request whose client disconnects)."""
 
-    __slots__ = ("request", "body", "conn", "cancelled", "gone", "result", "future")
+    __slots__ = ("request", "body", "exchange", "cancelled", "gone", "result", "future")
 
     def __init__(self, request: GenerationRequest, body: bytes) -> None:
         self.request = request
         self.body = body
-        self.conn: Optional[http.client.HTTPConnection] = None
+        self.exchange = Exchange()
         self.cancelled = False
         self.gone: Optional[str] = None
         self.result: Optional[GenerationResult] = None
@@ -127,7 +123,7 @@ class ServerEngine(Engine):
         self._raise_if_dead()
         try:
             return http_call(self.url, method, path, payload, timeout=timeout)
-        except (OSError, http.client.HTTPException) as err:
+        except HTTP_ERRORS as err:
             self._check_alive(f"{method} {path}: {type(err).__name__}: {err}")
             raise EngineError(f"vllm server {self.url}: {method} {path} failed: {type(err).__name__}: {err}") from err
 
@@ -148,7 +144,7 @@ class ServerEngine(Engine):
             if status == 200:
                 return
             reason = f"/health answered {status}"
-        except (OSError, http.client.HTTPException) as err:
+        except HTTP_ERRORS as err:
             reason = f"/health failed: {type(err).__name__}: {err}"
         where = f"; log {self.server.log_path}:\n{log_tail(self.server.log_path)}" if self.server else ""
         self._dead = f"vllm server {self.url} is gone ({why}; {reason}){where}"
@@ -206,23 +202,17 @@ class ServerEngine(Engine):
         rid = call.request.request_id
         if call.cancelled:
             return
-        parts = urlsplit(self.url)
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.request_timeout_s)
-        call.conn = conn
         try:
-            conn.request("POST", "/v1/completions", body=call.body, headers={"Content-Type": "application/json"})
-            response = conn.getresponse()
-            status, body = response.status, decode_body(response.read())
-        except GONE as err:
+            status, body = http_call(self.url, "POST", "/v1/completions", body=call.body,
+                                     timeout=self.request_timeout_s, exchange=call.exchange)
+        except HTTP_ERRORS as err:
+            if not is_gone(err):
+                call.result = GenerationResult(rid, [], [], "error", error=f"request failed: {type(err).__name__}: {err}")
+                return
             if not call.cancelled:
                 call.gone = f"{type(err).__name__}: {err}"
             call.result = GenerationResult(rid, [], [], "error", error=f"no answer from {self.url}: {err!r}")
             return
-        except (OSError, http.client.HTTPException) as err:
-            call.result = GenerationResult(rid, [], [], "error", error=f"request failed: {type(err).__name__}: {err}")
-            return
-        finally:
-            conn.close()
         call.result = self._parse(rid, status, body)
 
     @staticmethod
@@ -286,12 +276,7 @@ class ServerEngine(Engine):
         call.cancelled = True
         if call.future is not None:
             call.future.cancel()
-        conn = call.conn
-        if conn is not None and conn.sock is not None:
-            try:  # the server sees the disconnect and aborts the request
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        call.exchange.cut()  # the server sees the disconnect and aborts the request
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-probs of tokens ``1..len-1`` under the served adapter, at temperature 1, from

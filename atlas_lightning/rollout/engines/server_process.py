@@ -9,7 +9,6 @@ separate layout's shared server), tests. ``server_engine.ServerEngine`` is its c
 from __future__ import annotations
 
 import atexit
-import http.client
 import json
 import logging
 import os
@@ -24,7 +23,7 @@ import torch
 
 from atlas_lightning.rollout.engine import EngineError
 from atlas_lightning.rollout.engines.args import EngineArgs
-from atlas_lightning.rollout.engines.server_http import free_port, http_call
+from atlas_lightning.rollout.engines.server_http import HTTP_ERRORS, free_port, http_call
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +167,7 @@ class VLLMServer:
                 status, _ = http_call(self.url, "GET", "/health", timeout=5.0)
                 if status == 200:
                     return
-            except (OSError, http.client.HTTPException):
+            except HTTP_ERRORS:
                 pass  # not listening yet
             if time.monotonic() > deadline:
                 raise EngineError(f"vllm server {self.url} not healthy after {timeout_s:.0f} s; "

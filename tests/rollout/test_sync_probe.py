@@ -1,0 +1,222 @@
+"""The proof that an engine applies what it was sent (``rollout/sync_probe.py``), on numbers alone:
+the trainer's and the engine's probe log-probs at successive weight states, the engine carrying
+a systematic error of its own (which the movement cancels) and a rounding noise (which it
+does not). An ignored adapter, a stale engine, an engine that applies a change twice are
+refused; clean syncs pass whether the movement is large or far below the noise (then the check
+waits for the movement to accumulate, and still catches a lagging engine once it is
+measurable). Also: the marked actor's shift, its exact restore, and the CLI's exit 2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atlas_lightning.errors import InputError
+from atlas_lightning.rollout.sync_probe import (MEASURABLE, RESIDUAL_LIMIT, MovementCheck, Reading,
+                                                StartingCheckError, WeightSyncError, mark_shift, noise_floor)
+
+TOKENS = 99
+RNG = np.random.default_rng(0)
+BASE = -RNG.uniform(0.5, 10.0, TOKENS)  # the probe's log-probs before any update
+BIAS = RNG.normal(0.0, 3e-6, TOKENS)  # the engine's systematic error (kernels): the same at every state
+DIRECTION = RNG.normal(0.0, 1.0, TOKENS) / np.sqrt(TOKENS)  # the update's direction over the probe, norm ~1
+
+
+class Engine:
+    """Serves a trainer state with its systematic error and fresh rounding noise, or not."""
+
+    def __init__(self, seed: int = 1, rounding: float = 1e-6) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.rounding = rounding
+
+    def serve(self, trainer: np.ndarray) -> np.ndarray:
+        return trainer + BIAS + self.rng.normal(0.0, self.rounding, trainer.size)
+
+
+def _reading(version: int, trainer: np.ndarray, engine: np.ndarray) -> Reading:
+    return Reading(version, trainer.copy(), engine.copy())
+
+
+def _started(engine: Engine) -> MovementCheck:
+    check = MovementCheck("lora")
+    check.start(_reading(0, BASE, engine.serve(BASE)))
+    return check
+
+
+def test_the_noise_is_the_largest_verified_gap_and_never_below_float32_roundings():
+    check = _started(Engine())
+    assert check.noise == pytest.approx(max(noise_floor(BASE), float(np.linalg.norm(Engine().serve(BASE) - BASE))),
+                                        rel=0.5)
+    exact = MovementCheck("lora")
+    exact.start(_reading(0, BASE, BASE))  # an engine that agrees to the bit still leaves a floor
+    assert exact.noise == noise_floor(BASE) > 0
+
+
+def test_a_clean_sync_with_a_large_movement_passes_with_a_small_residual():
+    engine = Engine()
+    check = _started(engine)
+    after = BASE + 0.3 * DIRECTION  # a normal learning rate: far above the noise
+    moved = check.check(_reading(1, after, engine.serve(after)))
+    assert moved.measurable and moved.applied and moved.ratio < 1e-3
+    assert check.reference.version == 1 and check.unverified_syncs == 0
+    assert check.metrics()["rollout/applied_residual_ratio"] == moved.ratio
+
+
+def test_a_clean_sync_with_a_tiny_movement_waits_and_decides_once_the_movement_is_measurable():
+    engine = Engine()
+    check = _started(engine)
+    step = 2.0 * check.noise * DIRECTION  # each update moves the probe by 2 noises: not measurable alone
+    trainer, decided_at = BASE.copy(), None
+    for version in range(1, 20):
+        trainer = trainer + step
+        moved = check.check(_reading(version, trainer, engine.serve(trainer)))  # never a false alarm
+        if moved.measurable:
+            decided_at = version
+            break
+        assert check.reference.version == 0 and check.unverified_syncs == version  # judged against v0, not v-1
+    # the cumulative movement from the last verified state decides, as soon as it is measurable
+    assert decided_at == int(np.ceil(MEASURABLE / 2.0))
+    assert moved.applied and moved.ratio < RESIDUAL_LIMIT / 4
+    assert check.reference.version == decided_at and check.unverified_syncs == 0
+
+
+@pytest.mark.parametrize("per_step", [0.3, 2.0], ids=["normal-lr", "tiny-lr"])
+def test_a_stale_engine_is_refused_once_its_lag_is_measurable(per_step):
+    """Reports what was sent, keeps serving v1: refused with a ratio ~1 whatever the step size."""
+    engine = Engine()
+    check = _started(engine)
+    trainer = BASE + 0.3 * DIRECTION
+    served = engine.serve(trainer)
+    check.check(_reading(1, trainer, served))  # v1 verified
+    step = (per_step if per_step < 1 else per_step * check.noise) * DIRECTION
+    with pytest.raises(WeightSyncError, match=r"weight sync v\d+: since the verified v1 the trainer's probe "
+                                              r"log-probs moved by .* and the engine's by .*; they differ by .*, "
+                                              r"(0\.9\d|1\.0\d) of the expected movement .*refusing to roll out"):
+        for version in range(2, 40):
+            trainer = trainer + step
+            check.check(_reading(version, trainer, engine.serve(BASE + 0.3 * DIRECTION)))
+    assert check.last.measurable and check.last.ratio > 3 * RESIDUAL_LIMIT
+    assert (version == 2) == (per_step < 1)  # a normal step decides at once; tiny ones when their sum is measurable
+
+
+def test_an_ignored_adapter_is_refused_at_the_start_and_names_the_cause():
+    engine = Engine()
+    check = _started(engine)
+    marked = BASE + 50 * check.noise * DIRECTION  # the marked adapter moves the trainer's probe
+    with pytest.raises(StartingCheckError, match=r"weight sync v0, starting check: with the marked adapter the "
+                                                 r"trainer's probe log-probs moved by .* the engine ignores the "
+                                                 r"adapter it holds.*rollout\.weight_sync=merged.*refusing to train"):
+        check.check(_reading(0, marked, engine.serve(BASE)), starting="the marked adapter")
+    assert issubclass(StartingCheckError, InputError)  # the CLI's exit 2
+
+
+def test_at_the_start_a_movement_too_small_to_decide_is_refused_not_waited_on():
+    engine = Engine()
+    check = _started(engine)
+    barely = BASE + check.noise * DIRECTION
+    with pytest.raises(StartingCheckError):
+        check.check(_reading(0, barely, engine.serve(barely)), starting="the marked adapter")
+
+
+def test_an_engine_that_applies_the_change_twice_is_refused():
+    engine = Engine()
+    check = _started(engine)
+    after = BASE + 0.3 * DIRECTION
+    with pytest.raises(WeightSyncError, match=r"1\.0\d of the expected movement"):
+        check.check(_reading(1, after, engine.serve(BASE + 0.6 * DIRECTION)))
+
+
+def test_merged_refusals_name_the_merged_weights():
+    check = MovementCheck("merged")
+    check.start(_reading(0, BASE, Engine().serve(BASE)))
+    with pytest.raises(WeightSyncError, match="does not serve the merged weights it was sent"):
+        check.check(_reading(1, BASE + 0.3 * DIRECTION, Engine().serve(BASE)))
+
+
+def test_the_marks_shift_is_sized_on_the_trainer_alone():
+    noise = 1e-4
+    calls = []
+
+    def trainer_probe(shift):  # movement ~ linear in the shift, then saturating
+        calls.append(shift)
+        return BASE + np.tanh(3.0 * shift) * DIRECTION
+
+    shift = mark_shift(trainer_probe, BASE, noise)
+    moved = float(np.linalg.norm(trainer_probe(shift) - BASE))
+    assert 32 * noise <= moved <= 128 * noise and len(calls) <= 6
+    with pytest.raises(WeightSyncError, match="no lora_B shift moves the trainer's probe"):
+        mark_shift(lambda shift: BASE, BASE, noise)  # an adapter that does not act on the probe
+    blowing_up = mark_shift(lambda s: BASE + (np.inf if s > 1e-3 else s * 10) * DIRECTION, BASE, noise)
+    assert blowing_up <= 1e-3  # a non-finite probe is a shift too large
+
+
+def test_the_marked_actor_moves_every_lora_b_and_is_restored_exactly(tiny_model_dir):
+    import torch
+
+    from atlas_lightning.models.probe import marked_actor, probe_logprobs
+    from tests.model_builds import actor_critic
+
+    model = actor_critic(str(tiny_model_dir), {"rank": 4, "alpha": 8}, dtype="float32")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    probe = list(range(20, 60))
+    actor = probe_logprobs(model, probe, "cpu")
+    with marked_actor(model, 0.01):
+        for name, param in model.named_parameters():
+            marked = ".lora_B.actor." in name
+            assert torch.equal(param, before[name] + 0.01) if marked else torch.equal(param, before[name]), name
+        assert probe_logprobs(model, probe, "cpu") != actor
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+    with pytest.raises(RuntimeError, match="inside"), marked_actor(model, 0.5):
+        raise RuntimeError("inside")
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_a_starting_check_failure_exits_2_with_its_message_and_no_traceback(monkeypatch, capsys, tmp_path):
+    from atlas_lightning import cli
+    from atlas_lightning.run import verbs
+
+    def fit(cfg):
+        raise StartingCheckError("weight sync v0, starting check: the engine ignores the adapter it holds")
+
+    monkeypatch.setattr(verbs, "fit", fit)
+    assert cli.main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "atlas-lightning fit: weight sync v0, starting check: the engine ignores the adapter it holds" in err
+    assert "Traceback" not in err
+
+
+def test_a_merged_engine_that_cannot_answer_before_its_first_load_still_gets_the_starting_check(tiny_model_dir,
+                                                                                                tmp_path):
+    """A merged engine that slept without its weights (vLLM's level 2) has no base to compare
+    before the first load: the check starts from the actor, and the marked move still decides.
+    Through the real sync with the transformers reference engine (no vLLM)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from types import SimpleNamespace
+
+    from atlas_lightning.config import compose
+    from atlas_lightning.ppo.module import PPOModule
+    from atlas_lightning.rollout.engine import EngineError
+    from atlas_lightning.rollout.engines.hf_engine import HFEngine
+
+    class DroppedUntilLoaded(HFEngine):
+        loaded = False
+
+        def load_weights(self, weights):
+            self.loaded = True
+            return super().load_weights(weights)
+
+        def prompt_logprobs(self, token_ids):
+            if not self.loaded:
+                raise EngineError("weights dropped: no probe possible")
+            return super().prompt_logprobs(token_ids)
+
+    cfg = compose(["experiment=tiny-cpu", f"model.path={tiny_model_dir}", f"paths.root={tmp_path}",
+                   "rollout.weight_sync=merged"])
+    module = PPOModule(cfg)
+    module.configure_model()
+    engine = DroppedUntilLoaded(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+    serving = SimpleNamespace(engine=engine, probe_token_ids=lambda: list(range(20, 120)), weights_version=None)
+    metrics = module.weight_sync.sync(module.model, serving, version=0)
+    assert metrics["rollout/applied_residual_ratio"] < RESIDUAL_LIMIT / 4 and serving.weights_version == 0
