@@ -72,6 +72,18 @@ class HubCredentialsError(HubPublishError, InputError):
     says where a token comes from, never the token. An ``InputError`` too: the CLI exits 2."""
 
 
+def _saved_token() -> Optional[str]:
+    """``HF_TOKEN``, else the login ``hf auth login`` saved (``huggingface_hub.get_token``); None when
+    there is none or it cannot be read (an unreadable token file): the upload then goes without a
+    token, and a Hub that wants one answers 401, which ``HubCredentialsError`` explains."""
+    from huggingface_hub import get_token
+
+    try:
+        return get_token()
+    except Exception:  # an unreadable saved login is no token, as a missing one is
+        return None
+
+
 def check_repo_id(repo_id: str, repo_type: str) -> None:
     if not isinstance(repo_id, str) or not _REPO_ID.match(repo_id):
         raise ValueError(f"repo_id={repo_id!r} must be '<owner>/<name>' (letters, digits, '.', '_', '-')")
@@ -185,7 +197,7 @@ class HubUploader:
     def __init__(self, repo_id: str, *, repo_type: str = "dataset", endpoint: Optional[str] = None,
                  token: Optional[str] = None, private: bool = True, retries: int = 3, backoff_s: float = 2.0,
                  use_xet: Optional[bool] = None):
-        from huggingface_hub import HfApi, constants, get_token
+        from huggingface_hub import HfApi, constants
 
         check_repo_id(repo_id, repo_type)
         if not isinstance(retries, int) or retries < 0:
@@ -196,7 +208,7 @@ class HubUploader:
         self.private = private
         self.retries = retries
         self.backoff_s = backoff_s
-        self._token = token or get_token()
+        self._token = token or _saved_token()
         self._api = HfApi(endpoint=self.endpoint, token=self._token or False)
         self._use_xet = use_xet
 

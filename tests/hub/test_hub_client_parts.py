@@ -54,3 +54,17 @@ def test_the_uploader_does_not_show_its_token():
     assert uploader.redact("x hf_shouldNotShow y") == "x *** y"
     with pytest.raises(ValueError, match="retries=-1"):
         HubUploader("a/b", retries=-1)
+
+
+def test_an_unreadable_saved_login_is_no_token(monkeypatch, tmp_path):
+    """A token file the process cannot read (here: a folder where the file should be) is taken as
+    no login, as a missing one is: the upload goes without a token and a Hub that wants one
+    answers 401, which names HF_TOKEN and `hf auth login`."""
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    unreadable = tmp_path / "token"
+    unreadable.mkdir()
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(unreadable))
+    uploader = HubUploader("a/b", endpoint="http://localhost:1")
+    assert uploader._token is None
