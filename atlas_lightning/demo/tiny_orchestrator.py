@@ -43,9 +43,10 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from atlas_lightning.demo.demos import Demo, build_demos
 from atlas_lightning.demo.sample import SAMPLE_COUNTS, generate_questions
@@ -388,11 +389,34 @@ def weights_sha256(model) -> str:
     return digest.hexdigest()
 
 
-def _train_demos(chat, recipe: SFTRecipe, seed: int, sample_seed: int) -> list[Demo]:
-    """The demonstrations the build trains on (module doc: 4 per train question of the sample)."""
+@contextmanager
+def _no_progress_bars():
+    """transformers' progress bars off inside (loading a model prints one), as they were after."""
+    from transformers.utils import logging as hf_logging
+
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+
+
+def _training_inputs(staging: Path, base: Path | None, recipe: SFTRecipe, seed: int,
+                     sample_seed: int) -> tuple[Path, Any, list[Demo]]:
+    """``(base folder, its ChatFormat, the demonstrations)`` the build trains on (``_base_folder``;
+    module doc: 4 demonstrations per train question of the sample)."""
+    from transformers import AutoTokenizer
+
+    from atlas_lightning.rollout.chat import ChatFormat
+
+    base_dir = _base_folder(staging, base, seed)
+    chat = ChatFormat(AutoTokenizer.from_pretrained(base_dir))
     train_questions = sample_questions("train", sample_seed, recipe.train_questions)
-    return build_demos(train_questions, chat, TINY_CPU_LIMITS, TINY_CPU_RUNTIME,
-                       per_question=recipe.demos_per_question, seed=seed)
+    demos = build_demos(train_questions, chat, TINY_CPU_LIMITS, TINY_CPU_RUNTIME,
+                        per_question=recipe.demos_per_question, seed=seed)
+    return base_dir, chat, demos
 
 
 def _fresh_model(base_dir: Path):
@@ -411,26 +435,14 @@ def replay_build_prefix(steps: int, seed: int = 0, *, recipe: SFTRecipe = DEFAUL
     the code and libraries still make the shipped model. A cheap check of the build (a few
     percent of it) that the test suite runs; the whole rebuild is ``make verify-demo-model``."""
     import torch
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    from atlas_lightning.rollout.chat import ChatFormat
-
-    bars_were_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    with tempfile.TemporaryDirectory(prefix="tiny-orchestrator-replay-") as staging:
-        try:
-            base_dir = _base_folder(Path(staging), None, seed)
-            chat = ChatFormat(AutoTokenizer.from_pretrained(base_dir))
-            demos = _train_demos(chat, recipe, seed, sample_seed)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                model = _fresh_model(base_dir)
-                train_on_demos(model, demos, recipe, seed, chat.tokenizer.pad_token_id, max_steps=steps)
-            return weights_sha256(model)
-        finally:
-            if bars_were_on:
-                hf_logging.enable_progress_bar()
+    with tempfile.TemporaryDirectory(prefix="tiny-orchestrator-replay-") as staging, _no_progress_bars():
+        base_dir, chat, demos = _training_inputs(Path(staging), None, recipe, seed, sample_seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = _fresh_model(base_dir)
+            train_on_demos(model, demos, recipe, seed, chat.tokenizer.pad_token_id, max_steps=steps)
+        return weights_sha256(model)
 
 
 def save_as_loaded(model, base_dir: Path, folder: Path) -> None:
@@ -453,68 +465,64 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
     RNG and thread settings are left as they were. Returns the summary also written to
     ``out/sft_summary.json``.
     """
-    import torch
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from atlas_lightning.rollout.chat import ChatFormat
-
     started = time.monotonic()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    bars_were_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
     try:
-        base_dir = _base_folder(staging, base, seed)
-        base_weights = sha256_file(base_dir / "model.safetensors")
-        chat = ChatFormat(AutoTokenizer.from_pretrained(base_dir))
-        pad_id = chat.tokenizer.pad_token_id
-
-        demos = _train_demos(chat, recipe, seed, sample_seed)
-        val_questions = sample_questions("val_full", sample_seed)
-        val_demos = build_demos(sample_questions("val_full", sample_seed, recipe.val_loss_questions), chat,
-                                TINY_CPU_LIMITS, TINY_CPU_RUNTIME, per_question=1, seed=seed)
-        built_demos = time.monotonic()
-
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = _fresh_model(base_dir).to(device)
-            trajectory = {}
-
-            def record(step: int, loss: float) -> None:
-                if step + 1 in TRAJECTORY_STEPS:
-                    trajectory[str(step + 1)] = weights_sha256(model)
-
-            losses = train_on_demos(model, demos, recipe, seed, pad_id, on_step=record)
-            trained = time.monotonic()
-            save_model(model, base_dir, staging)
-            for name in _TOKENIZER_FILES:
-                shutil.copyfile(base_dir / name, staging / name)
-
-            evaluation = {"val_demo_loss": mean_demo_loss(model, val_demos, pad_id)}
-            if recipe.eval_questions:
-                picked = [q for bench in ("gpqa", "lcb")
-                          for q in [q for q in val_questions if q.benchmark == bench][: recipe.eval_questions]]
-                evaluation["greedy"] = evaluate_policy(model, chat, picked, temperature=0.0, seed=seed)
-                evaluation["sampled"] = evaluate_policy(model, chat, picked, temperature=1.0, seed=seed)
-        evaluated = time.monotonic()
-        shutil.rmtree(staging / ".base", ignore_errors=True)
-
-        made = sorted(p.name for p in staging.iterdir())
-        if made != sorted(MODEL_FILES):
-            raise RuntimeError(f"tiny orchestrator build wrote {made}, expected {sorted(MODEL_FILES)}")
-        summary = _summary(out, seed, sample_seed, base, base_weights, recipe, demos, losses, evaluation,
-                           {"demos": round(built_demos - started, 2), "train": round(trained - built_demos, 2),
-                            "eval": round(evaluated - trained, 2), "total": round(evaluated - started, 2)}, staging)
-        summary[TRAJECTORY_KEY] = trajectory
-        (staging / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        for path in staging.iterdir():
-            path.chmod(0o644)  # safetensors' temp file would leave the weights owner-only
-        staging.chmod(0o755)  # mkdtemp makes it owner-only
-        _move_into_place(staging, out)
-        return summary
+        with _no_progress_bars():
+            return _build_in(staging, out, seed, base, recipe, sample_seed, save_model, device, started)
     finally:
-        if bars_were_on:
-            hf_logging.enable_progress_bar()
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _build_in(staging: Path, out: Path, seed: int, base: Path | None, recipe: SFTRecipe, sample_seed: int,
+              save_model: Callable[..., None], device: str, started: float) -> dict:
+    """``build_tiny_orchestrator``'s work in ``staging``, moved to ``out`` at the end."""
+    import torch
+
+    base_dir, chat, demos = _training_inputs(staging, base, recipe, seed, sample_seed)
+    base_weights = sha256_file(base_dir / "model.safetensors")
+    pad_id = chat.tokenizer.pad_token_id
+    val_questions = sample_questions("val_full", sample_seed)
+    val_demos = build_demos(sample_questions("val_full", sample_seed, recipe.val_loss_questions), chat,
+                            TINY_CPU_LIMITS, TINY_CPU_RUNTIME, per_question=1, seed=seed)
+    built_demos = time.monotonic()
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _fresh_model(base_dir).to(device)
+        trajectory = {}
+
+        def record(step: int, loss: float) -> None:
+            if step + 1 in TRAJECTORY_STEPS:
+                trajectory[str(step + 1)] = weights_sha256(model)
+
+        losses = train_on_demos(model, demos, recipe, seed, pad_id, on_step=record)
+        trained = time.monotonic()
+        save_model(model, base_dir, staging)
+        for name in _TOKENIZER_FILES:
+            shutil.copyfile(base_dir / name, staging / name)
+
+        evaluation = {"val_demo_loss": mean_demo_loss(model, val_demos, pad_id)}
+        if recipe.eval_questions:
+            picked = [q for bench in ("gpqa", "lcb")
+                      for q in [q for q in val_questions if q.benchmark == bench][: recipe.eval_questions]]
+            evaluation["greedy"] = evaluate_policy(model, chat, picked, temperature=0.0, seed=seed)
+            evaluation["sampled"] = evaluate_policy(model, chat, picked, temperature=1.0, seed=seed)
+    evaluated = time.monotonic()
+    shutil.rmtree(staging / ".base", ignore_errors=True)
+
+    made = sorted(p.name for p in staging.iterdir())
+    if made != sorted(MODEL_FILES):
+        raise RuntimeError(f"tiny orchestrator build wrote {made}, expected {sorted(MODEL_FILES)}")
+    summary = _summary(out, seed, sample_seed, base, base_weights, recipe, demos, losses, evaluation,
+                       {"demos": round(built_demos - started, 2), "train": round(trained - built_demos, 2),
+                        "eval": round(evaluated - trained, 2), "total": round(evaluated - started, 2)}, staging)
+    summary[TRAJECTORY_KEY] = trajectory
+    (staging / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    for path in staging.iterdir():
+        path.chmod(0o644)  # safetensors' temp file would leave the weights owner-only
+    staging.chmod(0o755)  # mkdtemp makes it owner-only
+    _move_into_place(staging, out)
+    return summary
