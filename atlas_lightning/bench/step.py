@@ -285,11 +285,13 @@ def phase_flops(cfg, lengths: list[int], responses: list[int]) -> Optional[dict[
     forward + backward passes of each; None where the model's shape cannot be read."""
     try:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
+
+        from atlas_lightning.models.build import causal_lm_config
 
         from .flops import model_flops
 
-        config = AutoConfig.from_pretrained(cfg.model.path)
+        config = causal_lm_config(cfg.model.path)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         flops = model_flops(model, int(cfg.model.lora.rank))

@@ -61,6 +61,29 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"dtype={dtype!r} is not one of {', '.join(allowed)}")
 
 
+def causal_lm_config(path: str | Path):
+    """The configuration ``AutoModelForCausalLM`` builds from ``path``'s ``config.json``, read with
+    transformers' own config class for its ``model_type``: for an image-text checkpoint
+    (Qwen3.5/3.6's ``Qwen3_5ForConditionalGeneration``) the text model's part.
+
+    Why not ``AutoConfig``: an in-process vLLM registers its own config classes for some model
+    types (``qwen3_5`` among them) with ``AutoConfig``. ``AutoModelForCausalLM`` then matches the
+    causal-LM class by the class's name, does not recognise vLLM's text sub-config as that class's
+    own and builds the text model from the whole image-text config ("'Qwen3_5Config' object has
+    no attribute 'vocab_size'"). Seen on the H200 with vLLM 0.26 and transformers 5.17: ``fit``
+    builds the engine before the trainer. A model type transformers does not know (remote code)
+    goes to ``AutoConfig`` as before."""
+    import transformers
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    config_dict, _ = PretrainedConfig.get_config_dict(str(path))
+    class_name = CONFIG_MAPPING_NAMES.get(config_dict.get("model_type", ""))
+    config_class = getattr(transformers, class_name, None) if class_name else None
+    config = (config_class or AutoConfig).from_pretrained(str(path))
+    return config.get_text_config()
+
+
 def load_base(model_cfg: Any, device: str | torch.device | None = None, *, random_base: Any = None,
               seed: int = 0) -> nn.Module:
     """The transformers causal LM of ``model_cfg`` (its ``path``, ``dtype`` and
@@ -83,7 +106,8 @@ def load_base(model_cfg: Any, device: str | torch.device | None = None, *, rando
             raise FileNotFoundError(f"base model folder {path} does not exist (a local folder, never a hub id)")
         # on the CPU nothing to place: no device map, exactly the load the CPU figures were made with
         placed = {"device_map": {"": device}} if device.type != "cpu" else {}
-        base, info = AutoModelForCausalLM.from_pretrained(path, **options, **placed, output_loading_info=True)
+        base, info = AutoModelForCausalLM.from_pretrained(path, config=causal_lm_config(path), **options, **placed,
+                                                          output_loading_info=True)
         _refuse_missing(path, info)
     base.config.use_cache = False
     return base
@@ -101,7 +125,8 @@ def check_base_weights(path: str | Path) -> None:
     same folder, so this covers both sides; ``load_base`` checks the real load again."""
     from transformers import AutoModelForCausalLM
 
-    _, info = AutoModelForCausalLM.from_pretrained(str(path), device_map="meta", output_loading_info=True)
+    _, info = AutoModelForCausalLM.from_pretrained(str(path), config=causal_lm_config(path), device_map="meta",
+                                                   output_loading_info=True)
     _refuse_missing(str(path), info)
 
 

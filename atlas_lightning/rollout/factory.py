@@ -80,10 +80,11 @@ def hf_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int) -
     this process's card when there are cards."""
     from transformers import AutoModelForCausalLM
 
+    from atlas_lightning.models.build import causal_lm_config
     from atlas_lightning.rollout.engines.hf_engine import HFEngine
 
     dtype = getattr(torch, cfg.model.dtype)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, config=causal_lm_config(cfg.model.path), dtype=dtype)
     if torch.cuda.is_available():
         model = model.to(f"cuda:{local_rank}")
     return HFEngine(model)

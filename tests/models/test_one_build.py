@@ -125,3 +125,38 @@ def test_the_benchmark_builds_fits_model_through_fits_builder(monkeypatch, tmp_p
                        "model.logprob_chunk_tokens=64", "model.dtype=float32"]).model
     ours, fits = OmegaConf.to_container(bench_cfg, resolve=False), OmegaConf.to_container(fit_cfg, resolve=True)
     assert {k: v for k, v in ours.items() if k != "path"} == {k: v for k, v in fits.items() if k != "path"}
+
+
+@pytest.fixture
+def foreign_qwen3_5_config():
+    """``AutoConfig`` answering ``qwen3_5`` with another library's classes of the same names, as an
+    in-process vLLM 0.26 registers them (``vllm.transformers_utils.configs.qwen3_5``); put back after."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.qwen3_5 import configuration_qwen3_5 as ours
+
+    text = type("Qwen3_5TextConfig", (ours.Qwen3_5TextConfig,), {})
+    full = type("Qwen3_5Config", (ours.Qwen3_5Config,), {"sub_configs": {**ours.Qwen3_5Config.sub_configs,
+                                                                          "text_config": text}})
+    kept = CONFIG_MAPPING["qwen3_5"]
+    AutoConfig.register("qwen3_5", full, exist_ok=True)
+    try:
+        yield full
+    finally:
+        AutoConfig.register("qwen3_5", kept, exist_ok=True)
+
+
+def test_the_hybrid_base_loads_after_another_library_registered_its_config(qwen3_5_base, foreign_qwen3_5_config):
+    """``fit`` starts a colocated vLLM engine before the trainer reads the base; vLLM registers its
+    own Qwen3.5 config classes. The base, the weight check and the FLOP count still read the text
+    model with transformers' own classes (AutoModelForCausalLM alone fails: no ``vocab_size``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    assert type(AutoConfig.from_pretrained(qwen3_5_base)) is foreign_qwen3_5_config
+    with pytest.raises(AttributeError, match="vocab_size"):
+        AutoModelForCausalLM.from_pretrained(qwen3_5_base)
+    model_cfg = OmegaConf.structured(ModelConfig(path=qwen3_5_base, dtype="float32", attn_implementation="sdpa"))
+    base = build.load_base(model_cfg)
+    assert type(base).__name__ == "Qwen3_5ForCausalLM" and base.config.vocab_size > 0
+    build.check_base_weights(qwen3_5_base)
+    assert type(build.causal_lm_config(qwen3_5_base)).__name__ == "Qwen3_5TextConfig"

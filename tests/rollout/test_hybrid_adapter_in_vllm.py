@@ -21,6 +21,9 @@ from tests.conftest import randomize_adapters
 from tests.model_builds import actor_critic
 
 PROBE = list(range(5, 40))
+#: The trainer's side on the card where there is one, as ``fit`` places it: transformers 5.17 with
+#: fla importable runs its Gated DeltaNet through fla's Triton kernels, which a CPU tensor fails.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _vllm_problem() -> str:
@@ -44,9 +47,23 @@ def _hybrid_folder(tmp_path, tiny_model_dir):
     return folder
 
 
+def _engine(folder, monkeypatch):
+    """The in-process vLLM engine on ``folder`` (eager, LoRA rank 8, no sleep mode)."""
+    from atlas_lightning.rollout.engines.args import EngineArgs
+    from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
+
+    if not torch.cuda.is_available():  # a hybrid's prefix caching needs chunked prefill, off on CPU
+        real = EngineArgs.vllm_kwargs
+        monkeypatch.setattr(EngineArgs, "vllm_kwargs",
+                            lambda self, on_cpu: {**real(self, on_cpu=on_cpu), "enable_prefix_caching": False})
+    return VLLMEngine(EngineArgs(model=str(folder), dtype="bfloat16", max_model_len=512, tensor_parallel_size=1,
+                                 max_num_seqs=8, seed=0, gpu_memory_utilization=0.3, enable_sleep_mode=False,
+                                 enforce_eager=True, cpu_kvcache_gib=1, lora_rank=8))
+
+
 def _trainer_logprobs(model) -> torch.Tensor:
     with torch.no_grad():
-        logits = model.peft_model(torch.tensor([PROBE])).logits.float()
+        logits = model.peft_model(torch.tensor([PROBE], device=DEVICE)).logits.float().cpu()
     return torch.log_softmax(logits, -1)[0, :-1].gather(-1, torch.tensor(PROBE[1:])[:, None]).squeeze(-1)
 
 
@@ -57,22 +74,14 @@ def test_the_engine_applies_the_exported_adapter_and_ignores_loaded_names(tmp_pa
         pytest.skip(reason)
     from atlas_lightning.models.adapters import save_adapter
     from atlas_lightning.rollout.engine import AdapterVersion
-    from atlas_lightning.rollout.engines.args import EngineArgs
-    from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
     from atlas_lightning.rollout.sync import export_actor_adapter
 
     folder = _hybrid_folder(tmp_path, tiny_model_dir)
-    model = actor_critic(str(folder), {"rank": 8, "alpha": 16}, dtype="bfloat16")
+    model = actor_critic(str(folder), {"rank": 8, "alpha": 16}, dtype="bfloat16", device=DEVICE)
     randomize_adapters(model, scale=0.3)
     export_actor_adapter(model, tmp_path / "checkpoint-names")
     save_adapter(model, "actor", tmp_path / "loaded-names")
-    if not torch.cuda.is_available():  # a hybrid's prefix caching needs chunked prefill, off on CPU
-        real = EngineArgs.vllm_kwargs
-        monkeypatch.setattr(EngineArgs, "vllm_kwargs",
-                            lambda self, on_cpu: {**real(self, on_cpu=on_cpu), "enable_prefix_caching": False})
-    engine = VLLMEngine(EngineArgs(model=str(folder), dtype="bfloat16", max_model_len=512, tensor_parallel_size=1,
-                                   max_num_seqs=8, seed=0, gpu_memory_utilization=0.3, enable_sleep_mode=False,
-                                   enforce_eager=True, cpu_kvcache_gib=1, lora_rank=8))
+    engine = _engine(folder, monkeypatch)
     try:
         base = torch.tensor(engine.prompt_logprobs(PROBE))
         moved = {}
@@ -85,3 +94,46 @@ def test_the_engine_applies_the_exported_adapter_and_ignores_loaded_names(tmp_pa
     assert (trainer - base).abs().mean() > 0.1  # the adapter matters to the trainer
     assert torch.equal(moved["loaded-names"], base)  # vLLM ignored it, without a word
     assert (moved["checkpoint-names"] - trainer).abs().mean() < 0.05  # applied: the trainer's log-probs
+
+
+@pytest.mark.vllm
+def test_the_starting_check_refuses_an_engine_that_ignores_the_adapter(tmp_path, tiny_model_dir, monkeypatch):
+    """The weight sync's starting check (``sync_probe``) on the hybrid: it passes with the adapter
+    exported in the checkpoint's names, and refuses to train (``StartingCheckError``, exit 2) when
+    the same adapter is sent under the loaded names, which vLLM holds and ignores."""
+    reason = _vllm_problem()
+    if reason:
+        pytest.skip(reason)
+    from types import SimpleNamespace
+
+    import atlas_lightning.models.adapters as adapters
+    from atlas_lightning.rollout.sync import WeightSync
+    from atlas_lightning.rollout.sync_probe import RESIDUAL_LIMIT, StartingCheckError
+
+    folder = _hybrid_folder(tmp_path, tiny_model_dir)
+    model = actor_critic(str(folder), {"rank": 8, "alpha": 16}, dtype="bfloat16", device=DEVICE)
+    randomize_adapters(model, scale=0.3)
+    engine = _engine(folder, monkeypatch)
+    serving = SimpleNamespace(engine=engine, probe_token_ids=lambda: PROBE, weights_version=None)
+
+    def weight_sync(name: str) -> WeightSync:
+        return WeightSync(kind="lora", bucket_mb=64, logprob_gap_factor=4.0, max_logprob_gap=0.3,
+                          adapter_folder=tmp_path / name)
+
+    try:
+        applied = weight_sync("checkpoint-names")
+        applied.sync(model, serving, version=0, device=DEVICE)
+        print(f"hybrid, checkpoint names: residual ratio {applied.movement.last.ratio:.3g} "
+              f"(limit {RESIDUAL_LIMIT})")
+        engine.set_adapter(None)
+        save_adapter = adapters.save_adapter
+        monkeypatch.setattr(adapters, "save_adapter",  # the export as it was: the names the trainer loads
+                            lambda *args, **kwargs: save_adapter(*args, **{**kwargs, "checkpoint_names": False}))
+        ignored = weight_sync("loaded-names")
+        with pytest.raises(StartingCheckError, match="weight sync v0, starting check") as info:
+            ignored.sync(model, serving, version=0, device=DEVICE)
+    finally:
+        engine.close()
+    print(f"hybrid, loaded names: {info.value}")
+    assert "refusing to train" in str(info.value)
+    assert ignored.movement.last.ratio > 0.9 > RESIDUAL_LIMIT * 2
