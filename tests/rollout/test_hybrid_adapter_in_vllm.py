@@ -47,6 +47,18 @@ def _hybrid_folder(tmp_path, tiny_model_dir):
     return folder
 
 
+def _hybrid_actor(tmp_path, tiny_model_dir):
+    """The hybrid's folder and an ``ActorCritic`` on it whose actor adapter acts (random factors);
+    skips where vLLM cannot serve the hybrid."""
+    reason = _vllm_problem()
+    if reason:
+        pytest.skip(reason)
+    folder = _hybrid_folder(tmp_path, tiny_model_dir)
+    model = actor_critic(str(folder), {"rank": 8, "alpha": 16}, dtype="bfloat16", device=DEVICE)
+    randomize_adapters(model, scale=0.3)
+    return folder, model
+
+
 def _engine(folder, monkeypatch):
     """The in-process vLLM engine on ``folder`` (eager, LoRA rank 8, no sleep mode)."""
     from atlas_lightning.rollout.engines.args import EngineArgs
@@ -69,16 +81,11 @@ def _trainer_logprobs(model) -> torch.Tensor:
 
 @pytest.mark.vllm
 def test_the_engine_applies_the_exported_adapter_and_ignores_loaded_names(tmp_path, tiny_model_dir, monkeypatch):
-    reason = _vllm_problem()
-    if reason:
-        pytest.skip(reason)
     from atlas_lightning.models.adapters import save_adapter
     from atlas_lightning.rollout.engine import AdapterVersion
     from atlas_lightning.rollout.sync import export_actor_adapter
 
-    folder = _hybrid_folder(tmp_path, tiny_model_dir)
-    model = actor_critic(str(folder), {"rank": 8, "alpha": 16}, dtype="bfloat16", device=DEVICE)
-    randomize_adapters(model, scale=0.3)
+    folder, model = _hybrid_actor(tmp_path, tiny_model_dir)
     export_actor_adapter(model, tmp_path / "checkpoint-names")
     save_adapter(model, "actor", tmp_path / "loaded-names")
     engine = _engine(folder, monkeypatch)
@@ -101,18 +108,13 @@ def test_the_starting_check_refuses_an_engine_that_ignores_the_adapter(tmp_path,
     """The weight sync's starting check (``sync_probe``) on the hybrid: it passes with the adapter
     exported in the checkpoint's names, and refuses to train (``StartingCheckError``, exit 2) when
     the same adapter is sent under the loaded names, which vLLM holds and ignores."""
-    reason = _vllm_problem()
-    if reason:
-        pytest.skip(reason)
     from types import SimpleNamespace
 
     import atlas_lightning.models.adapters as adapters
     from atlas_lightning.rollout.sync import WeightSync
     from atlas_lightning.rollout.sync_probe import RESIDUAL_LIMIT, StartingCheckError
 
-    folder = _hybrid_folder(tmp_path, tiny_model_dir)
-    model = actor_critic(str(folder), {"rank": 8, "alpha": 16}, dtype="bfloat16", device=DEVICE)
-    randomize_adapters(model, scale=0.3)
+    folder, model = _hybrid_actor(tmp_path, tiny_model_dir)
     engine = _engine(folder, monkeypatch)
     serving = SimpleNamespace(engine=engine, probe_token_ids=lambda: PROBE, weights_version=None)
 
