@@ -447,6 +447,7 @@ class PPOModule(L.LightningModule):
         self.log_metrics(metrics, step=batch.step)
         if output.finite:  # a non-finite step ships nothing: the NaN guard decides (module doc, 4.)
             self.sync_weights(batch.step)
+            self.finished_step = batch.step
         return output
 
     def _advantages(self, scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: Optional[torch.Tensor],
@@ -473,9 +474,19 @@ class PPOModule(L.LightningModule):
     @contextmanager
     def _phase(self, timing: dict, name: str, memory: Optional[dict] = None):
         """Time phase ``name`` into ``timing`` (and its CUDA memory peaks into ``memory``,
-        ``metrics.timed``) and run it inside ``phase_hook`` (module doc)."""
-        with timed(timing, name, memory), self._hooked(name, self.rl_step):
-            yield
+        ``metrics.timed``) and run it inside ``phase_hook`` (module doc). Running out of memory
+        there raises on, the phase and step noted (``run/faults.py`` names them in its stop)."""
+        try:
+            with timed(timing, name, memory), self._hooked(name, self.rl_step):
+                yield
+        except torch.OutOfMemoryError as err:
+            card = ""
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                card = f", the card's peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f} of " \
+                       f"{total / 2**30:.1f} GiB"
+            err.add_note(f"in phase {name} of RL step {self.rl_step}{card}")
+            raise
 
     def _hooked(self, name: str, step: int) -> ContextManager[Any]:
         """``phase_hook(name, step)`` (module doc), or nothing without a hook."""
