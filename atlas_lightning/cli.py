@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from atlas_lightning.config import ConfigError
-from atlas_lightning.errors import InputError
+from atlas_lightning.errors import InputError, RunStopped
 
 CONFIG_VERBS = {
     "fit": "train: rollouts, PPO updates, validation, checkpoints",
@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as err:  # a question file, adapter or checkpoint folder that cannot be used
         print(f"atlas-lightning {args.verb}: {err}", file=sys.stderr)
         return 2
+    except RunStopped as err:  # a fault part-way; the last complete checkpoint resumes (run/faults.py)
+        print(f"atlas-lightning {args.verb}: stopped: {err}", file=sys.stderr)
+        return err.exit_code
     except NotImplementedError as err:
         print(f"atlas-lightning {args.verb}: not available yet: {err}", file=sys.stderr)
         return 3

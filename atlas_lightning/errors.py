@@ -1,12 +1,20 @@
-"""The error kinds every floor may raise: ``InputError`` and ``NonFiniteError``.
+"""The error kinds every floor may raise: ``InputError``, ``NonFiniteError`` and ``RunStopped``.
 
 A config value, a question file, an adapter or a checkpoint folder that cannot be used is an
 ``InputError`` (``config.ConfigError``, ``questions.rows.DataError``, ``models.adapters.AdapterError``,
 ``store.checkpoints.CheckpointError``) whose message names what is wrong and where; the CLI
 exits 2 with it. A NaN or inf that training must not go on with is a ``NonFiniteError``: the
 NaN guard raises it for a non-finite step (``callbacks/nan_guard.py``), the weight sync for an
-engine whose probe log-probs are not finite (``rollout/sync.py``). This module imports nothing
-of the package, so every floor may import it.
+engine whose probe log-probs are not finite (``rollout/sync.py``). A fault that stops a run
+part-way (the engine died, the card ran out of memory, a non-finite step) reaches the user as a
+``RunStopped`` (``run/faults.py``): the cause, the step, and the last complete checkpoint to
+resume from; the CLI exits with its ``exit_code`` (``STOP_EXIT_CODES``). This module imports
+nothing of the package, so every floor may import it.
+
+Exit codes of the CLI: 0 done; 2 an input that cannot be used (nothing was written); 3 not
+available yet; 4 the rollout engine died or does not serve what it was sent; 5 out of memory;
+6 a non-finite step. After 4, 5 and 6 the run's last complete checkpoint is intact and
+``trainer.resume=auto`` continues from it.
 """
 
 from __future__ import annotations
@@ -32,3 +40,24 @@ class NonFiniteError(RuntimeError):
         self.what = list(what)
         self.last_good_checkpoint = last_good_checkpoint
         self.diagnostic = diagnostic
+
+
+#: ``RunStopped.cause`` -> the CLI's exit code (module doc).
+STOP_EXIT_CODES = {"engine": 4, "out_of_memory": 5, "non_finite": 6}
+
+
+class RunStopped(RuntimeError):
+    """A run stopped on a fault part-way (module doc). ``cause``: a key of ``STOP_EXIT_CODES``;
+    the message names the cause, the last step trained and the checkpoint to resume from
+    (``last_good_checkpoint``, None when there is none)."""
+
+    def __init__(self, message: str, *, cause: str, last_good_checkpoint: Optional[Path] = None) -> None:
+        if cause not in STOP_EXIT_CODES:
+            raise ValueError(f"RunStopped: cause must be one of {', '.join(STOP_EXIT_CODES)}, got {cause!r}")
+        super().__init__(message)
+        self.cause = cause
+        self.last_good_checkpoint = last_good_checkpoint
+
+    @property
+    def exit_code(self) -> int:
+        return STOP_EXIT_CODES[self.cause]

@@ -46,9 +46,10 @@ and ``timing_s/wake``). The hook must not change what a phase computes: memory-c
 (``run/memory_check.py``) measures each phase's peak memory through it.
 
 Besides the step, the module holds its checkpoint contract: what Lightning's checkpoint keeps
-(``on_save_checkpoint``: the RL step, skipped optimizer steps and the weight sync's version and
-engine-side id), the adapters as PEFT folders (``save_adapters``; ``snapshot_adapters`` for a
-checkpoint written in the background), the rollback
+(``on_save_checkpoint``: the RL step, skipped optimizer steps, the weight sync's version and
+engine-side id, and every rank's random generator states, ``ppo/rng_state.py``), the adapters
+as PEFT folders (``save_adapters``; ``snapshot_adapters`` for a checkpoint written in the
+background), the rollback
 (``restore_checkpoint``) and ``sync_weights``, which the step checkpoint and the NaN guard call.
 
 What is sharded: with ``ModelParallelStrategy`` every decoder layer, the value head and the
@@ -77,6 +78,7 @@ from atlas_lightning.algorithms.functional import masked_mean, masked_whiten
 from atlas_lightning.algorithms.kl import apply_kl_penalty, kl_penalty
 from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
+from atlas_lightning.ppo import rng_state
 from atlas_lightning.ppo.metrics import (BEHAVIOUR_METRICS, ROLE_METRICS, cost_metrics, data_metrics,
                                          mean_over_ranks, memory_metrics, per_trajectory, timed)
 from atlas_lightning.ppo.step_output import StepOutput
@@ -131,12 +133,16 @@ class PPOModule(L.LightningModule):
         self.strict_loading = False
         self.model = None
         self.rl_step = 0
+        #: The last RL step whose update and weight sync completed (what a fault's stop names).
+        self.finished_step = 0
         self.skipped_optimizer_steps = {"actor": 0, "critic": 0}
         self.phase_hook = phase_hook
         #: Optimizer steps taken in the current RL step, by role (a non-finite step reports them).
         self.steps_applied = {"critic": 0, "actor": 0}
         #: The step's last phase: the actor to the engines (``sync_weights``). Not a submodule.
         self.weight_sync = weight_sync_of(cfg)
+        #: A resumed run's generator states (``ppo/rng_state.py``), until ``on_train_start`` sets them.
+        self._rng_to_restore: Optional[dict] = None
 
     # -- model and optimizers -------------------------------------------------------------
 
@@ -219,14 +225,17 @@ class PPOModule(L.LightningModule):
                 del state[key]
         checkpoint["atlas"] = {"rl_step": self.rl_step, "skipped_optimizer_steps": dict(self.skipped_optimizer_steps),
                                "weight_sync": self.weight_sync.state_dict()}
+        checkpoint[rng_state.RNG_KEY] = rng_state.capture()  # every rank's, on rank 0 (collective)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """The state ``on_save_checkpoint`` kept; an absent key (an older checkpoint) reads as a
         fresh run's."""
         atlas = checkpoint.get("atlas", {})
-        self.rl_step = int(atlas.get("rl_step", 0))
+        self.rl_step = self.finished_step = int(atlas.get("rl_step", 0))
         self.skipped_optimizer_steps.update(atlas.get("skipped_optimizer_steps", {}))
         self.weight_sync.load_state_dict(atlas.get("weight_sync", {}))
+        # set as the first step starts (``on_train_start``): the starting weight sync comes between
+        self._rng_to_restore = checkpoint.get(rng_state.RNG_KEY)
 
     def save_adapters(self, step_dir: Path) -> None:
         """``step_dir/{actor,critic}/lora_adapter`` as PEFT folders. Collective; rank 0 writes."""
@@ -277,6 +286,12 @@ class PPOModule(L.LightningModule):
         fetches nothing ahead)."""
         if self._restored_after_fit_start():
             self.sync_weights(self.rl_step)
+        if self._rng_to_restore is not None:
+            # last before the first batch: the run draws on from where the checkpointed one was
+            # after its step (its sync came before it saved; this run's starting sync, above or
+            # in on_fit_start, is one the uninterrupted run never made)
+            rng_state.restore(self._rng_to_restore)
+            self._rng_to_restore = None
 
     def _restored_after_fit_start(self) -> bool:
         return self.resume_from is not None and bool(self.trainer.strategy.restore_checkpoint_after_setup)
@@ -432,6 +447,7 @@ class PPOModule(L.LightningModule):
         self.log_metrics(metrics, step=batch.step)
         if output.finite:  # a non-finite step ships nothing: the NaN guard decides (module doc, 4.)
             self.sync_weights(batch.step)
+            self.finished_step = batch.step
         return output
 
     def _advantages(self, scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: Optional[torch.Tensor],
@@ -458,9 +474,19 @@ class PPOModule(L.LightningModule):
     @contextmanager
     def _phase(self, timing: dict, name: str, memory: Optional[dict] = None):
         """Time phase ``name`` into ``timing`` (and its CUDA memory peaks into ``memory``,
-        ``metrics.timed``) and run it inside ``phase_hook`` (module doc)."""
-        with timed(timing, name, memory), self._hooked(name, self.rl_step):
-            yield
+        ``metrics.timed``) and run it inside ``phase_hook`` (module doc). Running out of memory
+        there raises on, the phase and step noted (``run/faults.py`` names them in its stop)."""
+        try:
+            with timed(timing, name, memory), self._hooked(name, self.rl_step):
+                yield
+        except torch.OutOfMemoryError as err:
+            card = ""
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                card = f", the card's peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f} of " \
+                       f"{total / 2**30:.1f} GiB"
+            err.add_note(f"in phase {name} of RL step {self.rl_step}{card}")
+            raise
 
     def _hooked(self, name: str, step: int) -> ContextManager[Any]:
         """``phase_hook(name, step)`` (module doc), or nothing without a hook."""

@@ -12,7 +12,12 @@ torch.distributed checkpoint is read from its metadata), before the model is bui
   ``algorithm.critic_warmup``) or has ``step``, ``exp_avg`` and ``exp_avg_sq`` for every
   parameter its groups list; the critic has stepped once any RL step was checkpointed;
 * the loops' progress, the callbacks' states, the data cursor (``next_step``) and the module's
-  own ``atlas`` record (the RL step) are there.
+  own ``atlas`` record (the RL step) are there;
+* every rank's random generator states (``ppo/rng_state.py``: torch CPU and CUDA, numpy,
+  Python) are there: without them the resumed run's LoRA dropout would draw other masks than
+  the uninterrupted run's, a silent divergence like fresh Adam moments. A checkpoint written
+  before they were kept is refused like one without its optimizer state; its adapters still
+  start a run (``trainer.init_from``).
 
 ``ResumeStateError`` (an ``InputError``: the CLI exits 2) names the folder and what is missing.
 """
@@ -24,12 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from atlas_lightning.errors import InputError
+from atlas_lightning.ppo.rng_state import RNG_KEY
 from atlas_lightning.store.checkpoints import lightning_state_path
 
 #: The optimizers ``PPOModule.configure_optimizers`` returns, in order.
 OPTIMIZER_ROLES = ("actor", "critic")
 #: What AdamW keeps for each parameter it has stepped.
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+#: What every rank's generator states hold (``rng_state.capture``; CUDA's only where it ran).
+RNG_PARTS = ("torch", "numpy", "python")
 #: Top-level entries a resumable state must have besides the optimizers.
 REQUIRED = ("loops", "callbacks", "atlas")
 
@@ -49,6 +57,7 @@ def check_resume_state(folder: str | Path) -> None:
     for key in REQUIRED:
         if key not in top:
             raise ResumeStateError(f"{where}: its Lightning state has no {key!r} entry: not a resumable state")
+    _check_rng(where, top.get(RNG_KEY))
     if not any(isinstance(value, dict) and "next_step" in value for value in top.values()):
         raise ResumeStateError(f"{where}: its Lightning state has no data cursor (the datamodule's next_step)")
     rl_step = int((top.get("atlas") or {}).get("rl_step", 0))
@@ -57,6 +66,20 @@ def check_resume_state(folder: str | Path) -> None:
                                f"a resume needs {len(OPTIMIZER_ROLES)} ({', '.join(OPTIMIZER_ROLES)})")
     for role, (params, state) in zip(OPTIMIZER_ROLES, optimizers):
         _check_optimizer(where, role, params, state, rl_step)
+
+
+def _check_rng(where: str, entry: Any) -> None:
+    """``entry``: the state's ``RNG_KEY`` value (``rng_state.capture``'s)."""
+    ranks = entry.get("ranks") if isinstance(entry, dict) else None
+    if not ranks:
+        raise ResumeStateError(
+            f"{where}: its Lightning state holds no random generator states (written before they were kept): "
+            f"a resume would draw other LoRA dropout masks than the run it continues; resume from a newer "
+            f"checkpoint, or start a new run from its adapters with trainer.init_from={where.removeprefix('checkpoint ')}")
+    lacking = [rank for rank, state in enumerate(ranks) if not isinstance(state, dict) or not set(RNG_PARTS) <= set(state)]
+    if lacking:
+        raise ResumeStateError(f"{where}: the random generator states of rank(s) {lacking} lack some of "
+                               f"{', '.join(RNG_PARTS)}")
 
 
 def _check_optimizer(where: str, role: str, params: list, state: dict[Any, set[str]], rl_step: int) -> None:

@@ -5,7 +5,7 @@ shapes, question splits, the checkpoint to resume), then builds the Lightning pi
 config and those facts: the ``RolloutDataModule`` (the loaded questions, engines, rollouts), the
 ``PPOModule`` (the PPO step, its weight sync included), the strategy (one device, or FSDP2
 through ``ModelParallelStrategy``), the loggers and the configured callbacks (checkpoints last),
-then runs ``Trainer.fit``.
+then runs ``Trainer.fit``; a fault part-way stops it cleanly (``run/faults.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.run.facts import RunFacts, check_inputs
+from atlas_lightning.run.faults import stops_cleanly
 from atlas_lightning.run.wiring import RUN_LOG, build_callbacks, build_trainer, prepare_run
 
 log = logging.getLogger("atlas_lightning")
@@ -39,7 +40,9 @@ def fit(cfg: DictConfig) -> int:
     module = PPOModule(cfg, resume_from=facts.start.resume)
     datamodule = RolloutDataModule(cfg, questions=facts.questions)
     started = time.time()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=facts.start.state)
+    # a fault part-way (engine, memory, non-finite) stops cleanly, naming the checkpoint to resume from
+    with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: module.finished_step):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=facts.start.state)
     if trainer.global_rank == 0:
         _closing_summary(cfg, facts, time.time() - started)
     dist_utils.shut_down()

@@ -321,6 +321,7 @@ def sharded_module(cfg, resume_from=None):
             self.skipped_optimizer_steps = {"actor": 0, "critic": 0}
             self.resume_from = resume_from
             self.weight_sync = weight_sync_of(cfg)
+            self._rng_to_restore = None
             self.served: list[tuple[int, torch.Tensor]] = []
 
         def sync_weights(self, version, log_step=None):

@@ -1,6 +1,6 @@
 """``PPOModule`` on the tiny model under FSDP2 at ``WORLD_SIZE`` ranks (gloo), on synthetic steps
 (``run/memory_check.SyntheticData``: no engine), with the real step checkpoint writing every step
-in the background (``test_cb_checkpoint_ppo_fsdp.py``):
+in the background (``test_cb_checkpoint_ppo_fsdp.py``), LoRA dropout on (each rank draws its own masks):
 
     python tests/forked_ranks.py 2 ppo_checkpoint_worker.py MODEL ROOT [resume]
 
@@ -63,7 +63,7 @@ def main() -> None:
     resume = len(sys.argv) > 3 and sys.argv[3] == "resume"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = compose(["experiment=tiny-cpu", f"model.path={model}", f"paths.root={root}", "name=ppo",
-                   f"trainer.devices={world}", f"layout.gpus={world}", f"layout.train_gpus={world}",
+                   f"trainer.devices={world}", f"layout.gpus={world}", f"layout.train_gpus={world}", "model.lora.dropout=0.1",
                    "trainer.total_steps=3", "rollout.n=2", "algorithm.train_batch_size=2",
                    "algorithm.ppo_mini_batch_size=1", "algorithm.ppo_max_token_len_per_gpu=256",
                    "algorithm.forward_max_token_len_per_gpu=256"])

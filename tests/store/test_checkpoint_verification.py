@@ -24,8 +24,11 @@ from atlas_lightning.store.checkpoints import (
 
 def resumable_state(**change) -> dict:
     """A Lightning state of the shape a resume restores (two AdamW optimizers with their moments,
-    loops, callbacks, the data cursor, the module's record), with ``change`` applied."""
+    loops, callbacks, the data cursor, the module's record, every rank's generator states), with
+    ``change`` applied."""
     import torch
+
+    from atlas_lightning.ppo.rng_state import RNG_KEY, capture
 
     def adam(names):
         return {"state": {i: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
@@ -33,7 +36,7 @@ def resumable_state(**change) -> dict:
 
     state = {"state_dict": {"a": torch.zeros(2)}, "optimizer_states": [adam("ab"), adam("cd")],
              "loops": {"fit_loop": {}}, "callbacks": {"ValidationCallback": {"validated": [0]}},
-             "RolloutDataModule": {"next_step": 4}, "atlas": {"rl_step": 3}}
+             "RolloutDataModule": {"next_step": 4}, "atlas": {"rl_step": 3}, RNG_KEY: capture()}
     state.update(change)
     return state
 
@@ -242,6 +245,13 @@ _PARTIAL = [
      "the critic optimizer has no state after RL step 3"),
     ("no_cursor", lambda s: {k: v for k, v in s.items() if k != "RolloutDataModule"}, "no data cursor"),
     ("no_loops", lambda s: {k: v for k, v in s.items() if k != "loops"}, "no 'loops' entry"),
+    ("no_rng", lambda s: {k: v for k, v in s.items() if k != "rng_states"},
+     "holds no random generator states (written before they were kept)"),
+    ("rng_without_ranks", lambda s: {**s, "rng_states": {"world_size": 1, "ranks": []}},
+     "holds no random generator states"),
+    ("rng_without_numpy", lambda s: {**s, "rng_states": {"world_size": 1, "ranks": [
+        {k: v for k, v in s["rng_states"]["ranks"][0].items() if k != "numpy"}]}},
+     "the random generator states of rank(s) [0] lack some of torch, numpy, python"),
 ]
 
 

@@ -1,0 +1,85 @@
+"""Faults that stop a fit part-way, turned into a clean stop that names the cause.
+
+Three faults can end a run after it has started training, whatever the care taken before:
+
+* the rollout engine dies (its process killed, its engine core gone) or stops serving what it
+  was sent: ``EngineError`` (the agent loop's, after its retries) or ``WeightSyncError`` (the
+  weight sync's proof failed; a starting check that the engine ignores the adapter is an input
+  error instead, exit 2);
+* the card runs out of memory: ``torch.OutOfMemoryError`` (the step adds which phase of which
+  RL step, ``PPOModule._phase``);
+* a step's values are not finite and the NaN guard stops: ``NonFiniteError``.
+
+``stops_cleanly`` lets each propagate through Lightning (its exception hooks run first: the step
+checkpoint finishes a write in flight, ``callbacks/checkpoint.py``) and raises ``RunStopped``
+(``errors.py``) in its place, whose message names the cause, the last RL step trained and the
+newest checkpoint that verifies against its ``checkpoint.json`` (rank 0 verifies it; no
+collective: other ranks may be gone), and is written to the run's log. The CLI prints it, no
+traceback, and exits with its code (4 engine, 5 out of memory, 6 non-finite). Nothing of the
+failed step is checkpointed, so ``trainer.resume=auto`` continues from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from atlas_lightning import distributed as dist_utils
+from atlas_lightning.errors import InputError, NonFiniteError, RunStopped
+
+log = logging.getLogger("atlas_lightning")
+
+
+@contextmanager
+def stops_cleanly(checkpoints: Path, last_step: Callable[[], int]) -> Iterator[None]:
+    """Run the body (a ``trainer.fit``); a fault of the module doc becomes ``RunStopped``.
+    ``last_step()``: the last RL step the module finished (read when the fault is caught)."""
+    from atlas_lightning.rollout.engine import EngineError
+    from atlas_lightning.rollout.sync_probe import WeightSyncError
+
+    try:
+        yield
+    except InputError:  # a starting check: exit 2 as before any work
+        raise
+    except (EngineError, WeightSyncError) as err:
+        raise _stopped("engine", "the rollout engine failed", err, checkpoints, last_step()) from err
+    except torch.OutOfMemoryError as err:
+        raise _stopped("out_of_memory", "out of memory", err, checkpoints, last_step(),
+                       hint="lower algorithm.ppo_max_token_len_per_gpu or algorithm.forward_max_token_len_per_gpu "
+                            "(atlas-lightning plan prints what fits)") from err
+    except NonFiniteError as err:  # its message already names the step and the last good checkpoint
+        message = f"non-finite values: {err}"
+        log.error("stopped: %s", message)
+        raise RunStopped(message, cause="non_finite", last_good_checkpoint=err.last_good_checkpoint) from err
+
+
+def _stopped(cause: str, what: str, err: BaseException, checkpoints: Path, step: int,
+             hint: Optional[str] = None) -> RunStopped:
+    detail = " ".join(str(err).split()) or type(err).__name__
+    notes = "; ".join(getattr(err, "__notes__", []))
+    checkpoint, resume = _last_good(checkpoints, before_step=step + 1)
+    message = (f"{what} after RL step {step} (the last one finished){f' ({notes})' if notes else ''}: "
+               f"{type(err).__name__}: {detail}; nothing of the failed step is checkpointed; {resume}"
+               + (f"; {hint}" if hint else ""))
+    log.error("stopped: %s", message)
+    return RunStopped(message, cause=cause, last_good_checkpoint=checkpoint)
+
+
+def _last_good(checkpoints: Path, before_step: int) -> tuple[Optional[Path], str]:
+    """The newest checkpoint before ``before_step`` that verifies (a resumed run may hold later
+    folders of its first attempt), and the sentence that says how to resume from it."""
+    from atlas_lightning.store.checkpoints import latest_complete, latest_verified
+
+    if not dist_utils.is_rank_zero():  # rank 0 verifies; the others name what its marker says
+        folder = latest_complete(checkpoints, before_step=before_step)
+        return folder, f"the last complete checkpoint is {folder} (rank 0 verifies it)"
+    folder, refusals = latest_verified(checkpoints, before_step=before_step)
+    for reason in refusals:
+        log.warning("a checkpoint that does not verify: %s", reason)
+    if folder is None:
+        return None, f"there is no complete checkpoint under {checkpoints} to resume from"
+    return folder, f"the last complete checkpoint is {folder} (verified); resume with trainer.resume=auto"

@@ -1,0 +1,134 @@
+"""``FaultInjection``: one real fault at a chosen RL step, to prove the run stops cleanly and resumes.
+
+Not in the default callbacks; a run takes it with
+
+    +callbacks.fault_injection._target_=atlas_lightning.callbacks.faults.FaultInjection
+    +callbacks.fault_injection.fault=<engine_kill|out_of_memory|non_finite> +callbacks.fault_injection.step=N
+
+The faults (``run/faults.py`` turns each into a clean stop that names it; exit 4, 5, 6):
+
+* ``engine_kill``: in the middle of step N's rollout (its first requests submitted, in flight,
+  before the engine has answered any), the engine is killed: a server engine's process gets
+  SIGKILL; the in-process vLLM engine's engine core is shut down (it shares the trainer's
+  process: nothing else of it can die alone). The agent loop's retries fail and it raises
+  ``EngineError``.
+* ``out_of_memory``: as step N's actor update starts (its critic update already applied: the weights in
+  memory are half-way through the step), the card runs out of memory: on CUDA a real
+  allocation of more than the card has free (the caching allocator raises), on a CPU run
+  ``torch.OutOfMemoryError`` raised there.
+* ``non_finite``: as step N's actor update starts, one element of an actor LoRA factor becomes NaN (in
+  the precision the update runs in: bf16 under a bf16 base), so the update's forward passes give
+  NaN log-probs; the step's own check refuses the optimizer step and the NaN guard stops.
+
+Each fault happens once, in the run that has the callback: a resume without it continues. The
+checkpoint of step N-1 (with ``trainer.save_every=1``) is the one to resume from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import lightning as L
+import torch
+
+log = logging.getLogger(__name__)
+
+FAULTS = ("engine_kill", "out_of_memory", "non_finite")
+
+
+class FaultInjection(L.Callback):
+    """Inject ``fault`` (one of ``FAULTS``) at RL step ``step`` (module doc)."""
+
+    def __init__(self, fault: str, step: int) -> None:
+        if fault not in FAULTS:
+            raise ValueError(f"FaultInjection: fault must be one of {', '.join(FAULTS)}, got {fault!r}")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ValueError(f"FaultInjection: step must be an RL step (an int >= 1), got {step!r}")
+        self.fault = fault
+        self.step = step
+        self.done = False
+
+    # -- the update's faults: inside the actor update's phase -------------------------------
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.fault in ("out_of_memory", "non_finite"):
+            hook = getattr(pl_module, "phase_hook", None)
+            pl_module.phase_hook = self._phase_hook(hook, pl_module)
+
+    def _phase_hook(self, inner: Any, pl_module: L.LightningModule):
+        @contextmanager
+        def hook(name: str, step: int) -> Iterator[None]:
+            with (inner(name, step) if inner is not None else _nothing()):
+                if name == "update_actor" and step == self.step and not self.done:
+                    self.done = True
+                    log.warning("fault injection: %s in phase %s of RL step %d", self.fault, name, step)
+                    _out_of_memory(pl_module.device) if self.fault == "out_of_memory" else _poison_actor(pl_module)
+                yield
+        return hook
+
+    # -- the engine's death: during the rollout of step N -----------------------------------
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._arm_if_next(trainer, getattr(pl_module, "rl_step", 0))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._arm_if_next(trainer, batch.step)
+
+    def _arm_if_next(self, trainer: L.Trainer, finished: int) -> None:
+        """After step ``finished``, the next rollout is step ``finished + 1``'s."""
+        if self.fault != "engine_kill" or self.done or finished + 1 != self.step:
+            return
+        engine = trainer.datamodule.engine
+        poll = engine.poll
+
+        def kill_then_poll(*args, **kwargs):
+            if not self.done:  # the rollout's first requests are submitted and in flight
+                self.done = True
+                log.warning("fault injection: killing the engine during the rollout of RL step %d", self.step)
+                kill_engine(engine)
+            return poll(*args, **kwargs)
+
+        engine.poll = kill_then_poll
+
+
+def kill_engine(engine: Any) -> None:
+    """The engine dies: a server's process gets SIGKILL (its whole process group), the in-process
+    vLLM engine's core is shut down."""
+    server = getattr(engine, "server", None)
+    process = getattr(server, "process", None)
+    if process is not None:
+        os.killpg(process.pid, signal.SIGKILL)
+        return
+    core = getattr(getattr(engine, "_engine", None), "engine_core", None)
+    if core is None:
+        raise ValueError(f"FaultInjection: cannot kill a {type(engine).__name__} engine (neither a server's "
+                         f"process nor an in-process vLLM engine core)")
+    core.shutdown()
+
+
+def _out_of_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        torch.empty(free + 2**30, dtype=torch.uint8, device=device)  # the caching allocator raises
+    raise torch.OutOfMemoryError("out of memory (FaultInjection on a CPU run: the fault a card raises here)")
+
+
+def _poison_actor(pl_module: L.LightningModule) -> None:
+    """One element of the first actor LoRA factor this rank holds a piece of becomes NaN (a
+    sharded factor: in this rank's shard; every rank's forward gathers it)."""
+    with torch.no_grad():
+        for param in pl_module.model.actor_parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if local.numel():
+                local.view(-1)[0] = float("nan")
+                return
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield

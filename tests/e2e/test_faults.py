@@ -1,0 +1,91 @@
+"""Faults part-way through a fit, through the CLI: the engine killed in the middle of a rollout,
+out of memory in the middle of an update, a NaN during an update. Each ends in a clean stop
+that names its cause (exit 4, 5, 6; no traceback; ``run/faults.py``), leaves the last complete
+checkpoint intact (it verifies against its ``checkpoint.json`` and its state is whole) and the
+next launch resumes from it. The faults are injected by ``callbacks/faults.py`` (``FaultInjection``).
+
+One chain per machine, each launch resuming the last: out of memory at step 2 (checkpoint 1
+left), a NaN at step 3 (checkpoint 2), the engine killed at step 4 (checkpoint 3), then a clean
+resume to the end (checkpoint 4). The CPU chain runs in the normal suite (tiny model, vLLM's CPU
+engine, a real allocation failure is impossible there: ``torch.OutOfMemoryError`` is raised at
+the injection point). The card chain runs the same on a GPU (``experiment=h200-tiny``: FSDP2 at
+world 1, the in-process vLLM engine asleep during updates, a bf16 base: the NaN comes in a bf16
+update; the out-of-memory is a real CUDA allocation larger than the card). On the H200, in one
+command from the repository root:
+
+    .venv/bin/python -m pytest -q -p no:randomly tests/e2e/test_faults.py -k card -s
+
+(each fault's stop message is printed with ``-s``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from atlas_lightning.errors import STOP_EXIT_CODES
+from atlas_lightning.run.resume_state import check_resume_state
+from atlas_lightning.store.checkpoints import verify_checkpoint
+
+NAME = "faults"
+STEPS = 4
+INJECT = "+callbacks.fault_injection._target_=atlas_lightning.callbacks.faults.FaultInjection"
+#: (fault, step it strikes, what the stop names, exit cause)
+CHAIN = [("out_of_memory", 2, "out of memory after RL step 1", "out_of_memory"),
+         ("non_finite", 3, "non-finite values: step 3: non-finite", "non_finite"),
+         ("engine_kill", 4, "the rollout engine failed after RL step 3", "engine")]
+
+CPU = ["experiment=tiny-cpu", "rollout.n=2", "algorithm.train_batch_size=2", "algorithm.ppo_mini_batch_size=1",
+       "rollout.max_tokens_per_turn=24"]
+CARD = ["experiment=h200-tiny", "rollout.n=4", "algorithm.train_batch_size=4", "algorithm.ppo_mini_batch_size=2",
+        "rollout.max_tokens_per_turn=32"]
+
+
+def _fit(setting: list[str], model: Path, data: Path, root: Path, *extra: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "atlas_lightning.cli", "fit", *setting, f"name={NAME}", f"model.path={model}",
+               f"data.root={data}", f"paths.root={root}", f"trainer.total_steps={STEPS}", "trainer.save_every=1",
+               "trainer.val_before_train=false", "trainer.val_every=100", "callbacks.validation.val_on_last_step=false",
+               "logger.mode=disabled", *extra]
+    return subprocess.run(command, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled"))
+
+
+def _chain(setting: list[str], model: Path, data: Path, root: Path) -> None:
+    checkpoints = root / "checkpoints" / NAME
+    for index, (fault, step, named, cause) in enumerate(CHAIN):
+        resume = ["trainer.resume=auto"] if index else []
+        done = _fit(setting, model, data, root, *resume, INJECT, f"+callbacks.fault_injection.fault={fault}",
+                    f"+callbacks.fault_injection.step={step}")
+        stop = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+        print(f"\n{fault} at step {step}: exit {done.returncode}: {stop}")
+        assert done.returncode == STOP_EXIT_CODES[cause], done.stderr[-4000:]
+        assert stop.startswith("atlas-lightning fit: stopped: ") and named in stop, stop
+        assert "Traceback" not in done.stderr, done.stderr[-4000:]
+        last = checkpoints / f"global_step_{step - 1}"
+        assert str(last) in stop
+        assert not (checkpoints / f"global_step_{step}" / "checkpoint.json").exists()
+        verify_checkpoint(last)  # intact: every file as its marker lists it
+        check_resume_state(last)  # whole: optimizers, loops, cursor, generator states
+        assert named in (root / "outputs" / NAME / "main_ppo.log").read_text()
+    done = _fit(setting, model, data, root, "trainer.resume=auto")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"resuming from {checkpoints / 'global_step_3'}" in (root / "outputs" / NAME / "main_ppo.log").read_text()
+    verify_checkpoint(checkpoints / f"global_step_{STEPS}")
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_cpu_faults_stop_cleanly_and_resume(tiny_model_dir, sample_data_dir, tmp_path):
+    _chain(CPU, tiny_model_dir, sample_data_dir, tmp_path)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the card's faults need a CUDA GPU")
+def test_card_faults_stop_cleanly_and_resume(tiny_model_dir, sample_data_dir, tmp_path):
+    _chain(CARD, tiny_model_dir, sample_data_dir, tmp_path)
