@@ -3,8 +3,8 @@ whole reply or from a streamed one chunk by chunk (``stream: true``).
 
 Requests ask for ``logprobs: 0``, ``return_tokens_as_token_ids`` and ``return_token_ids``, so a
 choice names each sampled token as ``"token_id:N"`` with its log-prob, and lists the ids once
-more as a cross-check: no text is ever re-tokenized. Streamed, vLLM (0.26 and 0.32 alike,
-``entrypoints/openai/completion/serving.py``, ``completion_stream_generator``) sends each
+more as a cross-check: no text is ever re-tokenized. Streamed, vLLM (0.26 and 0.32 alike: the
+OpenAI completion route's ``completion_stream_generator``) sends each
 chunk's new tokens only (``RequestOutputKind.DELTA``) in the same fields, the finish reason on
 the chunk holding the last token, then ``[DONE]``; an error mid-stream comes as an event
 ``{"error": {...}}``. Who calls it: ``server_engine.ServerEngine``.
