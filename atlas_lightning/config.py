@@ -335,6 +335,10 @@ class LayoutConfig:
     #: dropped) or ``drop`` (it samples ahead without waiting, a bounded number of steps, and a
     #: trajectory over the bound is dropped at hand-over, counted in the step's metrics).
     staleness_policy: str = "wait"
+    #: Partial rollouts (separate mode, ``rollout/interruption.py``): a weight sync interrupts the
+    #: training rollout in flight, which keeps its tokens and continues under the new weights by
+    #: re-prefill; false: a sync waits for the rollout, which is sampled with one version.
+    partial_rollouts: bool = False
 
 
 @dataclass

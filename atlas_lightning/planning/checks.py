@@ -43,6 +43,10 @@ def layout_refusals(cfg: Any, shape: ModelShape) -> list[str]:
             out.append(f"colocated layout: layout.gpus={gpus}, layout.train_gpus={train} and trainer.devices x "
                        f"trainer.num_nodes={processes} must all be equal (every card trains)")
         engine_cards = gpus
+        if layout.get("partial_rollouts"):
+            out.append("layout.partial_rollouts=true interrupts the separate layout's server requests at a weight "
+                       "sync; a colocated layout never samples during an update: set layout.partial_rollouts=false "
+                       "or layout.mode=separate")
     if tp <= 0 or engine_cards <= 0 or engine_cards % tp:
         out.append(f"engine TP {tp} does not divide the {engine_cards} cards that serve "
                    f"({'layout.serve_gpus' if mode == 'separate' else 'layout.gpus'})")

@@ -122,7 +122,9 @@ def asynchronous_metrics(batch: RolloutBatch, timing: dict) -> dict[str, float]:
     ``rollout/staleness_mean``; ``rollout/dropped_trajectories`` (over the bound, ``drop``);
     ``perf/trainer_idle_share``: the step's wait for its rollout over its wall time (the most
     idle rank); ``perf/engine_idle_share``: the producer's wait (for weights or room) over that
-    wait plus its rollout, on the least idle rank: the one shared server idles at most that."""
+    wait plus its rollout, on the least idle rank: the one shared server idles at most that.
+    With partial rollouts, ``rollout/reprefill_tokens``: the tokens prefilled again to continue
+    the turns weight syncs interrupted (all ranks; their seconds are ``timing_s/reprefill``)."""
     if not batch.staleness_counts:
         return {}
     keys = sorted(batch.staleness_counts)
@@ -136,6 +138,8 @@ def asynchronous_metrics(batch: RolloutBatch, timing: dict) -> dict[str, float]:
     out["rollout/dropped_trajectories"] = counts[-1]
     out["perf/trainer_idle_share"] = trainer_idle
     out["perf/engine_idle_share"] = 1.0 - engine_busy
+    if batch.stats.reprefill_tokens is not None:  # partial rollouts (every rank alike)
+        out["rollout/reprefill_tokens"] = dist_utils.all_reduce_sum([float(batch.stats.reprefill_tokens)])[0]
     return out
 
 

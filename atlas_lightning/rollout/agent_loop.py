@@ -15,8 +15,18 @@ Token contract, per trajectory (``Trajectory``):
   0.0 on mask-0 tokens.
 - ``response_versions``: the weights version that generated each token, as ``policy_version()``
   read when its request was (re)submitted; -1 on mask-0 tokens and where no version is known.
-  A request is never in flight across a weight change (the weight sync holds the engine), so
-  the version read at submission is the one that sampled the tokens.
+  A request is never in flight across a weight change (the weight sync holds the engine, or,
+  with partial rollouts, interrupts it first), so the version read at submission is the one
+  that sampled the tokens.
+
+Partial rollouts (``pause`` given, ``rollout/interruption.py``): when a weight sync asks for
+the engine, every request in flight is interrupted (``Engine.interrupt``) and what it generated
+is appended to its trajectory at once, as any generated tokens (mask 1, log-probs, the version
+it was sent to); no tool call is parsed from half a turn. After the sync the open turn is sent
+again with everything so far as its prompt (re-prefilled under the new weights), the rest of
+the turn's token budget, and a seed of its own (the turn's seed parts and ``s<segment>``). When
+the turn ends, the runtime reads it whole: a turn may carry two versions, and its tokens are
+concatenated as generated, never decoded and re-encoded.
 
 Limits (``config.LoopLimits``: the ``rollout`` keys the loop obeys): a turn may generate at
 most ``max_tokens_per_turn`` tokens and never more than the response budget
@@ -38,6 +48,7 @@ from typing import Callable, Optional
 
 from atlas_lightning.config import LoopLimits
 from atlas_lightning.rollout.chat import ChatFormat
+from atlas_lightning.rollout.interruption import ReprefillMeter, SyncPause
 from atlas_lightning.rollout.engine import (
     Engine,
     EngineError,
@@ -72,6 +83,10 @@ class Trajectory:
     attempt_id: int = 0
     turns: int = 0
     gen_seconds: float = 0.0
+    #: Partial rollouts: tokens of the turn in progress already generated (and appended) before
+    #: interruptions, and how many times that turn was interrupted (its continuations' seeds).
+    open_turn: int = 0
+    segment: int = 0
 
     @property
     def done(self) -> bool:
@@ -86,6 +101,8 @@ class LoopStats:
     requests: int = 0
     retries: int = 0
     seconds: float = 0.0
+    #: Partial rollouts: tokens prefilled again to continue interrupted turns (None: not on).
+    reprefill_tokens: Optional[int] = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -99,16 +116,41 @@ VersionFn = Callable[[], Optional[int]]
 NO_VERSION = -1
 
 
+@dataclass
+class _Run:
+    """One ``AgentLoop.run``'s moving parts: trajectories waiting for their next request, the
+    requests in flight (trajectory, request, when sent) and the weights version each was sent
+    to, the interruption each continuation resumes (partial rollouts)."""
+
+    sampling: Sampling
+    seed_parts: tuple
+    stats: LoopStats
+    total: int
+    waiting: list
+    in_flight: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+    resumes: dict = field(default_factory=dict)
+    progress: Optional[ProgressFn] = None
+    done: int = 0
+    engine_failures: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
 class AgentLoop:
     """Runs episodes to completion on one engine. Stateless between calls. ``policy_version``:
-    the engine's weights version, stamped on each generated token (``response_versions``)."""
+    the engine's weights version, stamped on each generated token (``response_versions``).
+    ``pause`` (partial rollouts, ``rollout/interruption.py``): a weight sync that wants the
+    engine interrupts the requests in flight, which continue under the new weights."""
 
     def __init__(self, engine: Engine, chat: ChatFormat, limits: LoopLimits,
-                 policy_version: Optional[VersionFn] = None) -> None:
+                 policy_version: Optional[VersionFn] = None, pause: Optional[SyncPause] = None) -> None:
         self.engine = engine
         self.chat = chat
         self.limits = limits
         self.policy_version = policy_version or (lambda: None)
+        self.pause = pause
+        #: What interruptions cost the last ``run`` (partial rollouts).
+        self.reprefill = ReprefillMeter()
 
     def run(
         self,
@@ -120,72 +162,125 @@ class AgentLoop:
         """Drive every trajectory to a terminal state, in place. ``seed_parts`` (e.g. run seed
         and step) and the trajectory's ids and turn make each request's sampling seed."""
         limits = self.limits
-        stats = LoopStats(trajectories=len(trajectories))
-        started = time.monotonic()
+        self.reprefill = ReprefillMeter()
         waiting = [t for t in trajectories if not t.done]  # ready for their next turn
-        in_flight: dict[str, tuple[Trajectory, GenerationRequest, float]] = {}
-        versions: dict[str, Optional[int]] = {}  # the weights version each request was sent to
-        engine_failures = 0
-        done = len(trajectories) - len(waiting)
-
-        def send(traj: Trajectory, request: GenerationRequest) -> None:
-            versions[request.request_id] = self.policy_version()
-            self.engine.submit(request)
-            in_flight[request.request_id] = (traj, request, time.monotonic())
-
-        def submit(traj: Trajectory) -> None:
-            request = self._next_request(traj, sampling, seed_parts)
-            if request is None:
-                return
-            send(traj, request)
-            stats.requests += 1
-
-        while waiting or in_flight:
-            while waiting and len(in_flight) < limits.max_in_flight:
-                traj = waiting.pop(0)
-                submit(traj)
+        run = _Run(sampling, seed_parts, LoopStats(trajectories=len(trajectories)), len(trajectories), waiting,
+                   progress=progress, done=len(trajectories) - len(waiting))
+        while run.waiting or run.in_flight:
+            while run.waiting and len(run.in_flight) < limits.max_in_flight:
+                traj = run.waiting.pop(0)
+                self._submit(run, traj)
                 if traj.done:  # ended before generating (budget spent)
-                    done += 1
-            if not in_flight:
+                    run.done += 1
+            if not run.in_flight:
                 continue
-            try:
-                results = self.engine.poll()
-                engine_failures = 0
-            except EngineError as err:
-                engine_failures += 1
-                if engine_failures > limits.max_retries:
-                    raise EngineError(
-                        f"{self.engine.name} engine failed {engine_failures} times in a row; "
-                        f"{len(in_flight) + len(waiting)} trajectories unfinished "
-                        f"(e.g. {self._names(in_flight, waiting)}); the step is not recorded: {err}"
-                    ) from err
-                stats.retries += 1
-                log.warning("%s engine failed (%d in a row, %d requests in flight); retrying: %s",
-                            self.engine.name, engine_failures, len(in_flight), err)
-                time.sleep(min(2.0 ** engine_failures, 30.0))
+            if self.pause is not None and self.pause.requested():
+                self._give_way(run)  # then the open turns are sent again, first
                 continue
+            results = self._poll(run)
             for result in results:
-                entry = in_flight.pop(result.request_id, None)
+                entry = run.in_flight.pop(result.request_id, None)
                 if entry is None:
                     continue  # an aborted request's late result
                 traj, request, sent = entry
                 if result.error is not None:
-                    self._retry(traj, request, result.error, stats)
-                    send(traj, request)
+                    self._retry(traj, request, result.error, run.stats)
+                    self._send(run, traj, request)
                     continue
-                traj.gen_seconds += time.monotonic() - sent
-                self._apply_turn(traj, request, result, stats, versions.pop(request.request_id))
-                if traj.done:
-                    done += 1
-                    if progress:
-                        stats.seconds = time.monotonic() - started
-                        progress(done, len(trajectories), stats)
-                else:
-                    waiting.append(traj)
-            for traj, request in self._expire(in_flight, stats):
-                send(traj, request)
-        stats.seconds = time.monotonic() - started
-        return stats
+                self._finish_turn(run, traj, request, result, sent)
+            for traj, request in self._expire(run.in_flight, run.stats):
+                self._send(run, traj, request)
+        run.stats.seconds = time.monotonic() - run.started
+        return run.stats
+
+    # -- requests -------------------------------------------------------------------------
+
+    def _send(self, run: _Run, traj: Trajectory, request: GenerationRequest) -> None:
+        run.versions[request.request_id] = self.policy_version()
+        self.engine.submit(request)
+        run.in_flight[request.request_id] = (traj, request, time.monotonic())
+
+    def _submit(self, run: _Run, traj: Trajectory) -> None:
+        request = self._next_request(traj, run.sampling, run.seed_parts)
+        if request is None:
+            return
+        if traj.segment:  # an interrupted turn's continuation: its prefix is prefilled again
+            self.reprefill.continued(len(request.prompt_ids))
+            run.resumes[request.request_id] = self.reprefill.interruptions - 1
+        self._send(run, traj, request)
+        run.stats.requests += 1
+
+    def _poll(self, run: _Run) -> list[GenerationResult]:
+        """The engine's finished results; an engine failure is retried after a back-off, up to
+        ``max_retries`` in a row (then ``EngineError``)."""
+        try:
+            results = self.engine.poll()
+            run.engine_failures = 0
+            return results
+        except EngineError as err:
+            run.engine_failures += 1
+            if run.engine_failures > self.limits.max_retries:
+                raise EngineError(
+                    f"{self.engine.name} engine failed {run.engine_failures} times in a row; "
+                    f"{len(run.in_flight) + len(run.waiting)} trajectories unfinished "
+                    f"(e.g. {self._names(run.in_flight, run.waiting)}); the step is not recorded: {err}"
+                ) from err
+            run.stats.retries += 1
+            log.warning("%s engine failed (%d in a row, %d requests in flight); retrying: %s",
+                        self.engine.name, run.engine_failures, len(run.in_flight), err)
+            time.sleep(min(2.0 ** run.engine_failures, 30.0))
+            return []
+
+    def _finish_turn(self, run: _Run, traj: Trajectory, request: GenerationRequest, result: GenerationResult,
+                     sent: float) -> None:
+        traj.gen_seconds += time.monotonic() - sent
+        resumed = run.resumes.pop(request.request_id, None)
+        if resumed is not None and result.first_token_s is not None:
+            self.reprefill.first_token(resumed, sent + result.first_token_s)
+        self._apply_turn(traj, request, result, run.stats, run.versions.pop(request.request_id))
+        if traj.done:
+            run.done += 1
+            if run.progress:
+                run.stats.seconds = time.monotonic() - run.started
+                run.progress(run.done, run.total, run.stats)
+        else:
+            run.waiting.append(traj)
+
+    def _give_way(self, run: _Run) -> None:
+        """A weight sync wants the engine: interrupt every request in flight, keep what each
+        generated (its open turn grows; version: the one it was sent to), give the engine up
+        until the sync is over, then queue the open turns first, to be continued by re-prefill."""
+        interrupted = run.in_flight
+        run.in_flight = {}
+        results = {r.request_id: r for r in self.engine.interrupt(list(interrupted))} if interrupted else {}
+        resend, resume = [], []
+        for rid, (traj, request, sent) in interrupted.items():
+            result = results[rid]
+            if result.error is not None:
+                self._retry(traj, request, result.error, run.stats)
+                resend.append((traj, request))
+            elif result.finish_reason == "interrupted":
+                self._keep_partial(run, traj, request, result, sent)
+                resume.append(traj)
+            else:  # it finished before the cut
+                self._finish_turn(run, traj, request, result, sent)
+        self.pause.give_way()
+        if resume:
+            self.reprefill.resumed()
+        run.waiting[:0] = resume
+        for traj, request in resend:
+            self._send(run, traj, request)
+
+    def _keep_partial(self, run: _Run, traj: Trajectory, request: GenerationRequest, result: GenerationResult,
+                      sent: float) -> None:
+        """An interrupted request's tokens join its trajectory's open turn, as generated."""
+        version = run.versions.pop(request.request_id)
+        run.resumes.pop(request.request_id, None)
+        traj.gen_seconds += time.monotonic() - sent
+        _append_generated(traj, result, version)
+        traj.open_turn += len(result.token_ids)
+        traj.segment += 1
+        run.stats.generated_tokens += len(result.token_ids)
 
     # -- one turn -------------------------------------------------------------------------
 
@@ -198,10 +293,12 @@ class AgentLoop:
             reason = "context_overflow" if context_left <= 0 and context_left < response_left else "response_length"
             traj.episode.stop(reason, self._last_generated(traj))
             return None
-        max_tokens = min(limits.max_tokens_per_turn, response_left, context_left)
-        seed = request_seed(*seed_parts, traj.uid, traj.session_id, traj.turns, traj.attempt_id)
+        # an interrupted turn continues with what is left of its own budget
+        max_tokens = min(limits.max_tokens_per_turn - traj.open_turn, response_left, context_left)
+        segment = (f"s{traj.segment}",) if traj.segment else ()  # a continuation samples anew
+        seed = request_seed(*seed_parts, traj.uid, traj.session_id, traj.turns, traj.attempt_id, *segment)
         return GenerationRequest(
-            request_id=f"{traj.uid}/{traj.session_id}/t{traj.turns}/a{traj.attempt_id}",
+            request_id="/".join((traj.uid, traj.session_id, f"t{traj.turns}", f"a{traj.attempt_id}", *segment)),
             prompt_ids=tuple(traj.prompt_ids + traj.response_ids),
             sampling=SamplingSpec(
                 max_tokens=max_tokens,
@@ -216,30 +313,30 @@ class AgentLoop:
     def _apply_turn(self, traj: Trajectory, request: GenerationRequest, result: GenerationResult, stats: LoopStats,
                     version: Optional[int] = None) -> None:
         limits = self.limits
-        start = len(traj.response_ids)
-        traj.response_ids.extend(result.token_ids)
-        traj.response_mask.extend([1] * len(result.token_ids))
-        traj.response_logprobs.extend(result.logprobs)
-        traj.response_versions.extend([NO_VERSION if version is None else int(version)] * len(result.token_ids))
+        start = len(traj.response_ids) - traj.open_turn  # the turn began before its interruptions
+        earlier, traj.open_turn, traj.segment = traj.open_turn, 0, 0
+        _append_generated(traj, result, version)
         traj.turns += 1
         stats.generated_tokens += len(result.token_ids)
         end = len(traj.response_ids)
-        if not result.token_ids:
+        turn = traj.response_ids[start:]  # as generated, segments concatenated: never re-encoded
+        if not turn:
             traj.episode.stop("response_length", self._last_generated(traj))
             return
-        cut_by_budget = result.finish_reason == "length" and request.sampling.max_tokens < limits.max_tokens_per_turn
+        cut_by_budget = (result.finish_reason == "length"
+                         and earlier + request.sampling.max_tokens < limits.max_tokens_per_turn)
         if cut_by_budget:
             context_left = limits.max_model_len - len(traj.prompt_ids) - end
             response_left = limits.max_response_length - end
             reason = "context_overflow" if context_left <= 0 and context_left < response_left else "response_length"
             # recorded as a truncated generation (never executed), so that the episode's token
             # counts cover every token the record's arrays hold
-            traj.episode.stop(reason, end - 1, text=self.chat.decode_turn(result.token_ids), start=start)
+            traj.episode.stop(reason, end - 1, text=self.chat.decode_turn(turn), start=start)
             return
-        reply = traj.episode.on_assistant_turn(self.chat.decode_turn(result.token_ids), start, end)
+        reply = traj.episode.on_assistant_turn(self.chat.decode_turn(turn), start, end)
         if reply is None or traj.episode.done:
             return
-        closed = result.token_ids[-1] in self.chat.stop_token_ids
+        closed = turn[-1] in self.chat.stop_token_ids
         tool_ids = self.chat.tool_response_ids(reply, turn_closed=closed)
         new_len = end + len(tool_ids)
         if len(traj.prompt_ids) + new_len >= limits.max_model_len:
@@ -295,3 +392,11 @@ class AgentLoop:
         names = [f"{t.uid}/{t.session_id}" for t, _, _ in list(in_flight.values())[:3]]
         names += [f"{t.uid}/{t.session_id}" for t in waiting[: max(0, 3 - len(names))]]
         return ", ".join(names)
+
+
+def _append_generated(traj: Trajectory, result: GenerationResult, version: Optional[int]) -> None:
+    """``result``'s tokens onto ``traj`` as generated: mask 1, their log-probs, ``version``."""
+    traj.response_ids.extend(result.token_ids)
+    traj.response_mask.extend([1] * len(result.token_ids))
+    traj.response_logprobs.extend(result.logprobs)
+    traj.response_versions.extend([NO_VERSION if version is None else int(version)] * len(result.token_ids))

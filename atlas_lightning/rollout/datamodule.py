@@ -23,7 +23,11 @@ Contract:
   was sampled ahead (with the discarded weights) is sampled again on the restored ones. The
   dataloader stays sized: Lightning itself never fetches ahead, the producer does, within the
   bound.
-- Every use of the engine (a rollout, a weight sync, validation) holds ``engine_lock``.
+- Every use of the engine (a rollout, a weight sync, validation) holds ``engine_lock``. With
+  ``layout.partial_rollouts`` a weight sync does not wait for a training rollout: it interrupts
+  it (``engine_for_sync``, ``rollout/interruption.py``), and the rollout continues under the new
+  weights, so one batch (even one turn) may span versions; its ``weights_version`` is the one
+  it started with, which its oldest tokens carry.
 - ``state_dict`` holds the next step to TRAIN (not the next sampled): a resumed run samples
   exactly what an uninterrupted one would (the sampler and every request seed are functions
   of the step), and a batch sampled ahead but not trained on is sampled again, never lost or
@@ -58,6 +62,7 @@ from atlas_lightning.rollout.chat import ChatFormat
 from atlas_lightning.reward.scorer import build_scorer
 from atlas_lightning.rollout.engine import Engine
 from atlas_lightning.rollout.engines.args import client_in_flight
+from atlas_lightning.rollout.interruption import SyncPause
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +155,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.clock = WeightsClock()
         #: Held by every use of the engine: a rollout, a weight sync, validation.
         self.engine_lock = threading.RLock()
+        #: Partial rollouts: how a weight sync interrupts a training rollout (``engine_for_sync``).
+        self.pause = SyncPause(self.engine_lock)
         self.producer: Optional[RolloutProducer] = None
         self.train_questions: list[Question] = []
         self.val_questions: list[Question] = []
@@ -175,6 +182,17 @@ class RolloutDataModule(L.LightningDataModule):
     def asynchronous(self) -> bool:
         """Rollouts sampled ahead by a producer thread (``layout.mode=separate``)."""
         return self.cfg.layout.mode == "separate"
+
+    @property
+    def partial_rollouts(self) -> bool:
+        """A weight sync interrupts the training rollout in flight, which continues under the new
+        weights (``layout.partial_rollouts``, separate layout; ``rollout/interruption.py``)."""
+        return self.asynchronous and bool(self.cfg.layout.get("partial_rollouts", False))
+
+    def engine_for_sync(self):
+        """What the weight sync holds while the weights move: the engine, a running training
+        rollout interrupted to get it (partial rollouts) or waited for (otherwise)."""
+        return self.pause.hold() if self.partial_rollouts else self.engine_lock
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -268,9 +286,14 @@ class RolloutDataModule(L.LightningDataModule):
             timing["wake_rollout"] = time.monotonic() - started
             progress = RolloutProgress(f"{partition} step {step}", self.progress_sink if self.rank == 0 else None)
             looped = time.monotonic()
-            stats = AgentLoop(self.engine, self.chat, self._limits(), policy_version=lambda: self.weights_version).run(
-                trajectories, sampling, seed_parts=seed_parts, progress=progress)
+            interruptible = self.partial_rollouts and partition == "train"
+            loop = AgentLoop(self.engine, self.chat, self._limits(), policy_version=lambda: self.weights_version,
+                             pause=self.pause if interruptible else None)
+            stats = loop.run(trajectories, sampling, seed_parts=seed_parts, progress=progress)
             timing["gen"] = time.monotonic() - looped
+            if interruptible:
+                timing["reprefill"] = loop.reprefill.seconds
+                stats.reprefill_tokens = loop.reprefill.tokens
             _card_used(memory, "gen")
             if self.engine_allocated_bytes:
                 memory["engine_allocated_gib"] = self.engine_allocated_bytes / 2**30

@@ -56,10 +56,13 @@ class GenerationResult:
     request_id: str
     token_ids: list[int]
     logprobs: list[float]
-    #: ``stop`` (a stop token, which is included in ``token_ids``) or ``length``.
+    #: ``stop`` (a stop token, which is included in ``token_ids``) or ``length``; from
+    #: ``Engine.interrupt``, ``interrupted`` (what was generated before the cut).
     finish_reason: str
     #: Set instead of tokens when the engine failed this request.
     error: Optional[str] = None
+    #: Seconds from the request's start to its first token, where the engine streams (else None).
+    first_token_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,14 @@ class Engine(ABC):
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Drop requests (used on timeouts); their results never come back."""
+
+    def interrupt(self, request_ids: Iterable[str]) -> list[GenerationResult]:
+        """Stop these requests now and return what each generated so far, exactly as sampled
+        (finish reason ``interrupted``; ``stop``/``length`` for one that had just finished, an
+        error result for one that had failed); their results never come back from ``poll``.
+        Partial rollouts need it (``rollout/interruption.py``)."""
+        raise NotImplementedError(f"{self.name} cannot interrupt requests and keep their tokens "
+                                  "(layout.partial_rollouts needs the vllm-server engine)")
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Submit all and wait for all; results in request order. A convenience for probes."""

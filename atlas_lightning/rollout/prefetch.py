@@ -21,13 +21,15 @@ batch that would be too stale, and nothing is dropped) or ``drop`` (the producer
 room: it starts step ``s`` once ``s - max_staleness`` is taken, whatever version the engine
 serves, and the datamodule drops, at hand-over, every trajectory that has fallen more than
 ``max_staleness`` versions behind). ``waited_s[step]``: how long the producer waited before
-sampling ``step`` (the engine's idle time, as this client sees it). Requests interrupted by new
-weights and a resume that keeps the trajectories in flight are designed, not built:
-atlas_lightning/bench/README.md, "Partial rollouts in the separate layout".
+sampling ``step`` (the engine's idle time, as this client sees it). A resume that keeps the
+trajectories in flight is designed, not built: atlas_lightning/bench/README.md, "Partial
+rollouts in the separate layout".
 
 The engine is shared with the weight sync and validation: every use of it holds
 ``engine_lock`` for its whole duration (a rollout, a sync), so a batch is sampled with exactly
-one version and a sync never swaps weights under a running rollout.
+one version and a sync never swaps weights under a running rollout; with partial rollouts
+(``layout.partial_rollouts``, ``interruption.py``) a sync interrupts the running rollout
+instead, which gives the lock up until the sync is over and then continues on the new version.
 
 An exception on the producer thread is raised again by ``take``. ``stop`` asks the thread to
 end after its current rollout and drops what it sampled ahead (a resumed run samples those

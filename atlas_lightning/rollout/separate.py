@@ -140,7 +140,8 @@ def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> Shared
                                             workers=cfg.layout.engine_tp, timeout_s=r.request_timeout_s + 60)
         return SharedServerEngine(url, rank=rank, transfer=transfer, server=server,
                                   max_in_flight=client_in_flight(cfg, world_size),
-                                  request_timeout_s=r.request_timeout_s + 60, reads_back=backend != "nccl")
+                                  request_timeout_s=r.request_timeout_s + 60, reads_back=backend != "nccl",
+                                  streaming=bool(cfg.layout.get("partial_rollouts", False)))
     except BaseException:
         if server is not None:
             server.close()

@@ -233,8 +233,10 @@ class WeightSync:
         self.sync_id += 1
         engine = serving.engine
         woken = time.monotonic()
-        # no rollout runs while weights move (the asynchronous layout's producer waits)
-        with getattr(serving, "engine_lock", None) or contextlib.nullcontext():
+        # no rollout runs while weights move (the asynchronous layout's producer waits, or with
+        # partial rollouts is interrupted: ``serving.engine_for_sync``)
+        hold = getattr(serving, "engine_for_sync", None)
+        with hold() if hold is not None else (getattr(serving, "engine_lock", None) or contextlib.nullcontext()):
             if getattr(serving, "asynchronous", False):
                 dist_utils.barrier()  # every rank's producer is idle before the shared server changes
             engine.wake_up()  # slept through the update (colocated sleep mode); a no-op otherwise

@@ -34,7 +34,8 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
 * ``algorithm.off_policy_loss`` (``none``), ``algorithm.behav_imp_weight_cap`` (5.0),
   ``algorithm.behav_imp_weight_mode`` (``truncate``), ``layout.staleness_policy`` (``wait``): the
   asynchronous layout's off-policy correction and staleness cap; their defaults leave every run
-  computing what it did.
+  computing what it did. ``layout.partial_rollouts`` (false): a weight sync waits for the
+  rollout in flight, as before, instead of interrupting it.
 * ``callbacks.weight_sync``: the weight sync is no callback any more but the PPO step's last
   phase (``ppo/module.py``); a config that still lists it is refused (``test_bad_config.py``).
 * ``rollout.gdn_prefill_backend`` (``auto``): vLLM's Gated DeltaNet prefill kernel for hybrid
@@ -66,6 +67,7 @@ ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.de
          "model.attention_length_bucket": None, "data.label_conflicts": "refuse", "trainer.gpu_hour_usd": 2.5,
          "algorithm.off_policy_loss": "none", "algorithm.behav_imp_weight_cap": 5.0,
          "algorithm.behav_imp_weight_mode": "truncate", "layout.staleness_policy": "wait",
+         "layout.partial_rollouts": False,
          "rollout.gdn_prefill_backend": "auto"}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -137,6 +138,44 @@ def test_abort_then_resubmit_returns_only_the_new_call(server_engine):
     again = GenerationRequest("a0", tuple(PROMPTS[1]), SamplingSpec(max_tokens=4, temperature=1.0, seed=3))
     result = server_engine.generate([again])[0]
     assert result.error is None and len(result.token_ids) == 4
+
+
+def test_streamed_completions_equal_whole_ones_and_an_interrupted_one_keeps_its_tokens(server_engine):
+    """Streamed (partial rollouts): the same tokens and log-probs as a whole reply, seeded; an
+    interrupted request hands back a prefix of its generation with its log-probs, never comes
+    back from ``poll``, and its continuation by re-prefill (prompt plus the kept tokens, the
+    rest of the budget) under the same weights completes the uninterrupted greedy generation."""
+    from atlas_lightning.rollout.engines.server_engine import ServerEngine
+
+    streamed = ServerEngine(server_engine.url, max_in_flight=8, streaming=True)
+    try:
+        specs = [SamplingSpec(max_tokens=24, temperature=1.0, seed=5), SamplingSpec(max_tokens=24, temperature=0.0)]
+        requests = [GenerationRequest(f"st{i}-{j}", tuple(p), spec)
+                    for j, spec in enumerate(specs) for i, p in enumerate(PROMPTS)]
+        _assert_same(streamed.generate(requests), server_engine.generate(requests), tol=1e-6)
+        assert all(r.first_token_s is not None and r.first_token_s >= 0 for r in streamed.generate(requests[:1]))
+
+        budget = 400
+        full = server_engine.generate([GenerationRequest("full", tuple(PROMPTS[2]),
+                                                         SamplingSpec(max_tokens=budget, temperature=0.0))])[0]
+        streamed.submit(GenerationRequest("cut", tuple(PROMPTS[2]), SamplingSpec(max_tokens=budget, temperature=0.0)))
+        deadline = time.monotonic() + 60
+        while len(getattr(streamed._calls["cut"].streamed, "token_ids", ())) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        cut = streamed.interrupt(["cut"])[0]
+        assert cut.error is None and cut.finish_reason == "interrupted", (cut.finish_reason, len(full.token_ids))
+        kept = len(cut.token_ids)
+        assert 3 <= kept < len(full.token_ids) and len(cut.logprobs) == kept
+        assert cut.token_ids == full.token_ids[:kept]
+        assert max(abs(a - b) for a, b in zip(cut.logprobs, full.logprobs)) < 1e-6
+        assert streamed.num_pending() == 0 and streamed.poll() == []
+        rest = streamed.generate([GenerationRequest("cut/s1", tuple(PROMPTS[2]) + tuple(cut.token_ids),
+                                                    SamplingSpec(max_tokens=budget - kept, temperature=0.0))])[0]
+        assert rest.error is None and rest.finish_reason == full.finish_reason
+        assert cut.token_ids + rest.token_ids == full.token_ids
+        assert max(abs(a - b) for a, b in zip(cut.logprobs + rest.logprobs, full.logprobs)) < TOL
+    finally:
+        streamed.close()
 
 
 def test_lora_matches_reference_and_is_never_stale(server_engine, hf_engine, tiny_model_dir, tmp_path):

@@ -34,7 +34,7 @@ import json
 import logging
 import queue
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
@@ -48,7 +48,9 @@ from atlas_lightning.rollout.engine import (
     GenerationResult,
     SyncReport,
 )
-from atlas_lightning.rollout.engines.server_http import HTTP_ERRORS, Exchange, error_message, http_call, is_gone
+from atlas_lightning.rollout.engines.server_completion import FINISHED, StreamedCompletion, choice_tokens
+from atlas_lightning.rollout.engines.server_http import (HTTP_ERRORS, Exchange, error_message, http_call,
+                                                         http_stream, is_gone)
 from atlas_lightning.rollout.engines.server_process import VLLMServer, log_tail
 from atlas_lightning.rollout.digest import WeightDigest
 from atlas_lightning.rollout.engines.adapter_folder import adapter_folder_digest
@@ -63,7 +65,7 @@ class _Call:
     error results), sets ``gone`` when the server did not answer at all; ``abort`` cuts its
     ``exchange`` (vLLM aborts a request whose client disconnects)."""
 
-    __slots__ = ("request", "body", "exchange", "cancelled", "gone", "result", "future")
+    __slots__ = ("request", "body", "exchange", "cancelled", "gone", "result", "future", "streamed")
 
     def __init__(self, request: GenerationRequest, body: bytes) -> None:
         self.request = request
@@ -73,6 +75,8 @@ class _Call:
         self.gone: Optional[str] = None
         self.result: Optional[GenerationResult] = None
         self.future: Optional[Future] = None
+        #: What a streamed call received so far (``streaming`` engines).
+        self.streamed: Optional[StreamedCompletion] = None
 
 
 class ServerEngine(Engine):
@@ -100,8 +104,12 @@ class ServerEngine(Engine):
         max_in_flight: int = 64,
         request_timeout_s: float = 3600.0,
         poll_wait_s: float = 0.05,
+        streaming: bool = False,
     ) -> None:
         self.url = url.rstrip("/")
+        #: Stream every completion (``stream: true``), so that ``interrupt`` keeps what a request
+        #: generated before the cut (partial rollouts); off, one reply per request, as before.
+        self.streaming = streaming
         self.server = server
         self.request_timeout_s = request_timeout_s
         self.poll_wait_s = poll_wait_s
@@ -185,7 +193,7 @@ class ServerEngine(Engine):
             "frequency_penalty": 0.0,
             "min_p": 0.0,
             "n": 1,
-            "stream": False,
+            "stream": self.streaming,
         }
 
     def submit(self, request: GenerationRequest) -> None:
@@ -203,6 +211,13 @@ class ServerEngine(Engine):
         if call.cancelled:
             return
         try:
+            if self.streaming:
+                call.streamed = StreamedCompletion()
+                for event in http_stream(self.url, "/v1/completions", call.body, timeout=self.request_timeout_s,
+                                         exchange=call.exchange):
+                    call.streamed.add(event)
+                call.result = call.streamed.result(rid)
+                return
             status, body = http_call(self.url, "POST", "/v1/completions", body=call.body,
                                      timeout=self.request_timeout_s, exchange=call.exchange)
         except HTTP_ERRORS as err:
@@ -221,19 +236,13 @@ class ServerEngine(Engine):
             return GenerationResult(rid, [], [], "error", error=f"HTTP {status}: {error_message(body)}")
         try:
             choice = body["choices"][0]
-            logprobs = choice.get("logprobs") or {}
-            tokens = logprobs.get("tokens") or []
-            token_ids = [int(t.removeprefix("token_id:")) for t in tokens]
-            values = [float(v) for v in logprobs.get("token_logprobs") or []]
             reason = choice["finish_reason"]
-        except (KeyError, IndexError, TypeError, ValueError) as err:
+            token_ids, values = choice_tokens(choice)
+        except ValueError as err:  # the tokens and log-probs disagree
+            return GenerationResult(rid, [], [], "error", error=str(err))
+        except (KeyError, IndexError, TypeError) as err:
             return GenerationResult(rid, [], [], "error", error=f"malformed completion ({err!r}): {str(body)[:500]}")
-        if len(values) != len(token_ids):
-            return GenerationResult(rid, token_ids, values, "error",
-                                    error=f"{len(token_ids)} tokens but {len(values)} log-probs")
-        if choice.get("token_ids") is not None and list(choice["token_ids"]) != token_ids:
-            return GenerationResult(rid, token_ids, values, "error", error="token_ids disagree with the log-prob tokens")
-        if reason not in ("stop", "length"):
+        if reason not in FINISHED:
             return GenerationResult(rid, token_ids, values, "error", error=f"finish_reason={reason!r}")
         return GenerationResult(rid, token_ids, values, reason)
 
@@ -270,6 +279,28 @@ class ServerEngine(Engine):
             call = self._calls.pop(rid, None)
             if call is not None:
                 self._cancel(call)
+
+    def interrupt(self, request_ids: Iterable[str]) -> list[GenerationResult]:
+        """Cut these streamed requests (vLLM aborts a request whose client goes) and return what
+        each received before the cut (``Engine.interrupt``): tokens the server generated but had
+        not sent are dropped with it, never half-kept."""
+        if not self.streaming:
+            raise NotImplementedError("vllm-server: interrupting requests needs the engine built with "
+                                      "streaming=True (layout.partial_rollouts=true)")
+        calls = [call for call in (self._calls.pop(rid, None) for rid in request_ids) if call is not None]
+        for call in calls:
+            self._cancel(call)
+        wait([call.future for call in calls if call.future is not None], timeout=self.request_timeout_s)
+        out = []
+        for call in calls:
+            rid = call.request.request_id
+            if call.result is not None and call.result.error is None:  # it finished before the cut
+                out.append(call.result)
+            elif call.streamed is None:  # cut before it was sent
+                out.append(GenerationResult(rid, [], [], "interrupted"))
+            else:
+                out.append(call.streamed.result(rid, interrupted=True))
+        return out
 
     @staticmethod
     def _cancel(call: _Call) -> None:

@@ -18,7 +18,7 @@ import http.client
 import json
 import socket
 import threading
-from typing import Optional
+from typing import Iterator, Optional
 
 import urllib3
 from urllib3.connection import HTTPConnection
@@ -110,6 +110,42 @@ def http_call(url: str, method: str, path: str, payload: Optional[dict] = None, 
     finally:
         _current.exchange = None
     return response.status, decode_body(response.data)
+
+
+def http_stream(url: str, path: str, body: bytes, timeout: Optional[float] = 60.0, *,
+                exchange: Optional[Exchange] = None) -> Iterator[dict | str]:
+    """A POST whose reply is a server-sent event stream (vLLM's ``stream: true``): yields each
+    event's ``data`` decoded (JSON, else text), up to ``[DONE]``; a non-200 reply is yielded
+    once, decoded, as ``{"status": N, "body": ...}``. ``timeout`` bounds each read; ``exchange``
+    lets another thread cut it (then the next read raises one of ``HTTP_ERRORS``)."""
+    _current.exchange = exchange
+    try:
+        response = _POOLS.request("POST", url.rstrip("/") + path, body=body, timeout=timeout, preload_content=False,
+                                  headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+    finally:
+        _current.exchange = None
+    read_to_end = False
+    try:
+        if response.status != 200:
+            yield {"status": response.status, "body": decode_body(response.read())}
+            read_to_end = True
+            return
+        pending = b""
+        for chunk in response.stream(64 * 1024):
+            pending += chunk
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                data = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+                if data == b"[DONE]":
+                    response.drain_conn()  # the stream's end marker: the connection can be reused
+                    read_to_end = True
+                    return
+                if data:
+                    yield decode_body(data)
+    finally:
+        if not read_to_end:  # cut, failed or left early: never reuse a connection with a reply in it
+            response.close()
+        response.release_conn()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
