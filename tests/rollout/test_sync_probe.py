@@ -150,6 +150,22 @@ def test_the_marks_shift_is_sized_on_the_trainer_alone():
     assert blowing_up <= 1e-3  # a non-finite probe is a shift too large
 
 
+def test_a_saturating_probe_marks_with_the_largest_decidable_movement():
+    """A bf16 engine's noise is large: the probe's movement saturates below the aimed 64 noises
+    (the hybrid on the H200: at most ~31). The largest movement of MEASURABLE noises or more
+    serves; below that floor the refusal names the noise, not only the adapter."""
+    noise = 1.0
+
+    def saturating(ceiling):
+        return lambda shift: BASE + ceiling * np.tanh(shift) * DIRECTION
+
+    shift = mark_shift(saturating(30.0), BASE, noise)
+    moved = float(np.linalg.norm(saturating(30.0)(shift) - BASE))
+    assert MEASURABLE * noise <= moved <= 30.0 * np.linalg.norm(DIRECTION)
+    with pytest.raises(WeightSyncError, match=r"by 16 or more \(16 x the engine's noise 1,.* the most was 1[0-9.]+"):
+        mark_shift(saturating(12.0), BASE, noise)
+
+
 def test_the_marked_actor_moves_every_lora_b_and_is_restored_exactly(tiny_model_dir):
     import torch
 

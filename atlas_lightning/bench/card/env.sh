@@ -1,0 +1,4 @@
+# Sourced by each device call after setup.sh: fla's Triton 3.7.1 first, then the extras, then vLLM's set.
+export PYTHONPATH=/tmp/site-fla:/tmp/site-extra:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export VLLM_ATTENTION_BACKEND=${VLLM_ATTENTION_BACKEND:-FLASH_ATTN}
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
