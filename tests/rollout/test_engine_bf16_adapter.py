@@ -73,3 +73,69 @@ def test_the_trainers_checksum_matches_what_a_bf16_engine_holds(tiny_model_dir, 
     gpu = compose(["experiment=h200-tiny"]).rollout.max_logprob_gap
     print(f"bf16 probe gap, same weights: {out['gap']:.4f} (threshold on GPUs {gpu})")
     assert 0 < out["gap"] < gpu
+
+
+_STARTING_CHECK = """
+import json, sys
+from types import SimpleNamespace
+from atlas_lightning.config import compose
+from atlas_lightning.ppo.module import PPOModule
+from atlas_lightning.rollout.engines.args import EngineArgs
+from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
+from atlas_lightning.rollout.sync_probe import StartingCheckError
+
+model_dir, root = sys.argv[1:3]
+cfg = compose(["experiment=tiny-cpu", f"model.path={model_dir}", f"paths.root={root}", "model.dtype=bfloat16",
+               "rollout.max_logprob_gap=0.3", "rollout.max_model_len=1024", "rollout.max_prompt_length=512",
+               "rollout.max_response_length=512", "rollout.max_tokens_per_turn=128"])
+engine = VLLMEngine(EngineArgs.from_config(cfg))
+probe = [(37 * i) % 1900 + 20 for i in range(300)]
+serving = SimpleNamespace(engine=engine, probe_token_ids=lambda: probe, weights_version=None)
+
+
+def starting_sync():
+    module = PPOModule(cfg)
+    module.configure_model()
+    module.weight_sync.sync(module.model, serving, version=0)
+    return module.weight_sync.movement
+
+
+moved = starting_sync().last
+out = {"noise": moved.noise, "movement_noises": moved.expected / moved.noise, "ratio": moved.ratio}
+
+
+class AdapterIgnoringEngine(VLLMEngine):
+    def prompt_logprobs(self, token_ids):
+        lora, self._lora = self._lora, None
+        try:
+            return super().prompt_logprobs(token_ids)
+        finally:
+            self._lora = lora
+
+
+engine.set_adapter(None)
+engine.__class__ = AdapterIgnoringEngine
+try:
+    starting_sync()
+    out["refused"] = ""
+except StartingCheckError as err:
+    out["refused"] = str(err)
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_the_starting_check_on_a_bf16_engine(tiny_model_dir, tmp_path):
+    """bf16 on both sides, as on every card: the engine's noise is four orders above fp32's, and
+    the marked adapter must still move the probe measurably. A clean engine passes the starting
+    check below the limit; one that holds the adapter and applies none is refused."""
+    from atlas_lightning.rollout.sync_probe import MEASURABLE, RESIDUAL_LIMIT
+
+    result = subprocess.run([sys.executable, "-c", _STARTING_CHECK, str(tiny_model_dir), str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result.returncode == 0 and lines, result.stderr[-4000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    print(f"bf16 starting check: noise {out['noise']:.3g}, movement {out['movement_noises']:.3g} noises, residual "
+          f"ratio {out['ratio']:.3g} (limit {RESIDUAL_LIMIT}); ignored adapter: {out['refused'][:160]}")
+    assert out["movement_noises"] >= MEASURABLE and out["ratio"] < RESIDUAL_LIMIT / 2
+    assert "starting check" in out["refused"] and "refusing to train" in out["refused"]
