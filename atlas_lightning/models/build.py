@@ -63,8 +63,9 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def causal_lm_config(path: str | Path):
     """The configuration ``AutoModelForCausalLM`` builds from ``path``'s ``config.json``, read with
-    transformers' own config class for its ``model_type``: for an image-text checkpoint
-    (Qwen3.5/3.6's ``Qwen3_5ForConditionalGeneration``) the text model's part.
+    transformers' own config class for its ``model_type``: for an image-text checkpoint whose
+    causal-LM class is the text model's (Qwen3.5/3.6's ``Qwen3_5ForConditionalGeneration``) the
+    text model's part, as ``AutoModelForCausalLM`` takes it.
 
     Why not ``AutoConfig``: an in-process vLLM registers its own config classes for some model
     types (``qwen3_5`` among them) with ``AutoConfig``. ``AutoModelForCausalLM`` then matches the
@@ -77,11 +78,19 @@ def causal_lm_config(path: str | Path):
     from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     config_dict, _ = PretrainedConfig.get_config_dict(str(path))
     class_name = CONFIG_MAPPING_NAMES.get(config_dict.get("model_type", ""))
     config_class = getattr(transformers, class_name, None) if class_name else None
     config = (config_class or AutoConfig).from_pretrained(str(path))
-    return config.get_text_config()
+    # the text part exactly where AutoModelForCausalLM itself would take it: its class for this
+    # config is built from the text sub-config (a model type it maps to an image-text class keeps all)
+    text_class = getattr(config, "sub_configs", {}).get("text_config")
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)] if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
+    if text_class is not None and getattr(model_class, "config_class", None) is text_class:
+        return config.get_text_config()
+    return config
 
 
 def load_base(model_cfg: Any, device: str | torch.device | None = None, *, random_base: Any = None,
