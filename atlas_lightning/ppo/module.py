@@ -79,6 +79,7 @@ from atlas_lightning.algorithms.kl import apply_kl_penalty, kl_penalty
 from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
 from atlas_lightning.ppo import rng_state
+from atlas_lightning.ppo.micro_timing import MicroTimer
 from atlas_lightning.ppo.metrics import (BEHAVIOUR_METRICS, ROLE_METRICS, cost_metrics, data_metrics,
                                          mean_over_ranks, memory_metrics, per_trajectory, timed)
 from atlas_lightning.ppo.step_output import StepOutput
@@ -502,6 +503,7 @@ class PPOModule(L.LightningModule):
         num_mini = cfg.train_batch_size // cfg.ppo_mini_batch_size
         chunks = _contiguous_chunks(len(data.seqs), num_mini)
         history: dict[str, list[float]] = {}
+        timer = MicroTimer(self.device, cfg.ppo_max_token_len_per_gpu)
         applied = self.steps_applied  # optimizer steps of this RL step, by role (training_step resets it)
         for epoch in range(cfg.ppo_epochs):
             for mini_batch, chunk in enumerate(chunks):
@@ -513,7 +515,8 @@ class PPOModule(L.LightningModule):
                 plan = self._plan([len(data.seqs[i]) for i in chunk], cfg.ppo_max_token_len_per_gpu)
                 for local in plan:
                     indices = [chunk[i] for i in local]
-                    stats = self._micro_step(role, data, indices, total_tokens, world)
+                    with timer.step(sum(len(data.seqs[i]) for i in indices)):
+                        stats = self._micro_step(role, data, indices, total_tokens, world)
                     for key, value in stats.items():
                         history.setdefault(key, []).append(value)
                 grad_norm = _grad_norm(params, cfg.grad_clip)
@@ -537,6 +540,7 @@ class PPOModule(L.LightningModule):
         keys = list(ROLE_METRICS[role]) + (["actor/kl_loss"] if role == "actor" and cfg.use_kl_loss else []) \
             + (list(BEHAVIOUR_METRICS) if role == "actor" and _decoupled(cfg) else [])
         out = mean_over_ranks({key: history.get(key, []) for key in keys})
+        out.update(mean_over_ranks(timer.metrics(role)))
         out[f"{role}/skipped_steps"] = float(self.skipped_optimizer_steps[role])
         out[f"{role}/lr"] = cfg.actor_lr if role == "actor" else cfg.critic_lr
         return out

@@ -1,0 +1,38 @@
+"""The update's time lost to short micro-batches (``ppo/micro_timing.py``), on CPU timings."""
+
+from __future__ import annotations
+
+import pytest
+
+from atlas_lightning.ppo.micro_timing import MicroTimer
+
+
+def _timer(steps: list[tuple[int, float]], budget: int = 1000) -> MicroTimer:
+    timer = MicroTimer("cpu", budget)
+    timer._steps = [(n, 0.0, s) for n, s in steps]  # (tokens, start, end) as the CPU clock records them
+    return timer
+
+
+def test_short_micro_batches_cost_their_time_beyond_the_full_throughput():
+    # full ones run at 1,000 tokens/s; the 200-token one took 0.5 s where 0.2 s would do
+    out = _timer([(1000, 1.0), (950, 0.95), (200, 0.5)]).metrics("actor")
+    assert out["perf/actor_micro_batches"] == [3.0]
+    assert out["perf/actor_micro_fill"] == [pytest.approx((1000 + 950 + 200) / 3 / 1000)]
+    assert out["perf/actor_short_time_share"] == [pytest.approx(0.3 / 2.45)]
+
+
+def test_all_full_loses_nothing_and_no_full_one_compares_with_the_best():
+    assert _timer([(1000, 1.0), (990, 0.99)]).metrics("critic")["perf/critic_short_time_share"] == [0.0]
+    # none full: the best throughput (400 tokens in 0.2 s) is the reference
+    out = _timer([(400, 0.2), (100, 0.1)]).metrics("critic")
+    assert out["perf/critic_short_time_share"] == [pytest.approx(0.05 / 0.3)]
+
+
+def test_a_timed_block_is_recorded_with_its_tokens():
+    timer = MicroTimer("cpu", 10)
+    with timer.step(7):
+        sum(range(1000))
+    (tokens, seconds), = timer.seconds()
+    assert tokens == 7 and seconds > 0
+    assert _timer([]).metrics("actor") == {"perf/actor_micro_batches": [], "perf/actor_micro_fill": [],
+                                           "perf/actor_short_time_share": []}
