@@ -554,11 +554,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         build_model_folder(args.build, args.model_dir, args.tokenizer_from, args.layers)
         print(f"model folder {args.model_dir} ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
     from atlas_lightning.config import compose
+    from atlas_lightning.errors import RunStopped
     from atlas_lightning.run.verbs import fit
 
     out = args.out.resolve()
-    code = fit(compose([*args.overrides, "+callbacks.step_bench._target_=atlas_lightning.bench.step.StepBenchCallback",
-                        f"+callbacks.step_bench.out={out}", f"+callbacks.step_bench.replay_step={args.replay_step}"]))
+    try:
+        code = fit(compose([*args.overrides, "+callbacks.step_bench._target_=atlas_lightning.bench.step.StepBenchCallback",
+                            f"+callbacks.step_bench.out={out}", f"+callbacks.step_bench.replay_step={args.replay_step}"]))
+    except RunStopped as err:  # a clean stop part-way (``run/faults.py``): its line, then the steps measured
+        print(f"stopped: {err}", file=sys.stderr)
+        code = err.exit_code
     report = out / "step_bench.md"
     if report.is_file():
         print(report.read_text())
