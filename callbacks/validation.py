@@ -24,6 +24,23 @@ seeds. Then, with every rank's records gathered on rank 0:
 - ``artifacts/<name>/val/step_N/``: the records (with their four per-token arrays), tensors.npz
   and manifest (``_step_dump``).
 
+Overlapped (``overlap``, ``callbacks.validation.overlap``; off by default): a periodic validation
+of step ``N`` below ``total_steps`` is deferred (``datamodule.carry_validation(N)``) and rides with
+step ``N + 1``'s training rollout: the same engine and weights version (step ``N``'s update was
+synced before that rollout), its requests in a lane of their own in the same agent loop run
+(continuous batching; its sampling, seeds, max tokens and records as alone). At that batch's start
+(``on_train_batch_start``, before step ``N + 1`` logs anything) it is gathered, written and logged
+under step ``N`` as above, with ``timing_s/testing`` its marginal cost (the seconds the shared run
+went on after the training trajectories were done, plus gathering and writing) and
+``timing_s/testing_overlapped`` its seconds under the training trajectories (what overlapping
+saved). Tokens, rewards and metrics are a validation alone's; log-probs (its and the training
+rollout's) move within 1e-5, as vLLM's do in another batch's company
+(``tests/rollout/test_validation_rides.py``). Step 0 and the last step run alone (no rollout
+follows); so does everything in the separate layout, whose producer samples ahead on older
+weights (``datamodule.carries_validation``). A deferred step is ``pending`` in ``state_dict``, so
+the checkpoint of step ``N`` resumes it (it rides with the resumed run's first rollout); a stop
+before the ride validates it alone at ``on_train_end``.
+
 Other callbacks hear of it: every ``RLCallback`` (``base.py``) gets ``on_rl_validation_end(trainer,
 pl_module, step, metrics, rows)`` on every rank (``rows``: the per-trajectory rows of
 ``_summary.trajectory_row`` on rank 0, None elsewhere); the figures callback draws from it.

@@ -28,6 +28,10 @@ Contract:
   it (``engine_for_sync``, ``rollout/interruption.py``), and the rollout continues under the new
   weights, so one batch (even one turn) may span versions; its ``weights_version`` is the one
   it started with, which its oldest tokens carry.
+- A validation may ride with the next training rollout (``carry_validation``, synchronous mode
+  only): its trajectories go through the same agent loop run in a lane of their own (own
+  sampling, seeds and records, ``agent_loop.Lane``), with the global RNGs left as they were;
+  ``take_validation`` hands the assembled validation batch over.
 - ``state_dict`` holds the next step to TRAIN (not the next sampled): a resumed run samples
   exactly what an uninterrupted one would (the sampler and every request seed are functions
   of the step), and a batch sampled ahead but not trained on is sampled again, never lost or
