@@ -24,6 +24,23 @@ seeds. Then, with every rank's records gathered on rank 0:
 - ``artifacts/<name>/val/step_N/``: the records (with their four per-token arrays), tensors.npz
   and manifest (``_step_dump``).
 
+Overlapped (``overlap``, ``callbacks.validation.overlap``; off by default): a periodic validation
+of step ``N`` below ``total_steps`` is deferred (``datamodule.carry_validation(N)``) and rides with
+step ``N + 1``'s training rollout: the same engine and weights version (step ``N``'s update was
+synced before that rollout), its requests in a lane of their own in the same agent loop run
+(continuous batching; its sampling, seeds, max tokens and records as alone). At that batch's start
+(``on_train_batch_start``, before step ``N + 1`` logs anything) it is gathered, written and logged
+under step ``N`` as above, with ``timing_s/testing`` its marginal cost (the seconds the shared run
+went on after the training trajectories were done, plus gathering and writing) and
+``timing_s/testing_overlapped`` its seconds under the training trajectories (what overlapping
+saved). Tokens, rewards and metrics are a validation alone's; log-probs (its and the training
+rollout's) move within 1e-5, as vLLM's do in another batch's company
+(``tests/rollout/test_validation_rides.py``). Step 0 and the last step run alone (no rollout
+follows); so does everything in the separate layout, whose producer samples ahead on older
+weights (``datamodule.carries_validation``). A deferred step is ``pending`` in ``state_dict``, so
+the checkpoint of step ``N`` resumes it (it rides with the resumed run's first rollout); a stop
+before the ride validates it alone at ``on_train_end``.
+
 Other callbacks hear of it: every ``RLCallback`` (``base.py``) gets ``on_rl_validation_end(trainer,
 pl_module, step, metrics, rows)`` on every rank (``rows``: the per-trajectory rows of
 ``_summary.trajectory_row`` on rank 0, None elsewhere); the figures callback draws from it.
@@ -37,15 +54,11 @@ module's ``on_fit_start``, before any ``on_train_start``.
 from __future__ import annotations
 
 import logging
-import random
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import lightning as L
-import numpy as np
-import torch
 
 from atlas_lightning.reward import reward_means
 from atlas_lightning.distributed import on_rank_zero
@@ -53,28 +66,13 @@ from atlas_lightning.store.files import atomic_write_jsonl
 from atlas_lightning.store.step_folder import gather_step, write_step_folder
 from atlas_lightning.callbacks.base import rl_callbacks
 from atlas_lightning.ppo.step_output import read_step_output
+from atlas_lightning.rollout.rng import preserved_rng
 from atlas_lightning.reward.summary import terminal_counts, trajectory_row, view_metrics
 
 log = logging.getLogger(__name__)
 
 #: Keys of a dump row besides the reward breakdown's (verl's ``_dump_generations`` plus ``uid``).
 DUMP_KEYS = ("input", "output", "gts", "score", "step", "uid")
-
-
-@contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Restore the Python, numpy and torch (CPU and every initialised CUDA device) RNG states on
-    exit, whatever ran inside."""
-    python_state, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-        torch.set_rng_state(torch_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
 
 
 def dump_rows(records: list, tokenizer: Any, step: int) -> list[dict]:
@@ -118,11 +116,13 @@ class ValidationCallback(L.Callback):
     """Validation every ``val_every`` RL steps (0: only before training and at the last step,
     ``total_steps``), before the first step when ``val_before_train``; see the module docstring.
     Writes under ``artifacts`` and ``checkpoints`` (the run's ``paths.artifacts`` and
-    ``paths.checkpoints``); ``run_id`` names the run in the step manifests."""
+    ``paths.checkpoints``); ``run_id`` names the run in the step manifests. ``overlap``: a
+    periodic validation rides with the next step's training rollout (module docstring,
+    "Overlapped")."""
 
     def __init__(self, artifacts: str | Path, checkpoints: str | Path, run_id: str, val_every: int = 5,
                  val_before_train: bool = True, val_on_last_step: bool = True,
-                 total_steps: Optional[int] = None) -> None:
+                 total_steps: Optional[int] = None, overlap: bool = False) -> None:
         if not isinstance(val_every, int) or isinstance(val_every, bool) or val_every < 0:
             raise ValueError(
                 f"ValidationCallback: val_every must be an int >= 0 (0: never periodically), got {val_every!r}")
@@ -133,8 +133,14 @@ class ValidationCallback(L.Callback):
         self.val_every = val_every
         self.val_before_train = bool(val_before_train)
         self.val_on_last_step = bool(val_on_last_step)
+        self.overlap = bool(overlap)
         #: RL steps validated so far (checkpointed: a resumed run does not redo step 0).
         self.validated: list[int] = []
+        #: The step whose validation rides with the next training rollout (checkpointed: a
+        #: checkpoint of that step resumes it), and whether the datamodule carries it now.
+        self.pending: Optional[int] = None
+        self._carried = False
+        self._said_alone = False
         self._restored = False
 
     # -- when -------------------------------------------------------------------------------
@@ -143,12 +149,31 @@ class ValidationCallback(L.Callback):
         fresh = not self._restored and getattr(trainer.datamodule, "next_step", 1) == 1
         if self.val_before_train and fresh and 0 not in self.validated:
             self.run_validation(trainer, pl_module, 0)
+        if self.pending is not None and _carries(trainer.datamodule):  # resumed from a checkpoint that deferred it
+            trainer.datamodule.carry_validation(self.pending)
+            self._carried = True
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         out = read_step_output(outputs, "ValidationCallback.on_train_batch_end")
-        if out.finite and self.should_validate(out.step, self.total_steps):
+        if not (out.finite and self.should_validate(out.step, self.total_steps)):
+            return
+        if self._rides(trainer, out.step):
+            trainer.datamodule.carry_validation(out.step)
+            self.pending, self._carried = out.step, True
+        else:
             self.run_validation(trainer, pl_module, out.step)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """The validation deferred at the previous step rode with this batch's rollout: logged
+        now, at its own step, before anything of this step is."""
+        self._finish_pending(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Training stopped before a deferred validation's ride (a stop before the last step):
+        it runs alone, on the weights it was deferred with."""
+        self._finish_pending(trainer, pl_module)
 
     def should_validate(self, step: int, total_steps: Optional[int] = None) -> bool:
         """After step ``step``'s update: is it a validation step?"""
@@ -156,16 +181,54 @@ class ValidationCallback(L.Callback):
         last = self.val_on_last_step and total_steps is not None and step == int(total_steps)
         return periodic or last
 
+    def _rides(self, trainer: L.Trainer, step: int) -> bool:
+        """Whether step ``step``'s validation rides with the next training rollout: ``overlap``,
+        a next step to come, and a datamodule that carries it (not the separate layout)."""
+        if not self.overlap or self.total_steps is None or step >= int(self.total_steps):
+            return False
+        if _carries(trainer.datamodule):
+            return True
+        if not self._said_alone:
+            log.info("validation runs alone: callbacks.validation.overlap needs the synchronous layout, where "
+                     "the next training rollout samples the weights just validated")
+            self._said_alone = True
+        return False
+
     # -- what -------------------------------------------------------------------------------
 
     def run_validation(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> dict[str, float]:
-        """Validate as RL step ``step`` on every rank (collective); returns the metrics."""
+        """Validate as RL step ``step`` on every rank (collective), alone on the engine; returns
+        the metrics."""
         datamodule = trainer.datamodule
         if datamodule is None or not hasattr(datamodule, "validation_rollout"):
             raise ValueError("ValidationCallback: trainer.datamodule must be a RolloutDataModule (validation_rollout)")
         started = time.monotonic()
         with preserved_rng():
             batch = datamodule.validation_rollout(step)
+        return self._record(trainer, pl_module, step, batch, started)
+
+    def _finish_pending(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Record the deferred validation: the batch that rode with the last training rollout
+        (``timing_s/testing``: the seconds the rollout ran on after its training trajectories,
+        plus recording it; ``timing_s/testing_overlapped``: its seconds under them), or, not
+        carried, a rollout alone now."""
+        step, self.pending = self.pending, None
+        if step is None:
+            return
+        carried, self._carried = self._carried, False
+        started = time.monotonic()
+        batch = trainer.datamodule.take_validation(step) if carried else None
+        if batch is None:
+            self.run_validation(trainer, pl_module, step)
+            return
+        extra = {"timing_s/testing_overlapped": float(batch.timing["overlapped"])}
+        self._record(trainer, pl_module, step, batch, started - batch.timing["tail"], extra)
+
+    def _record(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, batch: Any, started: float,
+                extra: Optional[dict] = None) -> dict[str, float]:
+        """Gather, summarise, write and log validation ``batch`` of ``step`` (collective);
+        ``timing_s/testing`` counts from ``started``. Returns the metrics."""
+        datamodule = trainer.datamodule
         gathered = gather_step(step, batch.records)
         seconds = time.monotonic() - started
         rows: Optional[list] = None
@@ -174,6 +237,7 @@ class ValidationCallback(L.Callback):
             nonlocal rows
             records = gathered[0]
             metrics, rows = validation_metrics(records, seconds)
+            metrics.update(extra or {})
             tokenizer = getattr(getattr(datamodule, "chat", None), "tokenizer", None)
             if tokenizer is None:
                 raise ValueError("ValidationCallback: trainer.datamodule.chat.tokenizer is needed to decode the dump")
@@ -195,11 +259,21 @@ class ValidationCallback(L.Callback):
     # -- resumable state ----------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"validated": list(self.validated)}
+        state: dict = {"validated": list(self.validated)}
+        if self.pending is not None:
+            state["pending"] = self.pending
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.validated = [int(s) for s in state_dict.get("validated", [])]
+        pending = state_dict.get("pending")
+        self.pending = None if pending is None else int(pending)
         self._restored = True
+
+
+def _carries(datamodule: Any) -> bool:
+    """Whether ``datamodule`` can carry a validation with its next training rollout."""
+    return bool(getattr(datamodule, "carries_validation", False))
 
 
 def dump_path(checkpoints: Path, step: int) -> Path:

@@ -110,6 +110,23 @@ class LoopStats:
 
 
 ProgressFn = Callable[[int, int, LoopStats], None]
+
+
+@dataclass
+class Lane:
+    """One group of trajectories in a shared ``AgentLoop.run_lanes``: its own sampling, seed
+    parts, progress and ``LoopStats`` (``stats.seconds``: from the run's start to its last
+    trajectory's end). ``tag`` prefixes its request ids (the lanes of one run never share one).
+    Lanes share the engine (continuous batching); the first lane's requests are queued first."""
+
+    trajectories: list
+    sampling: Sampling
+    seed_parts: tuple = ()
+    progress: Optional[ProgressFn] = None
+    tag: str = ""
+    stats: LoopStats = field(default_factory=LoopStats)
+    done: int = 0
+    ended_at: Optional[float] = None
 #: ``policy_version()``: the weights version the engine serves now (None: unknown).
 VersionFn = Callable[[], Optional[int]]
 #: The version a token carries when none is known, and on tool-response tokens.
@@ -118,22 +135,31 @@ NO_VERSION = -1
 
 @dataclass
 class _Run:
-    """One ``AgentLoop.run``'s moving parts: trajectories waiting for their next request, the
-    requests in flight (trajectory, request, when sent) and the weights version each was sent
-    to, the interruption each continuation resumes (partial rollouts)."""
+    """One ``AgentLoop.run_lanes``' moving parts: its lanes (and each trajectory's, by ``id``),
+    trajectories waiting for their next request, the requests in flight (trajectory, request,
+    when sent) and the weights version each was sent to, the interruption each continuation
+    resumes (partial rollouts)."""
 
-    sampling: Sampling
-    seed_parts: tuple
-    stats: LoopStats
-    total: int
+    lanes: list
+    lane_of: dict
     waiting: list
     in_flight: dict = field(default_factory=dict)
     versions: dict = field(default_factory=dict)
     resumes: dict = field(default_factory=dict)
-    progress: Optional[ProgressFn] = None
-    done: int = 0
     engine_failures: int = 0
     started: float = field(default_factory=time.monotonic)
+
+    def lane(self, traj: Trajectory) -> Lane:
+        return self.lane_of[id(traj)]
+
+    def ended(self, traj: Trajectory) -> None:
+        """``traj`` reached its terminal state: its lane counts it and hears of it."""
+        lane = self.lane(traj)
+        lane.done += 1
+        lane.ended_at = time.monotonic()
+        if lane.progress:
+            lane.stats.seconds = lane.ended_at - self.started
+            lane.progress(lane.done, lane.stats.trajectories, lane.stats)
 
 
 class AgentLoop:
@@ -161,37 +187,49 @@ class AgentLoop:
     ) -> LoopStats:
         """Drive every trajectory to a terminal state, in place. ``seed_parts`` (e.g. run seed
         and step) and the trajectory's ids and turn make each request's sampling seed."""
+        return self.run_lanes([Lane(trajectories, sampling, seed_parts, progress)])[0]
+
+    def run_lanes(self, lanes: list[Lane]) -> list[LoopStats]:
+        """``run`` for several lanes at once, on the same engine (``Lane``); each lane's stats.
+        A request's seed and tokens depend on its lane's seed parts, never on the other lanes."""
         limits = self.limits
         self.reprefill = ReprefillMeter()
-        waiting = [t for t in trajectories if not t.done]  # ready for their next turn
-        run = _Run(sampling, seed_parts, LoopStats(trajectories=len(trajectories)), len(trajectories), waiting,
-                   progress=progress, done=len(trajectories) - len(waiting))
+        tags = [lane.tag for lane in lanes]
+        if len(set(tags)) < len(tags):
+            raise ValueError(f"AgentLoop.run_lanes: lanes need distinct tags, got {tags}")
+        run = _Run(lanes, {id(t): lane for lane in lanes for t in lane.trajectories}, [])
+        for lane in lanes:
+            lane.stats = LoopStats(trajectories=len(lane.trajectories))
+            ready = [t for t in lane.trajectories if not t.done]  # ready for their next turn
+            lane.done = len(lane.trajectories) - len(ready)
+            run.waiting += ready
         while run.waiting or run.in_flight:
             while run.waiting and len(run.in_flight) < limits.max_in_flight:
                 traj = run.waiting.pop(0)
                 self._submit(run, traj)
                 if traj.done:  # ended before generating (budget spent)
-                    run.done += 1
+                    run.ended(traj)
             if not run.in_flight:
                 continue
             if self.pause is not None and self.pause.requested():
                 self._give_way(run)  # then the open turns are sent again, first
                 continue
-            results = self._poll(run)
-            for result in results:
+            for result in self._poll(run):
                 entry = run.in_flight.pop(result.request_id, None)
                 if entry is None:
                     continue  # an aborted request's late result
                 traj, request, sent = entry
                 if result.error is not None:
-                    self._retry(traj, request, result.error, run.stats)
+                    self._retry(traj, request, result.error, run.lane(traj).stats)
                     self._send(run, traj, request)
                     continue
                 self._finish_turn(run, traj, request, result, sent)
-            for traj, request in self._expire(run.in_flight, run.stats):
+            for traj, request in self._expire(run):
                 self._send(run, traj, request)
-        run.stats.seconds = time.monotonic() - run.started
-        return run.stats
+        now = time.monotonic()
+        for lane in lanes:
+            lane.stats.seconds = (lane.ended_at if len(lanes) > 1 and lane.ended_at else now) - run.started
+        return [lane.stats for lane in lanes]
 
     # -- requests -------------------------------------------------------------------------
 
@@ -201,14 +239,15 @@ class AgentLoop:
         run.in_flight[request.request_id] = (traj, request, time.monotonic())
 
     def _submit(self, run: _Run, traj: Trajectory) -> None:
-        request = self._next_request(traj, run.sampling, run.seed_parts)
+        lane = run.lane(traj)
+        request = self._next_request(traj, lane.sampling, lane.seed_parts, lane.tag)
         if request is None:
             return
         if traj.segment:  # an interrupted turn's continuation: its prefix is prefilled again
             self.reprefill.continued(len(request.prompt_ids))
             run.resumes[request.request_id] = self.reprefill.interruptions - 1
         self._send(run, traj, request)
-        run.stats.requests += 1
+        lane.stats.requests += 1
 
     def _poll(self, run: _Run) -> list[GenerationResult]:
         """The engine's finished results; an engine failure is retried after a back-off, up to
@@ -225,7 +264,7 @@ class AgentLoop:
                     f"{len(run.in_flight) + len(run.waiting)} trajectories unfinished "
                     f"(e.g. {self._names(run.in_flight, run.waiting)}); the step is not recorded: {err}"
                 ) from err
-            run.stats.retries += 1
+            run.lanes[0].stats.retries += 1
             log.warning("%s engine failed (%d in a row, %d requests in flight); retrying: %s",
                         self.engine.name, run.engine_failures, len(run.in_flight), err)
             time.sleep(min(2.0 ** run.engine_failures, 30.0))
@@ -237,12 +276,9 @@ class AgentLoop:
         resumed = run.resumes.pop(request.request_id, None)
         if resumed is not None and result.first_token_s is not None:
             self.reprefill.first_token(resumed, sent + result.first_token_s)
-        self._apply_turn(traj, request, result, run.stats, run.versions.pop(request.request_id))
+        self._apply_turn(traj, request, result, run.lane(traj).stats, run.versions.pop(request.request_id))
         if traj.done:
-            run.done += 1
-            if run.progress:
-                run.stats.seconds = time.monotonic() - run.started
-                run.progress(run.done, run.total, run.stats)
+            run.ended(traj)
         else:
             run.waiting.append(traj)
 
@@ -257,7 +293,7 @@ class AgentLoop:
         for rid, (traj, request, sent) in interrupted.items():
             result = results[rid]
             if result.error is not None:
-                self._retry(traj, request, result.error, run.stats)
+                self._retry(traj, request, result.error, run.lane(traj).stats)
                 resend.append((traj, request))
             elif result.finish_reason == "interrupted":
                 self._keep_partial(run, traj, request, result, sent)
@@ -280,11 +316,12 @@ class AgentLoop:
         _append_generated(traj, result, version)
         traj.open_turn += len(result.token_ids)
         traj.segment += 1
-        run.stats.generated_tokens += len(result.token_ids)
+        run.lane(traj).stats.generated_tokens += len(result.token_ids)
 
     # -- one turn -------------------------------------------------------------------------
 
-    def _next_request(self, traj: Trajectory, sampling: Sampling, seed_parts: tuple) -> Optional[GenerationRequest]:
+    def _next_request(self, traj: Trajectory, sampling: Sampling, seed_parts: tuple,
+                      tag: str = "") -> Optional[GenerationRequest]:
         limits = self.limits
         used = len(traj.response_ids)
         context_left = limits.max_model_len - len(traj.prompt_ids) - used
@@ -298,7 +335,7 @@ class AgentLoop:
         segment = (f"s{traj.segment}",) if traj.segment else ()  # a continuation samples anew
         seed = request_seed(*seed_parts, traj.uid, traj.session_id, traj.turns, traj.attempt_id, *segment)
         return GenerationRequest(
-            request_id="/".join((traj.uid, traj.session_id, f"t{traj.turns}", f"a{traj.attempt_id}", *segment)),
+            request_id=tag + "/".join((traj.uid, traj.session_id, f"t{traj.turns}", f"a{traj.attempt_id}", *segment)),
             prompt_ids=tuple(traj.prompt_ids + traj.response_ids),
             sampling=SamplingSpec(
                 max_tokens=max_tokens,
@@ -372,9 +409,10 @@ class AgentLoop:
                 f"(last: {why}); the step is not recorded"
             )
 
-    def _expire(self, in_flight: dict, stats: LoopStats) -> list[tuple[Trajectory, GenerationRequest]]:
+    def _expire(self, run: _Run) -> list[tuple[Trajectory, GenerationRequest]]:
         """Abort the requests in flight longer than ``request_timeout_s``; returns them, to be
         sent again (with the same seed)."""
+        in_flight = run.in_flight
         now = time.monotonic()
         expired = [rid for rid, (_, _, sent) in in_flight.items() if now - sent > self.limits.request_timeout_s]
         if not expired:
@@ -383,7 +421,7 @@ class AgentLoop:
         again = []
         for rid in expired:
             traj, request, _ = in_flight.pop(rid)
-            self._retry(traj, request, f"timed out after {self.limits.request_timeout_s:.0f} s", stats)
+            self._retry(traj, request, f"timed out after {self.limits.request_timeout_s:.0f} s", run.lane(traj).stats)
             again.append((traj, request))
         return again
 

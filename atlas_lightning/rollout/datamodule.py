@@ -28,6 +28,10 @@ Contract:
   it (``engine_for_sync``, ``rollout/interruption.py``), and the rollout continues under the new
   weights, so one batch (even one turn) may span versions; its ``weights_version`` is the one
   it started with, which its oldest tokens carry.
+- A validation may ride with the next training rollout (``carry_validation``, synchronous mode
+  only): its trajectories go through the same agent loop run in a lane of their own (own
+  sampling, seeds and records, ``agent_loop.Lane``), with the global RNGs left as they were;
+  ``take_validation`` hands the assembled validation batch over.
 - ``state_dict`` holds the next step to TRAIN (not the next sampled): a resumed run samples
   exactly what an uninterrupted one would (the sampler and every request seed are functions
   of the step), and a batch sampled ahead but not trained on is sampled again, never lost or
@@ -42,6 +46,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -55,7 +60,7 @@ from atlas_lightning.rollout.prefetch import RolloutProducer, WeightsClock
 from atlas_lightning.questions.sampler import QuestionSampler, shard
 from atlas_lightning.questions.schema import Question
 from atlas_lightning.env.episode import Episode, RuntimeConfig
-from atlas_lightning.rollout.agent_loop import AgentLoop, LoopStats, Sampling, Trajectory
+from atlas_lightning.rollout.agent_loop import AgentLoop, Lane, LoopStats, Sampling, Trajectory
 from atlas_lightning.questions.uid import trajectory_uid
 from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id
 from atlas_lightning.rollout.chat import ChatFormat
@@ -63,6 +68,7 @@ from atlas_lightning.reward.scorer import build_scorer
 from atlas_lightning.rollout.engine import Engine
 from atlas_lightning.rollout.engines.args import client_in_flight
 from atlas_lightning.rollout.interruption import SyncPause
+from atlas_lightning.rollout.rng import preserved_rng
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +164,9 @@ class RolloutDataModule(L.LightningDataModule):
         #: Partial rollouts: how a weight sync interrupts a training rollout (``engine_for_sync``).
         self.pause = SyncPause(self.engine_lock)
         self.producer: Optional[RolloutProducer] = None
+        #: A validation step to ride with the next training rollout, and those that rode, by step.
+        self._rider: Optional[int] = None
+        self._ridden: dict[int, RolloutBatch] = {}
         self.train_questions: list[Question] = []
         self.val_questions: list[Question] = []
         self.chat: Optional[ChatFormat] = None
@@ -274,7 +283,10 @@ class RolloutDataModule(L.LightningDataModule):
         return trajectories
 
     def _run(self, trajectories: list[Trajectory], sampling: Sampling, step: int, partition: str,
-             seed_parts: tuple) -> RolloutBatch:
+             seed_parts: tuple, rider: Optional[int] = None) -> RolloutBatch:
+        """One rollout of ``trajectories`` on the engine, assembled as ``partition`` of ``step``.
+        ``rider``: the validation of the weights after step ``rider`` goes through the same agent
+        loop run, in a lane of its own (``take_validation`` hands it over)."""
         if self.engine is None:
             raise RuntimeError("RolloutDataModule has no engine: call setup() or pass one")
         timing: dict[str, float] = {}
@@ -289,7 +301,13 @@ class RolloutDataModule(L.LightningDataModule):
             interruptible = self.partial_rollouts and partition == "train"
             loop = AgentLoop(self.engine, self.chat, self._limits(), policy_version=lambda: self.weights_version,
                              pause=self.pause if interruptible else None)
-            stats = loop.run(trajectories, sampling, seed_parts=seed_parts, progress=progress)
+            lanes = [Lane(trajectories, sampling, seed_parts, progress)]
+            if rider is not None:
+                lanes.append(Lane(*self._validation_part(), tag="val:"))
+            # a rider leaves the global RNGs as the training rollout alone does (which draws
+            # nothing from them: every request has its own seed; tests/rollout/test_validation_rides.py)
+            with preserved_rng() if rider is not None else nullcontext():
+                stats = loop.run_lanes(lanes)[0]
             timing["gen"] = time.monotonic() - looped
             if interruptible:
                 timing["reprefill"] = loop.reprefill.seconds
@@ -302,6 +320,8 @@ class RolloutDataModule(L.LightningDataModule):
                 self.engine.sleep()  # the update gets the engine's memory; the weight sync wakes it
                 timing["sleep"] = time.monotonic() - slept
                 _card_used(memory, "asleep")
+        if rider is not None:
+            self._ridden[rider] = self._rider_batch(lanes, rider, version)
         assembled = time.monotonic()
         batch = assemble_batch(
             self._own_share(trajectories), step=step, partition=partition, run_id=self.cfg.name,
@@ -310,6 +330,18 @@ class RolloutDataModule(L.LightningDataModule):
         timing["rollout"] = time.monotonic() - started
         batch.timing.update(timing)
         batch.memory.update(memory)
+        return batch
+
+    def _rider_batch(self, lanes: list[Lane], step: int, version: Optional[int]) -> RolloutBatch:
+        """The validation lane of a shared run (``lanes[1]``), assembled as validation of
+        ``step``; its timing: ``gen`` (its own seconds in the run), ``tail`` (the run's seconds
+        after the training lane was done: what validation added to the step) and
+        ``overlapped`` (its seconds under the training lane's)."""
+        train_s, val_s = lanes[0].stats.seconds, lanes[1].stats.seconds
+        batch = assemble_batch(self._own_share(lanes[1].trajectories), step=step, partition="val",
+                               run_id=self.cfg.name, scorer=self.scorer, stats=lanes[1].stats,
+                               weights_version=version)
+        batch.timing.update({"gen": val_s, "tail": max(0.0, val_s - train_s), "overlapped": min(val_s, train_s)})
         return batch
 
     @property
@@ -377,11 +409,12 @@ class RolloutDataModule(L.LightningDataModule):
 
     def rollout(self, step: int) -> RolloutBatch:
         """RL step ``step``'s training rollout on this rank (sampled now, with the weights the
-        engine serves now)."""
+        engine serves now); a validation deferred to it (``carry_validation``) rides along."""
         questions = [self.train_questions[i] for i in self.sampler.step_indices(step - 1)]
         r = self.cfg.rollout
+        rider, self._rider = self._rider, None
         return self._run(self._trajectories(questions, r.n), Sampling(r.temperature, r.top_p, r.top_k), step, "train",
-                         seed_parts=(self.cfg.seed, "train", step))
+                         seed_parts=(self.cfg.seed, "train", step), rider=rider)
 
     def validation_rollout(self, step: int) -> RolloutBatch:
         """The validation sets through the same agent loop (``rollout.val_temperature``, greedy
@@ -390,11 +423,43 @@ class RolloutDataModule(L.LightningDataModule):
         Sampled validation uses the same request seeds at every step (they depend on the run seed,
         the trajectory and its turn, not on ``step``): common random numbers, so that the change
         between two validations measures the policy, not a fresh draw of sampling noise."""
+        trajectories, sampling, seed_parts = self._validation_part()
+        return self._run(trajectories, sampling, step, "val", seed_parts=seed_parts)
+
+    def _validation_part(self) -> tuple[list[Trajectory], Sampling, tuple]:
+        """This rank's validation trajectories, their sampling and their seed parts, wherever
+        they run (alone or riding with a training rollout)."""
         r = self.cfg.rollout
         sampling = Sampling(r.val_temperature, 1.0 if r.val_temperature == 0 else r.top_p,
                             -1 if r.val_temperature == 0 else r.top_k)
-        return self._run(self._trajectories(self.val_questions, r.val_n), sampling, step, "val",
-                         seed_parts=(self.cfg.seed, "val"))
+        return self._trajectories(self.val_questions, r.val_n), sampling, (self.cfg.seed, "val")
+
+    # -- validation riding with the next training rollout -------------------------------------
+
+    @property
+    def carries_validation(self) -> bool:
+        """Whether a validation can ride with the next training rollout (``carry_validation``):
+        in the synchronous layout only, where that rollout samples exactly the weights just
+        synced. The separate layout's producer samples ahead, on older weights: there
+        validation runs alone."""
+        return not self.asynchronous
+
+    def carry_validation(self, step: int) -> None:
+        """The validation of the weights after step ``step`` (which the engine serves now) goes
+        through the next training rollout's agent loop run, in a lane of its own (its own
+        sampling, seeds and records); ``take_validation(step)`` hands it over once that rollout
+        is sampled. Not kept across a restart: the caller checkpoints what it deferred."""
+        if not self.carries_validation:
+            raise RuntimeError("RolloutDataModule.carry_validation: the separate layout samples ahead on older "
+                               "weights; run validation_rollout instead")
+        self._rider = step
+
+    def take_validation(self, step: int) -> Optional[RolloutBatch]:
+        """The validation of step ``step`` that rode with the last training rollout; None when
+        no training rollout has run since it was deferred (then it is deferred no more)."""
+        if self._rider == step:
+            self._rider = None
+        return self._ridden.pop(step, None)
 
     def probe_token_ids(self) -> list[int]:
         """The fixed probe sequence of the weight-sync check: the first validation question's

@@ -176,6 +176,13 @@ class ScriptedDataModule(L.LightningDataModule):
         self.val_questions = list(VAL_QUESTIONS)
         self.val_calls: list[int] = []
         self.weights_version = 0
+        #: the validation to ride with the next training rollout, and those that rode (by step)
+        self.rider: Optional[int] = None
+        self.ridden: dict[int, RolloutBatch] = {}
+        #: a step whose rollout signals ``hold_signal`` and sleeps ``hold_s`` first (to be killed there)
+        self.hold_step: Optional[int] = None
+        self.hold_signal: Optional[Path] = None
+        self.hold_s = 600.0
 
     def _rank(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -186,7 +193,28 @@ class ScriptedDataModule(L.LightningDataModule):
                               scorer=CostReward(cost_per_usd=self.cfg.reward.cost_per_usd, no_submit_reward=0.0),
                               stats=LoopStats(trajectories=len(trajectories)), weights_version=self.weights_version)
 
+    # ``RolloutDataModule``'s riding validation: the scripted validation sampled with the rollout
+    carries_validation = True
+
+    def carry_validation(self, step: int) -> None:
+        self.rider = step
+
+    def take_validation(self, step: int) -> Optional[RolloutBatch]:
+        if self.rider == step:
+            self.rider = None
+        return self.ridden.pop(step, None)
+
     def rollout(self, step: int) -> RolloutBatch:
+        if step == self.hold_step:
+            self.hold_signal.touch()
+            time.sleep(self.hold_s)
+        if self.rider is not None:
+            from atlas_lightning.rollout.rng import preserved_rng
+
+            with preserved_rng():
+                batch = self.ridden[self.rider] = self.validation_rollout(self.rider)
+            batch.timing.update({"gen": 0.002, "tail": 0.001, "overlapped": 0.001})
+            self.rider = None
         rank, world = self._rank()
         trajectories = []
         for qi, q in enumerate(rank_share(self.train_questions, rank, world)):

@@ -38,6 +38,8 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
   rollout in flight, as before, instead of interrupting it.
 * ``callbacks.weight_sync``: the weight sync is no callback any more but the PPO step's last
   phase (``ppo/module.py``); a config that still lists it is refused (``test_bad_config.py``).
+* ``callbacks.validation.overlap`` (false): validation riding with the next step's training
+  rollout (``callbacks/validation.py``); off, validation runs alone, as every snapshot's did.
 * ``rollout.gdn_prefill_backend`` (``auto``): vLLM's Gated DeltaNet prefill kernel for hybrid
   models (``rollout/engines/args.py``); attention-only models, every snapshot's, ignore it.
 """
@@ -97,6 +99,8 @@ def derived(now: dict) -> dict:
             out.update({f"callbacks.{callback}.{key}": value for key, value in values.items()})
     if "callbacks.checkpoint._target_" in now:  # checkpoints written in the background
         out["callbacks.checkpoint.background"] = True
+    if "callbacks.validation._target_" in now:  # validation riding with the next rollout: off
+        out["callbacks.validation.overlap"] = False
     return out
 
 
