@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from atlas_lightning.config import LoopLimits
 from atlas_lightning.rollout.chat import ChatFormat
@@ -87,6 +87,9 @@ class Trajectory:
     #: interruptions, and how many times that turn was interrupted (its continuations' seeds).
     open_turn: int = 0
     segment: int = 0
+    #: The seed parts of its requests (e.g. run seed, "train", its RL step) where one loop drives
+    #: trajectories of several steps (scheduling by trajectory); None: the run's ``seed_parts``.
+    seed_parts: Optional[tuple] = None
 
     @property
     def done(self) -> bool:
@@ -116,6 +119,23 @@ VersionFn = Callable[[], Optional[int]]
 NO_VERSION = -1
 
 
+class Feed(Protocol):
+    """What ``AgentLoop.serve`` drives (``rollout/trajectory_producer.py``): ``admit(room)``, up to
+    ``room`` new trajectories that may start now; ``ended(traj)``, one of them ended;
+    ``exhausted()``, nothing more will be admitted; ``stopping()``, leave now; ``idle()``, nothing
+    to do: wait a moment (for new weights or room)."""
+
+    def admit(self, room: int) -> list[Trajectory]: ...
+
+    def ended(self, traj: Trajectory) -> None: ...
+
+    def exhausted(self) -> bool: ...
+
+    def stopping(self) -> bool: ...
+
+    def idle(self) -> None: ...
+
+
 @dataclass
 class _Run:
     """One ``AgentLoop.run``'s moving parts: trajectories waiting for their next request, the
@@ -134,6 +154,13 @@ class _Run:
     done: int = 0
     engine_failures: int = 0
     started: float = field(default_factory=time.monotonic)
+    #: Told of each trajectory that ends (``AgentLoop.serve``'s feed); None in ``run``.
+    ended: Optional[Callable[[Trajectory], None]] = None
+
+    def end(self, traj: Trajectory) -> None:
+        self.done += 1
+        if self.ended is not None:
+            self.ended(traj)
 
 
 class AgentLoop:
@@ -161,21 +188,46 @@ class AgentLoop:
     ) -> LoopStats:
         """Drive every trajectory to a terminal state, in place. ``seed_parts`` (e.g. run seed
         and step) and the trajectory's ids and turn make each request's sampling seed."""
-        limits = self.limits
         self.reprefill = ReprefillMeter()
         waiting = [t for t in trajectories if not t.done]  # ready for their next turn
         run = _Run(sampling, seed_parts, LoopStats(trajectories=len(trajectories)), len(trajectories), waiting,
                    progress=progress, done=len(trajectories) - len(waiting))
-        while run.waiting or run.in_flight:
+        self._drive(run)
+        run.stats.seconds = time.monotonic() - run.started
+        return run.stats
+
+    def serve(self, feed: "Feed", sampling: Sampling) -> LoopStats:
+        """Drive trajectories as ``feed`` admits them, without draining between admissions, until
+        ``feed.exhausted()`` with nothing in flight, or ``feed.stopping()`` (then the requests in
+        flight are aborted and forgotten). Every admitted trajectory that ends is passed to
+        ``feed.ended``. Each trajectory carries its own ``seed_parts``. The loop's running
+        figures are ``self.stats`` (read them between ``feed`` calls, on the loop's thread)."""
+        self.reprefill = ReprefillMeter()
+        run = _Run(sampling, (), LoopStats(), 0, [], ended=feed.ended)
+        self.stats = run.stats
+        self._drive(run, feed)
+        run.stats.seconds = time.monotonic() - run.started
+        return run.stats
+
+    def _drive(self, run: _Run, feed: Optional["Feed"] = None) -> None:
+        limits = self.limits
+        while run.waiting or run.in_flight or (feed is not None and not feed.exhausted()):
+            if feed is not None:
+                if feed.stopping():
+                    self.engine.abort(list(run.in_flight))
+                    return
+                run.waiting.extend(feed.admit(limits.max_in_flight - len(run.in_flight) - len(run.waiting)))
             while run.waiting and len(run.in_flight) < limits.max_in_flight:
                 traj = run.waiting.pop(0)
                 self._submit(run, traj)
                 if traj.done:  # ended before generating (budget spent)
-                    run.done += 1
-            if not run.in_flight:
-                continue
-            if self.pause is not None and self.pause.requested():
+                    run.end(traj)
+            if self.pause is not None and self.pause.requested() and (run.in_flight or feed is not None):
                 self._give_way(run)  # then the open turns are sent again, first
+                continue
+            if not run.in_flight:
+                if feed is not None and not run.waiting:
+                    feed.idle()  # nothing admitted yet: wait for new weights or room
                 continue
             results = self._poll(run)
             for result in results:
@@ -190,8 +242,6 @@ class AgentLoop:
                 self._finish_turn(run, traj, request, result, sent)
             for traj, request in self._expire(run.in_flight, run.stats):
                 self._send(run, traj, request)
-        run.stats.seconds = time.monotonic() - run.started
-        return run.stats
 
     # -- requests -------------------------------------------------------------------------
 
@@ -239,7 +289,7 @@ class AgentLoop:
             self.reprefill.first_token(resumed, sent + result.first_token_s)
         self._apply_turn(traj, request, result, run.stats, run.versions.pop(request.request_id))
         if traj.done:
-            run.done += 1
+            run.end(traj)
             if run.progress:
                 run.stats.seconds = time.monotonic() - run.started
                 run.progress(run.done, run.total, run.stats)
@@ -296,6 +346,8 @@ class AgentLoop:
         # an interrupted turn continues with what is left of its own budget
         max_tokens = min(limits.max_tokens_per_turn - traj.open_turn, response_left, context_left)
         segment = (f"s{traj.segment}",) if traj.segment else ()  # a continuation samples anew
+        if traj.seed_parts is not None:
+            seed_parts = traj.seed_parts
         seed = request_seed(*seed_parts, traj.uid, traj.session_id, traj.turns, traj.attempt_id, *segment)
         return GenerationRequest(
             request_id="/".join((traj.uid, traj.session_id, f"t{traj.turns}", f"a{traj.attempt_id}", *segment)),
