@@ -27,11 +27,15 @@ Contract:
   ``layout.partial_rollouts`` a weight sync does not wait for a training rollout: it interrupts
   it (``engine_for_sync``, ``rollout/interruption.py``), and the rollout continues under the new
   weights, so one batch (even one turn) may span versions; its ``weights_version`` is the one
-  it started with, which its oldest tokens carry.
+  it started with, which its oldest tokens carry. The producer then schedules by trajectory
+  (``trajectory_producer.py``: trajectories start across step boundaries within the staleness
+  room, a step is handed over when its own are done), validation and a step sampled again ask
+  it to give way (``SyncPause.hold``) and a step checkpoint keeps what it has in flight
+  (``inflight.py``), which a resumed run (``resume_from``) continues.
 - ``state_dict`` holds the next step to TRAIN (not the next sampled): a resumed run samples
   exactly what an uninterrupted one would (the sampler and every request seed are functions
   of the step), and a batch sampled ahead but not trained on is sampled again, never lost or
-  counted twice.
+  counted twice (with partial rollouts: continued from the checkpoint's ``inflight/``).
 - The engine is built in ``setup`` (after the process group exists; ``rollout.engine``,
   ``factory.py``) and closed in ``teardown``, or attached by a caller, who closes it. The reward scorer (``reward._target_``) is built
   at construction and scores every ended episode (``batch.assemble_batch``).
