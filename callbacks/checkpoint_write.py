@@ -5,7 +5,9 @@ takes host copies of everything the folder will hold: the two adapters
 (``Checkpointable.snapshot_adapters``) and Lightning's resumable state (what
 ``trainer.save_checkpoint`` dumps first: the trainable tensors, both optimizers' AdamW moments,
 the loops, the callbacks' states, the data cursor, the module's record). They are copies, so the
-next update cannot change what is being written. ``StagedCheckpoint.write`` then writes the
+next update cannot change what is being written. With partial rollouts the trajectories in
+flight are copied too, at a cut (``rollout/inflight.py``), and written by rank 0 under
+``inflight/``, which the marker lists like every other part. ``StagedCheckpoint.write`` then writes the
 files from those copies into ``.tmp-global_step_N/`` and, on rank 0 once every rank's files are
 complete, moves them into ``global_step_N/``, writes ``checkpoint.json`` (sizes, sha256s; last,
 atomically) and ``latest_checkpointed_iteration.txt``. ``write`` runs no collective on the
@@ -48,7 +50,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.store.atomic import atomic_write_text
-from atlas_lightning.store.checkpoints import LATEST, MARKER, PARTS, STATE_DIR, step_dir, write_marker
+from atlas_lightning.rollout import inflight
+from atlas_lightning.store.checkpoints import LATEST, MARKER, OPTIONAL_PARTS, PARTS, STATE_DIR, step_dir, write_marker
 
 
 def staging_dir(checkpoints: Path, step: int) -> Path:
@@ -97,6 +100,8 @@ class StagedCheckpoint:
     state: Optional[dict]
     sharded: Any = None
     checkpoint_io: Any = None
+    #: Rank 0: the trajectories in flight at the cut, ``{file name: bytes}`` (``rollout/inflight.py``).
+    inflight: Optional[dict] = None
 
     @property
     def folder(self) -> Path:
@@ -108,6 +113,8 @@ class StagedCheckpoint:
         tmp, rank_zero = staging_dir(self.checkpoints, self.step), dist_utils.is_rank_zero()
         if rank_zero:
             self.write_adapters(tmp)
+            if self.inflight:
+                inflight.write(self.inflight, tmp)
         if self.sharded is not None:
             from lightning.fabric.strategies.fsdp import _METADATA_FILENAME
             import torch
@@ -128,9 +135,10 @@ def publish(tmp: Path, final: Path, step: int, checkpoints: Path) -> None:
     checkpoint at ``final``."""
     final.mkdir(parents=True, exist_ok=True)
     (final / MARKER).unlink(missing_ok=True)
-    for part in PARTS:
+    for part in PARTS + OPTIONAL_PARTS:
         shutil.rmtree(final / part, ignore_errors=True)
-        os.replace(tmp / part, final / part)
+        if part in PARTS or (tmp / part).exists():
+            os.replace(tmp / part, final / part)
     shutil.rmtree(tmp, ignore_errors=True)
     write_marker(final, step)
     atomic_write_text(checkpoints / LATEST, f"{step}\n")
@@ -146,18 +154,20 @@ def stage_checkpoint(trainer: Any, pl_module: Any, step: int, checkpoints: Path,
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / STATE_DIR).mkdir(parents=True)
     dist_utils.barrier()
+    # the trajectories in flight, at a cut (partial rollouts; None otherwise). Collective.
+    kept = inflight.capture(trainer.datamodule) if trainer.datamodule is not None else None
     write_adapters = pl_module.snapshot_adapters()
     # what trainer.save_checkpoint saves (it dumps, then writes at once)
     checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     if not writes_sharded_state(trainer.strategy):
         return StagedCheckpoint(step, checkpoints, write_adapters, host_copy(checkpoint) if rank_zero else None,
-                                checkpoint_io=trainer.strategy.checkpoint_io)
+                                checkpoint_io=trainer.strategy.checkpoint_io, inflight=kept)
     # ModelParallelStrategy.save_checkpoint's layout: the tensors as a distributed checkpoint, the rest in meta.pt
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     tensors.update({f"optimizer_{index}": state for index, state in enumerate(checkpoint.pop("optimizer_states", []))})
     future = async_save(tensors, checkpoint_id=tmp / STATE_DIR, process_group=group)
     return StagedCheckpoint(step, checkpoints, write_adapters, host_copy(checkpoint) if rank_zero else None,
-                            sharded=future)
+                            sharded=future, inflight=kept)
 
 
 class BackgroundWrite:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from atlas_lightning.config import LoopLimits
 from atlas_lightning.rollout.chat import ChatFormat
@@ -87,6 +87,9 @@ class Trajectory:
     #: interruptions, and how many times that turn was interrupted (its continuations' seeds).
     open_turn: int = 0
     segment: int = 0
+    #: The seed parts of its requests (e.g. run seed, "train", its RL step) where one loop drives
+    #: trajectories of several steps (scheduling by trajectory); None: the run's ``seed_parts``.
+    seed_parts: Optional[tuple] = None
 
     @property
     def done(self) -> bool:
@@ -133,6 +136,23 @@ VersionFn = Callable[[], Optional[int]]
 NO_VERSION = -1
 
 
+class Feed(Protocol):
+    """What ``AgentLoop.serve`` drives (``rollout/trajectory_producer.py``): ``admit(room)``, up to
+    ``room`` new trajectories that may start now; ``ended(traj)``, one of them ended;
+    ``exhausted()``, nothing more will be admitted; ``stopping()``, leave now; ``idle()``, nothing
+    to do: wait a moment (for new weights or room)."""
+
+    def admit(self, room: int) -> list[Trajectory]: ...
+
+    def ended(self, traj: Trajectory) -> None: ...
+
+    def exhausted(self) -> bool: ...
+
+    def stopping(self) -> bool: ...
+
+    def idle(self) -> None: ...
+
+
 @dataclass
 class _Run:
     """One ``AgentLoop.run_lanes``' moving parts: its lanes (and each trajectory's, by ``id``),
@@ -148,6 +168,8 @@ class _Run:
     resumes: dict = field(default_factory=dict)
     engine_failures: int = 0
     started: float = field(default_factory=time.monotonic)
+    #: What admits trajectories and hears of each that ends (``AgentLoop.serve``); None in ``run``.
+    feed: Optional["Feed"] = None
 
     def lane(self, traj: Trajectory) -> Lane:
         return self.lane_of[id(traj)]
@@ -160,6 +182,8 @@ class _Run:
         if lane.progress:
             lane.stats.seconds = lane.ended_at - self.started
             lane.progress(lane.done, lane.stats.trajectories, lane.stats)
+        if self.feed is not None:
+            self.feed.ended(traj)
 
 
 class AgentLoop:
@@ -189,30 +213,47 @@ class AgentLoop:
         and step) and the trajectory's ids and turn make each request's sampling seed."""
         return self.run_lanes([Lane(trajectories, sampling, seed_parts, progress)])[0]
 
-    def run_lanes(self, lanes: list[Lane]) -> list[LoopStats]:
+    def serve(self, feed: "Feed", sampling: Sampling) -> LoopStats:
+        """Drive trajectories as ``feed`` admits them, without draining between admissions, until
+        ``feed.exhausted()`` with nothing in flight, or ``feed.stopping()`` (then the requests in
+        flight are aborted and forgotten). Every admitted trajectory that ends is passed to
+        ``feed.ended``. Each trajectory carries its own ``seed_parts``. The loop's running
+        figures are ``self.stats`` (read them between ``feed`` calls, on the loop's thread)."""
+        return self.run_lanes([Lane([], sampling)], feed=feed)[0]
+
+    def run_lanes(self, lanes: list[Lane], feed: Optional["Feed"] = None) -> list[LoopStats]:
         """``run`` for several lanes at once, on the same engine (``Lane``); each lane's stats.
-        A request's seed and tokens depend on its lane's seed parts, never on the other lanes."""
+        A request's seed and tokens depend on its lane's seed parts, never on the other lanes.
+        ``feed`` (``serve``): admits more trajectories into the first lane as room allows."""
         limits = self.limits
         self.reprefill = ReprefillMeter()
         tags = [lane.tag for lane in lanes]
         if len(set(tags)) < len(tags):
             raise ValueError(f"AgentLoop.run_lanes: lanes need distinct tags, got {tags}")
-        run = _Run(lanes, {id(t): lane for lane in lanes for t in lane.trajectories}, [])
+        run = _Run(lanes, {id(t): lane for lane in lanes for t in lane.trajectories}, [], feed=feed)
         for lane in lanes:
             lane.stats = LoopStats(trajectories=len(lane.trajectories))
             ready = [t for t in lane.trajectories if not t.done]  # ready for their next turn
             lane.done = len(lane.trajectories) - len(ready)
             run.waiting += ready
-        while run.waiting or run.in_flight:
+        self.stats = lanes[0].stats
+        while run.waiting or run.in_flight or (feed is not None and not feed.exhausted()):
+            if feed is not None:
+                if feed.stopping():
+                    self.engine.abort(list(run.in_flight))
+                    break
+                self._admit(run, feed.admit(limits.max_in_flight - len(run.in_flight) - len(run.waiting)))
             while run.waiting and len(run.in_flight) < limits.max_in_flight:
                 traj = run.waiting.pop(0)
                 self._submit(run, traj)
                 if traj.done:  # ended before generating (budget spent)
                     run.ended(traj)
-            if not run.in_flight:
-                continue
-            if self.pause is not None and self.pause.requested():
+            if self.pause is not None and self.pause.requested() and (run.in_flight or feed is not None):
                 self._give_way(run)  # then the open turns are sent again, first
+                continue
+            if not run.in_flight:
+                if feed is not None and not run.waiting:
+                    feed.idle()  # nothing admitted yet: wait for new weights or room
                 continue
             for result in self._poll(run):
                 entry = run.in_flight.pop(result.request_id, None)
@@ -230,6 +271,14 @@ class AgentLoop:
         for lane in lanes:
             lane.stats.seconds = (lane.ended_at if len(lanes) > 1 and lane.ended_at else now) - run.started
         return [lane.stats for lane in lanes]
+
+    def _admit(self, run: _Run, trajectories: list[Trajectory]) -> None:
+        """``serve``'s feed admitted ``trajectories``: they join the first lane and wait."""
+        lane = run.lanes[0]
+        for traj in trajectories:
+            run.lane_of[id(traj)] = lane
+            lane.stats.trajectories += 1
+        run.waiting.extend(trajectories)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -333,6 +382,8 @@ class AgentLoop:
         # an interrupted turn continues with what is left of its own budget
         max_tokens = min(limits.max_tokens_per_turn - traj.open_turn, response_left, context_left)
         segment = (f"s{traj.segment}",) if traj.segment else ()  # a continuation samples anew
+        if traj.seed_parts is not None:
+            seed_parts = traj.seed_parts
         seed = request_seed(*seed_parts, traj.uid, traj.session_id, traj.turns, traj.attempt_id, *segment)
         return GenerationRequest(
             request_id=tag + "/".join((traj.uid, traj.session_id, f"t{traj.turns}", f"a{traj.attempt_id}", *segment)),

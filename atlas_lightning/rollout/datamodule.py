@@ -27,7 +27,11 @@ Contract:
   ``layout.partial_rollouts`` a weight sync does not wait for a training rollout: it interrupts
   it (``engine_for_sync``, ``rollout/interruption.py``), and the rollout continues under the new
   weights, so one batch (even one turn) may span versions; its ``weights_version`` is the one
-  it started with, which its oldest tokens carry.
+  it started with, which its oldest tokens carry. The producer then schedules by trajectory
+  (``trajectory_producer.py``: trajectories start across step boundaries within the staleness
+  room, a step is handed over when its own are done), validation and a step sampled again ask
+  it to give way (``SyncPause.hold``) and a step checkpoint keeps what it has in flight
+  (``inflight.py``), which a resumed run (``resume_from``) continues.
 - A validation may ride with the next training rollout (``carry_validation``, synchronous mode
   only): its trajectories go through the same agent loop run in a lane of their own (own
   sampling, seeds and records, ``agent_loop.Lane``), with the global RNGs left as they were;
@@ -35,7 +39,7 @@ Contract:
 - ``state_dict`` holds the next step to TRAIN (not the next sampled): a resumed run samples
   exactly what an uninterrupted one would (the sampler and every request seed are functions
   of the step), and a batch sampled ahead but not trained on is sampled again, never lost or
-  counted twice.
+  counted twice (with partial rollouts: continued from the checkpoint's ``inflight/``).
 - The engine is built in ``setup`` (after the process group exists; ``rollout.engine``,
   ``factory.py``) and closed in ``teardown``, or attached by a caller, who closes it. The reward scorer (``reward._target_``) is built
   at construction and scores every ended episode (``batch.assemble_batch``).
@@ -57,6 +61,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from atlas_lightning.config import LoopLimits
 from atlas_lightning.questions.loader import QuestionSplits, load_splits
 from atlas_lightning.rollout.prefetch import RolloutProducer, WeightsClock
+from atlas_lightning.rollout.trajectory_producer import TrajectoryProducer
+from atlas_lightning.rollout import inflight
 from atlas_lightning.questions.sampler import QuestionSampler, shard
 from atlas_lightning.questions.schema import Question
 from atlas_lightning.env.episode import Episode, RuntimeConfig
@@ -112,7 +118,7 @@ class _RolloutSteps(IterableDataset):
                 if not len(batch):  # every trajectory was over the bound (drop): sample the step now
                     log.warning("step %d: all %d trajectories over layout.max_staleness; sampling it again",
                                 step, batch.dropped)
-                    again = dm.handed_over(dm.rollout(step), waited_s=time.monotonic() - started)
+                    again = dm.handed_over(dm.rollout(step, interruptible=False), waited_s=time.monotonic() - started)
                     again.dropped += batch.dropped
                     batch = again
                 dm.next_step = step + 1
@@ -143,12 +149,17 @@ class RolloutProgress:
 
 class RolloutDataModule(L.LightningDataModule):
     def __init__(self, cfg: DictConfig, engine: Optional[Engine] = None,
-                 questions: Optional[QuestionSplits] = None) -> None:
+                 questions: Optional[QuestionSplits] = None, resume_from: Optional[str] = None) -> None:
         """``engine``: see the module doc. ``questions``: the splits the run's start-up loaded and
         checked (``run.facts.check_inputs``), never read again here; None: ``setup`` loads them
-        (a datamodule built on its own, as tests do)."""
+        (a datamodule built on its own, as tests do). ``resume_from``: the verified checkpoint a
+        resumed run continues, whose trajectories in flight (partial rollouts, ``inflight.py``)
+        the producer continues."""
         super().__init__()
         self.cfg = cfg
+        self.resume_from = resume_from
+        #: The steps in flight the resumed checkpoint kept, until the producer takes them.
+        self.restored_inflight: dict = {}
         self.engine = engine
         self.questions = questions
         #: Told of each rollout's progress on rank 0 (``RolloutProgress``); the progress bar sets it.
@@ -220,6 +231,11 @@ class RolloutDataModule(L.LightningDataModule):
             self.val_questions = self._fitting(splits.val, "val")
         self.sampler = QuestionSampler(len(self.train_questions), self.cfg.algorithm.train_batch_size,
                                        seed=self.cfg.data.seed, shuffle=self.cfg.data.shuffle)
+        if self.partial_rollouts and self.resume_from is not None and not self.restored_inflight:
+            self.restored_inflight = inflight.restore(self.resume_from)
+            if self.restored_inflight:
+                log.info("resuming %d steps in flight (%d generated tokens) from %s", len(self.restored_inflight),
+                         inflight.saved_tokens(self.restored_inflight), self.resume_from)
         if self.engine is None:
             from atlas_lightning.rollout.factory import build_engine
 
@@ -282,25 +298,37 @@ class RolloutDataModule(L.LightningDataModule):
                                                session_id=session_id(sample), episode=episode, prompt_ids=prompt))
         return trajectories
 
+    def agent_loop(self, pause: Optional[SyncPause]) -> AgentLoop:
+        """An agent loop on this rank's engine, stamping the served version on every token;
+        ``pause``: interruptible by a weight sync (partial rollouts)."""
+        return AgentLoop(self.engine, self.chat, self._limits(), policy_version=lambda: self.weights_version,
+                         pause=pause)
+
+    def _engine_held(self, interruptible: bool):
+        """The engine for one rollout: ``engine_lock``; with partial rollouts a rollout that no sync
+        interrupts (validation, a step sampled again) asks the producer to give way instead."""
+        if self.partial_rollouts and not interruptible:
+            return self.pause.hold()
+        return self.engine_lock
+
     def _run(self, trajectories: list[Trajectory], sampling: Sampling, step: int, partition: str,
-             seed_parts: tuple, rider: Optional[int] = None) -> RolloutBatch:
+             seed_parts: tuple, interruptible: bool = False, rider: Optional[int] = None) -> RolloutBatch:
         """One rollout of ``trajectories`` on the engine, assembled as ``partition`` of ``step``.
-        ``rider``: the validation of the weights after step ``rider`` goes through the same agent
-        loop run, in a lane of its own (``take_validation`` hands it over)."""
+        ``interruptible``: a weight sync may interrupt it (partial rollouts). ``rider``: the
+        validation of the weights after step ``rider`` goes through the same agent loop run, in a
+        lane of its own (``take_validation`` hands it over)."""
         if self.engine is None:
             raise RuntimeError("RolloutDataModule has no engine: call setup() or pass one")
         timing: dict[str, float] = {}
         memory: dict[str, float] = {}
-        with self.engine_lock:  # one version per batch; no sync under a running rollout
+        with self._engine_held(interruptible):  # one version per batch, unless a sync interrupts it
             started = time.monotonic()
             version = self.weights_version
             self.engine.wake_up()  # a no-op after a weight sync, which wakes the engine itself
             timing["wake_rollout"] = time.monotonic() - started
             progress = RolloutProgress(f"{partition} step {step}", self.progress_sink if self.rank == 0 else None)
             looped = time.monotonic()
-            interruptible = self.partial_rollouts and partition == "train"
-            loop = AgentLoop(self.engine, self.chat, self._limits(), policy_version=lambda: self.weights_version,
-                             pause=self.pause if interruptible else None)
+            loop = self.agent_loop(self.pause if interruptible else None)
             lanes = [Lane(trajectories, sampling, seed_parts, progress)]
             if rider is not None:
                 lanes.append(Lane(*self._validation_part(), tag="val:"))
@@ -364,10 +392,21 @@ class RolloutDataModule(L.LightningDataModule):
         ``first`` is trained on weights ``base_version`` (default ``first - 1``)."""
         if self.producer is not None:
             self.producer.stop(timeout_s=0)
+        bound = int(self.cfg.layout.max_staleness)
+        if self.partial_rollouts:  # scheduling by trajectory (``trajectory_producer.py``)
+            self.producer = TrajectoryProducer(
+                self, self.clock, self.pause, first=first, last=self.total_steps, max_staleness=bound,
+                base_version=base_version, policy=self.staleness_policy, restored=self.take_restored(first)).start()
+            return self.producer
         self.producer = RolloutProducer(self.rollout, self.clock, first=first, last=self.total_steps,
-                                        max_staleness=int(self.cfg.layout.max_staleness),
-                                        base_version=base_version, policy=self.staleness_policy).start()
+                                        max_staleness=bound, base_version=base_version,
+                                        policy=self.staleness_policy).start()
         return self.producer
+
+    def take_restored(self, first: int) -> dict:
+        """The kept steps in flight from ``first`` on, handed to the producer once."""
+        steps, self.restored_inflight = self.restored_inflight, {}
+        return {step: opened for step, opened in steps.items() if step >= first}
 
     @property
     def staleness_policy(self) -> str:
@@ -407,14 +446,38 @@ class RolloutDataModule(L.LightningDataModule):
         batch.staleness_counts = {k: sum(1 for i in kept if lags[i] == k) for k in range(bound + 1)}
         return batch
 
-    def rollout(self, step: int) -> RolloutBatch:
+    def rollout(self, step: int, interruptible: Optional[bool] = None) -> RolloutBatch:
         """RL step ``step``'s training rollout on this rank (sampled now, with the weights the
-        engine serves now); a validation deferred to it (``carry_validation``) rides along."""
-        questions = [self.train_questions[i] for i in self.sampler.step_indices(step - 1)]
-        r = self.cfg.rollout
+        engine serves now); a validation deferred to it (``carry_validation``) rides along.
+        ``interruptible`` (default: with partial rollouts): a weight sync interrupts it rather
+        than waiting for it."""
+        interruptible = self.partial_rollouts if interruptible is None else interruptible
         rider, self._rider = self._rider, None
-        return self._run(self._trajectories(questions, r.n), Sampling(r.temperature, r.top_p, r.top_k), step, "train",
-                         seed_parts=(self.cfg.seed, "train", step), rider=rider)
+        return self._run(self.train_trajectories(step), self.sampling, step, "train",
+                         seed_parts=(self.cfg.seed, "train", step), interruptible=interruptible, rider=rider)
+
+    @property
+    def sampling(self) -> Sampling:
+        """The training rollouts' sampling settings (``rollout.temperature``, ``top_p``, ``top_k``)."""
+        r = self.cfg.rollout
+        return Sampling(r.temperature, r.top_p, r.top_k)
+
+    def train_trajectories(self, step: int) -> list[Trajectory]:
+        """This rank's fresh trajectories of step ``step``, each carrying its requests' seed parts."""
+        questions = [self.train_questions[i] for i in self.sampler.step_indices(step - 1)]
+        trajectories = self._trajectories(questions, self.cfg.rollout.n)
+        for traj in trajectories:
+            traj.seed_parts = (self.cfg.seed, "train", step)
+        return trajectories
+
+    def assemble_step(self, step: int, trajectories: list[Trajectory], stats: LoopStats, version: Optional[int],
+                      timing: dict) -> RolloutBatch:
+        """Step ``step``'s batch from its finished trajectories (scheduling by trajectory)."""
+        assembled = time.monotonic()
+        batch = assemble_batch(trajectories, step=step, partition="train", run_id=self.cfg.name, scorer=self.scorer,
+                               stats=stats, weights_version=version)
+        batch.timing.update(timing, assemble=time.monotonic() - assembled, rollout=timing.get("gen", 0.0))
+        return batch
 
     def validation_rollout(self, step: int) -> RolloutBatch:
         """The validation sets through the same agent loop (``rollout.val_temperature``, greedy

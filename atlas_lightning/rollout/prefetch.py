@@ -21,9 +21,9 @@ batch that would be too stale, and nothing is dropped) or ``drop`` (the producer
 room: it starts step ``s`` once ``s - max_staleness`` is taken, whatever version the engine
 serves, and the datamodule drops, at hand-over, every trajectory that has fallen more than
 ``max_staleness`` versions behind). ``waited_s[step]``: how long the producer waited before
-sampling ``step`` (the engine's idle time, as this client sees it). A resume that keeps the
-trajectories in flight is designed, not built: atlas_lightning/bench/README.md, "Partial
-rollouts in the separate layout".
+sampling ``step`` (the engine's idle time, as this client sees it). With partial rollouts the
+datamodule uses ``trajectory_producer.TrajectoryProducer`` instead (scheduling by trajectory,
+and a resume that keeps the trajectories in flight).
 
 The engine is shared with the weight sync and validation: every use of it holds
 ``engine_lock`` for its whole duration (a rollout, a sync), so a batch is sampled with exactly

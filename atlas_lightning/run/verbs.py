@@ -38,7 +38,7 @@ def fit(cfg: DictConfig) -> int:
         log.warning(note)
     trainer = build_trainer(cfg, callbacks=build_callbacks(cfg, facts))
     module = PPOModule(cfg, resume_from=facts.start.resume)
-    datamodule = RolloutDataModule(cfg, questions=facts.questions)
+    datamodule = RolloutDataModule(cfg, questions=facts.questions, resume_from=facts.start.resume)
     started = time.time()
     # a fault part-way (engine, memory, non-finite) stops cleanly, naming the checkpoint to resume from
     with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: module.finished_step):

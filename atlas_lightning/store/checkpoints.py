@@ -40,6 +40,9 @@ LATEST = "latest_checkpointed_iteration.txt"
 STATE_DIR = "lightning"
 #: The parts a checkpoint folder's marker covers (``val_dumps/`` is validation's, not the checkpoint's).
 PARTS = ("actor", "critic", STATE_DIR)
+#: Parts a checkpoint holds only in some runs, covered by the marker when present: ``inflight/``,
+#: the trajectories sampled but not yet trained (partial rollouts, ``rollout/inflight.py``).
+OPTIONAL_PARTS = ("inflight",)
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
@@ -93,7 +96,7 @@ def write_marker(folder: str | Path, step: int) -> dict:
     """Write ``folder/checkpoint.json`` last, atomically: the step and, for every file under
     ``PARTS``, its size and sha256 (what ``verify_checkpoint`` checks). Returns the marker."""
     folder = Path(folder)
-    paths = sorted(p for part in PARTS for p in (folder / part).rglob("*") if p.is_file())
+    paths = sorted(p for part in PARTS + OPTIONAL_PARTS for p in (folder / part).rglob("*") if p.is_file())
     with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(paths)))) as pool:
         digests = list(pool.map(sha256_file, paths))
     files = {str(p.relative_to(folder)).replace(os.sep, "/"): {"bytes": p.stat().st_size, "sha256": digest}
@@ -132,8 +135,11 @@ def verify_checkpoint(folder: str | Path, *, parts: Sequence[str] = PARTS, hashe
     if checkpoint_step(folder) is None or not folder.is_dir():
         raise CheckpointError(f"{folder}: not a global_step_N checkpoint folder")
     marker = _marker(folder)
+    required = tuple(parts)
+    if required == PARTS:  # the whole checkpoint: its optional parts too, where it has them
+        parts = PARTS + OPTIONAL_PARTS
     listed = {rel: entry for rel, entry in marker["files"].items() if rel.split("/", 1)[0] in parts}
-    for part in parts:
+    for part in required:
         if not any(rel.startswith(part + "/") for rel in listed):
             raise CheckpointError(f"{folder}: {MARKER} lists no file under {part}/")
     present = {str(p.relative_to(folder)).replace(os.sep, "/") for part in parts
