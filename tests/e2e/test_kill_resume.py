@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from atlas_lightning.store.records import read_record, read_step_tensors, verify_manifest
+from tests.e2e.kill_harness import kill_once_written, run_to_end
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -41,21 +40,10 @@ def _records(root: Path, step: int) -> dict:
 
 def test_sigkill_mid_step_then_resume_gives_the_uninterrupted_records(tiny_model_dir, sample_data_dir, tmp_path):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    result = subprocess.run(_command(tiny_model_dir, sample_data_dir, straight), capture_output=True, text=True,
-                            timeout=900, env=_env())
-    assert result.returncode == 0, result.stderr[-4000:]
-
+    run_to_end(_command(tiny_model_dir, sample_data_dir, straight), _env())
     # Run again and kill it once step 2's checkpoint is complete (step 3 is then under way).
     marker = crashed / "checkpoints" / NAME / "global_step_2" / "checkpoint.json"
-    process = subprocess.Popen(_command(tiny_model_dir, sample_data_dir, crashed), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
-    deadline = time.monotonic() + 900
-    while not marker.exists():
-        assert process.poll() is None, "the run ended before step 2 was checkpointed"
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_once_written(_command(tiny_model_dir, sample_data_dir, crashed), _env(), marker)
 
     # Nothing of step 3 looks complete.
     assert not (crashed / "checkpoints" / NAME / "global_step_3" / "checkpoint.json").exists()

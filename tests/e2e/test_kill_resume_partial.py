@@ -14,10 +14,8 @@ from __future__ import annotations
 import collections
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +24,7 @@ import pytest
 from atlas_lightning.rollout import inflight
 from atlas_lightning.store.checkpoints import verify_checkpoint
 from atlas_lightning.store.records import read_step_tensors, verify_manifest
+from tests.e2e.kill_harness import kill_once_written, run_to_end
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -75,20 +74,9 @@ def regenerated_tokens(kept: dict, got: dict) -> int:
 
 def test_sigkill_then_resume_regenerates_skips_and_repeats_nothing(tiny_model_dir, sample_data_dir, tmp_path):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    result = subprocess.run(_command(tiny_model_dir, sample_data_dir, straight), capture_output=True, text=True,
-                            timeout=900, env=_env())
-    assert result.returncode == 0, result.stderr[-4000:]
-
+    run_to_end(_command(tiny_model_dir, sample_data_dir, straight), _env())
     marker = crashed / "checkpoints" / NAME / "global_step_2" / "checkpoint.json"
-    process = subprocess.Popen(_command(tiny_model_dir, sample_data_dir, crashed), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
-    deadline = time.monotonic() + 900
-    while not marker.exists():
-        assert process.poll() is None, "the run ended before step 2 was checkpointed"
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_once_written(_command(tiny_model_dir, sample_data_dir, crashed), _env(), marker)
 
     folder = marker.parent
     listed = json.loads(marker.read_text())["files"]

@@ -3,10 +3,7 @@ token counts, whatever way an episode ends (a scripted engine; no model)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,20 +16,11 @@ from atlas_lightning.rollout.batch import assemble_batch, session_id
 from atlas_lightning.reward import CostReward
 from atlas_lightning.rollout.engine import Engine, GenerationResult
 from atlas_lightning.store.records import read_record, write_record
+from tests.harness import callbacks_harness
 
 
-def _harness():
-    """The callback tests' harness (scripted questions and turns, the tiny tokenizer's chat)."""
-    if "cb_harness" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "cb_harness", Path(__file__).resolve().parents[1] / "callbacks" / "cb_harness.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["cb_harness"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["cb_harness"]
 
-
-H = _harness()
+H = callbacks_harness()
 TRAIN_QUESTIONS, make_chat, turn_text = H.TRAIN_QUESTIONS, H.make_chat, H.turn_text
 
 EXPLORE = "E"

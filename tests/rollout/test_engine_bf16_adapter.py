@@ -83,6 +83,7 @@ from atlas_lightning.ppo.module import PPOModule
 from atlas_lightning.rollout.engines.args import EngineArgs
 from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
 from atlas_lightning.rollout.sync_probe import StartingCheckError
+from tests.rollout.test_sync_applied import _ignoring_class
 
 model_dir, root = sys.argv[1:3]
 cfg = compose(["experiment=tiny-cpu", f"model.path={model_dir}", f"paths.root={root}", "model.dtype=bfloat16",
@@ -104,17 +105,8 @@ moved = starting_sync().last
 out = {"noise": moved.noise, "movement_noises": moved.expected / moved.noise, "ratio": moved.ratio}
 
 
-class AdapterIgnoringEngine(VLLMEngine):
-    def prompt_logprobs(self, token_ids):
-        lora, self._lora = self._lora, None
-        try:
-            return super().prompt_logprobs(token_ids)
-        finally:
-            self._lora = lora
-
-
 engine.set_adapter(None)
-engine.__class__ = AdapterIgnoringEngine
+engine.__class__ = _ignoring_class()  # holds the adapter, applies none
 try:
     starting_sync()
     out["refused"] = ""

@@ -6,11 +6,8 @@ and the re-prefill is counted. Also the pause between a sync and a rollout on tw
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -22,19 +19,11 @@ from atlas_lightning.rollout.agent_loop import AgentLoop, Sampling, Trajectory
 from atlas_lightning.rollout.batch import assemble_batch, session_id
 from atlas_lightning.rollout.engine import Engine, GenerationResult
 from atlas_lightning.rollout.interruption import ReprefillMeter, SyncPause
+from tests.harness import callbacks_harness
 
 
-def _harness():
-    if "cb_harness" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "cb_harness", Path(__file__).resolve().parents[1] / "callbacks" / "cb_harness.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["cb_harness"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["cb_harness"]
 
-
-H = _harness()
+H = callbacks_harness()
 EXPLORE = "E"
 SCRIPTS = {"gpqa-gt1": [EXPLORE, "S:B"], "gpqa-gt2": [EXPLORE, EXPLORE, EXPLORE, EXPLORE],
            "lcb-lt1": [EXPLORE, EXPLORE, "S:#2"]}

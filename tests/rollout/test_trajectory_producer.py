@@ -6,12 +6,9 @@ generated again, no trajectory skipped or repeated)."""
 
 from __future__ import annotations
 
-import importlib.util
 import pickle
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -26,19 +23,11 @@ from atlas_lightning.rollout.engine import Engine, GenerationResult
 from atlas_lightning.rollout.interruption import SyncPause
 from atlas_lightning.rollout.prefetch import WeightsClock
 from atlas_lightning.rollout.trajectory_producer import TrajectoryProducer
+from tests.harness import callbacks_harness
 
 
-def _harness():
-    if "cb_harness" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "cb_harness", Path(__file__).resolve().parents[1] / "callbacks" / "cb_harness.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["cb_harness"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["cb_harness"]
 
-
-H = _harness()
+H = callbacks_harness()
 SCRIPTS = {"gpqa-gt1": ["E", "S:B"], "gpqa-gt2": ["E", "E", "E", "E"], "lcb-lt1": ["E", "E", "S:#2"]}
 
 
