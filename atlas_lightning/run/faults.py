@@ -32,7 +32,7 @@ import errno
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -44,11 +44,12 @@ log = logging.getLogger("atlas_lightning")
 
 
 @contextmanager
-def stops_cleanly(checkpoints: Path, last_step: Callable[[], int]) -> Iterator[None]:
-    """Run the body (a ``trainer.fit``); a fault of the module doc becomes ``RunStopped``.
-    ``last_step()``: the last RL step the module finished (read when the fault is caught)."""
+def stops_cleanly(checkpoints: Path, last_step: Callable[[], int], trainer: Optional[Any] = None) -> Iterator[None]:
+    """Run the body (``trainer.fit``); a fault of the module doc becomes ``RunStopped``.
+    ``last_step()``: the last RL step the module finished (read when the fault is caught).
+    ``trainer``: the one fitting, told when its rank handles a fault (``stop_notice.watching``)."""
     try:
-        with stop_notice.watching():  # another rank's stop reaches this one (several ranks)
+        with stop_notice.watching(trainer):  # another rank's stop reaches this one (several ranks)
             yield
     except InputError:  # a starting check: exit 2 as before any work
         raise

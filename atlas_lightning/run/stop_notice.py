@@ -34,6 +34,8 @@ import time
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
+from lightning import Callback, Trainer
+
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.errors import RunStopped
 
@@ -50,15 +52,14 @@ POLL_S = 1.0
 GRACE_S = 15.0
 #: Set once this rank's main thread handles a fault (the watcher then leaves the stop to it).
 _handling = threading.Event()
-
-
 _clients = threading.local()
 
 
 def _store():
     """A client of the process group's rendezvous store (``MASTER_ADDR:MASTER_PORT``) of this
     thread's own (a store client is not shared between threads: the watcher has its own), or
-    None outside a multi-rank group."""
+    None outside a multi-rank group or where it cannot be reached (logged: the other ranks then
+    wait for their collectives' timeout)."""
     if not dist_utils.is_distributed() or dist_utils.world_size() == 1:
         return None
     client = getattr(_clients, "store", None)
@@ -67,8 +68,13 @@ def _store():
 
         import torch.distributed as dist
 
-        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                               timeout=timedelta(seconds=30), wait_for_workers=False)
+        try:
+            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                   timeout=timedelta(seconds=30), wait_for_workers=False)
+        except Exception as err:  # no rendezvous store to reach: no notice, never a crash of the thread
+            log.warning("stops reach no other rank: the process group's store (MASTER_ADDR:MASTER_PORT) cannot "
+                        "be reached: %s: %s", type(err).__name__, err)
+            return None
         _clients.store = client
     return client
 
@@ -115,10 +121,20 @@ def received() -> Optional[dict]:
     return notice
 
 
+class _HandlingFault(Callback):
+    """First of ``trainer``'s callbacks: from Lightning's first hook on an exception on, this rank
+    stops through its main thread (its step checkpoint's write in flight is waited for there)."""
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        _handling.set()
+
+
 @contextmanager
-def watching() -> Iterator[None]:
-    """Watch for another rank's stop while the body (a ``trainer.fit``) runs (module doc)."""
+def watching(trainer: Optional[Trainer] = None) -> Iterator[None]:
+    """Watch for another rank's stop while the body (``trainer.fit``) runs (module doc)."""
     _handling.clear()
+    if trainer is not None:
+        trainer.callbacks.insert(0, _HandlingFault())
     done = threading.Event()
     watcher = threading.Thread(target=_watch, args=(done,), name="stop-notice", daemon=True)
     watcher.start()

@@ -9,8 +9,8 @@ One chain per machine, each launch resuming the last: out of memory at step 2 (c
 left), a NaN at step 3 (checkpoint 2), then four launches that each fail step 4 from checkpoint
 3: the engine killed in its rollout, at its weight sync (the probe meets the dead engine), in
 its validation (the launch validates at step 4), and the disk full as its checkpoint is written
-(found at fit's end: the marker never written); then a clean resume to the end (checkpoint 4). The CPU chain runs in the normal suite (tiny model, vLLM's CPU
-engine, a real allocation failure is impossible there: ``torch.OutOfMemoryError`` is raised at
+(found at fit's end: the marker never written); then a clean resume to the end (checkpoint 4).
+The CPU chain runs in the normal suite (tiny model, vLLM's CPU engine, a real allocation failure is impossible there: ``torch.OutOfMemoryError`` is raised at
 the injection point). The card chain runs the same on a GPU (``experiment=h200-tiny``: FSDP2 at
 world 1, the in-process vLLM engine asleep during updates, a bf16 base: the NaN comes in a bf16
 update; the out-of-memory is a real CUDA allocation larger than the card). On the H200, in one

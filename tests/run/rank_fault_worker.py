@@ -39,7 +39,7 @@ def main() -> int:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[FaultInjection(fault, step=2, rank=rank)])
     try:
-        with stops_cleanly(root / "checkpoints", last_step=lambda: module.finished_step):
+        with stops_cleanly(root / "checkpoints", last_step=lambda: module.finished_step, trainer=trainer):
             trainer.fit(module, datamodule=SyntheticData(cfg, steps=3, vocab_size=vocab_size_of(cfg)))
     except RunStopped as err:
         print(f"atlas-lightning fit: stopped: {err}", file=sys.stderr)

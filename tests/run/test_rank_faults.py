@@ -29,6 +29,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("faulty", [1, 0])
 def test_out_of_memory_on_one_rank_stops_both_with_the_same_code(tiny_model_dir, tmp_path, faulty):
     port, started = _free_port(), time.monotonic()
@@ -55,7 +56,8 @@ def test_out_of_memory_on_one_rank_stops_both_with_the_same_code(tiny_model_dir,
         assert process.returncode == STOP_EXIT_CODES["out_of_memory"], f"rank {rank}: {stderr[-4000:]}"
         assert "Traceback" not in stderr, f"rank {rank}: {stderr[-4000:]}"
         stop = stderr.strip().splitlines()[-1]
-        print(f"\nrank {rank} (fault on rank {faulty}): exit {process.returncode} after {ended[rank] - started:.0f} s: {stop}")
+        print(f"\nrank {rank} (fault on rank {faulty}): exit {process.returncode} after "
+              f"{ended[rank] - started:.0f} s: {stop}")
         assert stop.startswith("atlas-lightning fit: stopped: "), stop
         assert "out of memory after RL step 1" in stop and "in phase update_actor of RL step 2" in stop, stop
         if rank != faulty:
