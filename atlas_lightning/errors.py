@@ -1,20 +1,24 @@
-"""The error kinds every floor may raise: ``InputError``, ``NonFiniteError`` and ``RunStopped``.
+"""The error kinds every floor may raise: ``InputError``, ``NonFiniteError``, ``CheckpointWriteError``
+and ``RunStopped``.
 
 A config value, a question file, an adapter or a checkpoint folder that cannot be used is an
 ``InputError`` (``config.ConfigError``, ``questions.rows.DataError``, ``models.adapters.AdapterError``,
 ``store.checkpoints.CheckpointError``) whose message names what is wrong and where; the CLI
 exits 2 with it. A NaN or inf that training must not go on with is a ``NonFiniteError``: the
 NaN guard raises it for a non-finite step (``callbacks/nan_guard.py``), the weight sync for an
-engine whose probe log-probs are not finite (``rollout/sync.py``). A fault that stops a run
-part-way (the engine died, the card ran out of memory, a non-finite step) reaches the user as a
+engine whose probe log-probs are not finite (``rollout/sync.py``). A checkpoint whose files could
+not be written (the disk full, a write refused) is a ``CheckpointWriteError`` (raised on every
+rank by ``callbacks/checkpoint.py``). A fault that stops a run part-way (the engine died, the
+card ran out of memory, a non-finite step, a file that could not be written) reaches the user as a
 ``RunStopped`` (``run/faults.py``): the cause, the step, and the last complete checkpoint to
 resume from; the CLI exits with its ``exit_code`` (``STOP_EXIT_CODES``). This module imports
 nothing of the package, so every floor may import it.
 
 Exit codes of the CLI: 0 done; 2 an input that cannot be used (nothing was written); 3 not
 available yet; 4 the rollout engine died or does not serve what it was sent; 5 out of memory;
-6 a non-finite step. After 4, 5 and 6 the run's last complete checkpoint is intact and
-``trainer.resume=auto`` continues from it.
+6 a non-finite step; 7 a checkpoint or another file of the run could not be written (the disk
+full). After 4 to 7 the run's last complete checkpoint is intact and ``trainer.resume=auto``
+continues from it.
 """
 
 from __future__ import annotations
@@ -43,7 +47,11 @@ class NonFiniteError(RuntimeError):
 
 
 #: ``RunStopped.cause`` -> the CLI's exit code (module doc).
-STOP_EXIT_CODES = {"engine": 4, "out_of_memory": 5, "non_finite": 6}
+STOP_EXIT_CODES = {"engine": 4, "out_of_memory": 5, "non_finite": 6, "write": 7}
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint's files could not be written (in the background or inline); the folder has no marker."""
 
 
 class RunStopped(RuntimeError):

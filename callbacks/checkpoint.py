@@ -37,6 +37,7 @@ from typing import Any, Optional
 from lightning.pytorch.callbacks import Checkpoint
 
 from atlas_lightning import distributed as dist_utils
+from atlas_lightning.errors import CheckpointWriteError  # raised here; defined below every floor
 from atlas_lightning.store.checkpoints import MARKER, latest_complete
 from atlas_lightning.callbacks.base import rl_callbacks
 from atlas_lightning.callbacks.checkpoint_write import (BackgroundWrite, new_checkpoint_group, stage_checkpoint,
@@ -47,10 +48,6 @@ log = logging.getLogger(__name__)
 
 #: How long an exception's exit waits for a write in flight before leaving it unfinished (no marker).
 EXIT_WAIT_S = 600.0
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint's files could not be written (in the background or inline); the folder has no marker."""
 
 
 class StepCheckpoint(Checkpoint):

@@ -3,15 +3,20 @@
 Not in the default callbacks; a run takes it with
 
     +callbacks.fault_injection._target_=atlas_lightning.callbacks.faults.FaultInjection
-    +callbacks.fault_injection.fault=<engine_kill|out_of_memory|non_finite> +callbacks.fault_injection.step=N
+    +callbacks.fault_injection.fault=<engine_kill|out_of_memory|non_finite|checkpoint_write> \
+    +callbacks.fault_injection.step=N [+callbacks.fault_injection.phase=<rollout|sync|validation>] \
+    [+callbacks.fault_injection.rank=R]
 
-The faults (``run/faults.py`` turns each into a clean stop that names it; exit 4, 5, 6):
+The faults (``run/faults.py`` turns each into a clean stop that names it; exit 4, 5, 6, 7):
 
-* ``engine_kill``: in the middle of step N's rollout (its first requests submitted, in flight,
-  before the engine has answered any), the engine is killed: a server engine's process gets
-  SIGKILL; the in-process vLLM engine's engine core is shut down (it shares the trainer's
-  process: nothing else of it can die alone). The agent loop's retries fail and it raises
-  ``EngineError``.
+* ``engine_kill``: the engine is killed (a server engine's process gets SIGKILL; the in-process
+  vLLM engine's engine core is shut down: it shares the trainer's process, nothing else of it
+  can die alone) at ``phase`` of step N: ``rollout`` (the default), in the middle of step N's
+  rollout (its first requests submitted, in flight, before the engine has answered any: the
+  agent loop's retries fail); ``sync``, as step N's weight sync starts (its export, load and
+  probe then meet a dead engine); ``validation``, in the middle of step N's validation rollout
+  (the run must validate at step N). Each ends in ``EngineError`` naming the operation
+  (``rollout/engines/failure.py``).
 * ``out_of_memory``: as step N's actor update starts (its critic update already applied: the weights in
   memory are half-way through the step), the card runs out of memory: on CUDA a real
   allocation of more than the card has free (the caching allocator raises), on a CPU run
@@ -19,6 +24,13 @@ The faults (``run/faults.py`` turns each into a clean stop that names it; exit 4
 * ``non_finite``: as step N's actor update starts, one element of an actor LoRA factor becomes NaN (in
   the precision the update runs in: bf16 under a bf16 base), so the update's forward passes give
   NaN log-probs; the step's own check refuses the optimizer step and the NaN guard stops.
+* ``checkpoint_write``: step N's checkpoint write (in the background, rank 0) finds the disk
+  full (``OSError`` ENOSPC) once the adapters are in its staging folder: the folder never gets
+  its marker, and the step that waits for the write (N+1's end, or fit's end) raises
+  ``CheckpointWriteError`` on every rank.
+
+With ``rank``, the fault happens on that global rank alone (the others must hear of the stop:
+``run/stop_notice.py``); without it, on every rank.
 
 Each fault happens once, in the run that has the callback: a resume without it continues. The
 checkpoint of step N-1 (with ``trainer.save_every=1``) is the one to resume from.
@@ -26,49 +38,104 @@ checkpoint of step N-1 (with ``trainer.save_every=1``) is the one to resume from
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
 from contextlib import contextmanager
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any, Iterator, Optional
 
 import lightning as L
 import torch
 
 log = logging.getLogger(__name__)
 
-FAULTS = ("engine_kill", "out_of_memory", "non_finite")
+FAULTS = ("engine_kill", "out_of_memory", "non_finite", "checkpoint_write")
+#: Where ``engine_kill`` strikes (module doc).
+ENGINE_PHASES = ("rollout", "sync", "validation")
 
 
 class FaultInjection(L.Callback):
     """Inject ``fault`` (one of ``FAULTS``) at RL step ``step`` (module doc)."""
 
-    def __init__(self, fault: str, step: int) -> None:
+    def __init__(self, fault: str, step: int, phase: str = "rollout", rank: Optional[int] = None) -> None:
         if fault not in FAULTS:
             raise ValueError(f"FaultInjection: fault must be one of {', '.join(FAULTS)}, got {fault!r}")
         if not isinstance(step, int) or isinstance(step, bool) or step < 1:
             raise ValueError(f"FaultInjection: step must be an RL step (an int >= 1), got {step!r}")
+        if phase not in ENGINE_PHASES or (phase != "rollout" and fault != "engine_kill"):
+            raise ValueError(f"FaultInjection: phase must be one of {', '.join(ENGINE_PHASES)} (other than rollout "
+                             f"only for engine_kill), got {phase!r} for {fault}")
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+            raise ValueError(f"FaultInjection: rank must be a global rank (an int >= 0) or None, got {rank!r}")
         self.fault = fault
         self.step = step
+        self.phase = phase
+        self.rank = rank
         self.done = False
 
     # -- the update's faults: inside the actor update's phase -------------------------------
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self.fault in ("out_of_memory", "non_finite"):
+        if self.rank is not None and trainer.global_rank != self.rank:
+            self.done = True  # not this rank's fault
+            return
+        if self.fault in ("out_of_memory", "non_finite") or self.phase == "sync":
             hook = getattr(pl_module, "phase_hook", None)
-            pl_module.phase_hook = self._phase_hook(hook, pl_module)
+            pl_module.phase_hook = self._phase_hook(hook, trainer, pl_module)
+        elif self.fault == "checkpoint_write":
+            self._fill_disk_at_checkpoint(pl_module)
+        elif self.phase == "validation":
+            self._arm_validation(trainer)
 
-    def _phase_hook(self, inner: Any, pl_module: L.LightningModule):
+    def _phase_hook(self, inner: Any, trainer: L.Trainer, pl_module: L.LightningModule):
+        strikes = "update_weights" if self.phase == "sync" else "update_actor"
+
         @contextmanager
         def hook(name: str, step: int) -> Iterator[None]:
             with (inner(name, step) if inner is not None else _nothing()):
-                if name == "update_actor" and step == self.step and not self.done:
+                if name == strikes and step == self.step and not self.done:
                     self.done = True
                     log.warning("fault injection: %s in phase %s of RL step %d", self.fault, name, step)
-                    _out_of_memory(pl_module.device) if self.fault == "out_of_memory" else _poison_actor(pl_module)
+                    if self.fault == "engine_kill":
+                        kill_engine(trainer.datamodule.engine)
+                    elif self.fault == "out_of_memory":
+                        _out_of_memory(pl_module.device)
+                    else:
+                        _poison_actor(pl_module)
                 yield
         return hook
+
+    def _arm_validation(self, trainer: L.Trainer) -> None:
+        """Step N's validation rollout arms the engine's death at its first poll."""
+        datamodule = trainer.datamodule
+        validation_rollout = datamodule.validation_rollout
+
+        def armed(step: int, *args, **kwargs):
+            if step == self.step and not self.done:
+                self._arm(datamodule.engine, f"the validation rollout of RL step {step}")
+            return validation_rollout(step, *args, **kwargs)
+
+        datamodule.validation_rollout = armed
+
+    def _fill_disk_at_checkpoint(self, pl_module: L.LightningModule) -> None:
+        """Step N's checkpoint write finds the disk full once its adapters are written."""
+        snapshot = pl_module.snapshot_adapters
+
+        def snapshot_then_fill() -> Any:
+            write_adapters = snapshot()
+            if pl_module.rl_step != self.step or self.done:
+                return write_adapters
+            self.done = True
+
+            def write_then_fill(folder: Path) -> None:
+                write_adapters(folder)
+                log.warning("fault injection: the disk is full while writing the checkpoint of RL step %d", self.step)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "lightning"))
+            return write_then_fill
+
+        pl_module.snapshot_adapters = snapshot_then_fill
 
     # -- the engine's death: during the rollout of step N -----------------------------------
 
@@ -81,15 +148,18 @@ class FaultInjection(L.Callback):
 
     def _arm_if_next(self, trainer: L.Trainer, finished: int) -> None:
         """After step ``finished``, the next rollout is step ``finished + 1``'s."""
-        if self.fault != "engine_kill" or self.done or finished + 1 != self.step:
+        if self.fault != "engine_kill" or self.phase != "rollout" or self.done or finished + 1 != self.step:
             return
-        engine = trainer.datamodule.engine
+        self._arm(trainer.datamodule.engine, f"the rollout of RL step {self.step}")
+
+    def _arm(self, engine: Any, during: str) -> None:
+        """The engine dies at its next ``poll`` (its first requests submitted, in flight)."""
         poll = engine.poll
 
         def kill_then_poll(*args, **kwargs):
-            if not self.done:  # the rollout's first requests are submitted and in flight
+            if not self.done:
                 self.done = True
-                log.warning("fault injection: killing the engine during the rollout of RL step %d", self.step)
+                log.warning("fault injection: killing the engine during %s", during)
                 kill_engine(engine)
             return poll(*args, **kwargs)
 

@@ -8,53 +8,106 @@ Three faults can end a run after it has started training, whatever the care take
   error instead, exit 2);
 * the card runs out of memory: ``torch.OutOfMemoryError`` (the step adds which phase of which
   RL step, ``PPOModule._phase``);
-* a step's values are not finite and the NaN guard stops: ``NonFiniteError``.
+* a step's values are not finite and the NaN guard stops: ``NonFiniteError``;
+* a file of the run cannot be written: a checkpoint's (``CheckpointWriteError``, on every rank:
+  the folder being written never gets its marker, the previous complete checkpoint is untouched)
+  or any other (``OSError``: the disk full, a quota, a read-only file system).
+
+Under several ranks a fault may strike one rank while the others wait for it in a collective:
+the rank that stops tells the others (``run/stop_notice.py``), and each of them, its collective
+failed, stops with the same cause and exit code, naming the rank that stopped and why.
 
 ``stops_cleanly`` lets each propagate through Lightning (its exception hooks run first: the step
 checkpoint finishes a write in flight, ``callbacks/checkpoint.py``) and raises ``RunStopped``
 (``errors.py``) in its place, whose message names the cause, the last RL step trained and the
 newest checkpoint that verifies against its ``checkpoint.json`` (rank 0 verifies it; no
 collective: other ranks may be gone), and is written to the run's log. The CLI prints it, no
-traceback, and exits with its code (4 engine, 5 out of memory, 6 non-finite). Nothing of the
+traceback, and exits with its code (4 engine, 5 out of memory, 6 non-finite, 7 a write). Nothing of the
 failed step is checkpointed, so ``trainer.resume=auto`` continues from that checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from atlas_lightning import distributed as dist_utils
-from atlas_lightning.errors import InputError, NonFiniteError, RunStopped
+from atlas_lightning.errors import CheckpointWriteError, InputError, NonFiniteError, RunStopped
+from atlas_lightning.run import stop_notice
 
 log = logging.getLogger("atlas_lightning")
 
 
 @contextmanager
-def stops_cleanly(checkpoints: Path, last_step: Callable[[], int]) -> Iterator[None]:
-    """Run the body (a ``trainer.fit``); a fault of the module doc becomes ``RunStopped``.
-    ``last_step()``: the last RL step the module finished (read when the fault is caught)."""
+def stops_cleanly(checkpoints: Path, last_step: Callable[[], int], trainer: Optional[Any] = None) -> Iterator[None]:
+    """Run the body (``trainer.fit``); a fault of the module doc becomes ``RunStopped``.
+    ``last_step()``: the last RL step the module finished (read when the fault is caught).
+    ``trainer``: the one fitting, told when its rank handles a fault (``stop_notice.watching``)."""
+    try:
+        with stop_notice.watching(trainer):  # another rank's stop reaches this one (several ranks)
+            yield
+    except InputError:  # a starting check: exit 2 as before any work
+        raise
+    except Exception as err:
+        stop = _as_stop(err, checkpoints, last_step)
+        if stop is None:
+            raise
+        raise stop from err
+
+
+def _as_stop(err: Exception, checkpoints: Path, last_step: Callable[[], int]) -> Optional[RunStopped]:
+    """``err`` as the clean stop of a fault of the module doc, told to the other ranks; or the
+    stop of another rank that ``err`` (a collective that failed) followed; else None."""
+    stop = _fault_stop(err, checkpoints, last_step)
+    if stop is not None:
+        stop_notice.publish(stop)
+        return stop
+    notice = stop_notice.received()
+    if notice is None:
+        return None
+    message = f"rank {notice['rank']} stopped, so this rank {dist_utils.rank()} did: {notice['message']}"
+    log.error("stopped: %s", message)
+    return RunStopped(message, cause=notice["cause"])
+
+
+def _fault_stop(err: Exception, checkpoints: Path, last_step: Callable[[], int]) -> Optional[RunStopped]:
+    """The clean stop of a fault of the module doc, or None for any other error."""
     from atlas_lightning.rollout.engine import EngineError
     from atlas_lightning.rollout.sync_probe import WeightSyncError
 
-    try:
-        yield
-    except InputError:  # a starting check: exit 2 as before any work
-        raise
-    except (EngineError, WeightSyncError) as err:
-        raise _stopped("engine", "the rollout engine failed", err, checkpoints, last_step()) from err
-    except torch.OutOfMemoryError as err:
-        raise _stopped("out_of_memory", "out of memory", err, checkpoints, last_step(),
-                       hint="lower algorithm.ppo_max_token_len_per_gpu or algorithm.forward_max_token_len_per_gpu "
-                            "(atlas-lightning plan prints what fits)") from err
-    except NonFiniteError as err:  # its message already names the step and the last good checkpoint
+    if isinstance(err, (EngineError, WeightSyncError)):
+        return _stopped("engine", "the rollout engine failed", err, checkpoints, last_step())
+    if isinstance(err, torch.OutOfMemoryError):
+        return _stopped("out_of_memory", "out of memory", err, checkpoints, last_step(),
+                        hint="lower algorithm.ppo_max_token_len_per_gpu or algorithm.forward_max_token_len_per_gpu "
+                             "(atlas-lightning plan prints what fits)")
+    if isinstance(err, NonFiniteError):  # its message already names the step and the last good checkpoint
         message = f"non-finite values: {err}"
         log.error("stopped: %s", message)
-        raise RunStopped(message, cause="non_finite", last_good_checkpoint=err.last_good_checkpoint) from err
+        return RunStopped(message, cause="non_finite", last_good_checkpoint=err.last_good_checkpoint)
+    if isinstance(err, CheckpointWriteError) or (isinstance(err, OSError) and err.errno in DISK_ERRORS):
+        what = "a checkpoint could not be written" if isinstance(err, CheckpointWriteError) else \
+            "a file of the run could not be written"
+        return _stopped("write", what, err, checkpoints, last_step(), hint=_space_hint(err, checkpoints))
+    return None
+
+
+#: ``OSError`` numbers of a write the storage refused (what ``stops_cleanly`` stops on).
+DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG}
+
+
+def _space_hint(err: BaseException, checkpoints: Path) -> Optional[str]:
+    """What to do when the disk is full (``err`` or what it was raised from)."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"free space on the file system of {checkpoints} before resuming"
+        err = err.__cause__
+    return None
 
 
 def _stopped(cause: str, what: str, err: BaseException, checkpoints: Path, step: int,

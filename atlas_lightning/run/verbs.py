@@ -41,7 +41,7 @@ def fit(cfg: DictConfig) -> int:
     datamodule = RolloutDataModule(cfg, questions=facts.questions, resume_from=facts.start.resume)
     started = time.time()
     # a fault part-way (engine, memory, non-finite) stops cleanly, naming the checkpoint to resume from
-    with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: module.finished_step):
+    with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: module.finished_step, trainer=trainer):
         trainer.fit(module, datamodule=datamodule, ckpt_path=facts.start.state)
     if trainer.global_rank == 0:
         _closing_summary(cfg, facts, time.time() - started)

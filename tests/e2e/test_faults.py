@@ -1,13 +1,16 @@
 """Faults part-way through a fit, through the CLI: the engine killed in the middle of a rollout,
-out of memory in the middle of an update, a NaN during an update. Each ends in a clean stop
-that names its cause (exit 4, 5, 6; no traceback; ``run/faults.py``), leaves the last complete
+at a weight sync and in the middle of a validation, out of memory in the middle of an update, a
+NaN during an update, the disk full while a checkpoint is written. Each ends in a clean stop
+that names its cause (exit 4, 5, 6, 7; no traceback; ``run/faults.py``), leaves the last complete
 checkpoint intact (it verifies against its ``checkpoint.json`` and its state is whole) and the
 next launch resumes from it. The faults are injected by ``callbacks/faults.py`` (``FaultInjection``).
 
 One chain per machine, each launch resuming the last: out of memory at step 2 (checkpoint 1
-left), a NaN at step 3 (checkpoint 2), the engine killed at step 4 (checkpoint 3), then a clean
-resume to the end (checkpoint 4). The CPU chain runs in the normal suite (tiny model, vLLM's CPU
-engine, a real allocation failure is impossible there: ``torch.OutOfMemoryError`` is raised at
+left), a NaN at step 3 (checkpoint 2), then four launches that each fail step 4 from checkpoint
+3: the engine killed in its rollout, at its weight sync (the probe meets the dead engine), in
+its validation (the launch validates at step 4), and the disk full as its checkpoint is written
+(found at fit's end: the marker never written); then a clean resume to the end (checkpoint 4).
+The CPU chain runs in the normal suite (tiny model, vLLM's CPU engine, a real allocation failure is impossible there: ``torch.OutOfMemoryError`` is raised at
 the injection point). The card chain runs the same on a GPU (``experiment=h200-tiny``: FSDP2 at
 world 1, the in-process vLLM engine asleep during updates, a bf16 base: the NaN comes in a bf16
 update; the out-of-memory is a real CUDA allocation larger than the card). On the H200, in one
@@ -35,10 +38,16 @@ from atlas_lightning.store.checkpoints import verify_checkpoint
 NAME = "faults"
 STEPS = 4
 INJECT = "+callbacks.fault_injection._target_=atlas_lightning.callbacks.faults.FaultInjection"
-#: (fault, step it strikes, what the stop names, exit cause)
-CHAIN = [("out_of_memory", 2, "out of memory after RL step 1", "out_of_memory"),
-         ("non_finite", 3, "non-finite values: step 3: non-finite", "non_finite"),
-         ("engine_kill", 4, "the rollout engine failed after RL step 3", "engine")]
+#: (fault, step it strikes, what the stop names, exit cause, the launch's own overrides)
+CHAIN = [("out_of_memory", 2, ["out of memory after RL step 1"], "out_of_memory", []),
+         ("non_finite", 3, ["non-finite values: step 3: non-finite"], "non_finite", []),
+         ("engine_kill", 4, ["the rollout engine failed after RL step 3"], "engine", []),
+         ("engine_kill", 4, ["the rollout engine failed after RL step 3", "vllm engine failed during"], "engine",
+          ["+callbacks.fault_injection.phase=sync"]),
+         ("engine_kill", 4, ["the rollout engine failed after RL step 4", "failed earlier (a generation step"],
+          "engine", ["+callbacks.fault_injection.phase=validation", "trainer.val_every=4"]),
+         ("checkpoint_write", 4, ["a checkpoint could not be written after RL step 4", "No space left on device"],
+          "write", [])]
 
 CPU = ["experiment=tiny-cpu", "rollout.n=2", "algorithm.train_batch_size=2", "algorithm.ppo_mini_batch_size=1",
        "rollout.max_tokens_per_turn=24"]
@@ -47,9 +56,10 @@ CARD = ["experiment=h200-tiny", "rollout.n=4", "algorithm.train_batch_size=4", "
 
 
 def _fit(setting: list[str], model: Path, data: Path, root: Path, *extra: str) -> subprocess.CompletedProcess:
+    val_every = [] if any(arg.startswith("trainer.val_every=") for arg in extra) else ["trainer.val_every=100"]
     command = [sys.executable, "-m", "atlas_lightning.cli", "fit", *setting, f"name={NAME}", f"model.path={model}",
                f"data.root={data}", f"paths.root={root}", f"trainer.total_steps={STEPS}", "trainer.save_every=1",
-               "trainer.val_before_train=false", "trainer.val_every=100", "callbacks.validation.val_on_last_step=false",
+               "trainer.val_before_train=false", *val_every, "callbacks.validation.val_on_last_step=false",
                "logger.mode=disabled", *extra]
     return subprocess.run(command, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled"))
@@ -57,21 +67,21 @@ def _fit(setting: list[str], model: Path, data: Path, root: Path, *extra: str) -
 
 def _chain(setting: list[str], model: Path, data: Path, root: Path) -> None:
     checkpoints = root / "checkpoints" / NAME
-    for index, (fault, step, named, cause) in enumerate(CHAIN):
+    for index, (fault, step, named, cause, extra) in enumerate(CHAIN):
         resume = ["trainer.resume=auto"] if index else []
         done = _fit(setting, model, data, root, *resume, INJECT, f"+callbacks.fault_injection.fault={fault}",
-                    f"+callbacks.fault_injection.step={step}")
+                    f"+callbacks.fault_injection.step={step}", *extra)
         stop = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
-        print(f"\n{fault} at step {step}: exit {done.returncode}: {stop}")
+        print(f"\n{fault} at step {step} {extra}: exit {done.returncode}: {stop}")
         assert done.returncode == STOP_EXIT_CODES[cause], done.stderr[-4000:]
-        assert stop.startswith("atlas-lightning fit: stopped: ") and named in stop, stop
+        assert stop.startswith("atlas-lightning fit: stopped: ") and all(words in stop for words in named), stop
         assert "Traceback" not in done.stderr, done.stderr[-4000:]
         last = checkpoints / f"global_step_{step - 1}"
         assert str(last) in stop
         assert not (checkpoints / f"global_step_{step}" / "checkpoint.json").exists()
         verify_checkpoint(last)  # intact: every file as its marker lists it
         check_resume_state(last)  # whole: optimizers, loops, cursor, generator states
-        assert named in (root / "outputs" / NAME / "main_ppo.log").read_text()
+        assert named[0] in (root / "outputs" / NAME / "main_ppo.log").read_text()
     done = _fit(setting, model, data, root, "trainer.resume=auto")
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"resuming from {checkpoints / 'global_step_3'}" in (root / "outputs" / NAME / "main_ppo.log").read_text()

@@ -317,8 +317,12 @@ class ServerEngine(Engine):
         status, body = self._call("POST", "/v1/completions", payload)
         if status != 200 or not isinstance(body, dict):
             raise EngineError(f"vllm server {self.url}: prompt log-probs failed, HTTP {status}: {error_message(body)}")
-        entries = body["choices"][0]["prompt_logprobs"]
-        return [float(entries[i][str(token)]["logprob"]) for i, token in enumerate(token_ids) if i > 0]
+        try:
+            entries = body["choices"][0]["prompt_logprobs"]
+            return [float(entries[i][str(token)]["logprob"]) for i, token in enumerate(token_ids) if i > 0]
+        except (KeyError, IndexError, TypeError, ValueError) as err:  # an answer that is no probe: the engine's fault
+            raise EngineError(f"vllm server {self.url}: prompt log-probs: malformed answer ({type(err).__name__}: "
+                              f"{err}): {str(body)[:300]}") from err
 
     # -- weights ------------------------------------------------------------------------------
 

@@ -21,6 +21,9 @@ Contract:
   weights were not reloaded refuses to generate. ``wake_up`` first returns the trainer's cached
   blocks to the driver (``torch.cuda.empty_cache``): vLLM maps its memory outside PyTorch's
   caching allocator, so memory PyTorch merely caches is not free for it.
+- Failure: every call into vLLM goes through a ``failure.FailureGuard``: an engine that died
+  (whatever vLLM raises then: an ``AssertionError``, ``EngineDeadError``, ``RuntimeError``) is
+  an ``EngineError`` naming the operation, and stays failed.
 - Versions: written against vLLM 0.32 (CPU build) and 0.26 (CUDA, torch 2.11): the same
   ``LLM`` arguments, ``LLMEngine`` request API, worker ``reload_weights`` and LoRA manager
   internals (``_held_lora``) in both.
@@ -45,6 +48,7 @@ from atlas_lightning.rollout.engine import (
 )
 from atlas_lightning.rollout.engines.adapter_folder import check_adapter_folder
 from atlas_lightning.rollout.engines.args import EngineArgs
+from atlas_lightning.rollout.engines.failure import FailureGuard
 
 
 def prepare_cpu_environment(kvcache_gib: int, threads: Optional[int] = None) -> None:
@@ -142,6 +146,7 @@ class VLLMEngine(Engine):
         self._sleep_level = sleep_level
         self._weights_dropped = False  # level-2 sleep dropped the weights; a load_weights brings them back
         self._lora_enabled = args.lora_rank is not None
+        self.guard = FailureGuard(self.name)
         self.llm = start_llm(**kwargs)
         self._engine = self.llm.llm_engine
         self._lora = None  # the LoRARequest every request carries
@@ -177,21 +182,20 @@ class VLLMEngine(Engine):
         if self._weights_dropped:
             raise EngineError("vllm engine slept at level 2 (weights dropped) and no load_weights() brought "
                               "them back: refusing to generate from undefined weights")
-        self._engine.add_request(
-            request.request_id,
-            TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
-            self._sampling_params(request),
-            lora_request=self._lora,
-        )
+        with self.guard.call("submit"):
+            self._engine.add_request(
+                request.request_id,
+                TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
+                self._sampling_params(request),
+                lora_request=self._lora,
+            )
         self._pending.add(request.request_id)
 
     def poll(self) -> list[GenerationResult]:
         if not self._pending:
             return []
-        try:
+        with self.guard.call(f"a generation step ({len(self._pending)} requests pending)"):  # none comes back
             outputs = self._engine.step()
-        except Exception as err:  # the engine core is gone: nothing pending will come back
-            raise EngineError(f"vllm engine step failed with {len(self._pending)} requests pending: {err!r}") from err
         results = []
         for output in outputs:
             if not output.finished:
@@ -218,7 +222,8 @@ class VLLMEngine(Engine):
     def abort(self, request_ids: Iterable[str]) -> None:
         ids = [rid for rid in request_ids if rid in self._pending]
         if ids:
-            self._engine.abort_request(ids)
+            with self.guard.call("abort"):
+                self._engine.abort_request(ids)
             self._pending.difference_update(ids)
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -228,8 +233,9 @@ class VLLMEngine(Engine):
         if self._asleep or self._weights_dropped:
             raise EngineError("vllm engine is asleep or its weights were dropped: no probe possible")
         params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-        output = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params,
-                                   lora_request=self._lora, use_tqdm=False)[0]
+        with self.guard.call("prompt_logprobs (the weight sync's probe)"):
+            output = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params,
+                                       lora_request=self._lora, use_tqdm=False)[0]
         return [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], token_ids[1:])]
 
     # -- weights --------------------------------------------------------------------------
@@ -242,15 +248,19 @@ class VLLMEngine(Engine):
         if self._asleep:
             raise EngineError("vllm engine is asleep: wake_up() before setting an adapter")
         if self._lora is not None:
-            self._engine.remove_lora(self._lora.lora_int_id)
+            with self.guard.call("set_adapter (removing the previous adapter)"):
+                self._engine.remove_lora(self._lora.lora_int_id)
             self._lora = None
-        self._engine.reset_prefix_cache()
+        with self.guard.call("set_adapter (resetting the prefix cache)"):
+            self._engine.reset_prefix_cache()
         if adapter is None:
             return SyncReport(tensor_count=0, digest=WeightDigest(), form={"kind": "lora"})
         check_adapter_folder(adapter.folder)
         lora_id = adapter.version + 1  # ids must be positive and new for every version
         request = LoRARequest(f"{adapter.name}-v{adapter.version}", lora_id, adapter.folder)
-        if not self._engine.add_lora(request):
+        with self.guard.call(f"set_adapter ({adapter.folder})"):
+            added = self._engine.add_lora(request)
+        if not added:
             raise EngineError(f"vllm refused the adapter {adapter.folder}")
         self._lora = request
         return self.held_adapter()
@@ -261,7 +271,8 @@ class VLLMEngine(Engine):
         if self._lora is None:
             return SyncReport(tensor_count=0, digest=WeightDigest(), form={"kind": "lora"})
         lora_id = self._lora.lora_int_id
-        held = self.llm.collective_rpc(_held_lora, args=(lora_id,))[0]
+        with self.guard.call("reading back the adapter held"):
+            held = self.llm.collective_rpc(_held_lora, args=(lora_id,))[0]
         if held is None:
             raise EngineError(f"vllm engine: the worker holds no adapter for id {lora_id} ({self._lora.lora_path})")
         return SyncReport(tensor_count=len(held["entries"]), digest=WeightDigest(held["entries"]),
@@ -275,8 +286,9 @@ class VLLMEngine(Engine):
         worker in this process (in-process engine core on CPU, ``external_launcher`` on GPUs)."""
         if self._asleep:
             raise EngineError("vllm engine is asleep: wake_up() before loading weights")
-        entries = self.llm.collective_rpc(_reload_weights, args=(weights,))[0]
-        self._engine.reset_prefix_cache()
+        with self.guard.call("load_weights"):  # an error of the trainer's iterator passes as it is
+            entries = self.llm.collective_rpc(_reload_weights, args=(self.guard.passing(weights),))[0]
+            self._engine.reset_prefix_cache()
         self._weights_dropped = False
         return SyncReport(tensor_count=len(entries), digest=WeightDigest(entries),
                           held="received by the engine's weight loader", form={"kind": "tensors"})
@@ -291,15 +303,17 @@ class VLLMEngine(Engine):
     def sleep(self) -> None:
         """Free the weights and the KV cache (module doc); a no-op without sleep mode."""
         if self._sleep_enabled and not self._asleep:
-            self.llm.sleep(level=self._sleep_level)
+            with self.guard.call("sleep"):
+                self.llm.sleep(level=self._sleep_level)
             self._asleep = True
             self._weights_dropped = self._sleep_level == 2
 
     def wake_up(self) -> None:
         """Map the engine's memory again (after returning PyTorch's cached blocks, module doc)."""
         if self._asleep:
-            torch.cuda.empty_cache()
-            self.llm.wake_up()
+            with self.guard.call("wake_up"):
+                torch.cuda.empty_cache()
+                self.llm.wake_up()
             self._asleep = False
 
     def close(self) -> None:
@@ -307,7 +321,8 @@ class VLLMEngine(Engine):
         collector reaches it, which would pull process groups from under whatever runs then)."""
         if self.llm is None:
             return
-        if self._pending:
-            self.abort(list(self._pending))
-        llm, self.llm, self._engine = self.llm, None, None
-        shut_down_llm(llm)
+        with self.guard.closing():  # a failed engine's close does not raise over its failure
+            if self._pending and self.guard.failed is None:
+                self.abort(list(self._pending))
+            llm, self.llm, self._engine = self.llm, None, None
+            shut_down_llm(llm)
