@@ -293,6 +293,8 @@ class AgentLoop:
         if request is None:
             return
         if traj.segment:  # an interrupted turn's continuation: its prefix is prefilled again
+            if not self.reprefill.interruptions:  # cut before this run began (kept by a checkpoint): that cut
+                self.reprefill.resumed()          # counts as this run's first interruption
             self.reprefill.continued(len(request.prompt_ids))
             run.resumes[request.request_id] = self.reprefill.interruptions - 1
         self._send(run, traj, request)
@@ -307,9 +309,10 @@ class AgentLoop:
             return results
         except EngineError as err:
             run.engine_failures += 1
-            if run.engine_failures > self.limits.max_retries:
+            # a dead engine (``Engine.failure``) answers no retry: stop now, not after the back-offs
+            if run.engine_failures > self.limits.max_retries or getattr(self.engine, "failure", None) is not None:
                 raise EngineError(
-                    f"{self.engine.name} engine failed {run.engine_failures} times in a row; "
+                    f"{self.engine.name} engine failed {run.engine_failures} time{'s' if run.engine_failures > 1 else ''} in a row; "
                     f"{len(run.in_flight) + len(run.waiting)} trajectories unfinished "
                     f"(e.g. {self._names(run.in_flight, run.waiting)}); the step is not recorded: {err}"
                 ) from err

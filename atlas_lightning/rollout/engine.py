@@ -184,5 +184,11 @@ class Engine(ABC):
     def wake_up(self) -> None:
         """Take memory back before a rollout."""
 
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the engine can serve no more (it died: ``engines/failure.py``), None while it can.
+        A failed engine is not retried."""
+        return None
+
     def close(self) -> None:
         """Release the engine."""

@@ -44,7 +44,7 @@ CHAIN = [("out_of_memory", 2, ["out of memory after RL step 1"], "out_of_memory"
          ("engine_kill", 4, ["the rollout engine failed after RL step 3"], "engine", []),
          ("engine_kill", 4, ["the rollout engine failed after RL step 3", "vllm engine failed during"], "engine",
           ["+callbacks.fault_injection.phase=sync"]),
-         ("engine_kill", 4, ["the rollout engine failed after RL step 4", "failed earlier (a generation step"],
+         ("engine_kill", 4, ["the rollout engine failed after RL step 4", "failed during a generation step"],
           "engine", ["+callbacks.fault_injection.phase=validation", "trainer.val_every=4"]),
          ("checkpoint_write", 4, ["a checkpoint could not be written after RL step 4", "No space left on device"],
           "write", [])]

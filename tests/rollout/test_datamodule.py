@@ -187,5 +187,7 @@ def test_a_dead_engine_gives_a_clear_error_and_no_batch(tiny_model_dir, sample_d
                              str(tmp_path)], capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     message = next(line for line in result.stdout.splitlines() if line.startswith("ENGINE_ERROR:"))
-    assert "failed 2 times in a row" in message and "trajectories unfinished" in message
+    # a dead engine is not retried (``Engine.failure``): the first failure stops the rollout, named
+    assert "failed 1 time in a row" in message and "trajectories unfinished" in message
+    assert "failed during a generation step" in message
     assert "the step is not recorded" in message

@@ -316,6 +316,10 @@ class VLLMEngine(Engine):
                 self.llm.wake_up()
             self._asleep = False
 
+    @property
+    def failure(self) -> Optional[str]:
+        return self.guard.failed
+
     def close(self) -> None:
         """Abort what is pending and end the engine now (``vllm_lifetime``: not when the garbage
         collector reaches it, which would pull process groups from under whatever runs then)."""
