@@ -77,7 +77,6 @@ def causal_lm_config(path: str | Path):
     import transformers
     from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config_dict, _ = PretrainedConfig.get_config_dict(str(path))
