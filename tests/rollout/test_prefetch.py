@@ -126,7 +126,9 @@ def test_drop_policy_waits_for_room_not_for_weights():
     clock.publish(0)
     producer = RolloutProducer(_sampler(lock, clock, log, 0.01), clock, first=1, last=6, max_staleness=1,
                                policy="drop").start()
-    time.sleep(0.3)  # no new weights: steps 1 and 2 are sampled (room for 1 + max_staleness), not 3
+    # no new weights: steps 1 and 2 are sampled (room for 1 + max_staleness), not 3; step 3 then waits
+    # for room about 0.6 s, far above the 0.2 s asserted below even when a loaded machine starts step 2 late
+    time.sleep(0.6)
     assert [s for _, s, _ in log] == [1, 2]
     assert producer.take(1) == {"step": 1, "version": 0}
     time.sleep(0.3)  # taking step 1 made room for step 3, still on version 0
