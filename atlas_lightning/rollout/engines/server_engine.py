@@ -48,7 +48,8 @@ from atlas_lightning.rollout.engine import (
     GenerationResult,
     SyncReport,
 )
-from atlas_lightning.rollout.engines.server_completion import FINISHED, StreamedCompletion, choice_tokens
+from atlas_lightning.rollout.engines.server_completion import (FINISHED, ID_PREFIX, ReplyCheck, StreamedCompletion,
+                                                               choice_tokens)
 from atlas_lightning.rollout.engines.server_http import (HTTP_ERRORS, Exchange, error_message, http_call,
                                                          http_stream, is_gone)
 from atlas_lightning.rollout.engines.server_process import VLLMServer, log_tail
@@ -65,11 +66,13 @@ class _Call:
     error results), sets ``gone`` when the server did not answer at all; ``abort`` cuts its
     ``exchange`` (vLLM aborts a request whose client disconnects)."""
 
-    __slots__ = ("request", "body", "exchange", "cancelled", "gone", "result", "future", "streamed")
+    __slots__ = ("request", "body", "check", "exchange", "cancelled", "gone", "result", "future", "streamed")
 
-    def __init__(self, request: GenerationRequest, body: bytes) -> None:
+    def __init__(self, request: GenerationRequest, body: bytes, check: ReplyCheck) -> None:
         self.request = request
         self.body = body
+        #: What its reply must match; its ``sent_id`` goes as ``X-Request-Id``.
+        self.check = check
         self.exchange = Exchange()
         self.cancelled = False
         self.gone: Optional[str] = None
@@ -114,6 +117,8 @@ class ServerEngine(Engine):
         self.request_timeout_s = request_timeout_s
         self.poll_wait_s = poll_wait_s
         self._dead: Optional[str] = None  # final: a gone server does not come back with our adapter
+        #: The served model's vocabulary size, where its folder is readable here (token ids are checked below it).
+        self.vocab_size: Optional[int] = None
         self._base = self._base_model_name()
         self._model = self._base  # what requests name: the served adapter, or the base
         self._adapter: Optional[str] = None
@@ -159,13 +164,20 @@ class ServerEngine(Engine):
         raise EngineError(self._dead)
 
     def _base_model_name(self) -> str:
-        status, body = self._call("GET", "/v1/models", timeout=30.0)
-        if status != 200 or not isinstance(body, dict):
-            raise EngineError(f"vllm server {self.url}: /v1/models answered {status}: {error_message(body)}")
-        bases = [card["id"] for card in body.get("data", []) if not card.get("parent")]
+        bases = [card for card in self._model_cards().values() if not card.get("parent")]
         if not bases:
             raise EngineError(f"vllm server {self.url} serves no base model")
-        return bases[0]
+        self.vocab_size = served_vocab_size(bases[0].get("root"))
+        return bases[0]["id"]
+
+    def _model_cards(self) -> dict[str, dict]:
+        """``/v1/models``' cards by id; ``EngineError`` for an answer that is not a list of them."""
+        status, body = self._call("GET", "/v1/models", timeout=30.0)
+        cards = body.get("data") if status == 200 and isinstance(body, dict) else None
+        if not isinstance(cards, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str) for c in cards):
+            raise EngineError(f"vllm server {self.url}: /v1/models answered {status}, not a list of models: "
+                              f"{error_message(body)}")
+        return {card["id"]: card for card in cards}
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -200,7 +212,8 @@ class ServerEngine(Engine):
         old = self._calls.pop(request.request_id, None)
         if old is not None:  # a resubmission supersedes the earlier call
             self._cancel(old)
-        call = _Call(request, json.dumps(self._payload(request)).encode())
+        check = ReplyCheck(request, f"{ID_PREFIX}{uuid.uuid4().hex}", self.vocab_size)
+        call = _Call(request, json.dumps(self._payload(request)).encode(), check)
         self._calls[request.request_id] = call
         call.future = self._pool.submit(self._run, call)
         call.future.add_done_callback(lambda _, c=call: self._finished.put(c))
@@ -212,14 +225,15 @@ class ServerEngine(Engine):
             return
         try:
             if self.streaming:
-                call.streamed = StreamedCompletion()
+                call.streamed = StreamedCompletion(call.check)
                 for event in http_stream(self.url, "/v1/completions", call.body, timeout=self.request_timeout_s,
-                                         exchange=call.exchange):
+                                         exchange=call.exchange, request_id=call.check.sent_id):
                     call.streamed.add(event)
                 call.result = call.streamed.result(rid)
                 return
             status, body = http_call(self.url, "POST", "/v1/completions", body=call.body,
-                                     timeout=self.request_timeout_s, exchange=call.exchange)
+                                     timeout=self.request_timeout_s, exchange=call.exchange,
+                                     request_id=call.check.sent_id)
         except HTTP_ERRORS as err:
             if not is_gone(err):
                 call.result = GenerationResult(rid, [], [], "error", error=f"request failed: {type(err).__name__}: {err}")
@@ -228,23 +242,28 @@ class ServerEngine(Engine):
                 call.gone = f"{type(err).__name__}: {err}"
             call.result = GenerationResult(rid, [], [], "error", error=f"no answer from {self.url}: {err!r}")
             return
-        call.result = self._parse(rid, status, body)
+        call.result = self._parse(rid, status, body, call.check)
 
     @staticmethod
-    def _parse(rid: str, status: int, body: dict | str) -> GenerationResult:
+    def _parse(rid: str, status: int, body: dict | str, check: Optional[ReplyCheck] = None) -> GenerationResult:
+        """A whole reply as the request's result; an error result for anything ``check`` refuses."""
         if status != 200 or not isinstance(body, dict):
             return GenerationResult(rid, [], [], "error", error=f"HTTP {status}: {error_message(body)}")
         try:
             choice = body["choices"][0]
             reason = choice["finish_reason"]
             token_ids, values = choice_tokens(choice)
-        except ValueError as err:  # the tokens and log-probs disagree
+        except ValueError as err:  # the tokens and log-probs missing, unreadable or disagreeing
             return GenerationResult(rid, [], [], "error", error=str(err))
-        except (KeyError, IndexError, TypeError) as err:
+        except (KeyError, IndexError, TypeError, AttributeError) as err:
             return GenerationResult(rid, [], [], "error", error=f"malformed completion ({err!r}): {str(body)[:500]}")
+        problem = check.identity_problem(body) if check is not None else None
+        if problem is not None:
+            return GenerationResult(rid, [], [], "error", error=f"a bad reply: {problem}")
         if reason not in FINISHED:
             return GenerationResult(rid, token_ids, values, "error", error=f"finish_reason={reason!r}")
-        return GenerationResult(rid, token_ids, values, reason)
+        result = GenerationResult(rid, token_ids, values, reason)
+        return result if check is None else check.result(result)
 
     def poll(self) -> list[GenerationResult]:
         self._raise_if_dead()
@@ -350,8 +369,7 @@ class ServerEngine(Engine):
         if status != 200:
             raise EngineError(f"vllm server {self.url} refused the adapter {adapter.folder}: "
                               f"HTTP {status}: {error_message(body)}")
-        status, body = self._call("GET", "/v1/models", timeout=30.0)
-        cards = {card["id"]: card for card in body.get("data", [])} if isinstance(body, dict) else {}
+        cards = self._model_cards()
         if cards.get(name, {}).get("root") != path or (old is not None and old in cards):
             raise EngineError(f"vllm server {self.url}: after loading, /v1/models lists {sorted(cards)}; "
                               f"wanted {name!r} at {path} and not {old!r}")
@@ -380,3 +398,18 @@ class ServerEngine(Engine):
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.server is not None:
             self.server.close()
+
+
+def served_vocab_size(root: Optional[str]) -> Optional[int]:
+    """The vocabulary size in ``root/config.json`` (a served base's folder, from ``/v1/models``;
+    a multimodal config's ``text_config``), or None where it cannot be read here (a server on
+    another host): token ids are then only checked to be >= 0."""
+    try:
+        config = json.loads((Path(root) / "config.json").read_text())
+    except (TypeError, OSError, ValueError):
+        return None
+    for where in (config, config.get("text_config") if isinstance(config, dict) else None):
+        size = where.get("vocab_size") if isinstance(where, dict) else None
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            return size
+    return None

@@ -97,31 +97,35 @@ _POOLS.pool_classes_by_scheme = {"http": _CuttablePool}
 
 
 def http_call(url: str, method: str, path: str, payload: Optional[dict] = None, timeout: Optional[float] = 60.0,
-              *, body: Optional[bytes] = None, exchange: Optional[Exchange] = None) -> tuple[int, dict | str]:
+              *, body: Optional[bytes] = None, exchange: Optional[Exchange] = None,
+              request_id: Optional[str] = None) -> tuple[int, dict | str]:
     """One HTTP exchange on a pooled connection to the server at ``url``: (status, JSON body or
     text). ``payload`` is sent as JSON (or ``body``, already encoded); ``exchange`` lets another
-    thread cut it. Failures raise one of ``HTTP_ERRORS`` (``is_gone`` tells which kind)."""
+    thread cut it; ``request_id`` is sent as ``X-Request-Id`` (vLLM names its reply after it).
+    Failures raise one of ``HTTP_ERRORS`` (``is_gone`` tells which kind)."""
     if payload is not None:
         body = json.dumps(payload).encode()
     _current.exchange = exchange
     try:
         response = _POOLS.request(method, url.rstrip("/") + path, body=body, timeout=timeout,
-                                  headers={"Content-Type": "application/json"})
+                                  headers=_headers({"Content-Type": "application/json"}, request_id))
     finally:
         _current.exchange = None
     return response.status, decode_body(response.data)
 
 
 def http_stream(url: str, path: str, body: bytes, timeout: Optional[float] = 60.0, *,
-                exchange: Optional[Exchange] = None) -> Iterator[dict | str]:
+                exchange: Optional[Exchange] = None, request_id: Optional[str] = None) -> Iterator[dict | str]:
     """A POST whose reply is a server-sent event stream (vLLM's ``stream: true``): yields each
     event's ``data`` decoded (JSON, else text), up to ``[DONE]``; a non-200 reply is yielded
     once, decoded, as ``{"status": N, "body": ...}``. ``timeout`` bounds each read; ``exchange``
-    lets another thread cut it (then the next read raises one of ``HTTP_ERRORS``)."""
+    lets another thread cut it (then the next read raises one of ``HTTP_ERRORS``);
+    ``request_id``: as ``http_call``'s."""
     _current.exchange = exchange
     try:
         response = _POOLS.request("POST", url.rstrip("/") + path, body=body, timeout=timeout, preload_content=False,
-                                  headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+                                  headers=_headers({"Content-Type": "application/json", "Accept": "text/event-stream"},
+                                                   request_id))
     finally:
         _current.exchange = None
     read_to_end = False
@@ -146,6 +150,10 @@ def http_stream(url: str, path: str, body: bytes, timeout: Optional[float] = 60.
         if not read_to_end:  # cut, failed or left early: never reuse a connection with a reply in it
             response.close()
         response.release_conn()
+
+
+def _headers(headers: dict[str, str], request_id: Optional[str]) -> dict[str, str]:
+    return headers if request_id is None else {**headers, "X-Request-Id": request_id}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
