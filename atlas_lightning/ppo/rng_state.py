@@ -59,6 +59,37 @@ def restore(entry: dict) -> None:
         _set_rng_states({**state, "numpy": _numpy_from_tensors(state["numpy"])})
 
 
+def check(entry: Any) -> None:
+    """Every rank's states in ``entry`` (a checkpoint's ``RNG_KEY`` value) can be set: each is
+    set on a generator of its own (a new torch ``Generator``, numpy ``RandomState`` and Python
+    ``Random``), never on this process's; CUDA's must be byte tensors (a machine without the
+    card cannot try them). ``ValueError`` naming the rank and the generator otherwise: ``restore``
+    would fail on it, or on another rank, only once training has started."""
+    import random
+
+    import numpy as np
+
+    ranks = entry.get("ranks") if isinstance(entry, dict) else None
+    if not isinstance(ranks, (list, tuple)):
+        raise ValueError("the random generator states are not a list of every rank's")
+    tries = {"torch": lambda s: torch.Generator().set_state(s),
+             "numpy": lambda s: np.random.RandomState().set_state(_numpy_from_tensors(s)),
+             "python": lambda s: random.Random().setstate(s)}
+    for rank, state in enumerate(ranks):
+        if not isinstance(state, dict):
+            raise ValueError(f"rank {rank}'s generator states are a {type(state).__name__}, not a dict")
+        for part, set_state in tries.items():
+            try:
+                set_state(state[part])
+            except Exception as err:  # whatever the generator raises for a state it cannot take
+                raise ValueError(f"rank {rank}'s {part} generator state cannot be set ({type(err).__name__}: "
+                                 f"{' '.join(str(err).split())[:200]})") from None
+        cuda = state.get("torch.cuda")
+        if cuda is not None and not (isinstance(cuda, (list, tuple)) and all(
+                isinstance(s, torch.Tensor) and s.dtype == torch.uint8 for s in cuda)):
+            raise ValueError(f"rank {rank}'s CUDA generator states are not byte tensors")
+
+
 def _numpy_as_tensors(state: tuple) -> tuple:
     """numpy's ``get_state()`` with its key array as a torch tensor: Lightning loads a resumed
     state with ``weights_only`` torch.load, which refuses numpy arrays."""

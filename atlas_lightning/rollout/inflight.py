@@ -18,24 +18,41 @@ the restored weights, their tokens keeping the versions that sampled them. The d
 the next step to train, so no prompt is skipped or sampled twice, and no saved token is
 generated again.
 
-The files are pickles of this package's own classes, read only from a checkpoint this run's
-``checkpoint.json`` verified (as Lightning's own state is).
+The files are pickles of this package's own data classes, read only from a checkpoint this
+run's ``checkpoint.json`` verified (as Lightning's own state is), and read by an unpickler that
+builds nothing else (``_DataUnpickler``: Python's containers, numpy's scalars and arrays, and the
+classes a trajectory holds; a file naming any other callable is refused, so that no file, even
+one whose marker was rewritten, runs code). ``restore`` checks what it read: each file is
+``rank_<r>.pkl`` holding rank ``r``'s steps after the checkpoint's, each trajectory's token
+arrays of one length, its log-probs finite (``InflightError``, an ``InputError`` naming the file;
+``run/facts.py`` reads them so before anything is written).
 """
 
 from __future__ import annotations
 
+import io
+import math
 import pickle
+import re
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from atlas_lightning import distributed as dist_utils
+from atlas_lightning.errors import InputError
+from atlas_lightning.rollout.agent_loop import Trajectory
 from atlas_lightning.rollout.trajectory_producer import OpenStep
+from atlas_lightning.store.checkpoints import checkpoint_step
 
 #: The folder inside ``global_step_N`` (``store.checkpoints.INFLIGHT`` names the same part).
 FOLDER = "inflight"
 FILE_PATTERN = "rank_{rank}.pkl"
 #: The layout of a file's content; a file of another version is refused.
 FORMAT = 1
+_FILE_NAME = re.compile(r"^rank_(\d+)\.pkl$")
+
+
+class InflightError(InputError):
+    """A checkpoint's in-flight file that a resume cannot use; the message names the file."""
 
 
 def capture(datamodule) -> Optional[dict[str, bytes]]:
@@ -66,21 +83,108 @@ def write(files: dict[str, bytes], folder: Path) -> None:
 
 def restore(checkpoint: Optional[Path]) -> dict[int, OpenStep]:
     """The steps in flight that ``checkpoint`` (a verified ``global_step_N``) kept, every rank's
-    trajectories merged by step; ``{}`` without them."""
+    trajectories merged by step; ``{}`` without them. ``InflightError`` naming the file when one
+    is not what ``capture`` writes (module doc)."""
     folder = Path(checkpoint) / FOLDER if checkpoint is not None else None
     if folder is None or not folder.is_dir():
         return {}
+    after = checkpoint_step(checkpoint)  # None for a folder named otherwise (a test's)
     steps: dict[int, OpenStep] = {}
-    for path in sorted(folder.glob("rank_*.pkl")):
-        content = pickle.loads(path.read_bytes())
-        if not isinstance(content, dict) or content.get("format") != FORMAT:
-            raise ValueError(f"{path}: not an in-flight file of format {FORMAT}")
-        for entry in content["steps"]:
+    for path in sorted(folder.iterdir()):
+        for entry in _read(path, after):
             opened = steps.setdefault(entry["step"], OpenStep(entry["step"], [], entry["version"]))
             opened.trajectories.extend(entry["trajectories"])
             if entry["version"] is not None and (opened.version is None or entry["version"] < opened.version):
                 opened.version = entry["version"]
+    for step, opened in steps.items():  # a trajectory is matched by (uid, session): one of each
+        keys = [(t.uid, t.session_id) for t in opened.trajectories]
+        if len(set(keys)) != len(keys):
+            twice = sorted(k for k in set(keys) if keys.count(k) > 1)[0]
+            raise InflightError(f"{folder}: step {step} keeps trajectory {twice[0]}/{twice[1]} more than once")
     return steps
+
+
+def _read(path: Path, after: Optional[int]) -> list[dict]:
+    """The steps of one in-flight file, checked (``restore``)."""
+    match = _FILE_NAME.match(path.name)
+    if match is None or not path.is_file():
+        raise InflightError(f"{path}: not an in-flight file (a checkpoint's {FOLDER}/ holds rank_<r>.pkl files only)")
+    try:
+        content = _DataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except Exception as err:  # a damaged or foreign file, whatever the unpickler raises
+        raise InflightError(f"{path}: cannot be read as an in-flight file ({type(err).__name__}: {err})") from None
+    if not isinstance(content, dict) or content.get("format") != FORMAT:
+        raise InflightError(f"{path}: not an in-flight file of format {FORMAT}")
+    if content.get("rank") != int(match.group(1)) or not isinstance(content.get("steps"), list):
+        raise InflightError(f"{path}: holds rank {content.get('rank')!r}'s steps, not those of its name's rank")
+    for entry in content["steps"]:
+        problem = _entry_problem(entry, after)
+        if problem:
+            raise InflightError(f"{path}: {problem}")
+    return content["steps"]
+
+
+def _entry_problem(entry: Any, after: Optional[int]) -> Optional[str]:
+    """What is wrong with one saved step (None: nothing)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("trajectories"), list):
+        return "a step entry is not {step, version, trajectories}"
+    step, version = entry.get("step"), entry.get("version")
+    if not _is_int(step) or (after is not None and step <= after):
+        return f"step {step!r} is not a step after the checkpoint's ({after})"
+    if version is not None and not _is_int(version):
+        return f"step {step}: version {version!r} is not an int"
+    for traj in entry["trajectories"]:
+        problem = _trajectory_problem(traj)
+        if problem:
+            return f"step {step}: {problem}"
+    return None
+
+
+def _trajectory_problem(traj: Any) -> Optional[str]:
+    if not isinstance(traj, Trajectory) or not hasattr(traj.episode, "done"):
+        return f"a saved trajectory is a {type(traj).__name__}, not a Trajectory with its episode"
+    name = f"trajectory {traj.uid}/{traj.session_id}"
+    arrays = (traj.response_ids, traj.response_mask, traj.response_logprobs, traj.response_versions)
+    if not all(isinstance(a, list) for a in arrays) or len({len(a) for a in arrays}) != 1:
+        return f"{name}: its response ids, mask, log-probs and versions are not lists of one length"
+    if not all(_is_int(t) and t >= 0 for t in list(traj.prompt_ids) + traj.response_ids):
+        return f"{name}: a token id is not an int >= 0"
+    if not all(m in (0, 1) for m in traj.response_mask):
+        return f"{name}: its response mask holds a value other than 0 and 1"
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in traj.response_logprobs):
+        return f"{name}: a log-prob is not a finite number"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+#: What an in-flight file may build besides the classes a trajectory holds (``_DataUnpickler``).
+_PLAIN = {("builtins", "set"), ("builtins", "frozenset"), ("builtins", "complex"), ("collections", "OrderedDict"),
+          ("collections", "deque"), ("numpy", "dtype"), ("numpy", "ndarray"),
+          ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+          ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+          ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer")}
+#: The modules of the classes a saved trajectory holds: itself, its episode and what the
+#: episode keeps (its question, candidates, runtime settings, parsed calls: ``atlas_lightning.env.*``).
+_DATA_MODULES = ("atlas_lightning.rollout.agent_loop", "atlas_lightning.questions.schema")
+_DATA_PACKAGE = "atlas_lightning.env."
+
+
+class _DataUnpickler(pickle.Unpickler):
+    """An unpickler that builds plain data only (module doc): ``find_class`` gives out the
+    callables of ``_PLAIN`` and the classes (not functions, not exceptions) defined in
+    ``_DATA_MODULES`` and ``_DATA_PACKAGE``, whose construction runs no code of the file's choosing."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _PLAIN:
+            return super().find_class(module, name)
+        if "." not in name and (module in _DATA_MODULES or module.startswith(_DATA_PACKAGE)):
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == module and not issubclass(found, BaseException):
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not a class an in-flight file holds")
 
 
 def saved_tokens(steps: dict[int, OpenStep]) -> int:

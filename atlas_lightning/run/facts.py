@@ -50,15 +50,18 @@ class RunFacts:
     start: StartingPoint
 
 
-def check_inputs(cfg: DictConfig, *, data: bool = True) -> RunFacts:
+def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -> RunFacts:
     """Verify what the run reads before anything is written (every verb that loads the model
-    calls it first) and return it: the run's folders (``paths.*``: writable, or creatable),
-    ``model.path`` (``planning.model_folder``), the question splits (``data``: every file of the
-    train and validation splits loads, ``questions.loader.load_splits``), ``trainer.init_from``
+    calls it first) and return it: the run's folders (``paths.*``: writable, or creatable) and
+    the files each launch rewrites there (``_check_run_files``), what the separate layout's
+    server cannot run (``rollout/layout_checks.py``), ``model.path`` (``planning.model_folder``),
+    the question splits (``data``: every file of the train and validation splits loads,
+    ``questions.loader.load_splits``), ``trainer.init_from``
     (a complete checkpoint whose adapters verify against ``checkpoint.json``), the starting
     adapter folders and their LoRA shapes (``store.lora_shapes``), and ``trainer.resume``
-    (``resume_path``). ``ConfigError`` / ``DataError`` / ``AdapterConfigError`` naming the key
-    or file otherwise (the CLI exits 2)."""
+    (``resume_path``; ``training``: the run trains on from it, so the trajectories it keeps in
+    flight must be continued). ``ConfigError`` / ``DataError`` / ``AdapterConfigError`` naming
+    the key or file otherwise (the CLI exits 2)."""
     from atlas_lightning.planning.model_folder import check_model_folder
     from atlas_lightning.store.checkpoints import CheckpointError, verify_checkpoint
     from atlas_lightning.store.lora_shapes import lora_shapes
@@ -67,6 +70,8 @@ def check_inputs(cfg: DictConfig, *, data: bool = True) -> RunFacts:
 
     folders = run_dirs(cfg)
     check_writable(folders)
+    _check_run_files(folders["outputs"])
+    _check_separate_layout(cfg)
     check_machine(cfg)
     check_model_folder(cfg.model.path)
     _check_lora_targets(cfg.model)
@@ -85,11 +90,23 @@ def check_inputs(cfg: DictConfig, *, data: bool = True) -> RunFacts:
         folder = cfg.model.get(f"{role}_adapter")
         if folder and not Path(folder).is_dir():
             raise ConfigError(f"model.{role}_adapter={folder}: no such folder")
-    start = resume_path(cfg, folders["checkpoints"])
+    start = resume_path(cfg, folders["checkpoints"], training=training)
     from atlas_lightning.models.build import check_base_weights
 
     check_base_weights(cfg.model.path)  # last: it imports transformers, and reads every header
     return RunFacts(folders=folders, lora=lora_shapes(cfg), questions=questions, start=start)
+
+
+def _check_separate_layout(cfg: DictConfig) -> None:
+    """What the separate layout's server cannot run (``rollout/layout_checks.py``), refused here,
+    before anything is written, as well as where the server starts."""
+    if cfg.layout.mode != "separate":
+        return
+    from atlas_lightning.rollout.layout_checks import separate_refusals
+
+    problems = separate_refusals(cfg)
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def _check_lora_targets(model_cfg) -> None:
@@ -133,12 +150,29 @@ def check_writable(dirs: Mapping[str, Path]) -> None:
                               f"choose another paths.root or fix the folder's permissions") from None
 
 
-def resume_path(cfg: DictConfig, checkpoints: Path) -> StartingPoint:
+def _check_run_files(outputs: Path) -> None:
+    """The files every launch writes at the same place (``outputs/<name>/config.yaml``, replaced;
+    ``main_ppo.log``, appended to): where one exists it is a file, or a link to one (a folder or
+    a socket of that name would fail only once the run has begun)."""
+    from atlas_lightning.run.wiring import RUN_LOG
+
+    for path in (outputs / "config.yaml", outputs / RUN_LOG):
+        if path.exists() and path.is_dir():
+            raise ConfigError(f"the run's file {path} is a folder: move it away (each launch writes its "
+                              f"{path.name} there)")
+        if path.exists() and not path.is_file() and not path.is_char_device():
+            raise ConfigError(f"the run's file {path} is not a file: move it away (each launch writes its "
+                              f"{path.name} there)")
+
+
+def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True) -> StartingPoint:
     """``trainer.resume``: None (fresh), ``auto`` (this run's newest checkpoint under
-    ``checkpoints`` that verifies; newer ones that do not are named in ``notes``; if checkpoints
-    exist and none verifies it is refused rather than started afresh over them) or a
-    ``global_step_N`` folder, which must verify (``store.checkpoints.verify_checkpoint``: marker,
-    file list, sizes, sha256)."""
+    ``checkpoints`` that verifies; newer ones that do not, or whose save did not finish, are
+    named in ``notes``; if checkpoints exist and none verifies it is refused rather than started
+    afresh over them) or a ``global_step_N`` folder, which must verify
+    (``store.checkpoints.verify_checkpoint``: marker, file list, sizes, sha256). Either way its
+    Lightning state must be whole (``_check_state``) and, when ``training``, the trajectories it
+    keeps in flight readable and continued by this config (``_check_kept_rollouts``)."""
     from atlas_lightning.store.checkpoints import (
         CheckpointError, latest_verified, lightning_state_path, verify_checkpoint,
     )
@@ -149,12 +183,18 @@ def resume_path(cfg: DictConfig, checkpoints: Path) -> StartingPoint:
     if resume == "auto":
         folder, refusals = latest_verified(checkpoints)
         notes = [f"trainer.resume=auto: skipped {reason}" for reason in refusals]
+        notes += [f"trainer.resume=auto: skipped {unfinished}: no checkpoint.json (its save did not finish)"
+                  for unfinished in unfinished_checkpoints(checkpoints, after=folder)]
         if folder is None and refusals:
             raise ConfigError("trainer.resume=auto: no checkpoint of this run verifies:\n  " + "\n  ".join(refusals)
                               + "\nmove the damaged folders away, or set trainer.resume=null to start afresh")
         if folder is not None:
             _check_state(folder, "trainer.resume=auto")
+            if training:
+                _check_kept_rollouts(cfg, folder, "trainer.resume=auto")
             notes.append(f"trainer.resume=auto: resuming from {folder} (verified)")
+        elif notes:
+            notes.append(f"trainer.resume=auto: no complete checkpoint under {checkpoints}: starting afresh")
         return StartingPoint(folder, str(lightning_state_path(folder)) if folder else None, notes)
     folder = Path(resume)
     if not folder.exists():
@@ -164,7 +204,53 @@ def resume_path(cfg: DictConfig, checkpoints: Path) -> StartingPoint:
     except CheckpointError as err:
         raise ConfigError(f"trainer.resume={resume}: {err}") from None
     _check_state(folder, f"trainer.resume={resume}")
+    if training:
+        _check_kept_rollouts(cfg, folder, f"trainer.resume={resume}")
     return StartingPoint(folder, str(lightning_state_path(folder)), [f"trainer.resume: resuming from {folder} (verified)"])
+
+
+def unfinished_checkpoints(checkpoints: Path, after: Optional[Path]) -> list[Path]:
+    """The checkpoints under ``checkpoints`` newer than ``after`` (all, when None) whose save
+    began and did not finish: a ``global_step_M`` folder holding checkpoint parts but no marker
+    (a kill between its parts' move and the marker), or a staging folder (``.tmp-global_step_M``,
+    a kill while its files were written)."""
+    from atlas_lightning.callbacks.checkpoint_write import staging_dir
+    from atlas_lightning.store.checkpoints import MARKER, OPTIONAL_PARTS, PARTS, checkpoint_step
+
+    newer_than = -1 if after is None else checkpoint_step(after)
+    found = []
+    for entry in sorted(Path(checkpoints).iterdir()) if Path(checkpoints).is_dir() else []:
+        step = checkpoint_step(entry)
+        if step is not None:
+            begun = any((entry / part).exists() for part in PARTS + OPTIONAL_PARTS)
+            unfinished = begun and not (entry / MARKER).exists()
+        else:
+            step = checkpoint_step(entry.name.rpartition("-")[2])
+            unfinished = step is not None and entry == staging_dir(checkpoints, step)
+        if unfinished and entry.is_dir() and step > newer_than:
+            found.append(entry)
+    return found
+
+
+def _check_kept_rollouts(cfg: DictConfig, folder: Path, key: str) -> None:
+    """The trajectories ``folder`` keeps in flight (partial rollouts, ``rollout/inflight.py``)
+    read back whole, and this run continues them: with scheduling by trajectory off (another
+    layout, or ``layout.partial_rollouts=false``) their generated tokens would be dropped."""
+    from atlas_lightning.rollout import inflight
+
+    try:
+        steps = inflight.restore(folder)
+    except inflight.InflightError as err:
+        raise ConfigError(f"{key}: {err}") from None
+    tokens = inflight.saved_tokens(steps)
+    continued = cfg.layout.mode == "separate" and bool(cfg.layout.get("partial_rollouts", False))
+    if tokens and not continued:
+        count = sum(len(opened.trajectories) for opened in steps.values())
+        raise ConfigError(
+            f"{key}: {folder} keeps {count} trajectories of step(s) {', '.join(map(str, sorted(steps)))} in flight "
+            f"({tokens} generated tokens, partial rollouts); layout.mode={cfg.layout.mode} "
+            f"layout.partial_rollouts={bool(cfg.layout.get('partial_rollouts', False))} would not continue them "
+            f"and they would be lost: resume with layout.mode=separate layout.partial_rollouts=true")
 
 
 def _check_state(folder: Path, key: str) -> None:

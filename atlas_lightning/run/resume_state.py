@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from atlas_lightning.errors import InputError
+from atlas_lightning.ppo import rng_state
 from atlas_lightning.ppo.rng_state import RNG_KEY
 from atlas_lightning.store.checkpoints import lightning_state_path
 
@@ -80,6 +81,10 @@ def _check_rng(where: str, entry: Any) -> None:
     if lacking:
         raise ResumeStateError(f"{where}: the random generator states of rank(s) {lacking} lack some of "
                                f"{', '.join(RNG_PARTS)}")
+    try:
+        rng_state.check(entry)
+    except ValueError as err:
+        raise ResumeStateError(f"{where}: {err}") from None
 
 
 def _check_optimizer(where: str, role: str, params: list, state: dict[Any, set[str]], rl_step: int) -> None:
@@ -103,7 +108,8 @@ def _single_file(path: Path) -> tuple[dict, list[tuple[list, dict]]]:
     import torch
 
     try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        # as Lightning loads it (torch's default, weights only): a state it would refuse is refused here
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as err:  # a file torch cannot read, whatever the library raises
         raise ResumeStateError(f"checkpoint {path.parent.parent}: {path.name} cannot be read: {err}") from None
     optimizers = []
@@ -123,7 +129,7 @@ def _distributed(path: Path) -> tuple[dict, list[tuple[list, dict]]]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     try:
-        top = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=False)
+        top = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=True)
         keys = list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     except Exception as err:  # a damaged folder, whatever the library raises
         raise ResumeStateError(f"checkpoint {path.parent}: its Lightning state cannot be read: {err}") from None

@@ -28,11 +28,14 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from atlas_lightning.errors import InputError
+
 STATE_PREFIX = "state_dict."
 
 
-class CheckpointKeysError(RuntimeError):
-    """A checkpoint lacks tensors the module trains."""
+class CheckpointKeysError(InputError):
+    """A checkpoint lacks tensors the module trains (an input that cannot be used: the CLI exits 2
+    with its message, no traceback)."""
 
 
 class TrainableStateStrategy(ModelParallelStrategy):

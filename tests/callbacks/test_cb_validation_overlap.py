@@ -98,6 +98,20 @@ def test_the_pending_validation_is_in_the_state_and_resumes(tmp_path, h, chat):
     assert sorted(_val_logs(module)) == [2, 4]
 
 
+def test_a_pending_validation_resumed_with_overlap_off_is_validated_all_the_same(tmp_path, h, chat):
+    """A checkpoint that deferred step 2's validation, resumed with ``overlap`` off: step 2 is
+    still validated and logged at step 2 (never lost), later steps validate alone."""
+    cfg = h.make_cfg(tmp_path, total_steps=4)
+    callback = h.callback(cfg, "validation", val_every=2, overlap=False)
+    callback.load_state_dict({"validated": [0], "pending": 2})
+    dm = h.ScriptedDataModule(cfg, chat)
+    dm.next_step = 3
+    module = h.ScriptedModule(cfg)
+    h.make_trainer([callback]).fit(module, datamodule=dm)
+    assert dm.val_calls == [2, 4] and callback.validated == [0, 2, 4] and callback.pending is None
+    assert sorted(_val_logs(module)) == [2, 4]
+
+
 def test_a_stop_before_the_ride_validates_alone(tmp_path, h, chat):
     cfg = h.make_cfg(tmp_path, total_steps=4)
     callback = h.callback(cfg, "validation", val_every=2, overlap=True, val_before_train=False)
