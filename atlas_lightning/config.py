@@ -483,6 +483,7 @@ def _validate_layout(cfg: DictConfig) -> None:
                               f"a colocated layout trains on every card")
         if layout.gpus % tp:
             raise ConfigError(f"layout.engine_tp={tp} does not divide layout.gpus={layout.gpus}")
+        _validate_colocated(cfg)
     else:
         if layout.train_gpus + layout.serve_gpus != layout.gpus:
             raise ConfigError(f"layout.train_gpus ({layout.train_gpus}) + layout.serve_gpus ({layout.serve_gpus}) "
@@ -491,6 +492,32 @@ def _validate_layout(cfg: DictConfig) -> None:
             raise ConfigError(f"trainer.devices x trainer.num_nodes = {processes} but layout.train_gpus={layout.train_gpus}")
         if layout.serve_gpus <= 0 or layout.serve_gpus % tp:
             raise ConfigError(f"layout.engine_tp={tp} does not divide layout.serve_gpus={layout.serve_gpus}")
+
+
+def _validate_colocated(cfg: DictConfig) -> None:
+    """Keys of the separate layout set in a colocated one, where they would do nothing, and the
+    server engine's settings a colocated layout cannot run (``rollout/factory.server_engine``)."""
+    layout, rollout = cfg.layout, cfg.rollout
+    if layout.partial_rollouts:
+        raise ConfigError("layout.partial_rollouts=true interrupts the separate layout's server requests at a weight "
+                          "sync; a colocated layout never samples during an update: set layout.partial_rollouts=false "
+                          "or layout.mode=separate")
+    if layout.staleness_policy != "wait":
+        raise ConfigError(f"layout.staleness_policy={layout.staleness_policy}: a colocated layout samples each rollout "
+                          f"on the weights just trained, nothing is ever stale: set layout.staleness_policy=wait "
+                          f"or layout.mode=separate")
+    if rollout.engine == "vllm-server" and rollout.weight_sync != "lora":
+        raise ConfigError(f"rollout.weight_sync={rollout.weight_sync} with rollout.engine=vllm-server in a colocated "
+                          f"layout: merged weights reach a server in the separate layout (layout.mode=separate); "
+                          f"here use rollout.weight_sync=lora")
+    if rollout.server_url and (rollout.engine != "vllm-server" or layout.gpus // layout.engine_tp > 1):
+        raise ConfigError(f"rollout.server_url={rollout.server_url}: attaching to a running server is the vllm-server "
+                          f"engine's, for one engine (rollout.engine={rollout.engine}, "
+                          f"{layout.gpus // layout.engine_tp} engine(s) here: each swaps its own adapter)")
+    if rollout.engine == "vllm-server" and layout.engine_tp > 1 and layout.gpus > 1:
+        raise ConfigError(f"rollout.engine=vllm-server with layout.engine_tp={layout.engine_tp} over {layout.gpus} "
+                          f"training processes: a server on cards of its own is the separate layout "
+                          f"(layout.mode=separate); use layout.engine_tp=1 or rollout.engine=vllm")
 
 
 # ----------------------------------------------------------------------------- composition

@@ -136,3 +136,37 @@ def _last_good(checkpoints: Path, before_step: int) -> tuple[Optional[Path], str
     if folder is None:
         return None, f"there is no complete checkpoint under {checkpoints} to resume from"
     return folder, f"the last complete checkpoint is {folder} (verified); resume with trainer.resume=auto"
+
+
+def check_injections(callbacks: dict[str, Any], cfg: Any, resumed_step: int) -> None:
+    """Each ``FaultInjection`` among ``callbacks`` (by their ``callbacks.<name>``) strikes in this
+    run: its step is one the run trains (after ``resumed_step``, up to ``trainer.total_steps``),
+    checkpointed there (``checkpoint_write``) or validated there (``phase=validation``), its rank
+    one of the run's, its engine one it can kill (not ``hf``). Otherwise the run would end as if
+    it had met the fault and survived it. ``ConfigError`` naming the key (before anything is written)."""
+    from atlas_lightning.callbacks.checkpoint import StepCheckpoint
+    from atlas_lightning.callbacks.faults import FaultInjection
+    from atlas_lightning.callbacks.validation import ValidationCallback
+    from atlas_lightning.config import ConfigError
+
+    total, world = int(cfg.trainer.total_steps), int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+    saver = next((c for c in callbacks.values() if isinstance(c, StepCheckpoint)), None)
+    validation = next((c for c in callbacks.values() if isinstance(c, ValidationCallback)), None)
+    for name, fault in callbacks.items():
+        if not isinstance(fault, FaultInjection):
+            continue
+        step, why = fault.step, None
+        if not resumed_step < step <= total:
+            why = f"the run trains RL steps {resumed_step + 1}..{total}"
+        elif fault.fault == "checkpoint_write" and not (saver is not None and (
+                (saver.every_n_steps and step % saver.every_n_steps == 0) or (saver.save_last and step == total))):
+            why = "no checkpoint is written at that step (trainer.save_every)"
+        elif fault.phase == "validation" and not (validation is not None and validation.should_validate(step, total)):
+            why = "no validation runs at that step (trainer.val_every)"
+        elif fault.rank is not None and fault.rank >= world:
+            why = f"the run has {world} rank(s)"
+        elif fault.fault == "engine_kill" and cfg.rollout.engine == "hf":
+            why = "the hf engine runs in the trainer's process: there is no engine process to kill"
+        if why is not None:
+            raise ConfigError(f"callbacks.{name}: {fault.fault} at RL step {step}"
+                              f"{'' if fault.rank is None else f' on rank {fault.rank}'} would never happen: {why}")

@@ -525,11 +525,14 @@ def format_report(report: dict) -> str:
 def main_verb(cfg: DictConfig) -> int:
     """``atlas-lightning memory-check``: prepare the run folders, run, exit 0."""
     from atlas_lightning.run.facts import check_inputs
+    from atlas_lightning.run.faults import stops_cleanly
     from atlas_lightning.run.wiring import prepare_run
 
-    facts = check_inputs(cfg, data=False)  # before anything is written: a bad model folder exits 2 (no questions read)
-    prepare_run(cfg, "memory-check")
-    run_memory_check(cfg, generation=cfg.trainer.memory_check_generation, lora=facts.lora)
+    facts = check_inputs(cfg, data=False, training=False)  # before anything is written: a bad model folder exits 2
+    # a card that runs out of memory (or a disk that is full) ends in the clean stop's line (exit 5, 7)
+    with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: 0):
+        prepare_run(cfg, "memory-check")
+        run_memory_check(cfg, generation=cfg.trainer.memory_check_generation, lora=facts.lora)
     return 0
 
 

@@ -33,10 +33,10 @@ def fit(cfg: DictConfig) -> int:
     if cfg.trainer.memory_check:  # the report's memory-check runs: synthetic steps, no rollouts
         return memory_check(cfg)
     facts = check_inputs(cfg)  # before anything is written: a bad model folder or checkpoint exits 2
-    prepare_run(cfg, "fit")
-    for note in facts.start.notes:
-        log.warning(note)
-    trainer = build_trainer(cfg, callbacks=build_callbacks(cfg, facts))
+    callbacks = build_callbacks(cfg, facts)  # a bad callback argument too
+    with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: _step_of(str(facts.start.resume or ""))):
+        prepare_run(cfg, "fit", notes=facts.start.notes)  # a disk full already: the write stop (exit 7)
+    trainer = build_trainer(cfg, callbacks=callbacks)
     module = PPOModule(cfg, resume_from=facts.start.resume)
     datamodule = RolloutDataModule(cfg, questions=facts.questions, resume_from=facts.start.resume)
     started = time.time()
@@ -94,10 +94,7 @@ def validate(cfg: DictConfig) -> int:
     from atlas_lightning.rollout.datamodule import RolloutDataModule
     from atlas_lightning.ppo.module import PPOModule
 
-    facts = check_inputs(cfg)
-    prepare_run(cfg, "validate")
-    for note in facts.start.notes:
-        log.warning(note)
+    facts = check_inputs(cfg, training=False)  # it validates weights: nothing in flight is continued
     ckpt = facts.start.state
     step = _step_of(ckpt or cfg.trainer.init_from or cfg.model.actor_adapter)
     results: dict = {}
@@ -110,9 +107,12 @@ def validate(cfg: DictConfig) -> int:
                                             checkpoints=facts.folders["checkpoints"], run_id=cfg.name)
             results.update(validation.run_validation(trainer, pl_module, step))
 
-    trainer = build_trainer(cfg, callbacks=[_ValidateOnce()], limit_val_batches=1)
-    trainer.validate(PPOModule(cfg, resume_from=facts.start.resume),
-                     datamodule=RolloutDataModule(cfg, questions=facts.questions), ckpt_path=ckpt)
+    # a fault (the engine dies, the disk is full) stops cleanly as in fit
+    with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: step):
+        prepare_run(cfg, "validate", notes=facts.start.notes)
+        trainer = build_trainer(cfg, callbacks=[_ValidateOnce()], limit_val_batches=1)
+        trainer.validate(PPOModule(cfg, resume_from=facts.start.resume),
+                         datamodule=RolloutDataModule(cfg, questions=facts.questions), ckpt_path=ckpt)
     if trainer.global_rank == 0:
         shown = {k: v for k, v in sorted(results.items()) if k.endswith(("/acc", "/objective"))}
         print("\n".join(f"{k:40s} {v:.4f}" for k, v in shown.items()), file=sys.stderr)

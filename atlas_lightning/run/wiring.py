@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -43,11 +44,57 @@ def _launch_rank() -> int:
 RUN_LOG = "main_ppo.log"
 
 
-def prepare_run(cfg: DictConfig, verb: str) -> None:
+class RunLogHandler(logging.FileHandler):
+    """One of the run's log files (``prepare_run``). A write the file system refuses (the disk
+    full, a quota, a file system gone read-only: an ``OSError``, in a line's write, a flush or
+    the close at exit) is counted (``lost``), the first refusal kept (``failure``) and said once
+    on stderr, in one line, instead of logging's "--- Logging error ---" and a traceback for
+    every line: the run goes on, and a disk that stays full stops it at its next checkpoint or
+    record with the write stop (exit 7, ``run/faults.py``), whose line the CLI prints. Any other
+    error (a log call whose arguments do not fit its format: a bug) is reported as logging does."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.failure: Optional[OSError] = None
+        self.lost = 0
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if isinstance(err, OSError):
+            self._refused(err)
+        else:
+            super().handleError(record)
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError as err:
+            self._refused(err)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as err:  # the file's last buffered lines refused
+            self._refused(err)
+
+    def _refused(self, err: OSError) -> None:
+        self.lost += 1
+        if self.failure is None:
+            self.failure = err
+            try:
+                sys.stderr.write(f"atlas-lightning: the run's log {self.baseFilename} cannot be written "
+                                 f"({err.strerror or err}): its lines from here on may be lost\n")
+            except (OSError, ValueError):  # stderr closed or refused too: nowhere left to say it
+                pass
+
+
+def prepare_run(cfg: DictConfig, verb: str, notes: Sequence[str] = ()) -> None:
     """The folders ``paths.outputs`` and ``paths.logs`` (README, "On-disk layout"), the resolved
     config (``outputs/<name>/config.yaml``) and the logs (``outputs/<name>/main_ppo.log``, the
     name the runs of ATLAS report 28, the reproduced report, wrote, across launches;
-    ``logs/<name>-<time>-<verb>.log`` for this launch). Rank 0 writes; other ranks do nothing."""
+    ``logs/<name>-<time>-<verb>.log`` for this launch); ``notes`` (what was decided about the
+    starting point, ``RunFacts.start.notes``) go to the logs and stderr. Rank 0 writes; other
+    ranks do nothing."""
     if _launch_rank() != 0:
         return
     outputs, logs = Path(cfg.paths.outputs), Path(cfg.paths.logs)
@@ -57,36 +104,51 @@ def prepare_run(cfg: DictConfig, verb: str) -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     for path in (outputs / RUN_LOG, logs / f"{cfg.name}-{stamp}-{verb}.log"):
-        handler = logging.FileHandler(path)
+        handler = RunLogHandler(path)
         handler.setFormatter(formatter)
         for name in ("atlas_lightning", "lightning", "lightning.pytorch"):
             logging.getLogger(name).addHandler(handler)
     logging.getLogger("atlas_lightning").setLevel(logging.INFO)
     log.info("%s %s: config saved to %s", verb, cfg.name, outputs / "config.yaml")
+    for note in notes:
+        log.warning(note)
+        print(f"atlas-lightning {verb}: {note}", file=sys.stderr)
 
 
 def build_callbacks(cfg: DictConfig, facts: Optional["RunFacts"] = None) -> list:
     """Every callback of ``cfg.callbacks`` (``conf/callbacks/default.yaml``), in its order, built
-    from its entry (its settings and folders are interpolated there); a null entry is skipped.
+    from its entry (its settings and folders are interpolated there; each argument checked
+    against what its class takes first, ``run/callback_arguments.py``); a null entry is skipped.
+    Building writes nothing: verbs build the callbacks before ``prepare_run``, so that a bad
+    argument is refused (``ConfigError`` naming ``callbacks.<name>``) before anything is written.
+    An injected fault must strike in this run (``run/faults.check_injections``).
     The run's record (an ``ArtifactDumpCallback``: ``run.json``) also gets what no key holds: the
     resolved config and the LoRA shapes of ``facts``. Lightning runs the step checkpoint (a
     ``Checkpoint``) last."""
-    from hydra.utils import instantiate
+    from hydra.utils import get_object, instantiate
     from lightning.pytorch.callbacks import Checkpoint
 
     from atlas_lightning.callbacks.artifacts import ArtifactDumpCallback
+    from atlas_lightning.run.callback_arguments import check_callback_arguments
+    from atlas_lightning.run.faults import check_injections
+    from atlas_lightning.store.checkpoints import checkpoint_step
 
     record = {"config": OmegaConf.to_container(cfg, resolve=True), "lora": dict(facts.lora) if facts else None}
-    callbacks = []
+    callbacks, named = [], {}
     for name, spec in (cfg.callbacks or {}).items():
         if spec is None:
             continue
+        arguments = {k: v for k, v in OmegaConf.to_container(spec, resolve=True).items() if not k.startswith("_")}
+        check_callback_arguments(name, get_object(spec._target_), arguments)  # the target resolved at compose
         try:
             build = instantiate(spec, _partial_=True)
             records_the_run = isinstance(build.func, type) and issubclass(build.func, ArtifactDumpCallback)
             callbacks.append(build(**record) if records_the_run else build())
         except Exception as err:  # a bad class path or argument, named for the user
             raise ConfigError(f"callbacks.{name}: cannot build {spec.get('_target_')}: {err}") from err
+        named[name] = callbacks[-1]
+    resumed = checkpoint_step(facts.start.resume) if facts is not None and facts.start.resume is not None else 0
+    check_injections(named, cfg, resumed_step=resumed)  # an injected fault must strike in this run
     # as Lightning orders them: checkpoints after every other callback
     return sorted(callbacks, key=lambda callback: isinstance(callback, Checkpoint))
 

@@ -1,0 +1,97 @@
+"""A configured callback's arguments against what its class takes, before it is built.
+
+Hydra's ``instantiate`` passes a ``callbacks.<name>`` entry's values as they are: ``overlap:
+maybe`` reaches ``ValidationCallback`` as a string, which is true; ``background: 'no'`` too;
+``every_n_steps: '5'`` is compared with an int only mid-run. ``check_callback_arguments``
+refuses, naming the key, an argument its target does not take and a value that is not of the
+type the target's annotation names (``bool``, ``int``, ``float``, ``str``, a path, a list, a
+mapping, a ``Literal``, ``Optional`` and unions of these; anything else is left to the target,
+which checks its own ranges and choices when ``build_callbacks`` builds it, also before
+anything is written).
+
+Who calls it: ``run/wiring.build_callbacks``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from atlas_lightning.config import ConfigError
+
+
+def check_callback_arguments(name: str, target: Any, arguments: Mapping[str, Any]) -> None:
+    """``ConfigError`` naming ``callbacks.<name>.<key>`` for an argument ``target`` (a class or
+    factory) does not take, or whose value is not of its annotated type (module doc).
+    ``arguments``: the entry's values, resolved, without hydra's own keys (``_target_``, ...)."""
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin without one: nothing to check against
+        return
+    params = signature.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    hints = _hints(target)
+    what = getattr(target, "__qualname__", str(target))
+    for key, value in arguments.items():
+        if key not in params and not takes_any:
+            named = ", ".join(k for k, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL)
+            raise ConfigError(f"callbacks.{name}.{key}: {what} takes no argument {key!r} (it takes: {named})")
+        hint = hints.get(key)
+        if hint is not None and not fits(value, hint):
+            raise ConfigError(f"callbacks.{name}.{key}={value!r}: {what} takes {describe(hint)} for {key}, "
+                              f"got {type(value).__name__}")
+
+
+def _hints(target: Any) -> dict[str, Any]:
+    """The resolved annotations of ``target``'s parameters (its ``__init__``'s for a class);
+    ``{}`` where they cannot be resolved (then no type is checked)."""
+    function = target.__init__ if isinstance(target, type) else target
+    try:
+        return typing.get_type_hints(function)
+    except Exception:  # annotations naming what the module does not import: the target checks its own
+        return {}
+
+
+def fits(value: Any, hint: Any) -> bool:
+    """Whether config value ``value`` (plain data: ``OmegaConf.to_container``'s) is of type ``hint``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any or hint is object:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(fits(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return value in args
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    kind = origin or hint
+    if isinstance(kind, type) and issubclass(kind, os.PathLike):
+        return isinstance(value, str)
+    if isinstance(kind, type) and issubclass(kind, (list, tuple)) or kind is Sequence:
+        return isinstance(value, (list, tuple))
+    if isinstance(kind, type) and issubclass(kind, dict) or kind is Mapping:
+        return isinstance(value, dict)
+    return True  # a type config values are never of (an object the target builds itself): the target's to check
+
+
+def describe(hint: Any) -> str:
+    """``hint`` as the message says it (``bool``, ``int or None``, ...)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(describe(arg) for arg in args)
+    if typing.get_origin(hint) is typing.Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if hint is type(None):
+        return "None"
+    return getattr(hint, "__name__", str(hint))

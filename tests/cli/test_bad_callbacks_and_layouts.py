@@ -1,0 +1,125 @@
+"""Keys a fit cannot use are refused before anything is written, naming the key (exit 2): a
+callback's argument of the wrong type, misspelt, or out of its range (``callbacks.validation.overlap``,
+``callbacks.checkpoint.background``, the fault injection's keys, ...), and the layout keys a layout
+cannot run or would silently ignore (``layout.partial_rollouts``, ``layout.staleness_policy``,
+the server engine's settings in a colocated layout, the separate layout's engine side)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from atlas_lightning.cli import main
+from atlas_lightning.config import ConfigError, compose
+
+INJECT = "+callbacks.fault_injection._target_=atlas_lightning.callbacks.faults.FaultInjection"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["callbacks.validation.overlap=maybe"],
+     "callbacks.validation.overlap='maybe': ValidationCallback takes bool for overlap, got str"),
+    (["callbacks.validation.overlap=1"], "callbacks.validation.overlap=1: ValidationCallback takes bool"),
+    (["callbacks.checkpoint.background=nope"], "callbacks.checkpoint.background='nope': StepCheckpoint takes bool"),
+    (["callbacks.checkpoint.every_n_steps=five"],
+     "callbacks.checkpoint.every_n_steps='five': StepCheckpoint takes int"),
+    (["+callbacks.validation.overlpa=true"], "callbacks.validation.overlpa: ValidationCallback takes no argument "
+                                            "'overlpa' (it takes: artifacts, checkpoints, run_id, val_every"),
+    (["callbacks.nan_guard.policy=rolback"], "callbacks.nan_guard: cannot build atlas_lightning.callbacks.nan_guard."
+                                            "NaNGuardCallback: NaNGuardCallback: policy must be one of"),
+    (["callbacks.figures.dpi=2"], "callbacks.figures: cannot build"),
+    ([INJECT, "+callbacks.fault_injection.fault=engine_kil", "+callbacks.fault_injection.step=2"],
+     "FaultInjection: fault must be one of engine_kill"),
+    ([INJECT, "+callbacks.fault_injection.fault=engine_kill", "+callbacks.fault_injection.step=-1"],
+     "FaultInjection: step must be an RL step"),
+    ([INJECT, "+callbacks.fault_injection.fault=engine_kill", "+callbacks.fault_injection.step=two"],
+     "callbacks.fault_injection.step='two': FaultInjection takes int"),
+    ([INJECT, "+callbacks.fault_injection.fault=out_of_memory", "+callbacks.fault_injection.step=2",
+      "+callbacks.fault_injection.phase=sync"], "phase must be one of rollout, sync, validation (other than rollout "
+                                               "only for engine_kill)"),
+    ([INJECT, "+callbacks.fault_injection.fault=engine_kill", "+callbacks.fault_injection.step=2",
+      "+callbacks.fault_injection.rank=-1"], "rank must be a global rank"),
+    ([INJECT, "+callbacks.fault_injection.fault=engine_kill"], "callbacks.fault_injection: cannot build"),
+    # a fault that would never strike: the run would end as if it had been survived
+    ([INJECT, "+callbacks.fault_injection.fault=engine_kill", "+callbacks.fault_injection.step=11"],
+     "callbacks.fault_injection: engine_kill at RL step 11 would never happen: the run trains RL steps 1..10"),
+    ([INJECT, "+callbacks.fault_injection.fault=checkpoint_write", "+callbacks.fault_injection.step=3"],
+     "checkpoint_write at RL step 3 would never happen: no checkpoint is written at that step"),
+    ([INJECT, "+callbacks.fault_injection.fault=engine_kill", "+callbacks.fault_injection.step=3",
+      "+callbacks.fault_injection.phase=validation"], "no validation runs at that step (trainer.val_every)"),
+    ([INJECT, "+callbacks.fault_injection.fault=non_finite", "+callbacks.fault_injection.step=3",
+      "+callbacks.fault_injection.rank=1"], "non_finite at RL step 3 on rank 1 would never happen: the run has 1 rank"),
+    ([INJECT, "+callbacks.fault_injection.fault=engine_kill", "+callbacks.fault_injection.step=3", "rollout.engine=hf"],
+     "the hf engine runs in the trainer's process"),
+    (["layout=separate_cpu"], "layout.mode=separate serves from a vLLM server on the serving cards: set "
+                              "rollout.engine=vllm-server"),
+])
+def test_a_bad_callback_or_layout_exits_2_naming_the_key_before_anything_is_written(
+        overrides, message, tmp_path, sample_data_dir, tiny_model_dir, capsys):
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path}", f"model.path={tiny_model_dir}",
+                 f"data.root={sample_data_dir}", "logger.mode=disabled", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err and "Traceback" not in err, err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["layout.partial_rollouts=true"], "layout.partial_rollouts=true interrupts the separate layout's server requests"),
+    (["layout.staleness_policy=drop"], "layout.staleness_policy=drop: a colocated layout samples each rollout on the "
+                                       "weights just trained"),
+    (["layout.staleness_policy=dorp"], "layout.staleness_policy='dorp': is not one of wait, drop"),
+    (["layout.partial_rollouts=maybe"], "layout.partial_rollouts"),
+    (["rollout=vllm_server_cpu", "rollout.weight_sync=merged"], "rollout.weight_sync=merged with "
+                                                                "rollout.engine=vllm-server in a colocated layout"),
+    (["rollout.server_url=http://127.0.0.1:8000"], "rollout.server_url=http://127.0.0.1:8000: attaching to a running "
+                                                   "server is the vllm-server engine's"),
+    (["rollout=vllm_server_cpu", "rollout.server_url=http://127.0.0.1:8000", "layout=colocated_2gpu",
+      "layout.engine_tp=1"], "2 engine(s) here"),
+    (["rollout=vllm_server_cpu", "layout=colocated_2gpu"], "rollout.engine=vllm-server with layout.engine_tp=2 over 2 "
+                                                           "training processes"),
+    (["algorithm.off_policy_loss=decoupld"], "algorithm.off_policy_loss"),
+    (["algorithm.behav_imp_weight_cap=0.5"], "algorithm.behav_imp_weight_cap=0.5: must be a finite number >= 1"),
+    (["algorithm.behav_imp_weight_cap=nan"], "algorithm.behav_imp_weight_cap=nan: must be a finite number"),
+    (["algorithm.behav_imp_weight_mode=clip"], "algorithm.behav_imp_weight_mode"),
+    (["trainer.gpu_hour_usd=-1"], "trainer.gpu_hour_usd=-1.0: must be a finite number >= 0"),
+    (["trainer.gpu_hour_usd=inf"], "trainer.gpu_hour_usd=inf: must be a finite number"),
+    (["trainer.gpu_hour_usd=cheap"], "trainer.gpu_hour_usd"),
+    (["rollout.gdn_prefill_backend=tritn"], "rollout.gdn_prefill_backend='tritn': is not one of auto, triton"),
+])
+def test_layout_and_algorithm_keys_that_cannot_work_are_refused_at_compose(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        compose(["experiment=tiny-cpu", *overrides])
+
+
+def test_every_shipped_experiment_and_layout_still_composes():
+    for experiment in ("tiny-cpu", "h200-tiny", "h200-8b", "r28-base-cost-2gpu", "r28-continued-cost-8gpu-n32",
+                       "r28-continued-cost-8gpu-t49152-n16-separate4-4-memory",
+                       "r28-continued-cost-8gpu-t98304-separate6-2-memory"):
+        compose([f"experiment={experiment}"])
+    compose(["experiment=tiny-cpu", "layout=separate_cpu", "rollout=vllm_server_cpu", "layout.partial_rollouts=true",
+             "layout.staleness_policy=drop"])
+    compose(["experiment=tiny-cpu", "rollout=vllm_server_cpu"])  # one colocated server engine
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "main_ppo.log"])
+def test_a_run_file_that_is_a_folder_exits_2_before_anything_is_written(name, tmp_path, sample_data_dir,
+                                                                        tiny_model_dir, capsys):
+    (tmp_path / "outputs" / "tiny-cpu" / name).mkdir(parents=True)
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path}", f"model.path={tiny_model_dir}",
+                 f"data.root={sample_data_dir}", "logger.mode=disabled"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"the run's file {tmp_path / 'outputs' / 'tiny-cpu' / name} is a folder" in err, err
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "outputs", "outputs/tiny-cpu", f"outputs/tiny-cpu/{name}"]
+
+
+def test_a_fault_at_a_step_the_resumed_run_does_not_train_is_refused():
+    from atlas_lightning.callbacks.faults import FaultInjection
+    from atlas_lightning.run.faults import check_injections
+
+    cfg = compose(["experiment=tiny-cpu"])
+    check_injections({"fault": FaultInjection("engine_kill", 4)}, cfg, resumed_step=3)  # step 4 is trained
+    with pytest.raises(ConfigError, match=re.escape("engine_kill at RL step 3 would never happen: the run trains "
+                                                    "RL steps 4..10")):
+        check_injections({"fault": FaultInjection("engine_kill", 3)}, cfg, resumed_step=3)
