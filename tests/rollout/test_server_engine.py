@@ -244,7 +244,7 @@ def test_absent_server_raises():
 
 
 def test_factory_attaches_to_server_url_and_refuses_what_it_cannot_serve(server_engine):
-    from atlas_lightning.config import compose
+    from atlas_lightning.config import ConfigError, compose
     from atlas_lightning.rollout.factory import build_engine
 
     cfg = compose(["rollout=vllm_server_cpu", f"rollout.server_url={server_engine.url}"])
@@ -257,15 +257,34 @@ def test_factory_attaches_to_server_url_and_refuses_what_it_cannot_serve(server_
         attached.close()
     assert server_engine.server.alive()  # closing an attached engine leaves the server alone
 
+    # refused by the config check, naming the keys, before anything is written; and by the
+    # factory again for a config changed after composition
+    with pytest.raises(ConfigError, match="rollout.weight_sync=merged with rollout.engine=vllm-server"):
+        compose(["rollout=vllm_server_cpu", "rollout.weight_sync=merged"])
     with pytest.raises(NotImplementedError, match="weight_sync"):
-        build_engine(compose(["rollout=vllm_server_cpu", "rollout.weight_sync=merged"]))
+        build_engine(_changed(["rollout=vllm_server_cpu"], {"rollout.weight_sync": "merged"}))
+    with pytest.raises(ConfigError, match="layout.engine_tp=2 over 2 training processes"):
+        compose(["rollout=vllm_server_cpu", "layout=colocated_2gpu", "trainer.devices=2"])
     with pytest.raises(NotImplementedError, match="separate layout"):
-        build_engine(compose(["rollout=vllm_server_cpu", "layout=colocated_2gpu", "trainer.devices=2"]),
+        build_engine(_changed(["layout=colocated_2gpu", "trainer.devices=2"], {"rollout.engine": "vllm-server"}),
                      rank=0, world_size=2)
+    two_engines = ["rollout=vllm_server_cpu", "layout=colocated_2gpu", "layout.engine_tp=1", "trainer.devices=2"]
+    with pytest.raises(ConfigError, match="2 engine"):
+        compose([*two_engines, "rollout.server_url=http://127.0.0.1:1"])
     with pytest.raises(NotImplementedError, match="each needs its own server"):
-        build_engine(compose(["rollout=vllm_server_cpu", "rollout.server_url=http://127.0.0.1:1",
-                              "layout=colocated_2gpu", "layout.engine_tp=1", "trainer.devices=2"]),
-                     rank=0, world_size=2)
+        build_engine(_changed(two_engines, {"rollout.server_url": "http://127.0.0.1:1"}), rank=0, world_size=2)
+
+
+def _changed(overrides: list[str], changes: dict):
+    """A composed config changed afterwards (past the config check)."""
+    from omegaconf import OmegaConf
+
+    from atlas_lightning.config import compose
+
+    cfg = OmegaConf.create(OmegaConf.to_container(compose(overrides)))
+    for key, value in changes.items():
+        OmegaConf.update(cfg, key, value)
+    return cfg
 
 
 def test_dead_server_raises_engine_error(server_engine):
