@@ -57,6 +57,9 @@ class StepCheckpoint(Checkpoint):
 
     def __init__(self, checkpoints: str | Path, every_n_steps: int = 5, total_steps: Optional[int] = None,
                  save_last: bool = True, background: bool = True) -> None:
+        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 0:
+            raise ValueError(f"StepCheckpoint: every_n_steps must be an int >= 0 (0: the last step only), "
+                             f"got {every_n_steps!r}")
         self.checkpoints = Path(checkpoints)
         self.every_n_steps = every_n_steps
         self.total_steps = total_steps

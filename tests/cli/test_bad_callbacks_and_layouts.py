@@ -28,6 +28,7 @@ INJECT = "+callbacks.fault_injection._target_=atlas_lightning.callbacks.faults.F
     (["callbacks.nan_guard.policy=rolback"], "callbacks.nan_guard: cannot build atlas_lightning.callbacks.nan_guard."
                                             "NaNGuardCallback: NaNGuardCallback: policy must be one of"),
     (["callbacks.figures.dpi=2"], "callbacks.figures: cannot build"),
+    (["callbacks.checkpoint.every_n_steps=-1"], "StepCheckpoint: every_n_steps must be an int >= 0"),
     ([INJECT, "+callbacks.fault_injection.fault=engine_kil", "+callbacks.fault_injection.step=2"],
      "FaultInjection: fault must be one of engine_kill"),
     ([INJECT, "+callbacks.fault_injection.fault=engine_kill", "+callbacks.fault_injection.step=-1"],
