@@ -422,6 +422,12 @@ def validate(cfg: DictConfig) -> None:
             f"rollout.max_model_len={cfg.rollout.max_model_len}"
         )
     _validate_layout(cfg)
+    if cfg.rollout.weight_transfer is not None and not (cfg.layout.mode == "separate"
+                                                         and cfg.rollout.weight_sync == "merged"):
+        raise ConfigError(f"rollout.weight_transfer={cfg.rollout.weight_transfer} carries merged weights to the "
+                          f"separate layout's server (layout.mode=separate rollout.weight_sync=merged); here "
+                          f"(layout.mode={cfg.layout.mode}, rollout.weight_sync={cfg.rollout.weight_sync}) it would "
+                          f"do nothing: leave it null")
     if cfg.hub.publish_checkpoints and not cfg.hub.repo_id:
         raise ConfigError("hub.publish_checkpoints=true needs hub.repo_id=<owner>/<name>")
     for name, spec in (cfg.callbacks or {}).items():
@@ -498,6 +504,9 @@ def _validate_colocated(cfg: DictConfig) -> None:
     """Keys of the separate layout set in a colocated one, where they would do nothing, and the
     server engine's settings a colocated layout cannot run (``rollout/factory.server_engine``)."""
     layout, rollout = cfg.layout, cfg.rollout
+    if layout.serve_gpus:
+        raise ConfigError(f"layout.serve_gpus={layout.serve_gpus}: a colocated layout serves from its training cards; "
+                          f"set layout.serve_gpus=0, or layout.mode=separate for cards that only serve")
     if layout.partial_rollouts:
         raise ConfigError("layout.partial_rollouts=true interrupts the separate layout's server requests at a weight "
                           "sync; a colocated layout never samples during an update: set layout.partial_rollouts=false "

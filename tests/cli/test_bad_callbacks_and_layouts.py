@@ -79,6 +79,11 @@ def test_a_bad_callback_or_layout_exits_2_naming_the_key_before_anything_is_writ
       "layout.engine_tp=1"], "2 engine(s) here"),
     (["rollout=vllm_server_cpu", "layout=colocated_2gpu"], "rollout.engine=vllm-server with layout.engine_tp=2 over 2 "
                                                            "training processes"),
+    (["layout.serve_gpus=1"], "layout.serve_gpus=1: a colocated layout serves from its training cards"),
+    (["rollout.weight_transfer=gloo"], "rollout.weight_transfer=gloo carries merged weights to the separate layout's "
+                                       "server"),
+    (["layout=separate_cpu", "rollout=vllm_server_cpu", "rollout.weight_transfer=gloo"],
+     "(layout.mode=separate, rollout.weight_sync=lora) it would do nothing"),
     (["algorithm.off_policy_loss=decoupld"], "algorithm.off_policy_loss"),
     (["algorithm.behav_imp_weight_cap=0.5"], "algorithm.behav_imp_weight_cap=0.5: must be a finite number >= 1"),
     (["algorithm.behav_imp_weight_cap=nan"], "algorithm.behav_imp_weight_cap=nan: must be a finite number"),
@@ -101,6 +106,8 @@ def test_every_shipped_experiment_and_layout_still_composes():
     compose(["experiment=tiny-cpu", "layout=separate_cpu", "rollout=vllm_server_cpu", "layout.partial_rollouts=true",
              "layout.staleness_policy=drop"])
     compose(["experiment=tiny-cpu", "rollout=vllm_server_cpu"])  # one colocated server engine
+    compose(["experiment=tiny-cpu", "layout=separate_cpu", "rollout=vllm_server_cpu", "rollout.weight_sync=merged",
+             "rollout.weight_transfer=gloo"])
 
 
 @pytest.mark.parametrize("name", ["config.yaml", "main_ppo.log"])
