@@ -208,6 +208,29 @@ def test_lora_matches_reference_and_is_never_stale(server_engine, hf_engine, tin
     _assert_same(_greedy(server_engine, PROMPTS, tag="b2"), base, tol=1e-6)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_server_names_each_reply_after_its_request_and_prompt(server_engine, tiny_model_dir, stream):
+    """What the engine's reply checks rely on (``server_completion.ReplyCheck``): vLLM names its
+    reply ``cmpl-<X-Request-Id>`` and returns the prompt's ids, whole or streamed; the engine
+    reads the model's vocabulary size from the base it serves."""
+    import json
+
+    from atlas_lightning.rollout.engines.server_http import http_call, http_stream
+
+    payload = {**server_engine._payload(GenerationRequest("r", tuple(PROMPTS[0]), SamplingSpec(max_tokens=4, seed=3))),
+               "stream": stream}
+    if stream:
+        events = list(http_stream(server_engine.url, "/v1/completions", json.dumps(payload).encode(),
+                                  request_id="atlas-echo-s"))
+        assert {event["id"] for event in events} == {"cmpl-atlas-echo-s"}
+        assert events[0]["choices"][0]["prompt_token_ids"] == PROMPTS[0]
+    else:
+        status, body = http_call(server_engine.url, "POST", "/v1/completions", payload, request_id="atlas-echo-w")
+        assert status == 200 and body["id"] == "cmpl-atlas-echo-w"
+        assert body["choices"][0]["prompt_token_ids"] == PROMPTS[0]
+    assert server_engine.vocab_size == json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+
+
 def test_bad_adapter_folder_is_a_clear_error_and_serves_the_base(server_engine, tiny_model_dir, tmp_path):
     _random_adapter(tiny_model_dir, tmp_path / "good", seed=1)
     server_engine.set_adapter(None)
