@@ -63,8 +63,8 @@ class ReplyCheck:
 
     def identity_problem(self, reply: dict) -> Optional[str]:
         """Whether ``reply`` (a whole reply or a streamed chunk) answers another request."""
-        got = reply.get("id")
-        if isinstance(got, str) and ID_PREFIX in got and got != f"cmpl-{self.sent_id}":
+        got = reply.get("id")  # vLLM's: cmpl-<the id sent>; a server that ignores it names its own
+        if isinstance(got, str) and ID_PREFIX in got and self.sent_id not in got:
             return f"the reply is for request {got!r}, not this one (cmpl-{self.sent_id})"
         choices = reply.get("choices")
         prompt = choices[0].get("prompt_token_ids") if isinstance(choices, list) and choices and \
