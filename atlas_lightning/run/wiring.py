@@ -139,7 +139,11 @@ def build_callbacks(cfg: DictConfig, facts: Optional["RunFacts"] = None) -> list
         if spec is None:
             continue
         arguments = {k: v for k, v in OmegaConf.to_container(spec, resolve=True).items() if not k.startswith("_")}
-        check_callback_arguments(name, get_object(spec._target_), arguments)  # the target resolved at compose
+        try:
+            target = get_object(spec._target_)  # resolved at compose; a config changed since may not
+        except Exception as err:
+            raise ConfigError(f"callbacks.{name}: cannot build {spec.get('_target_')}: {err}") from None
+        check_callback_arguments(name, target, arguments)
         try:
             build = instantiate(spec, _partial_=True)
             records_the_run = isinstance(build.func, type) and issubclass(build.func, ArtifactDumpCallback)
