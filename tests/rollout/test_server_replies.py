@@ -47,6 +47,11 @@ REPLIES = {
 }
 
 
+def _event(body) -> bytes:
+    """One server-sent event of ``body`` (JSON, or bytes as they are)."""
+    return b"data: " + (body if isinstance(body, bytes) else json.dumps(body).encode()) + b"\n\n"
+
+
 class _Server:
     """A vLLM server's routes as these tests need them; ``mode`` picks the completion's reply."""
 
@@ -100,10 +105,10 @@ class _Server:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def events(self, reply_id: str, choice: dict) -> list[bytes]:
-        """The streamed reply: the choice's tokens one a chunk, the finish reason on the last."""
-        def event(body) -> bytes:
-            return b"data: " + (body if isinstance(body, bytes) else json.dumps(body).encode()) + b"\n\n"
-
+        """The streamed reply (``stream_mode``: damaged so), else ``events_of``'s."""
+        event = _event
+        if self.stream_mode == "crlf":  # SSE's other line ending: the same reply
+            return [e.replace(b"\n", b"\r\n") for e in self.events_of(reply_id, choice)]
         if self.stream_mode == "not_json":
             return [event(b"{\"id\": \"x\", \"choices\": [")]
         if self.stream_mode == "no_choices":
@@ -114,6 +119,12 @@ class _Server:
             return [event({"id": reply_id, "choices": [_choice(tokens=(5,), logprobs=(-0.1,), finish="stop")]}),
                     event({"id": reply_id, "choices": [_choice(tokens=(6,), logprobs=(-0.2,), finish=None,
                                                                prompt_token_ids=None)]}), event(b"[DONE]")]
+        return self.events_of(reply_id, choice)
+
+    @staticmethod
+    def events_of(reply_id: str, choice: dict) -> list[bytes]:
+        """The choice's tokens one a chunk, the finish reason on the last, then ``[DONE]``."""
+        event = _event
         logprobs = choice.get("logprobs")
         if not isinstance(logprobs, dict) or len(logprobs["tokens"]) < 2:
             return [event({"id": reply_id, "choices": [choice]}), event(b"[DONE]")]
@@ -169,6 +180,16 @@ def test_every_bad_reply_is_an_error_result_naming_what_is_wrong(server, mode, s
         assert result.finish_reason == "error"
     else:
         assert result.finish_reason == "error" and expected in result.error, result.error
+
+
+def test_a_stream_with_crlf_line_ends_reads_as_with_lf(server):
+    engine = ServerEngine(server.url, streaming=True, poll_wait_s=0.01)
+    try:
+        server.stream_mode = "crlf"
+        result = _result(engine)
+    finally:
+        engine.close()
+    assert result.error is None and result.token_ids == [5, 6] and result.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("stream_mode, message", [

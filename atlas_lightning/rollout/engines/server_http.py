@@ -136,7 +136,7 @@ def http_stream(url: str, path: str, body: bytes, timeout: Optional[float] = 60.
             return
         pending = b""
         for chunk in response.stream(64 * 1024):
-            pending += chunk
+            pending = (pending + chunk).replace(b"\r\n", b"\n")  # SSE lines may end in CRLF too
             *events, pending = pending.split(b"\n\n")
             for event in events:
                 data = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
