@@ -141,7 +141,7 @@ def _last_good(checkpoints: Path, before_step: int) -> tuple[Optional[Path], str
 def check_injections(callbacks: dict[str, Any], cfg: Any, resumed_step: int) -> None:
     """Each ``FaultInjection`` among ``callbacks`` (by their ``callbacks.<name>``) strikes in this
     run: its step is one the run trains (after ``resumed_step``, up to ``trainer.total_steps``),
-    checkpointed there (``checkpoint_write``) or validated there (``phase=validation``), its rank
+    checkpointed there (``checkpoint_write``) or validated there alone (``phase=validation``), its rank
     one of the run's, its engine one it can kill (not ``hf``). Otherwise the run would end as if
     it had met the fault and survived it. ``ConfigError`` naming the key (before anything is written)."""
     from atlas_lightning.callbacks.checkpoint import StepCheckpoint
@@ -163,6 +163,8 @@ def check_injections(callbacks: dict[str, Any], cfg: Any, resumed_step: int) -> 
             why = "no checkpoint is written at that step (trainer.save_every)"
         elif fault.phase == "validation" and not (validation is not None and validation.should_validate(step, total)):
             why = "no validation runs at that step (trainer.val_every)"
+        elif fault.phase == "validation" and validation.overlap and step < total and cfg.layout.mode == "colocated":
+            why = "that step's validation rides with the next training rollout (callbacks.validation.overlap=true)"
         elif fault.rank is not None and fault.rank >= world:
             why = f"the run has {world} rank(s)"
         elif fault.fault == "engine_kill" and cfg.rollout.engine == "hf":
