@@ -142,7 +142,8 @@ def check_injections(callbacks: dict[str, Any], cfg: Any, resumed_step: int) -> 
     """Each ``FaultInjection`` among ``callbacks`` (by their ``callbacks.<name>``) strikes in this
     run: its step is one the run trains (after ``resumed_step``, up to ``trainer.total_steps``),
     checkpointed there (``checkpoint_write``) or validated there alone (``phase=validation``), its rank
-    one of the run's, its engine one it can kill (not ``hf``). Otherwise the run would end as if
+    one of the run's, its engine one it can kill (a process this rank started: not ``hf``, not a
+    ``rollout.server_url``, rank 0's in the separate layout). Otherwise the run would end as if
     it had met the fault and survived it. ``ConfigError`` naming the key (before anything is written)."""
     from atlas_lightning.callbacks.checkpoint import StepCheckpoint
     from atlas_lightning.callbacks.faults import FaultInjection
@@ -169,6 +170,10 @@ def check_injections(callbacks: dict[str, Any], cfg: Any, resumed_step: int) -> 
             why = f"the run has {world} rank(s)"
         elif fault.fault == "engine_kill" and cfg.rollout.engine == "hf":
             why = "the hf engine runs in the trainer's process: there is no engine process to kill"
+        elif fault.fault == "engine_kill" and cfg.rollout.get("server_url"):
+            why = "the run attaches to a server it did not start (rollout.server_url): it holds no process to kill"
+        elif fault.fault == "engine_kill" and cfg.layout.mode == "separate" and world > 1 and fault.rank != 0:
+            why = "in the separate layout rank 0 alone holds the server's process: set +callbacks.fault_injection.rank=0"
         if why is not None:
             raise ConfigError(f"callbacks.{name}: {fault.fault} at RL step {step}"
                               f"{'' if fault.rank is None else f' on rank {fault.rank}'} would never happen: {why}")

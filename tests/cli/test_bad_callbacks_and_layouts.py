@@ -131,6 +131,14 @@ def test_a_fault_at_a_step_the_resumed_run_does_not_train_is_refused():
 
     cfg = compose(["experiment=tiny-cpu"])
     check_injections({"fault": FaultInjection("engine_kill", 4)}, cfg, resumed_step=3)  # step 4 is trained
+    attached = compose(["experiment=tiny-cpu", "rollout=vllm_server_cpu", "rollout.server_url=http://127.0.0.1:1"])
+    with pytest.raises(ConfigError, match=re.escape("(rollout.server_url): it holds no process to kill")):
+        check_injections({"fault": FaultInjection("engine_kill", 4)}, attached, resumed_step=0)
+    separate = compose(["experiment=tiny-cpu", "layout=separate_cpu", "rollout=vllm_server_cpu", "layout.gpus=3",
+                        "layout.train_gpus=2"])
+    with pytest.raises(ConfigError, match=re.escape("rank 0 alone holds the server's process")):
+        check_injections({"fault": FaultInjection("engine_kill", 4)}, separate, resumed_step=0)
+    check_injections({"fault": FaultInjection("engine_kill", 4, rank=0)}, separate, resumed_step=0)
     with pytest.raises(ConfigError, match=re.escape("engine_kill at RL step 3 would never happen: the run trains "
                                                     "RL steps 4..10")):
         check_injections({"fault": FaultInjection("engine_kill", 3)}, cfg, resumed_step=3)
