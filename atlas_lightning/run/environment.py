@@ -15,7 +15,8 @@ from atlas_lightning.config import ConfigError
 def check_machine(cfg, *, count_gpus: bool = True) -> list[str]:
     """Notes on what was found; ``ConfigError`` naming the key when this machine cannot run
     ``cfg``: ``trainer.accelerator=gpu`` (or ``cuda``) where CUDA has fewer cards than
-    ``trainer.devices`` (none at all on a CPU machine), or ``logger.mode`` resolving to
+    ``trainer.devices`` (none at all on a CPU machine), a colocated server engine asked to sleep
+    where there are cards (``rollout/factory.server_engine`` refuses it), or ``logger.mode`` resolving to
     ``online`` with no W&B key (``WANDB_API_KEY``, or ``wandb login``'s)."""
     from atlas_lightning.loggers.wandb_logger import resolve_wandb_mode, wandb_credentials
 
@@ -29,6 +30,11 @@ def check_machine(cfg, *, count_gpus: bool = True) -> list[str]:
                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); on a CPU "
                               f"machine use a CPU experiment (experiment=tiny-cpu) or trainer.accelerator=cpu")
         notes.append(f"{found} GPUs visible")
+    r = cfg.rollout
+    if cfg.layout.mode == "colocated" and r.engine == "vllm-server" and r.enable_sleep_mode and _gpu_count() > 0:
+        raise ConfigError("rollout.enable_sleep_mode=true with rollout.engine=vllm-server on GPUs: the server cannot "
+                          "sleep (its /sleep route is dev-mode only); set rollout.enable_sleep_mode=false or use "
+                          "rollout.engine=vllm")
     if resolve_wandb_mode(cfg.logger.mode) == "online":
         source = wandb_credentials()
         if source is None:

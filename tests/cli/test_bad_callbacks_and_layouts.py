@@ -142,3 +142,15 @@ def test_a_fault_at_a_step_the_resumed_run_does_not_train_is_refused():
     with pytest.raises(ConfigError, match=re.escape("engine_kill at RL step 3 would never happen: the run trains "
                                                     "RL steps 4..10")):
         check_injections({"fault": FaultInjection("engine_kill", 3)}, cfg, resumed_step=3)
+
+
+def test_a_server_engine_asked_to_sleep_on_gpus_is_refused_before_anything_is_written(monkeypatch):
+    import atlas_lightning.run.environment as environment
+    from atlas_lightning.run.environment import check_machine
+
+    cfg = compose(["experiment=tiny-cpu", "rollout=vllm_server_cpu", "rollout.enable_sleep_mode=true"])
+    check_machine(cfg)  # no card here: the CPU server never sleeps, nothing to refuse
+    monkeypatch.setattr(environment, "_gpu_count", lambda: 1)
+    with pytest.raises(ConfigError, match=re.escape("rollout.enable_sleep_mode=true with rollout.engine=vllm-server "
+                                                    "on GPUs")):
+        check_machine(cfg)
