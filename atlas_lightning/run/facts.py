@@ -52,9 +52,8 @@ class RunFacts:
 
 def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -> RunFacts:
     """Verify what the run reads before anything is written (every verb that loads the model
-    calls it first) and return it: the run's folders (``paths.*``: writable, or creatable) and
-    the files each launch rewrites there (``_check_run_files``), what the separate layout's
-    server cannot run (``rollout/layout_checks.py``), ``model.path`` (``planning.model_folder``),
+    calls it first) and return it: the run's folders (``paths.*``: writable, or creatable), what
+    the separate layout's server cannot run (``rollout/layout_checks.py``), ``model.path`` (``planning.model_folder``),
     the question splits (``data``: every file of the train and validation splits loads,
     ``questions.loader.load_splits``), ``trainer.init_from``
     (a complete checkpoint whose adapters verify against ``checkpoint.json``), the starting
@@ -70,7 +69,6 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
 
     folders = run_dirs(cfg)
     check_writable(folders)
-    _check_run_files(folders["outputs"])
     _check_separate_layout(cfg)
     check_machine(cfg)
     check_model_folder(cfg.model.path)
@@ -148,21 +146,6 @@ def check_writable(dirs: Mapping[str, Path]) -> None:
         except OSError as err:
             raise ConfigError(f"{where}: {existing} is not writable ({err.strerror or err}); "
                               f"choose another paths.root or fix the folder's permissions") from None
-
-
-def _check_run_files(outputs: Path) -> None:
-    """The files every launch writes at the same place (``outputs/<name>/config.yaml``, replaced;
-    ``main_ppo.log``, appended to): where one exists it is a file, or a link to one (a folder or
-    a socket of that name would fail only once the run has begun)."""
-    from atlas_lightning.run.wiring import RUN_LOG
-
-    for path in (outputs / "config.yaml", outputs / RUN_LOG):
-        if path.exists() and path.is_dir():
-            raise ConfigError(f"the run's file {path} is a folder: move it away (each launch writes its "
-                              f"{path.name} there)")
-        if path.exists() and not path.is_file() and not path.is_char_device():
-            raise ConfigError(f"the run's file {path} is not a file: move it away (each launch writes its "
-                              f"{path.name} there)")
 
 
 def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True) -> StartingPoint:

@@ -88,16 +88,31 @@ class RunLogHandler(logging.FileHandler):
                 pass
 
 
+def _check_run_files(outputs: Path) -> None:
+    """The files every launch writes at the same place (``outputs/<name>/config.yaml``, replaced;
+    ``main_ppo.log``, appended to): where one exists it is a file, or a link to one (a folder of
+    that name would fail the launch half-way through its first writes, with a traceback)."""
+    for path in (outputs / "config.yaml", outputs / RUN_LOG):
+        if path.exists() and path.is_dir():
+            raise ConfigError(f"the run's file {path} is a folder: move it away (each launch writes its "
+                              f"{path.name} there)")
+        if path.exists() and not path.is_file() and not path.is_char_device():
+            raise ConfigError(f"the run's file {path} is not a file: move it away (each launch writes its "
+                              f"{path.name} there)")
+
+
 def prepare_run(cfg: DictConfig, verb: str, notes: Sequence[str] = ()) -> None:
     """The folders ``paths.outputs`` and ``paths.logs`` (README, "On-disk layout"), the resolved
     config (``outputs/<name>/config.yaml``) and the logs (``outputs/<name>/main_ppo.log``, the
     name the runs of ATLAS report 28, the reproduced report, wrote, across launches;
-    ``logs/<name>-<time>-<verb>.log`` for this launch); ``notes`` (what was decided about the
+    ``logs/<name>-<time>-<verb>.log`` for this launch), once neither of the first two is a folder
+    (``ConfigError``, nothing written); ``notes`` (what was decided about the
     starting point, ``RunFacts.start.notes``) go to the logs and stderr. Rank 0 writes; other
     ranks do nothing."""
     if _launch_rank() != 0:
         return
     outputs, logs = Path(cfg.paths.outputs), Path(cfg.paths.logs)
+    _check_run_files(outputs)  # before the first write
     for folder in (outputs, logs):
         folder.mkdir(parents=True, exist_ok=True)
     atomic_write_text(outputs / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(redacted(cfg))))
