@@ -6,6 +6,8 @@
 Checks, in order (each prints one line; the exit code is 0 when all pass, 2 otherwise):
 
 1. ``config``: the config composes and validates (an unknown key or bad value is named);
+   ``callbacks``: every configured callback builds from its arguments, as ``fit`` builds it
+   (``run/wiring.build_callbacks``: names and types checked, an injected fault that would strike);
 2. ``model``: ``model.path`` is a local folder with a readable ``config.json`` of a known
    family, a tokenizer and weight files (none is loaded);
 3. ``data``: the train and validation splits of every benchmark load (``data.loader.load_split``:
@@ -73,6 +75,14 @@ def check_model(cfg) -> str:
     files = model_weight_files(folder)
     return (f"{folder}: {shape.model_type}, {shape.base_params / 1e9:.3g}B parameters, {shape.num_layers} layers, "
             f"{len(files)} weight file(s)")
+
+
+def check_callbacks(cfg) -> str:
+    """Every configured callback, built as ``fit`` builds it (nothing is written)."""
+    from atlas_lightning.run.wiring import build_callbacks
+
+    built = build_callbacks(cfg)
+    return f"{len(built)} built: {', '.join(type(c).__name__ for c in built)}"
 
 
 def check_data(cfg) -> str:
@@ -299,6 +309,7 @@ def run_preflight(overrides: list[str], *, cpu: bool = False, config_dir: Option
     if not run("config", composed):
         return results
     cfg = holder["cfg"]
+    run("callbacks", lambda: check_callbacks(cfg))
     run("model", lambda: check_model(cfg))
     run("data", lambda: check_data(cfg))
     run("adapters", lambda: check_adapters(cfg))

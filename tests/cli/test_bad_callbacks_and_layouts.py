@@ -154,3 +154,17 @@ def test_a_server_engine_asked_to_sleep_on_gpus_is_refused_before_anything_is_wr
     with pytest.raises(ConfigError, match=re.escape("rollout.enable_sleep_mode=true with rollout.engine=vllm-server "
                                                     "on GPUs")):
         check_machine(cfg)
+
+
+def test_preflight_builds_the_callbacks_as_fit_does(tiny_model_dir, sample_data_dir, tmp_path):
+    from atlas_lightning.run.preflight import run_preflight
+
+    base = ["experiment=tiny-cpu", f"paths.root={tmp_path}", f"model.path={tiny_model_dir}",
+            f"data.root={sample_data_dir}", "logger.mode=disabled"]
+    checks = {c.name: c for c in run_preflight(base, cpu=True, echo=lambda line: None)}
+    assert checks["callbacks"].ok and "StepCheckpoint" in checks["callbacks"].detail
+    checks = {c.name: c for c in run_preflight([*base, "callbacks.validation.overlap=maybe"], cpu=True,
+                                               echo=lambda line: None)}
+    assert not checks["callbacks"].ok
+    assert checks["callbacks"].detail.startswith("callbacks.validation.overlap='maybe': ValidationCallback takes bool")
+    assert not any(tmp_path.iterdir())
