@@ -67,6 +67,7 @@ from atlas_lightning.rollout.engine import Engine
 from atlas_lightning.rollout.engines.args import client_in_flight
 from atlas_lightning.rollout.interruption import SyncPause
 from atlas_lightning.rollout.rng import preserved_rng
+from atlas_lightning.store.lora_shapes import LoraShape
 
 log = logging.getLogger(__name__)
 
@@ -115,17 +116,21 @@ class RolloutProgress:
 
 class RolloutDataModule(L.LightningDataModule):
     def __init__(self, cfg: DictConfig, engine: Optional[Engine] = None,
-                 questions: Optional[QuestionSplits] = None, resume_from: Optional[str] = None) -> None:
+                 questions: Optional[QuestionSplits] = None, resume_from: Optional[str] = None,
+                 actor_lora: Optional[LoraShape] = None) -> None:
         """``engine``: see the module doc. ``questions``: the splits the run's start-up loaded and
         checked (``run.facts.check_inputs``), never read again here; None: ``setup`` loads them
         (a datamodule built on its own, as tests do). ``resume_from``: the verified checkpoint a
         resumed run continues, whose trajectories in flight (partial rollouts, ``inflight.py``)
-        the producer continues."""
+        the producer continues. ``actor_lora``: the LoRA shape the actor trains, as the run's
+        start-up resolved it (``RunFacts.lora``), which sizes the engine's LoRA slot; None: the
+        engine resolves it from ``cfg``."""
         super().__init__()
         self.cfg = cfg
         self.resume_from = resume_from
         self.engine = engine
         self.questions = questions
+        self.actor_lora = actor_lora
         #: Told of each rollout's progress on rank 0 (``RolloutProgress``); the progress bar sets it.
         self.progress_sink: Optional[ProgressSink] = None
         #: The engine ``setup`` built, which ``teardown`` closes (None for one passed in).
@@ -207,7 +212,8 @@ class RolloutDataModule(L.LightningDataModule):
             from atlas_lightning.rollout.factory import build_engine
 
             allocated = _allocated_bytes()
-            self.engine = self._built_engine = build_engine(self.cfg, self.rank, self.local_rank, self.world_size)
+            self.engine = self._built_engine = build_engine(self.cfg, self.rank, self.local_rank, self.world_size,
+                                                            actor_lora=self.actor_lora)
             self.engine_allocated_bytes = _allocated_bytes() - allocated
 
     def _fitting(self, questions: list[Question], split: str) -> list[Question]:
