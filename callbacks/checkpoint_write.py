@@ -19,7 +19,10 @@ The Lightning state keeps its two formats (``store/checkpoints.py``):
 
 * under FSDP2 (``ModelParallelStrategy``) a torch.distributed checkpoint folder, written by
   torch's own ``async_save``: it stages the state in host memory (``DefaultStager``: a copy,
-  made before it returns) and writes it on a thread of its own, each rank its shards. Its
+  made before it returns) and writes it on a thread of its own, each rank its shards. That is
+  the state's one host copy: ``TrainableStateStrategy`` hands the shards over where they live
+  (on the card), where Lightning's own strategy would offload them to the host first
+  (``cpu_offload``), a second copy of the same bytes (``run/strategy.py``). Its
   planning and metadata collectives run on a gloo group made for checkpoints alone
   (``new_checkpoint_group``), never on the group the step's collectives use (two threads on one
   group would interleave their messages). Rank 0 adds Lightning's ``meta.pt`` (the rest of

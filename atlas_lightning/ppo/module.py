@@ -284,15 +284,18 @@ class PPOModule(L.LightningModule):
         restored weights here. Lightning calls every callback's ``on_train_start`` before this
         one, but none samples on a resumed run (validation before training is a fresh run's),
         and the first batch is fetched after it (the train dataloader is sized, so Lightning
-        fetches nothing ahead)."""
+        fetches nothing ahead). Then the generators the updates draw from: a resumed run's saved
+        states, a fresh run's rank seed (``ppo/rng_state.py``)."""
         if self._restored_after_fit_start():
             self.sync_weights(self.rl_step)
+        # last before the first batch: a resumed run draws on from where the checkpointed one was
+        # after its step (its sync came before it saved; this run's starting sync, above or in
+        # on_fit_start, is one the uninterrupted run never made); a fresh one from its rank's seed
         if self._rng_to_restore is not None:
-            # last before the first batch: the run draws on from where the checkpointed one was
-            # after its step (its sync came before it saved; this run's starting sync, above or
-            # in on_fit_start, is one the uninterrupted run never made)
             rng_state.restore(self._rng_to_restore)
             self._rng_to_restore = None
+        else:
+            rng_state.seed_training(self.cfg.seed, self.global_rank)
 
     def _restored_after_fit_start(self) -> bool:
         return self.resume_from is not None and bool(self.trainer.strategy.restore_checkpoint_after_setup)

@@ -3,7 +3,9 @@
 What draws random numbers between two RL steps, and where its state lives:
 
 * LoRA dropout (``model.lora.dropout`` > 0) in the update's forward passes: torch's global
-  generator of the device that trains (the CPU's, or this rank's CUDA device's);
+  generator of the device that trains (the CPU's, or this rank's CUDA device's), seeded as a
+  fresh run's first step starts (``seed_training``) with a seed of this rank's own, so that
+  data-parallel ranks draw independent masks, and a rerun the same ones;
 * anything else in the process that uses the global numpy or Python ``random`` generators
   (libraries included): kept too, so that nothing depends on whether they do.
 
@@ -13,6 +15,14 @@ rollout request (its own seed, a function of the run seed, the step and the traj
 ``rollout/datamodule.py``; the engines sample each request from a generator of that seed), the
 memory check's synthetic batches (a generator of ``(seed, step, rank)``). Validation restores the
 global generators after its rollout (``callbacks/validation.py``).
+
+A rank's seed mixes the run's seed and the rank with numpy's ``SeedSequence``, as Lightning's
+``pl_worker_init_function`` seeds a data loader's workers (not ``seed + rank``: rank 1 of seed 0
+would draw what rank 0 of seed 1 draws). Only torch's generators are seeded, and after the
+model's build, which forks them and draws from the run's seed alone (every rank builds the same
+LoRA factors, ``models/actor_critic.py``); the rollout's requests keep their own seeds, numpy's
+and Python's generators are left as they are, and a run without dropout draws nothing from
+torch's.
 
 The states are Lightning's own collection (``_collect_rng_states``/``_set_rng_states``: torch
 CPU, every CUDA device torch sees where CUDA is available, numpy (its key array kept as a
@@ -35,6 +45,23 @@ log = logging.getLogger(__name__)
 
 #: The checkpoint's top-level entry (``run/resume_state.py`` refuses a state without it).
 RNG_KEY = "rng_states"
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """Rank ``rank``'s 64-bit training seed in a run of seed ``seed`` (module doc): distinct for
+    every rank, the same in every run of that seed."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([int(seed), int(rank)]).generate_state(1, np.uint64)[0])
+
+
+def seed_training(seed: int, rank: int) -> int:
+    """Seed this process's torch generators (the CPU's and every CUDA device's) with
+    ``rank_seed(seed, rank)``, and return it: what a fresh run's updates draw from (LoRA
+    dropout). A resumed run sets its saved states instead (``restore``)."""
+    chosen = rank_seed(seed, rank)
+    torch.manual_seed(chosen)
+    return chosen
 
 
 def capture() -> Optional[dict]:

@@ -12,26 +12,18 @@ Contract:
   which stops Lightning from fetching a batch ahead, and a step's rollout runs only when the
   loop asks for that step, i.e. after the previous step's update and weight sync. Each batch
   carries ``weights_version``, the adapter version the engine served while sampling.
-- Asynchronous mode (``layout.mode=separate``): a ``prefetch.RolloutProducer`` thread samples
-  step ``k + 1`` while update ``k`` runs, never more than ``layout.max_staleness`` versions
-  behind the trainer (``layout.staleness_policy``: ``wait``, it waits for the weight sync
-  otherwise; ``drop``, it samples ahead regardless and the trajectories over the bound are
-  dropped at hand-over; a step left with none is sampled again at once, so no step is skipped).
-  Every batch gets ``staleness`` (trainer's version minus the batch's), the histogram of its
-  trajectories' staleness and the producer's wait (``timing["engine_idle"]``) when it is handed
-  over; after a NaN-guard rollback what
-  was sampled ahead (with the discarded weights) is sampled again on the restored ones. The
-  dataloader stays sized: Lightning itself never fetches ahead, the producer does, within the
-  bound.
+- Asynchronous mode (``layout.mode=separate``): a producer thread samples step ``k + 1`` while
+  update ``k`` runs, within ``layout.max_staleness`` versions of the trainer (``asynchronous.py``:
+  its contract, the staleness policy, the hand-over, a rollback and a resume). The dataloader
+  stays sized: Lightning itself never fetches ahead, the producer does, within the bound.
 - Every use of the engine (a rollout, a weight sync, validation) holds ``engine_lock``. With
   ``layout.partial_rollouts`` a weight sync does not wait for a training rollout: it interrupts
   it (``engine_for_sync``, ``rollout/interruption.py``), and the rollout continues under the new
   weights, so one batch (even one turn) may span versions; its ``weights_version`` is the one
   it started with, which its oldest tokens carry. The producer then schedules by trajectory
-  (``trajectory_producer.py``: trajectories start across step boundaries within the staleness
-  room, a step is handed over when its own are done), validation and a step sampled again ask
-  it to give way (``SyncPause.hold``) and a step checkpoint keeps what it has in flight
-  (``inflight.py``), which a resumed run (``resume_from``) continues.
+  (``trajectory_producer.py``), validation and a step sampled again ask it to give way
+  (``SyncPause.hold``) and a step checkpoint keeps what it has in flight (``inflight.py``), which
+  a resumed run (``resume_from``) continues.
 - A validation may ride with the next training rollout (``carry_validation``, synchronous mode
   only): its trajectories go through the same agent loop run in a lane of their own (own
   sampling, seeds and records, ``agent_loop.Lane``), with the global RNGs left as they were;
@@ -52,7 +44,7 @@ import threading
 import time
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import lightning as L
 from omegaconf import DictConfig
@@ -60,9 +52,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from atlas_lightning.config import LoopLimits
 from atlas_lightning.questions.loader import QuestionSplits, load_splits
+from atlas_lightning.rollout.asynchronous import AsynchronousSteps
 from atlas_lightning.rollout.prefetch import RolloutProducer, WeightsClock
 from atlas_lightning.rollout.trajectory_producer import TrajectoryProducer
-from atlas_lightning.rollout import inflight
 from atlas_lightning.questions.sampler import QuestionSampler, shard
 from atlas_lightning.questions.schema import Question
 from atlas_lightning.env.episode import Episode, RuntimeConfig
@@ -75,14 +67,15 @@ from atlas_lightning.rollout.engine import Engine
 from atlas_lightning.rollout.engines.args import client_in_flight
 from atlas_lightning.rollout.interruption import SyncPause
 from atlas_lightning.rollout.rng import preserved_rng
+from atlas_lightning.store.lora_shapes import LoraShape
 
 log = logging.getLogger(__name__)
 
 
 class _RolloutSteps(IterableDataset):
     """Yields the datamodule's rollouts for steps ``next_step .. total_steps``: sampled when
-    asked for (synchronous), or by the producer thread ahead of time (asynchronous). Sized, so
-    Lightning does not prefetch."""
+    asked for (synchronous), or by the producer thread ahead of time (asynchronous,
+    ``asynchronous.py``). Sized, so Lightning does not prefetch."""
 
     def __init__(self, datamodule: "RolloutDataModule") -> None:
         self.dm = datamodule
@@ -92,39 +85,13 @@ class _RolloutSteps(IterableDataset):
 
     def __iter__(self):
         if self.dm.asynchronous:
-            yield from self._asynchronous()
+            yield from self.dm.async_steps
             return
         while self.dm.next_step <= self.dm.total_steps:
             step = self.dm.next_step
-            batch = self.dm.handed_over(self.dm.rollout(step), waited_s=None)
+            batch = self.dm.handed_over(self.dm.rollout(step))
             self.dm.next_step = step + 1
             yield batch
-
-    def _asynchronous(self):
-        dm = self.dm
-        producer = dm.start_producer(dm.next_step)
-        try:
-            while dm.next_step <= dm.total_steps:
-                step = dm.next_step
-                started = time.monotonic()
-                if producer.rollbacks != dm.clock.rollbacks:
-                    # a NaN-guard rollback restored older weights: what was sampled ahead used the
-                    # discarded ones; sample from here again, on the restored version
-                    log.warning("weights rolled back to v%s: sampling step %d again", dm.weights_version, step)
-                    producer = dm.start_producer(step, base_version=dm.weights_version)
-                batch = producer.take(step)
-                batch.timing["engine_idle"] = producer.waited_s.pop(step, 0.0)
-                batch = dm.handed_over(batch, waited_s=time.monotonic() - started)
-                if not len(batch):  # every trajectory was over the bound (drop): sample the step now
-                    log.warning("step %d: all %d trajectories over layout.max_staleness; sampling it again",
-                                step, batch.dropped)
-                    again = dm.handed_over(dm.rollout(step, interruptible=False), waited_s=time.monotonic() - started)
-                    again.dropped += batch.dropped
-                    batch = again
-                dm.next_step = step + 1
-                yield batch
-        finally:
-            producer.stop(timeout_s=0)
 
 
 #: ``sink(label, done, total, tokens_per_second)``: told of a rollout's progress (the progress bar).
@@ -149,19 +116,21 @@ class RolloutProgress:
 
 class RolloutDataModule(L.LightningDataModule):
     def __init__(self, cfg: DictConfig, engine: Optional[Engine] = None,
-                 questions: Optional[QuestionSplits] = None, resume_from: Optional[str] = None) -> None:
+                 questions: Optional[QuestionSplits] = None, resume_from: Optional[str] = None,
+                 actor_lora: Optional[LoraShape] = None) -> None:
         """``engine``: see the module doc. ``questions``: the splits the run's start-up loaded and
         checked (``run.facts.check_inputs``), never read again here; None: ``setup`` loads them
         (a datamodule built on its own, as tests do). ``resume_from``: the verified checkpoint a
         resumed run continues, whose trajectories in flight (partial rollouts, ``inflight.py``)
-        the producer continues."""
+        the producer continues. ``actor_lora``: the LoRA shape the actor trains, as the run's
+        start-up resolved it (``RunFacts.lora``), which sizes the engine's LoRA slot; None: the
+        engine resolves it from ``cfg``."""
         super().__init__()
         self.cfg = cfg
         self.resume_from = resume_from
-        #: The steps in flight the resumed checkpoint kept, until the producer takes them.
-        self.restored_inflight: dict = {}
         self.engine = engine
         self.questions = questions
+        self.actor_lora = actor_lora
         #: Told of each rollout's progress on rank 0 (``RolloutProgress``); the progress bar sets it.
         self.progress_sink: Optional[ProgressSink] = None
         #: The engine ``setup`` built, which ``teardown`` closes (None for one passed in).
@@ -174,7 +143,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.engine_lock = threading.RLock()
         #: Partial rollouts: how a weight sync interrupts a training rollout (``engine_for_sync``).
         self.pause = SyncPause(self.engine_lock)
-        self.producer: Optional[RolloutProducer] = None
+        #: Asynchronous mode: the producer thread and the hand-over within the bound.
+        self.async_steps = AsynchronousSteps(self)
         #: A validation step to ride with the next training rollout, and those that rode, by step.
         self._rider: Optional[int] = None
         self._ridden: dict[int, RolloutBatch] = {}
@@ -209,6 +179,11 @@ class RolloutDataModule(L.LightningDataModule):
         weights (``layout.partial_rollouts``, separate layout; ``rollout/interruption.py``)."""
         return self.asynchronous and bool(self.cfg.layout.get("partial_rollouts", False))
 
+    @property
+    def producer(self) -> Optional[Union[RolloutProducer, TrajectoryProducer]]:
+        """The producer thread sampling ahead (asynchronous mode; None before the first batch)."""
+        return self.async_steps.producer
+
     def engine_for_sync(self):
         """What the weight sync holds while the weights move: the engine, a running training
         rollout interrupted to get it (partial rollouts) or waited for (otherwise)."""
@@ -231,16 +206,14 @@ class RolloutDataModule(L.LightningDataModule):
             self.val_questions = self._fitting(splits.val, "val")
         self.sampler = QuestionSampler(len(self.train_questions), self.cfg.algorithm.train_batch_size,
                                        seed=self.cfg.data.seed, shuffle=self.cfg.data.shuffle)
-        if self.partial_rollouts and self.resume_from is not None and not self.restored_inflight:
-            self.restored_inflight = inflight.restore(self.resume_from)
-            if self.restored_inflight:
-                log.info("resuming %d steps in flight (%d generated tokens) from %s", len(self.restored_inflight),
-                         inflight.saved_tokens(self.restored_inflight), self.resume_from)
+        if self.partial_rollouts and self.resume_from is not None:
+            self.async_steps.restore(self.resume_from)
         if self.engine is None:
             from atlas_lightning.rollout.factory import build_engine
 
             allocated = _allocated_bytes()
-            self.engine = self._built_engine = build_engine(self.cfg, self.rank, self.local_rank, self.world_size)
+            self.engine = self._built_engine = build_engine(self.cfg, self.rank, self.local_rank, self.world_size,
+                                                            actor_lora=self.actor_lora)
             self.engine_allocated_bytes = _allocated_bytes() - allocated
 
     def _fitting(self, questions: list[Question], split: str) -> list[Question]:
@@ -360,18 +333,6 @@ class RolloutDataModule(L.LightningDataModule):
         batch.memory.update(memory)
         return batch
 
-    def _rider_batch(self, lanes: list[Lane], step: int, version: Optional[int]) -> RolloutBatch:
-        """The validation lane of a shared run (``lanes[1]``), assembled as validation of
-        ``step``; its timing: ``gen`` (its own seconds in the run), ``tail`` (the run's seconds
-        after the training lane was done: what validation added to the step) and
-        ``overlapped`` (its seconds under the training lane's)."""
-        train_s, val_s = lanes[0].stats.seconds, lanes[1].stats.seconds
-        batch = assemble_batch(self._own_share(lanes[1].trajectories), step=step, partition="val",
-                               run_id=self.cfg.name, scorer=self.scorer, stats=lanes[1].stats,
-                               weights_version=version)
-        batch.timing.update({"gen": val_s, "tail": max(0.0, val_s - train_s), "overlapped": min(val_s, train_s)})
-        return batch
-
     @property
     def sleeps_for_update(self) -> bool:
         """A colocated engine with sleep mode sleeps after each training rollout (its weights and
@@ -387,63 +348,15 @@ class RolloutDataModule(L.LightningDataModule):
 
     # -- hand-over ------------------------------------------------------------------------
 
-    def start_producer(self, first: int, base_version: Optional[int] = None) -> RolloutProducer:
-        """A producer thread sampling steps ``first .. total_steps`` (asynchronous mode); step
-        ``first`` is trained on weights ``base_version`` (default ``first - 1``)."""
-        if self.producer is not None:
-            self.producer.stop(timeout_s=0)
-        bound = int(self.cfg.layout.max_staleness)
-        if self.partial_rollouts:  # scheduling by trajectory (``trajectory_producer.py``)
-            self.producer = TrajectoryProducer(
-                self, self.clock, self.pause, first=first, last=self.total_steps, max_staleness=bound,
-                base_version=base_version, policy=self.staleness_policy, restored=self.take_restored(first)).start()
-            return self.producer
-        self.producer = RolloutProducer(self.rollout, self.clock, first=first, last=self.total_steps,
-                                        max_staleness=bound, base_version=base_version,
-                                        policy=self.staleness_policy).start()
-        return self.producer
-
-    def take_restored(self, first: int) -> dict:
-        """The kept steps in flight from ``first`` on, handed to the producer once."""
-        steps, self.restored_inflight = self.restored_inflight, {}
-        return {step: opened for step, opened in steps.items() if step >= first}
-
-    @property
-    def staleness_policy(self) -> str:
-        """``layout.staleness_policy``: ``wait`` or ``drop`` (``prefetch.py``)."""
-        return str(self.cfg.layout.get("staleness_policy", "wait"))
-
-    def handed_over(self, batch: RolloutBatch, waited_s: Optional[float]) -> RolloutBatch:
+    def handed_over(self, batch: RolloutBatch, waited_s: Optional[float] = None) -> RolloutBatch:
         """``batch`` as the trainer gets it: its ``staleness`` (the trainer's version, i.e. the
         version the engine serves now, since every update is synced before the next step, minus
-        the batch's), its trajectories held to ``layout.max_staleness`` in asynchronous mode
-        (``_within_bound``); the time the trainer waited for it."""
+        the batch's; asynchronous mode then holds its trajectories to the bound,
+        ``asynchronous.within_bound``) and the time the trainer waited for it."""
         if batch.weights_version is not None and self.weights_version is not None:
             batch.staleness = self.weights_version - batch.weights_version
-            if self.asynchronous:
-                batch = self._within_bound(batch)
         if waited_s is not None:
             batch.timing["wait_rollout"] = waited_s
-        return batch
-
-    def _within_bound(self, batch: RolloutBatch) -> RolloutBatch:
-        """Each trajectory's staleness (the trainer's version minus its oldest generated token's,
-        ``RolloutBatch.oldest_versions``) counted into ``staleness_counts``; one over
-        ``layout.max_staleness`` is dropped (``drop``, counted in ``dropped``) or refused
-        (``wait``, whose producer never samples one: it would be a bug)."""
-        bound = int(self.cfg.layout.max_staleness)
-        lags = [self.weights_version - v for v in batch.oldest_versions()]
-        worst = max(lags, default=0)
-        if min(lags, default=0) < 0 or (self.staleness_policy == "wait" and worst > bound):
-            raise RuntimeError(f"step {batch.step} was sampled with weights v{batch.weights_version}, the trainer "
-                               f"holds v{self.weights_version}: staleness {worst} outside [0, {bound}]")
-        kept = [i for i, lag in enumerate(lags) if lag <= bound]
-        if len(kept) < len(lags):
-            log.warning("step %d: %d of %d trajectories over layout.max_staleness=%d dropped",
-                        batch.step, len(lags) - len(kept), len(lags), bound)
-            batch = batch.subset(kept)
-            batch.dropped = len(lags) - len(kept)
-        batch.staleness_counts = {k: sum(1 for i in kept if lags[i] == k) for k in range(bound + 1)}
         return batch
 
     def rollout(self, step: int, interruptible: Optional[bool] = None) -> RolloutBatch:
@@ -524,6 +437,18 @@ class RolloutDataModule(L.LightningDataModule):
             self._rider = None
         return self._ridden.pop(step, None)
 
+    def _rider_batch(self, lanes: list[Lane], step: int, version: Optional[int]) -> RolloutBatch:
+        """The validation lane of a shared run (``lanes[1]``), assembled as validation of
+        ``step``; its timing: ``gen`` (its own seconds in the run), ``tail`` (the run's seconds
+        after the training lane was done: what validation added to the step) and
+        ``overlapped`` (its seconds under the training lane's)."""
+        train_s, val_s = lanes[0].stats.seconds, lanes[1].stats.seconds
+        batch = assemble_batch(self._own_share(lanes[1].trajectories), step=step, partition="val",
+                               run_id=self.cfg.name, scorer=self.scorer, stats=lanes[1].stats,
+                               weights_version=version)
+        batch.timing.update({"gen": val_s, "tail": max(0.0, val_s - train_s), "overlapped": min(val_s, train_s)})
+        return batch
+
     def probe_token_ids(self) -> list[int]:
         """The fixed probe sequence of the weight-sync check: the first validation question's
         prompt (identical on every rank)."""
@@ -542,9 +467,7 @@ class RolloutDataModule(L.LightningDataModule):
         """Stop the producer (what it sampled ahead is dropped) and close the engine ``setup``
         built (one passed in belongs to its maker). Lightning calls this while the process group
         still exists, which an in-process engine's shutdown needs."""
-        if self.producer is not None:
-            self.producer.stop(timeout_s=0)
-            self.producer = None
+        self.async_steps.stop()
         if self._built_engine is not None:
             engine, self._built_engine = self._built_engine, None
             if self.engine is engine:

@@ -5,8 +5,10 @@
 factories below) or the dotted path of any class or function, e.g.
 ``rollout.engine=my_pkg.engines.MyEngine``. It is called as ``target(cfg, rank=, local_rank=,
 world_size=)`` with the run's whole config and must return an ``Engine`` (``engine.py``); it
-runs on every training process at the same point, so construction may be collective. The
-separate layout is built apart (``separate.py``: one shared server; it serves ``vllm-server``
+runs on every training process at the same point, so construction may be collective. A target
+that takes an ``actor_lora`` argument also gets the LoRA shape the actor trains (a
+``store.lora_shapes.LoraShape`` the run resolved once, or None: resolve it from ``cfg``), as the
+package's vLLM engines do to size their LoRA slot. The separate layout is built apart (``separate.py``: one shared server; it serves ``vllm-server``
 only).
 
 Who calls it: ``RolloutDataModule.setup`` (Lightning calls ``setup`` after the strategy has made
@@ -15,8 +17,10 @@ its process group, which in-process vLLM engines need: construction is collectiv
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
+from typing import Optional
 
 import torch
 from omegaconf import DictConfig
@@ -24,6 +28,7 @@ from omegaconf import DictConfig
 from atlas_lightning.config import ENGINE_ALIASES
 from atlas_lightning.rollout.engine import Engine
 from atlas_lightning.rollout.engines.args import EngineArgs
+from atlas_lightning.store.lora_shapes import LoraShape
 
 
 def engine_world(rank: int, world_size: int, tp: int) -> tuple[int, int, int]:
@@ -33,15 +38,17 @@ def engine_world(rank: int, world_size: int, tp: int) -> tuple[int, int, int]:
     return rank // tp, world_size // tp, rank % tp
 
 
-def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size: int = 1) -> Engine:
+def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size: int = 1,
+                 actor_lora: Optional[LoraShape] = None) -> Engine:
     """The engine of ``cfg.rollout.engine`` (module doc) serving ``cfg.model.path`` (the separate
     layout: this rank's client of the shared server, ``separate.py``; collective). ``TypeError``
     naming ``rollout.engine`` when the target does not return an ``Engine``. vLLM engines and
-    servers get ``EngineArgs.from_config(cfg)`` (``engines/args.py``)."""
+    servers get ``EngineArgs.from_config(cfg, actor_lora)`` (``engines/args.py``); ``actor_lora``:
+    the actor's LoRA shape as the run resolved it (``run.facts``; None: from ``cfg``)."""
     if cfg.layout.mode == "separate":
         from atlas_lightning.rollout.separate import build_separate_engine
 
-        return build_separate_engine(cfg, rank, world_size)
+        return build_separate_engine(cfg, rank, world_size, actor_lora=actor_lora)
     from hydra.utils import get_object
 
     name = cfg.rollout.engine
@@ -50,14 +57,24 @@ def build_engine(cfg: DictConfig, rank: int = 0, local_rank: int = 0, world_size
         factory = get_object(target)
     except Exception as err:  # a path that config validation could not check to the end
         raise ImportError(f"rollout.engine={name!r}: cannot import {target}: {err}") from err
-    engine = factory(cfg, rank=rank, local_rank=local_rank, world_size=world_size)
+    extra = {"actor_lora": actor_lora} if _takes(factory, "actor_lora") else {}
+    engine = factory(cfg, rank=rank, local_rank=local_rank, world_size=world_size, **extra)
     if not isinstance(engine, Engine):
         raise TypeError(f"rollout.engine={name!r}: {target} returned a {type(engine).__name__}, not an "
                         f"atlas_lightning.rollout.engine.Engine")
     return engine
 
 
-def vllm_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int) -> Engine:
+def _takes(factory, name: str) -> bool:
+    """Whether ``factory`` (a function or class) has a parameter ``name``."""
+    try:
+        return name in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a callable whose signature Python cannot read takes the base contract
+        return False
+
+
+def vllm_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int,
+                actor_lora: Optional[LoraShape] = None) -> Engine:
     """``rollout.engine=vllm``: in-process ``vllm.LLM`` (``engines/vllm_engine.py``); the ranks
     of a TP group form one engine through vLLM's external launcher."""
     from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
@@ -72,7 +89,7 @@ def vllm_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int)
         os.environ["WORLD_SIZE"] = str(world_size)
     # a merged sync reloads every weight after each update: a sleeping engine need not keep them
     sleep_level = 2 if cfg.rollout.weight_sync == "merged" else 1
-    return VLLMEngine(EngineArgs.from_config(cfg), external_launcher=external, sleep_level=sleep_level)
+    return VLLMEngine(EngineArgs.from_config(cfg, actor_lora), external_launcher=external, sleep_level=sleep_level)
 
 
 def hf_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int) -> Engine:
@@ -90,7 +107,8 @@ def hf_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int) -
     return HFEngine(model)
 
 
-def server_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int) -> Engine:
+def server_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: int,
+                  actor_lora: Optional[LoraShape] = None) -> Engine:
     """``rollout.engine=vllm-server``: a ``ServerEngine`` on a server this rank starts (or on
     ``rollout.server_url``).
 
@@ -130,7 +148,7 @@ def server_engine(cfg: DictConfig, *, rank: int, local_rank: int, world_size: in
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[local_rank] if visible else str(local_rank)
     server = VLLMServer(
-        EngineArgs.from_config(cfg),
+        EngineArgs.from_config(cfg, actor_lora),
         log_path=Path(cfg.paths.logs) / f"vllm-server-{cfg.name}-rank{rank}.log",
         start_timeout_s=r.server_start_timeout_s,
         env=env,

@@ -39,6 +39,7 @@ from atlas_lightning.rollout.engine import AdapterVersion, MergedWeights, SyncRe
 from atlas_lightning.rollout.engines.args import EngineArgs, client_in_flight
 from atlas_lightning.rollout.engines.server_engine import ServerEngine
 from atlas_lightning.rollout.engines.server_process import VLLMServer
+from atlas_lightning.store.lora_shapes import LoraShape
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,10 @@ def serving_cards(cfg: DictConfig) -> Optional[str]:
     return ",".join(cards[i] for i in wanted)
 
 
-def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> SharedServerEngine:
-    """This rank's client of the separate layout's server (collective; see the module doc)."""
+def build_separate_engine(cfg: DictConfig, rank: int, world_size: int,
+                          actor_lora: Optional[LoraShape] = None) -> SharedServerEngine:
+    """This rank's client of the separate layout's server (collective; see the module doc);
+    ``actor_lora``: the actor's LoRA shape the run resolved (``EngineArgs.from_config``)."""
     from atlas_lightning.rollout.engines.weight_transfer import ServerWeightTransfer, bucket_bytes_of, default_backend
 
     from atlas_lightning.rollout.layout_checks import separate_refusals
@@ -124,7 +127,7 @@ def build_separate_engine(cfg: DictConfig, rank: int, world_size: int) -> Shared
             else:
                 cards = serving_cards(cfg)
                 server = VLLMServer(
-                    EngineArgs.from_config(cfg), log_path=Path(cfg.paths.logs) / f"vllm-server-{cfg.name}-separate.log",
+                    EngineArgs.from_config(cfg, actor_lora), log_path=Path(cfg.paths.logs) / f"vllm-server-{cfg.name}-separate.log",
                     start_timeout_s=r.server_start_timeout_s,
                     env={"CUDA_VISIBLE_DEVICES": cards} if cards is not None else None, weight_transfer=backend)
                 url = server.url

@@ -64,8 +64,8 @@ from atlas_lightning import distributed as dist_utils
 from atlas_lightning.errors import NonFiniteError
 from atlas_lightning.rollout.digest import WeightDigest, bucket_digest, dtype_named, lora_digest, tensor_digest
 from atlas_lightning.rollout.engine import AdapterVersion, EngineError
-from atlas_lightning.rollout.sync_probe import (FLOAT32_EPS, NOISE_ULPS, MovementCheck, Reading, WeightSyncError,
-                                                mark_shift)
+from atlas_lightning.rollout.sync_probe import (MovementCheck, Reading, WeightSyncError, mark_shift, probe_scale,
+                                                rounding_floor)
 
 #: The two ways the actor reaches the engines (``rollout.weight_sync``).
 KINDS = ("lora", "merged")
@@ -294,10 +294,10 @@ class WeightSync:
         """Max |trainer - engine| log-prob over the probe sequence, against a bound set from the
         measured noise: the gap of this process's first sync (weights verified by digest, so only
         numerics differ) times ``logprob_gap_factor``, never below ``NOISE_ULPS`` float32
-        roundings of the probe's largest log-prob nor above ``max_logprob_gap``. The first sync
-        itself is held to ``max_logprob_gap``."""
+        roundings of the probe's largest log-prob (``sync_probe.rounding_floor``, per token) nor
+        above ``max_logprob_gap``. The first sync itself is held to ``max_logprob_gap``."""
         gap = float(np.max(np.abs(reading.engine - reading.trainer)))
-        gap, scale = dist_utils.all_reduce_max([gap, max(1.0, float(np.max(np.abs(reading.trainer))))])
+        gap, scale = dist_utils.all_reduce_max([gap, probe_scale(reading.trainer)])
         bound = self._bound(scale)
         self.last_bound = bound
         if not gap <= bound:
@@ -365,8 +365,7 @@ class WeightSync:
         """The probe's bound (see ``_check_gap``); ``scale``: the largest |log-prob| on the probe."""
         if self.noise_gap is None:
             return self.max_logprob_gap
-        floor = NOISE_ULPS * scale * FLOAT32_EPS
-        return min(self.max_logprob_gap, self.logprob_gap_factor * max(self.noise_gap, floor))
+        return min(self.max_logprob_gap, self.logprob_gap_factor * max(self.noise_gap, rounding_floor(scale)))
 
     def _prune(self) -> None:
         """Keep the newest ``keep_versions`` exported adapters (the engine may still read them)."""

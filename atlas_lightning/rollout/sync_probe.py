@@ -131,10 +131,22 @@ class Movement:
         return self.ratio <= RESIDUAL_LIMIT
 
 
+def rounding_floor(scale: float, tokens: int = 1) -> float:
+    """The float32 rounding floor: ``NOISE_ULPS`` roundings of a log-prob of magnitude ``scale``
+    (``probe_scale``) on each of ``tokens`` tokens, as an L2 norm over them; with one token, the
+    per-token floor (the weight sync's probe bound, ``sync.py``). No gap a clean engine shows is
+    held to less."""
+    return NOISE_ULPS * scale * FLOAT32_EPS * math.sqrt(max(1, tokens))
+
+
+def probe_scale(trainer: np.ndarray) -> float:
+    """The probe's largest |log-prob| (``trainer``: per token), at least 1."""
+    return max(1.0, float(np.max(np.abs(trainer)))) if trainer.size else 1.0
+
+
 def noise_floor(trainer: np.ndarray) -> float:
-    """``NOISE_ULPS`` float32 roundings of the probe's largest |log-prob| on every token, in norm."""
-    scale = max(1.0, float(np.max(np.abs(trainer)))) if trainer.size else 1.0
-    return NOISE_ULPS * scale * FLOAT32_EPS * math.sqrt(max(1, trainer.size))
+    """The rounding floor of the probe ``trainer`` over all its tokens, in norm (``rounding_floor``)."""
+    return rounding_floor(probe_scale(trainer), trainer.size)
 
 
 def movement(before: Reading, after: Reading, noise: float) -> Movement:

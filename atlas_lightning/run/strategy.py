@@ -11,10 +11,13 @@ missing a trainable tensor is refused, naming it), then the optimizers' states a
 (loops, callbacks, the data cursor) as Lightning does. A full (non-sharded) checkpoint file goes
 to Lightning's own loader.
 
-Saving is Lightning's own but for one thing: ``lightning_module_state_dict`` gathers the
-trainable tensors only. Lightning's copies every tensor of the module to the host
-(``cpu_offload``) before the module drops the frozen ones: on the 8B shape that copied the
-16 GB base at every checkpoint, most of the 27-36 s a checkpoint took on the H200.
+Saving is Lightning's own but for two things. ``lightning_module_state_dict`` gathers the
+trainable tensors only: Lightning's copies every tensor of the module to the host
+(``cpu_offload``) before the module drops the frozen ones, on the 8B shape the 16 GB base at
+every checkpoint, most of the 27-36 s a checkpoint took on the H200. And the sharded state (the
+module's and the optimizers') is handed over where it lives, not offloaded: the step checkpoint
+copies it to the host once, in torch's stager (``callbacks/checkpoint_write.py``); offloaded
+here first, it was copied twice.
 
 Who calls it: ``run/wiring.build_strategy`` (every run on GPUs, and on CPU with several
 processes), tests.
@@ -43,12 +46,25 @@ class TrainableStateStrategy(ModelParallelStrategy):
     trainable-only checkpoints the PPO module saves (module doc)."""
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's trainable tensors (and buffers), on the host: what ``on_save_checkpoint`` keeps."""
+        """The module's trainable tensors (and buffers), what ``on_save_checkpoint`` keeps: this
+        rank's shards where they live (not copies), or a full state gathered to rank 0's host."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True,
-                                   ignore_frozen_params=True)
+        full = not self._save_distributed_checkpoint
+        options = StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=True)
         return get_model_state_dict(self.model, options=options)
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """This rank's shards of ``optimizer``'s state where they live (not copies); a full state
+        as Lightning gathers it."""
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return get_optimizer_state_dict(self.model, optimizer)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         from lightning.fabric.strategies.fsdp import _METADATA_FILENAME

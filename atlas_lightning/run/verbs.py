@@ -38,7 +38,8 @@ def fit(cfg: DictConfig) -> int:
         prepare_run(cfg, "fit", notes=facts.start.notes)  # a disk full already: the write stop (exit 7)
     trainer = build_trainer(cfg, callbacks=callbacks)
     module = PPOModule(cfg, resume_from=facts.start.resume)
-    datamodule = RolloutDataModule(cfg, questions=facts.questions, resume_from=facts.start.resume)
+    datamodule = RolloutDataModule(cfg, questions=facts.questions, resume_from=facts.start.resume,
+                                   actor_lora=facts.lora["actor"])
     started = time.time()
     # a fault part-way (engine, memory, non-finite) stops cleanly, naming the checkpoint to resume from
     with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: module.finished_step, trainer=trainer):
@@ -112,7 +113,8 @@ def validate(cfg: DictConfig) -> int:
         prepare_run(cfg, "validate", notes=facts.start.notes)
         trainer = build_trainer(cfg, callbacks=[_ValidateOnce()], limit_val_batches=1)
         trainer.validate(PPOModule(cfg, resume_from=facts.start.resume),
-                         datamodule=RolloutDataModule(cfg, questions=facts.questions), ckpt_path=ckpt)
+                         datamodule=RolloutDataModule(cfg, questions=facts.questions, actor_lora=facts.lora["actor"]),
+                         ckpt_path=ckpt)
     if trainer.global_rank == 0:
         shown = {k: v for k, v in sorted(results.items()) if k.endswith(("/acc", "/objective"))}
         print("\n".join(f"{k:40s} {v:.4f}" for k, v in shown.items()), file=sys.stderr)

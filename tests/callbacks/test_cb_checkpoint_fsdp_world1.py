@@ -109,3 +109,48 @@ def test_a_checkpoint_never_gathers_the_frozen_base(tmp_path, h, chat, gloo_worl
     for keys in spy.keys:
         assert not any(key.startswith("base.") for key in keys), keys
         assert trainable <= keys
+
+
+class _LiveShards(L.Callback):
+    """At each step's end, before the checkpoint (Lightning runs checkpoint callbacks last): where
+    the critic's weight shard and its first AdamW moment live."""
+
+    def __init__(self) -> None:
+        self.at: list[tuple[int, int]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        weight = pl_module.critic.weight
+        moment = trainer.optimizers[0].state[weight]["exp_avg"]
+        self.at.append((weight.to_local().data_ptr(), moment.to_local().data_ptr()))
+
+
+def test_the_sharded_state_reaches_the_stager_as_the_live_shards(tmp_path, h, chat, gloo_world_one, monkeypatch):
+    """One host copy of the trainable state a checkpoint: torch's stager makes it (``async_save``),
+    from the shards where they live. Lightning's strategy offloaded them to the host first
+    (``cpu_offload``): on a card, two copies of the same bytes, both inside the step."""
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+    from atlas_lightning.callbacks import checkpoint_write
+
+    offloaded: list[str] = []
+    for name in ("get_model_state_dict", "get_optimizer_state_dict"):
+        def spy(*args, _real=getattr(dcp_state_dict, name), _name=name, **kwargs):
+            options = kwargs.get("options")
+            if options is not None and options.cpu_offload:
+                offloaded.append(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(dcp_state_dict, name, spy)
+    staged: list[tuple[int, int]] = []
+
+    def async_save(tensors, **kwargs):
+        moment = tensors["optimizer_0"]["state"]["critic.weight"]["exp_avg"]
+        staged.append((tensors["state_dict"]["critic.weight"].to_local().data_ptr(), moment.to_local().data_ptr()))
+        return real_async_save(tensors, **kwargs)
+
+    real_async_save = checkpoint_write.async_save
+    monkeypatch.setattr(checkpoint_write, "async_save", async_save)
+    live = _LiveShards()
+    cfg = h.make_cfg(tmp_path, total_steps=2)
+    _fit(h, cfg, chat, callbacks=[live])
+    assert offloaded == [] and staged == [live.at[1]]  # step 2's save: the live shards, no copy yet
+    assert latest_complete(run_dirs(cfg)["checkpoints"]).name == "global_step_2"

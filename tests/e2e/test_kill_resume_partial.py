@@ -2,12 +2,13 @@
 layout=separate_cpu rollout=vllm_server_cpu layout.partial_rollouts=true``, SIGKILL once step 2 is
 checkpointed (steps 3 and 4 are then sampled or under way), then ``trainer.resume=auto``.
 
-Counted against an uninterrupted run: the multiset of trained (step, uid, session) is the same
-(0 prompts skipped, 0 trained twice), and every token the checkpoint kept in flight
-(``global_step_2/inflight/``, listed in its ``checkpoint.json``) is in the resumed run's trained
-records, with its log-prob and version: 0 tokens generated again. The tokens themselves differ
-from the uninterrupted run's where a sync or the checkpoint's cut interrupted a turn at another
-moment (a re-prefilled continuation samples anew), which is why the comparison is by prompt."""
+Counted against what an uninterrupted run trains (each step trains its own prompts: the data
+module's sampler and trajectories for steps 1-4, read without an engine): the multiset of trained
+(step, uid, session) is the same (0 prompts skipped, 0 trained twice), and every token the
+checkpoint kept in flight (``global_step_2/inflight/``, listed in its ``checkpoint.json``) is in
+the resumed run's trained records, with its log-prob and version: 0 tokens generated again. The
+comparison is by prompt: a re-prefilled continuation samples anew where a sync or the checkpoint's
+cut interrupted a turn, so tokens differ from an uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import pytest
 from atlas_lightning.rollout import inflight
 from atlas_lightning.store.checkpoints import verify_checkpoint
 from atlas_lightning.store.records import read_step_tensors, verify_manifest
-from tests.e2e.kill_harness import kill_once_written, run_to_end
+from tests.e2e.kill_harness import kill_once_written
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -44,6 +45,17 @@ def _command(tiny_model_dir, sample_data_dir, root: Path, *extra: str) -> list[s
 
 def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+
+
+def uninterrupted_keys(command: list[str]) -> collections.Counter:
+    """The (step, uid, session) each step of an uninterrupted run trains, once each."""
+    from atlas_lightning.config import compose
+    from atlas_lightning.rollout.datamodule import RolloutDataModule
+
+    dm = RolloutDataModule(compose(command[command.index("experiment=tiny-cpu"):]), engine=object())
+    dm.setup("fit")  # no engine: only the sampler and the trajectories' identities are read
+    return collections.Counter((step, traj.uid, traj.session_id)
+                               for step in range(1, STEPS + 1) for traj in dm.train_trajectories(step))
 
 
 def trained(root: Path) -> dict:
@@ -73,8 +85,7 @@ def regenerated_tokens(kept: dict, got: dict) -> int:
 
 
 def test_sigkill_then_resume_regenerates_skips_and_repeats_nothing(tiny_model_dir, sample_data_dir, tmp_path):
-    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    run_to_end(_command(tiny_model_dir, sample_data_dir, straight), _env())
+    crashed = tmp_path / "crashed"
     marker = crashed / "checkpoints" / NAME / "global_step_2" / "checkpoint.json"
     kill_once_written(_command(tiny_model_dir, sample_data_dir, crashed), _env(), marker)
 
@@ -89,7 +100,7 @@ def test_sigkill_then_resume_regenerates_skips_and_repeats_nothing(tiny_model_di
                             capture_output=True, text=True, timeout=900, env=_env())
     assert result.returncode == 0, result.stderr[-4000:]
 
-    expected, expected_keys = trained(straight)
+    expected_keys = uninterrupted_keys(_command(tiny_model_dir, sample_data_dir, crashed))
     got, got_keys = trained(crashed)
     skipped = expected_keys - got_keys
     duplicated = got_keys - expected_keys

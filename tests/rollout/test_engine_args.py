@@ -85,6 +85,21 @@ def test_the_gdn_prefill_kernel_is_a_rollout_key(tmp_path, capsys):
         EngineArgs(**{**args.__dict__, "gdn_prefill_backend": "fla"}).vllm_kwargs(on_cpu=False)
 
 
+def test_the_engines_lora_rank_is_the_shape_the_run_resolved():
+    """The engines' LoRA slot is sized from the actor's shape as the run's start-up resolved it
+    (``RunFacts.lora``, handed down), not read again: a shape handed in wins over ``model.lora``
+    (its largest per-module rank included); without one the same resolution runs from the config."""
+    from atlas_lightning.store.lora_shapes import LoraShape, lora_shapes_or_config
+
+    cfg = compose(["experiment=tiny-cpu", "model.path=/m", "model.lora.rank=8"])
+    handed = LoraShape(rank=4, alpha=12.0, rank_pattern={"q_proj": 24}, source="adapter_config.json")
+    args = EngineArgs.from_config(cfg, handed)
+    assert args.lora_rank == 24 and args.vllm_kwargs(on_cpu=True)["max_lora_rank"] == 32
+    assert EngineArgs.from_config(cfg).lora_rank == lora_shapes_or_config(cfg)[0]["actor"].max_rank == 8
+    merged = compose(["experiment=tiny-cpu", "model.path=/m", "rollout.weight_sync=merged"])
+    assert EngineArgs.from_config(merged, handed).lora_rank is None
+
+
 def test_engines_serve_the_language_model_only():
     """The agent sends text alone: vLLM builds no vision tower of an image-text checkpoint
     (Qwen3.5/3.6) and needs no image processor; attention-only models ignore the argument."""

@@ -53,6 +53,12 @@ def make_engine(cfg, *, rank, local_rank, world_size):
 
 def not_an_engine(cfg, *, rank, local_rank, world_size):
     return object()
+
+
+def engine_told_the_actor_lora(cfg, *, rank, local_rank, world_size, actor_lora=None):
+    engine = SubmitEngine(cfg, rank=rank, local_rank=local_rank, world_size=world_size)
+    engine.actor_lora = actor_lora
+    return engine
 '''
 
 
@@ -108,3 +114,22 @@ def test_an_engine_target_that_is_not_an_engine_or_not_there_is_named(plugin, ti
         compose(["experiment=tiny-cpu", "rollout.engine=no_such_pkg.Engine"])
     with pytest.raises(ConfigError, match=r"rollout\.engine='tgi' is neither one of vllm, vllm-server, hf nor a class or factory path"):
         compose(["experiment=tiny-cpu", "rollout.engine=tgi"])
+
+
+def test_a_target_that_takes_actor_lora_gets_the_shape_the_run_resolved(plugin, tiny_model_dir, sample_data_dir,
+                                                                         tmp_path):
+    """A factory with an ``actor_lora`` parameter gets the actor's LoRA shape the datamodule was
+    handed (the run's start-up resolved it once, as the package's vLLM engines take it to size
+    their LoRA slot); a factory without one is called as before."""
+    from atlas_lightning.rollout.datamodule import RolloutDataModule
+    from atlas_lightning.rollout.factory import build_engine
+    from atlas_lightning.store.lora_shapes import LoraShape
+
+    shape = LoraShape(rank=4, alpha=12.0)
+    cfg = _cfg(tiny_model_dir, sample_data_dir, tmp_path, "user_engines_plugin.engine_told_the_actor_lora")
+    assert build_engine(cfg, actor_lora=shape).actor_lora is shape
+    assert build_engine(cfg).actor_lora is None
+    dm = RolloutDataModule(cfg, actor_lora=shape)
+    dm.setup("fit")
+    assert dm.engine.actor_lora is shape
+    dm.teardown()

@@ -32,6 +32,19 @@ class _Trainer:
         return out
 
 
+def _until(condition, timeout_s: float = 20.0) -> None:
+    """Waits for ``condition()`` (a loaded machine may start a thread late): the tests assert orders
+    and lower bounds, never how soon a thread ran."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _steps(log: list) -> list[int]:
+    return [s for _, s, _ in log]
+
+
 def _sampler(lock: threading.Lock, clock: WeightsClock, log: list, rollout_s: float):
     def sample(step: int) -> dict:
         with lock:
@@ -45,8 +58,8 @@ def _sampler(lock: threading.Lock, clock: WeightsClock, log: list, rollout_s: fl
 @pytest.mark.parametrize("bound", [0, 1, 2])
 def test_staleness_is_bounded_and_recorded(bound):
     clock, lock, log = WeightsClock(), threading.Lock(), []
-    producer = RolloutProducer(_sampler(lock, clock, log, 0.02), clock, first=1, last=6, max_staleness=bound).start()
-    seen = _Trainer(clock, update_s=0.05).run(producer, 6)
+    producer = RolloutProducer(_sampler(lock, clock, log, 0.01), clock, first=1, last=6, max_staleness=bound).start()
+    seen = _Trainer(clock, update_s=0.15).run(producer, 6)
     producer.stop()
     assert [s for s, _, _ in seen] == list(range(1, 7))
     assert all(0 <= staleness <= bound for _, _, staleness in seen), seen
@@ -72,8 +85,9 @@ def test_resume_point_and_stop_drop_what_was_sampled_ahead():
     clock.publish(3)  # resumed at step 4 with the checkpoint's weights, version 3
     producer = RolloutProducer(_sampler(lock, clock, log, 0.01), clock, first=4, last=10, max_staleness=1).start()
     assert producer.take(4) == {"step": 4, "version": 3}
-    time.sleep(0.2)  # step 5 is sampled ahead (5 - 1 - 3 = 1), step 6 is not allowed yet
-    assert [s for _, s, _ in log] == [4, 5]
+    _until(lambda: len(log) >= 2)  # step 5 is sampled ahead (5 - 1 - 3 = 1), step 6 is not allowed yet
+    time.sleep(0.1)
+    assert _steps(log) == [4, 5]
     producer.stop(timeout_s=5)
     assert not producer.alive
     with pytest.raises(RuntimeError, match="ended before step 5"):
@@ -116,8 +130,9 @@ def test_after_a_rollback_a_new_producer_starts_from_the_restored_weights():
     producer = RolloutProducer(_sampler(lock, clock, log, 0.0), clock, first=5, last=9, max_staleness=1,
                                base_version=1).start()
     assert producer.take(5) == {"step": 5, "version": 1}
-    time.sleep(0.2)
-    assert [s for _, s, _ in log] == [5, 6]  # one ahead, not two
+    _until(lambda: len(log) >= 2)
+    time.sleep(0.1)
+    assert _steps(log) == [5, 6]  # one ahead, not two
     producer.stop()
 
 
@@ -126,13 +141,15 @@ def test_drop_policy_waits_for_room_not_for_weights():
     clock.publish(0)
     producer = RolloutProducer(_sampler(lock, clock, log, 0.01), clock, first=1, last=6, max_staleness=1,
                                policy="drop").start()
-    # no new weights: steps 1 and 2 are sampled (room for 1 + max_staleness), not 3; step 3 then waits
-    # for room about 0.6 s, far above the 0.2 s asserted below even when a loaded machine starts step 2 late
-    time.sleep(0.6)
-    assert [s for _, s, _ in log] == [1, 2]
+    # no new weights: steps 1 and 2 are sampled (room for 1 + max_staleness), not 3; from the end of
+    # step 2's 0.01 s sample, step 3 waits for room until step 1 is taken, about the 0.5 s slept here
+    _until(lambda: len(log) >= 2)
+    time.sleep(0.5)
+    assert _steps(log) == [1, 2]
     assert producer.take(1) == {"step": 1, "version": 0}
-    time.sleep(0.3)  # taking step 1 made room for step 3, still on version 0
-    assert [s for _, s, _ in log] == [1, 2, 3]
+    _until(lambda: len(log) >= 3)  # taking step 1 made room for step 3, still on version 0
+    assert _steps(log) == [1, 2, 3]
+    _until(lambda: 3 in producer.waited_s)
     assert set(producer.waited_s) == {1, 2, 3} and producer.waited_s[3] >= 0.2
     producer.stop(timeout_s=5)
 
@@ -140,7 +157,7 @@ def test_drop_policy_waits_for_room_not_for_weights():
 def test_wait_policy_records_how_long_it_waited_for_weights():
     clock, lock, log = WeightsClock(), threading.Lock(), []
     producer = RolloutProducer(_sampler(lock, clock, log, 0.01), clock, first=1, last=2, max_staleness=0).start()
-    time.sleep(0.2)
+    time.sleep(0.2)  # the producer waits for weights from its start, so at least this long
     clock.publish(0)  # the first weights arrive: step 1 may start
     assert producer.take(1) == {"step": 1, "version": 0}
     assert producer.waited_s[1] >= 0.15

@@ -35,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from atlas_lightning.store.lora_shapes import LoraShape, lora_shapes_or_config
+
 #: Most sequences one engine schedules at once: vLLM's own default on 70 GB+ cards (H100, H200,
 #: B200); requests beyond it would wait in vLLM's queue while their timeouts run.
 MAX_NUM_SEQS = 1024
@@ -75,19 +77,24 @@ class EngineArgs:
     enforce_eager: bool
     #: The CPU engine's KV cache in GiB (``VLLM_CPU_KVCACHE_SPACE``, read at vLLM's start).
     cpu_kvcache_gib: int
-    #: LoRA rank served with ``rollout.weight_sync=lora``: the actor's (its starting adapter's
-    #: ``adapter_config.json`` when it has one, else ``model.lora.rank``; ``store/lora_shapes.py``;
-    #: the critic never reaches an engine). None: no LoRA (merged weights arrive in the base).
+    #: LoRA rank served with ``rollout.weight_sync=lora``: the actor's largest (its starting
+    #: adapter's ``adapter_config.json`` when it has one, else ``model.lora.rank``; the shape the
+    #: run resolved once, ``from_config``; the critic never reaches an engine). None: no LoRA
+    #: (merged weights arrive in the base).
     lora_rank: Optional[int]
     #: ``rollout.gdn_prefill_backend``: ``auto`` or one of ``VLLM_GDN_PREFILL_KERNELS`` (module doc).
     gdn_prefill_backend: str = "auto"
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "EngineArgs":
-        """The arguments of every engine of ``cfg`` (a composed config)."""
-        from atlas_lightning.store.lora_shapes import lora_shapes_or_config
-
+    def from_config(cls, cfg: Any, actor_lora: Optional[LoraShape] = None) -> "EngineArgs":
+        """The arguments of every engine of ``cfg`` (a composed config). ``actor_lora``: the LoRA
+        shape the actor trains, as the run resolved it once at start-up (``run.facts.RunFacts.lora``:
+        the trainer's, handed down through ``RolloutDataModule``); None: resolved here from ``cfg``
+        the same way (``store.lora_shapes``; ``plan``, an engine built on its own)."""
         r = cfg.rollout
+        lora_rank = None
+        if r.weight_sync == "lora":
+            lora_rank = (actor_lora or lora_shapes_or_config(cfg)[0]["actor"]).max_rank
         return cls(
             model=str(cfg.model.path),
             dtype=str(cfg.model.dtype),
@@ -99,7 +106,7 @@ class EngineArgs:
             enable_sleep_mode=bool(r.enable_sleep_mode),
             enforce_eager=bool(r.enforce_eager),
             cpu_kvcache_gib=int(r.cpu_kvcache_gib),
-            lora_rank=lora_shapes_or_config(cfg)[0]["actor"].max_rank if r.weight_sync == "lora" else None,
+            lora_rank=lora_rank,
             gdn_prefill_backend=str(r.gdn_prefill_backend),
         )
 
