@@ -96,7 +96,8 @@ def test_the_starting_sync_comes_after_the_checkpoint_restore_whichever_the_stra
     for after_setup, resume_from, expected in ((False, None, "on_fit_start"), (True, None, "on_fit_start"),
                                                (False, tmp_path, "on_fit_start"), (True, tmp_path, "on_train_start")):
         module = PPOModule(cfg, resume_from=resume_from)
-        module.trainer = SimpleNamespace(strategy=SimpleNamespace(restore_checkpoint_after_setup=after_setup))
+        module.trainer = SimpleNamespace(strategy=SimpleNamespace(restore_checkpoint_after_setup=after_setup),
+                                         global_rank=0)
         module.rl_step = 7
         calls = []
         for hook in ("on_fit_start", "on_train_start"):
