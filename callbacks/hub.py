@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from atlas_lightning.callbacks.base import RLCallback
-from atlas_lightning.hub.client import HubPublishError, HubUploader, check_repo_id
+from atlas_lightning.hub.client import HubPublishError, HubUploader, check_repo_id, check_retries
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,10 @@ class HubCheckpointCallback(RLCallback):
         self.enabled = enabled
         if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps <= 0):
             raise ValueError(f"HubCheckpointCallback: every_n_steps={every_n_steps!r} must be a positive int or None")
+        try:  # checked here, where pre-flight builds the callback, not when the uploader is first built mid-run
+            check_retries(retries, backoff_s)
+        except ValueError as err:
+            raise ValueError(f"HubCheckpointCallback: {err}") from None
         if enabled and not repo_id:
             raise ValueError("HubCheckpointCallback: repo_id is required (hub.repo_id)")
         if repo_id:

@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import re
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 from atlas_lightning.errors import InputError
 
@@ -89,6 +90,17 @@ def check_repo_id(repo_id: str, repo_type: str) -> None:
         raise ValueError(f"repo_id={repo_id!r} must be '<owner>/<name>' (letters, digits, '.', '_', '-')")
     if repo_type not in REPO_TYPES:
         raise ValueError(f"repo_type={repo_type!r} must be one of {', '.join(REPO_TYPES)}")
+
+
+def check_retries(retries: Any, backoff_s: Any) -> None:
+    """``retries`` an int >= 0 and ``backoff_s`` a finite number of seconds >= 0 (the uploader's
+    and the hub callback's, checked where each is built: the callback's before the run writes
+    anything); ``ValueError`` naming the argument otherwise."""
+    if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+        raise ValueError(f"retries={retries!r} must be an int >= 0")
+    if (not isinstance(backoff_s, (int, float)) or isinstance(backoff_s, bool) or not math.isfinite(backoff_s)
+            or backoff_s < 0):
+        raise ValueError(f"backoff_s={backoff_s!r} must be a finite number of seconds >= 0")
 
 
 # ----------------------------------------------------------------------------- redaction
@@ -200,8 +212,7 @@ class HubUploader:
         from huggingface_hub import HfApi, constants
 
         check_repo_id(repo_id, repo_type)
-        if not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries={retries!r} must be an int >= 0")
+        check_retries(retries, backoff_s)
         self.repo_id = repo_id
         self.repo_type = repo_type
         self.endpoint = (endpoint or constants.ENDPOINT).rstrip("/")

@@ -200,6 +200,8 @@ class Inputs:
     bucket_bytes: int
     #: The engines' arguments, as ``rollout.factory`` and ``rollout.separate`` start them.
     engine: EngineArgs
+    #: What resolving ``lora`` noted (a starting adapter that could not be read: ``lora_shapes_or_config``).
+    lora_notes: tuple = ()
 
     @property
     def engine_tp(self) -> int:
@@ -231,13 +233,14 @@ class Inputs:
         model, algorithm, rollout = cfg.model, cfg.algorithm, cfg.rollout
         dtype = str(model.dtype)
         layers = model.checkpoint_layers
+        lora, notes = lora_shapes_or_config(cfg)  # resolved once: the estimate's terms and the engine's rank
         return cls(
             world=int(cfg.trainer.devices) * int(cfg.trainer.num_nodes),
             device="cpu" if cfg.trainer.accelerator == "cpu" else "gpu",
             colocated=cfg.layout.mode == "colocated",
             dtype_bytes=DTYPE_BYTES[dtype],
             compute_bytes=DTYPE_BYTES[dtype],
-            lora=lora_shapes_or_config(cfg)[0],
+            lora=lora,
             checkpointing=bool(model.gradient_checkpointing),
             checkpoint_layers=None if layers is None else int(layers),
             chunk_tokens=int(model.logprob_chunk_tokens),
@@ -250,7 +253,8 @@ class Inputs:
             serve_cards=int(cfg.layout.serve_gpus),
             weight_sync=str(rollout.weight_sync),
             bucket_bytes=int(rollout.bucket_mb) * 2**20,
-            engine=EngineArgs.from_config(cfg),
+            engine=EngineArgs.from_config(cfg, actor_lora=lora["actor"]),
+            lora_notes=tuple(notes),
         )
 
 
@@ -386,7 +390,7 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = N
                "linear_attention_kernel": linear_kernel if s.recurrent else None,
                "checkpointed_layers": len(model.checkpointed), "world_size": inputs.world},
     )
-    plan.notes.extend(lora_shapes_or_config(cfg)[1])
+    plan.notes.extend(inputs.lora_notes)
     train_cards = "every card" if inputs.colocated else "training cards"
     slack = ALLOCATOR_SLACK if inputs.device == "gpu" else 1.0
     overhead = {}

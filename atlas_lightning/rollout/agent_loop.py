@@ -33,7 +33,9 @@ most ``max_tokens_per_turn`` tokens and never more than the response budget
 (``max_response_length``) or the context (``max_model_len``) leaves; running out ends the
 episode with ``response_length`` or ``context_overflow``.
 
-Faults: a request that errs or outlives ``request_timeout_s`` is resubmitted with the same seed
+Faults: every engine's reply is checked as it enters the loop (``reply_check.py``: a log-prob
+per token, finite and <= 0, ids in the vocabulary, no more tokens than asked); one that is not
+so is a failed request. A request that errs or outlives ``request_timeout_s`` is resubmitted with the same seed
 up to ``max_retries`` times; beyond that, or when the engine itself fails more than
 ``max_retries`` times in a row, ``EngineError`` names the trajectories that did not finish and
 no partial batch is returned.
@@ -49,6 +51,7 @@ from typing import Callable, Optional, Protocol
 from atlas_lightning.config import LoopLimits
 from atlas_lightning.rollout.chat import ChatFormat
 from atlas_lightning.rollout.interruption import ReprefillMeter, SyncPause
+from atlas_lightning.rollout.reply_check import checked
 from atlas_lightning.rollout.engine import (
     Engine,
     EngineError,
@@ -260,6 +263,7 @@ class AgentLoop:
                 if entry is None:
                     continue  # an aborted request's late result
                 traj, request, sent = entry
+                result = self._checked(request, result)
                 if result.error is not None:
                     self._retry(traj, request, result.error, run.lane(traj).stats)
                     self._send(run, traj, request)
@@ -322,6 +326,11 @@ class AgentLoop:
             time.sleep(min(2.0 ** run.engine_failures, 30.0))
             return []
 
+    def _checked(self, request: GenerationRequest, result: GenerationResult) -> GenerationResult:
+        """Every engine's result as it enters the loop, checked (``reply_check``): a reply that
+        cannot be ``request``'s becomes an error result, retried as any failed request."""
+        return checked(request, result, self.engine.name, getattr(self.engine, "vocab_size", None))
+
     def _finish_turn(self, run: _Run, traj: Trajectory, request: GenerationRequest, result: GenerationResult,
                      sent: float) -> None:
         traj.gen_seconds += time.monotonic() - sent
@@ -343,7 +352,7 @@ class AgentLoop:
         results = {r.request_id: r for r in self.engine.interrupt(list(interrupted))} if interrupted else {}
         resend, resume = [], []
         for rid, (traj, request, sent) in interrupted.items():
-            result = results[rid]
+            result = self._checked(request, results[rid])
             if result.error is not None:
                 self._retry(traj, request, result.error, run.lane(traj).stats)
                 resend.append((traj, request))

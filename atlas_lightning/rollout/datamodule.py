@@ -52,6 +52,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from atlas_lightning.config import LoopLimits
 from atlas_lightning.questions.loader import QuestionSplits, load_splits
+from atlas_lightning.rollout import inflight
 from atlas_lightning.rollout.asynchronous import AsynchronousSteps
 from atlas_lightning.rollout.prefetch import RolloutProducer, WeightsClock
 from atlas_lightning.rollout.trajectory_producer import TrajectoryProducer
@@ -208,6 +209,7 @@ class RolloutDataModule(L.LightningDataModule):
                                        seed=self.cfg.data.seed, shuffle=self.cfg.data.shuffle)
         if self.partial_rollouts and self.resume_from is not None:
             self.async_steps.restore(self.resume_from)
+            inflight.check_continued(self.async_steps.restored, self.sampled_keys, self.resume_from)
         if self.engine is None:
             from atlas_lightning.rollout.factory import build_engine
 
@@ -382,6 +384,13 @@ class RolloutDataModule(L.LightningDataModule):
         for traj in trajectories:
             traj.seed_parts = (self.cfg.seed, "train", step)
         return trajectories
+
+    def sampled_keys(self, step: int) -> set[tuple[str, str]]:
+        """Every rank's ``(uid, session)`` of step ``step``'s trajectories (``train_trajectories``
+        of all ranks together)."""
+        questions = [self.train_questions[i] for i in self.sampler.step_indices(step - 1)]
+        return {(trajectory_uid(q.benchmark, q.question_id), session_id(sample))
+                for q in questions for sample in range(self.cfg.rollout.n)}
 
     def assemble_step(self, step: int, trajectories: list[Trajectory], stats: LoopStats, version: Optional[int],
                       timing: dict) -> RolloutBatch:

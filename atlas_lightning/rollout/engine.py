@@ -117,6 +117,9 @@ class Engine(ABC):
     """A rollout engine. Not thread-safe: one agent loop drives it."""
 
     name: str = "engine"
+    #: The size of the vocabulary the engine samples from; the agent loop refuses a token id
+    #: outside it (``reply_check.py``). None: unknown (ids are then only checked >= 0).
+    vocab_size: Optional[int] = None
 
     @abstractmethod
     def submit(self, request: GenerationRequest) -> None:

@@ -25,7 +25,9 @@ classes a trajectory holds; a file naming any other callable is refused, so that
 one whose marker was rewritten, runs code). ``restore`` checks what it read: each file is
 ``rank_<r>.pkl`` holding rank ``r``'s steps after the checkpoint's, each trajectory's token
 arrays of one length, its log-probs finite (``InflightError``, an ``InputError`` naming the file;
-``run/facts.py`` reads them so before anything is written).
+``run/facts.py`` reads them so before anything is written). ``check_continued`` refuses kept
+steps whose trajectories are not the ones this run samples (the datamodule calls it as it
+restores them, before any rollout).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import math
 import pickle
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.errors import InputError
@@ -102,6 +104,37 @@ def restore(checkpoint: Optional[Path]) -> dict[int, OpenStep]:
             twice = sorted(k for k in set(keys) if keys.count(k) > 1)[0]
             raise InflightError(f"{folder}: step {step} keeps trajectory {twice[0]}/{twice[1]} more than once")
     return steps
+
+
+def check_continued(steps: dict[int, OpenStep], sampled: Callable[[int], set[tuple[str, str]]],
+                    checkpoint: Path) -> None:
+    """Every kept step holds exactly the trajectories this run samples for it (``sampled(step)``:
+    every rank's ``(uid, session)``), so that the producer continues each one and samples none
+    anew beside it. A kept trajectory this run does not sample would be dropped, and one it
+    samples but the checkpoint does not keep would be trained with a step it never belonged to:
+    ``rollout.n``, ``data.*`` or ``data.seed`` changed since the checkpoint was written.
+    ``InflightError`` naming the checkpoint, the step and the trajectories otherwise."""
+    for step in sorted(steps):
+        kept = {(t.uid, t.session_id) for t in steps[step].trajectories}
+        fresh = sampled(step)
+        if kept == fresh:
+            continue
+        dropped, new = sorted(kept - fresh), sorted(fresh - kept)
+        what = []
+        if dropped:
+            what.append(f"keeps {len(dropped)} trajectories this run does not sample ({_keys(dropped)})")
+        if new:
+            what.append(f"lacks {len(new)} trajectories this run samples ({_keys(new)})")
+        raise InflightError(
+            f"{checkpoint}: step {step} in flight {' and '.join(what)}: rollout.n, data.* or data.seed differ from "
+            f"the launch that wrote the checkpoint, and its kept trajectories would be lost; resume with that "
+            f"launch's settings, or start afresh from its adapters with trainer.init_from={checkpoint} "
+            f"trainer.resume=null")
+
+
+def _keys(keys: list[tuple[str, str]], shown: int = 3) -> str:
+    named = ", ".join(f"{uid}/{session}" for uid, session in keys[:shown])
+    return named + (f", ... {len(keys) - shown} more" if len(keys) > shown else "")
 
 
 def _read(path: Path, after: Optional[int]) -> list[dict]:

@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
+from atlas_lightning.errors import InputError
 from atlas_lightning.rollout.agent_loop import AgentLoop, LoopStats, Sampling, Trajectory
 from atlas_lightning.rollout.interruption import SyncPause
 from atlas_lightning.rollout.prefetch import STALENESS_POLICIES, WeightsClock
@@ -173,12 +174,19 @@ class TrajectoryProducer:
 
     def _mine(self, step: int, restored: Optional[OpenStep]) -> list[Trajectory]:
         """This rank's trajectories of ``step``: fresh, or where a checkpoint kept them (every
-        rank's, merged), the kept ones (matched by uid and session)."""
+        rank's, merged), the kept ones (matched by uid and session). A kept step holds every
+        trajectory of its step, so a fresh one it lacks means the step's prompts changed since
+        the checkpoint (``inflight.check_continued`` refuses that at set-up): ``InputError``."""
         fresh = self.source.train_trajectories(step)
         if restored is None:
             return fresh
         kept = {(t.uid, t.session_id): t for t in restored.trajectories}
-        return [kept.get((t.uid, t.session_id), t) for t in fresh]
+        unkept = [f"{t.uid}/{t.session_id}" for t in fresh if (t.uid, t.session_id) not in kept]
+        if unkept:
+            raise InputError(f"step {step} in flight: the checkpoint keeps no trajectory {', '.join(unkept[:3])} of "
+                             f"this run's step (rollout.n, data.* or data.seed changed since it was written); resume "
+                             f"with that launch's settings, or start afresh from its adapters with trainer.init_from")
+        return [kept[(t.uid, t.session_id)] for t in fresh]
 
     def ended(self, traj: Trajectory) -> None:
         opened = self._open[self._of[id(traj)]]

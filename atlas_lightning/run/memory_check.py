@@ -219,9 +219,13 @@ class MemoryCheckModule(PPOModule):
     optimizers; in the separate layout it then runs the serving side (server, weight syncs,
     generation burst: module doc); at train end it closes the engines."""
 
-    def __init__(self, cfg: DictConfig, generation: bool = True) -> None:
+    def __init__(self, cfg: DictConfig, generation: bool = True, actor_lora: Optional[LoraShape] = None) -> None:
+        """``actor_lora``: the actor's LoRA shape as the run's start-up resolved it
+        (``run.facts.RunFacts.lora``), the one shape every engine is built for (None: resolved
+        from ``cfg`` by the engine's arguments, for a module built on its own)."""
         super().__init__(cfg, phase_hook=self.measure_phase)
         self.measure_generation = generation
+        self.actor_lora = actor_lora
         self.probe: Optional[PhaseProbe] = None
         self.generation: dict = {"measured": False, "why": "not requested"}
         self._engine_box: dict = {}  # the engine stays out of the module's submodules
@@ -235,7 +239,7 @@ class MemoryCheckModule(PPOModule):
         if self.cfg.layout.mode == "separate" and self.measure_generation:
             from atlas_lightning.run.memory_check_separate import ServingSide
 
-            self._engine_box["serving"] = ServingSide(self.cfg)
+            self._engine_box["serving"] = ServingSide(self.cfg, actor_lora=self.actor_lora)
             self._engine_box["serving"].start(self.trainer, self)
 
     @property
@@ -270,7 +274,7 @@ class MemoryCheckModule(PPOModule):
         with probe.phase("generation", 0):
             allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
             engine = build_engine(cfg, rank=self.global_rank, local_rank=self.local_rank,
-                                  world_size=self.trainer.world_size)
+                                  world_size=self.trainer.world_size, actor_lora=self.actor_lora)
             if self.device.type == "cuda":
                 self.probe.engine_bytes = torch.cuda.memory_allocated(self.device) - allocated
             engines = max(1, self.trainer.world_size // cfg.layout.engine_tp)
@@ -403,7 +407,7 @@ def run_memory_check(cfg: DictConfig, *, generation: bool = True, module: Option
     collect = _Collect()
     # fit's trainer, with no loggers, no progress bar, no checkpoint, only the collecting callback
     trainer = build_trainer(cfg, callbacks=[collect], loggers=[], progress_bar=False, checkpointing=False)
-    module = module or MemoryCheckModule(cfg, generation=generation)
+    module = module or MemoryCheckModule(cfg, generation=generation, actor_lora=lora["actor"] if lora else None)
     data = SyntheticData(cfg, int(cfg.trainer.memory_check_steps), vocab_size or vocab_size_of(cfg), sequence_tokens)
     started = time.monotonic()
     trainer.fit(module, datamodule=data)

@@ -75,8 +75,10 @@ class ServingSide:
     """The separate layout's engine, weight syncs and serving-side memory for one memory check
     (module doc). Every method is collective over the training ranks."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, actor_lora=None) -> None:
+        """``actor_lora``: the actor's LoRA shape the run resolved (``MemoryCheckModule.actor_lora``)."""
         self.cfg = cfg
+        self.actor_lora = actor_lora
         self.engine: Optional[_RecordingEngine] = None
         self.memory: Optional[ServingMemory] = None
         self.generation: dict = {"measured": False, "why": "not run"}
@@ -87,7 +89,7 @@ class ServingSide:
         from atlas_lightning.rollout.factory import build_engine
 
         engine = build_engine(self.cfg, rank=trainer.global_rank, local_rank=trainer.local_rank,
-                              world_size=trainer.world_size)
+                              world_size=trainer.world_size, actor_lora=self.actor_lora)
         self.engine = _RecordingEngine(engine)
         trainer.datamodule.engine = self.engine
         if trainer.global_rank == 0:

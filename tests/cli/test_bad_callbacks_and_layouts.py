@@ -55,6 +55,10 @@ INJECT = "+callbacks.fault_injection._target_=atlas_lightning.callbacks.faults.F
       "+callbacks.fault_injection.rank=1"], "non_finite at RL step 3 on rank 1 would never happen: the run has 1 rank"),
     ([INJECT, "+callbacks.fault_injection.fault=engine_kill", "+callbacks.fault_injection.step=3", "rollout.engine=hf"],
      "the hf engine runs in the trainer's process"),
+    # the hub callback's upload settings, checked as it is built, not when its uploader is first built mid-run
+    (["+callbacks.hub.retries=-1"], "callbacks.hub: cannot build atlas_lightning.callbacks.hub.HubCheckpointCallback: "
+                                    "HubCheckpointCallback: retries=-1 must be an int >= 0"),
+    (["+callbacks.hub.backoff_s=-2.0"], "HubCheckpointCallback: backoff_s=-2.0 must be a finite number of seconds"),
     (["layout=separate_cpu"], "layout.mode=separate serves from a vLLM server on the serving cards: set "
                               "rollout.engine=vllm-server"),
 ])

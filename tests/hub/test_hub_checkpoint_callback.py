@@ -109,6 +109,13 @@ def test_state_round_trips_and_bad_arguments_are_refused(tmp_path):
         HubCheckpointCallback(REPO, every_n_steps=0)
     with pytest.raises(ValueError, match="repo_id"):
         HubCheckpointCallback("")
+    for retries in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match=r"HubCheckpointCallback: retries=.* must be an int >= 0"):
+            HubCheckpointCallback(REPO, retries=retries)
+    for backoff_s in (-0.5, float("nan"), float("inf"), "2", None):
+        with pytest.raises(ValueError, match=r"HubCheckpointCallback: backoff_s=.* must be a finite number"):
+            HubCheckpointCallback(REPO, backoff_s=backoff_s, enabled=False)
+    assert HubCheckpointCallback(REPO, retries=0, backoff_s=0).backoff_s == 0
     with pytest.raises(ValueError, match="repo_id='bad id'"):
         HubCheckpointCallback("bad id")
     assert step_files(tmp_path / "checkpoints" / "r-test" / "global_step_1") == []

@@ -32,6 +32,8 @@ class HFEngine(Engine):
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
         self._queue: deque[GenerationRequest] = deque()
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.vocab_size = int(head.weight.shape[0]) if getattr(head, "weight", None) is not None else None
 
     def submit(self, request: GenerationRequest) -> None:
         spec = request.sampling

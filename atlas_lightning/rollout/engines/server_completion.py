@@ -20,21 +20,19 @@ wrong, which the agent loop retries and, past ``rollout.max_retries``, stops the
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from atlas_lightning.rollout.engine import GenerationRequest, GenerationResult
 from atlas_lightning.rollout.engines.server_http import error_message
+from atlas_lightning.rollout.reply_check import tokens_problem
 
 #: The finish reasons of a completed generation (anything else is an error).
 FINISHED = ("stop", "length")
 #: The prefix of the request ids this client sends (``X-Request-Id``): a reply whose id carries
 #: it but is not its request's answers another request of ours.
 ID_PREFIX = "atlas-"
-#: How far above 0 a sampled token's log-prob may be (float rounding of a log-softmax).
-LOGPROB_SLACK = 1e-4
 
 
 def choice_tokens(choice: dict) -> tuple[list[int], list[float]]:
@@ -75,18 +73,9 @@ class ReplyCheck:
         return None
 
     def tokens_problem(self, token_ids: list[int], logprobs: list[float]) -> Optional[str]:
-        """Whether the tokens of a reply cannot be this request's."""
-        asked = self.request.sampling.max_tokens
-        if len(token_ids) > asked:
-            return f"{len(token_ids)} tokens, more than the {asked} asked for"
-        for token in token_ids:
-            if token < 0 or (self.vocab_size is not None and token >= self.vocab_size):
-                top = "" if self.vocab_size is None else f"..{self.vocab_size - 1}"
-                return f"token id {token} is outside the vocabulary (0{top})"
-        for value in logprobs:
-            if not math.isfinite(value) or value > LOGPROB_SLACK:
-                return f"the log-prob {value} of a sampled token is not a finite number <= 0"
-        return None
+        """Whether the tokens of a reply cannot be this request's (``reply_check.tokens_problem``,
+        the check the agent loop applies to every engine's replies)."""
+        return tokens_problem(token_ids, logprobs, self.request.sampling.max_tokens, self.vocab_size)
 
     def result(self, result: GenerationResult) -> GenerationResult:
         """``result`` as it is, or an error result naming what makes its tokens impossible."""

@@ -149,6 +149,7 @@ class VLLMEngine(Engine):
         self.guard = FailureGuard(self.name)
         self.llm = start_llm(**kwargs)
         self._engine = self.llm.llm_engine
+        self.vocab_size = _sampled_vocab_size(self._engine)
         self._lora = None  # the LoRARequest every request carries
         self._pending: set[str] = set()
         self._asleep = False
@@ -330,3 +331,11 @@ class VLLMEngine(Engine):
                 self.abort(list(self._pending))
             llm, self.llm, self._engine = self.llm, None, None
             shut_down_llm(llm)
+
+
+def _sampled_vocab_size(engine) -> Optional[int]:
+    """The vocabulary vLLM samples from (its model config's), None where this vLLM does not say."""
+    try:
+        return int(engine.model_config.get_vocab_size())
+    except Exception:  # another vLLM's layout: the reply check then only bounds ids below
+        return None
