@@ -274,6 +274,18 @@ def run_turns(episode, texts, turn_len=5, response_len=7, gap=0):
     return replies
 
 
+@pytest.fixture
+def cfg_of(tmp_path, sample_data_dir, tiny_model_dir):
+    """``cfg_of(*overrides)``: a run's config on the tiny model (a whole base: the start-up checks
+    read its weights) and the sample data, under ``tmp_path``."""
+    from atlas_lightning.config import compose
+
+    def make(*overrides):
+        return compose(["experiment=tiny-cpu", f"paths.root={tmp_path}", "name=run", f"model.path={tiny_model_dir}",
+                        f"data.root={sample_data_dir}", *overrides])
+    return make
+
+
 @pytest.fixture(scope="session")
 def build():
     """Builders of the runtime, reward and records tests: ``build.question(...)``, ``build.call(name,

@@ -23,17 +23,6 @@ from tests.store.test_checkpoint_verification import _checkpoint, _write_state, 
 SEPARATE = ["layout=separate_cpu", "rollout=vllm_server_cpu", "layout.partial_rollouts=true"]
 
 
-@pytest.fixture
-def cfg_of(tmp_path, sample_data_dir, tiny_model_dir):
-    """A run's config on the tiny model (the start-up checks read its weights)."""
-    from atlas_lightning.config import compose
-
-    def make(*overrides):
-        return compose(["experiment=tiny-cpu", f"paths.root={tmp_path}", "name=run", f"model.path={tiny_model_dir}",
-                        f"data.root={sample_data_dir}", *overrides])
-    return make
-
-
 def _trajectory(uid="gt1-0", session="s2", tokens=3, **change) -> Trajectory:
     from atlas_lightning.env.episode import Episode
 

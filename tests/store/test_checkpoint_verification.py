@@ -166,15 +166,6 @@ def _model_folder(tmp_path):
     return write_fake_model_folder(tmp_path / "model")
 
 
-@pytest.fixture
-def cfg_of(tmp_path, sample_data_dir, tiny_model_dir):
-    """A run's config on the tiny model (a whole base: the start-up checks read its weights)."""
-    def make(*overrides):
-        return compose(["experiment=tiny-cpu", f"paths.root={tmp_path}", "name=run", f"model.path={tiny_model_dir}",
-                        f"data.root={sample_data_dir}", *overrides])
-    return make
-
-
 def test_resume_auto_falls_back_to_the_newest_checkpoint_that_verifies_and_says_so(tmp_path, cfg_of):
     from atlas_lightning.run.facts import check_inputs
 
