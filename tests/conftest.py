@@ -67,8 +67,9 @@ def pytest_collection_modifyitems(session, config, items):
             config.hook.pytest_deselected(items=skipped)
             items[:] = [item for item in items if not item.get_closest_marker("full_build")]
     # The longest files first (a stable sort: a file's tests keep their order): `make test` hands
-    # whole files to two workers (pytest-xdist, --dist loadfile), and a long file started last
-    # would leave the other core idle at the end.
+    # whole files to two workers in this order (pytest-xdist, --dist loadfile
+    # --no-loadscope-reorder), and a long file started last would leave the other core idle at
+    # the end.
     weight = _file_weight(items)
     items.sort(key=lambda item: weight[item.nodeid.split("::")[0]])
     orchestrator_build.after_collection(config, items)
