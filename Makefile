@@ -8,10 +8,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CACHE ?= $(or $(ATLAS_LIGHTNING_CACHE),$(HOME)/.cache/atlas-lightning)
 DEMO_ARGS ?=
-# Two workers, a test file each at a time (pytest-xdist): the suite is mostly one-threaded. Files are
-# handed out in the order tests/conftest.py sorts them (the slow ones first); without
+# Three workers on two cores, a test file each at a time (pytest-xdist): the suite is mostly
+# one-threaded and waits on the processes it starts (two workers kept 1.4 of 2 cores busy). Files
+# are handed out in the order tests/conftest.py sorts them (the slow ones first); without
 # --no-loadscope-reorder xdist would reorder them by their number of tests.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: demo test setup assets clean-venv verify-demo-model

@@ -22,7 +22,7 @@ from atlas_lightning.demo.tiny_orchestrator import (SUMMARY_FILE, TRAJECTORY_KEY
 from atlas_lightning.store.files import sha256_file
 
 #: How many of the build's 800 steps the suite replays (a fingerprint is kept at this step).
-REPLAYED_STEPS = 40
+REPLAYED_STEPS = 10
 
 _REMAKE = ("re-make atlas_lightning/demo/tiny_orchestrator_model/ with `atlas-lightning data tiny-orchestrator "
            "--eval-questions 0` and re-measure the learning figures")

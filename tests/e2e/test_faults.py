@@ -7,8 +7,8 @@ next launch resumes from it. The faults are injected by ``callbacks/faults.py`` 
 
 One chain per machine, each launch resuming the last: out of memory at step 2 (checkpoint 1
 left), a NaN at step 3 (checkpoint 2), then launches that each fail step 4 from checkpoint 3:
-the engine killed in its rollout, (on the card also) at its weight sync (the probe meets the dead
-engine) and in its validation (the launch validates at step 4), and the disk full as its
+the engine killed in its rollout, and on the card also at its weight sync (the probe meets the
+dead engine), in its validation (the launch validates at step 4) and with the disk full as its
 checkpoint is written (found at fit's end: the marker never written); then a clean resume to the
 end (checkpoint 4).
 The CPU chain runs in the normal suite (tiny model, vLLM's CPU engine, a real allocation failure is impossible there: ``torch.OutOfMemoryError`` is raised at
@@ -42,8 +42,11 @@ INJECT = "+callbacks.fault_injection._target_=atlas_lightning.callbacks.faults.F
 #: (fault, step it strikes, what the stop names, exit cause, the launch's own overrides)
 CHAIN = [("out_of_memory", 2, ["out of memory after RL step 1"], "out_of_memory", []),
          ("non_finite", 3, ["non-finite values: step 3: non-finite"], "non_finite", []),
-         ("engine_kill", 4, ["the rollout engine failed after RL step 3"], "engine", []),
-         ("checkpoint_write", 4, ["a checkpoint could not be written after RL step 4", "No space left on device"],
+         ("engine_kill", 4, ["the rollout engine failed after RL step 3"], "engine", [])]
+#: The disk full as step 4's checkpoint is written: the card's chain (on CPU a real fit on a full
+#: disk ends in the same stop, ``tests/run/test_run_log.py``, and the callback names the last
+#: complete checkpoint, ``tests/callbacks/test_cb_checkpoint_background.py``: a launch less here)
+WRITE = [("checkpoint_write", 4, ["a checkpoint could not be written after RL step 4", "No space left on device"],
           "write", [])]
 #: The engine killed at a weight sync and in a validation: the card's chain (on CPU the same
 #: wrapping of every engine call is tested call by call, ``tests/rollout/test_engine_failure.py``,
@@ -102,4 +105,4 @@ def test_cpu_faults_stop_cleanly_and_resume(tiny_model_dir, sample_data_dir, tmp
 @pytest.mark.vllm
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the card's faults need a CUDA GPU")
 def test_card_faults_stop_cleanly_and_resume(tiny_model_dir, sample_data_dir, tmp_path):
-    _chain(CARD, tiny_model_dir, sample_data_dir, tmp_path, CHAIN[:3] + PHASES + CHAIN[3:])
+    _chain(CARD, tiny_model_dir, sample_data_dir, tmp_path, CHAIN + PHASES + WRITE)
