@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from atlas_lightning.store.checkpoints import latest_complete
 from atlas_lightning.store.records import read_record, read_step_tensors, verify_manifest
 from tests.e2e.kill_harness import kill_once_written, run_to_end
 
@@ -48,7 +49,9 @@ def test_sigkill_mid_step_then_resume_gives_the_uninterrupted_records(tiny_model
     # Nothing of step 3 looks complete.
     assert not (crashed / "checkpoints" / NAME / "global_step_3" / "checkpoint.json").exists()
     assert not (crashed / "artifacts" / NAME / "train" / "step_3").exists()
-    assert (crashed / "checkpoints" / NAME / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    # what a resume finds: the newest folder with its marker (the kill may fall before the
+    # ``latest_checkpointed_iteration.txt`` pointer, written after the marker, moved to 2)
+    assert latest_complete(crashed / "checkpoints" / NAME).name == "global_step_2"
 
     result = subprocess.run(_command(tiny_model_dir, sample_data_dir, crashed, "trainer.resume=auto"),
                             capture_output=True, text=True, timeout=900, env=_env())
