@@ -269,8 +269,8 @@ class RolloutDataModule(L.LightningDataModule):
                 episode = Episode(question, sample, self._runtime(), seed=self.cfg.seed)
                 prompt = self._prompt_ids(episode)
                 episode.on_prompt_tokens(len(prompt))
-                trajectories.append(Trajectory(uid=trajectory_uid(question.benchmark, question.question_id),
-                                               session_id=session_id(sample), episode=episode, prompt_ids=prompt))
+                uid, session = trajectory_key(question, sample)
+                trajectories.append(Trajectory(uid=uid, session_id=session, episode=episode, prompt_ids=prompt))
         return trajectories
 
     def agent_loop(self, pause: Optional[SyncPause]) -> AgentLoop:
@@ -379,8 +379,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def train_trajectories(self, step: int) -> list[Trajectory]:
         """This rank's fresh trajectories of step ``step``, each carrying its requests' seed parts."""
-        questions = [self.train_questions[i] for i in self.sampler.step_indices(step - 1)]
-        trajectories = self._trajectories(questions, self.cfg.rollout.n)
+        trajectories = self._trajectories(self._step_questions(step), self.cfg.rollout.n)
         for traj in trajectories:
             traj.seed_parts = (self.cfg.seed, "train", step)
         return trajectories
@@ -388,9 +387,11 @@ class RolloutDataModule(L.LightningDataModule):
     def sampled_keys(self, step: int) -> set[tuple[str, str]]:
         """Every rank's ``(uid, session)`` of step ``step``'s trajectories (``train_trajectories``
         of all ranks together)."""
-        questions = [self.train_questions[i] for i in self.sampler.step_indices(step - 1)]
-        return {(trajectory_uid(q.benchmark, q.question_id), session_id(sample))
-                for q in questions for sample in range(self.cfg.rollout.n)}
+        return {trajectory_key(q, sample) for q in self._step_questions(step) for sample in range(self.cfg.rollout.n)}
+
+    def _step_questions(self, step: int) -> list[Question]:
+        """Every rank's questions of RL step ``step`` (the sampler's draw)."""
+        return [self.train_questions[i] for i in self.sampler.step_indices(step - 1)]
 
     def assemble_step(self, step: int, trajectories: list[Trajectory], stats: LoopStats, version: Optional[int],
                       timing: dict) -> RolloutBatch:
@@ -482,6 +483,12 @@ class RolloutDataModule(L.LightningDataModule):
             if self.engine is engine:
                 self.engine = None
             engine.close()
+
+
+def trajectory_key(question: Question, sample: int) -> tuple[str, str]:
+    """The ``(uid, session_id)`` of sample ``sample`` of ``question``: a trajectory's identity
+    in records, checkpoints and the kept steps in flight."""
+    return trajectory_uid(question.benchmark, question.question_id), session_id(sample)
 
 
 def _identity(batch):
