@@ -76,12 +76,18 @@ class StepCheckpoint(Checkpoint):
         self.finish_pending(trainer, pl_module, log_step=step)
         if outputs is not None and not read_step_output(outputs, "StepCheckpoint.on_train_batch_end").finite:
             return
-        last = self.total_steps is not None and step == self.total_steps
-        saves = (self.every_n_steps and step % self.every_n_steps == 0) or (self.save_last and last)
+        saves = self.saves_at(step)
         if saves:
             self.save(trainer, pl_module, step)
         if saves or waited:
             _log(pl_module, {"timing_s/checkpoint": time.monotonic() - started}, step)
+
+    def saves_at(self, step: int, total_steps: Optional[int] = None) -> bool:
+        """Whether RL step ``step`` is checkpointed: every ``every_n_steps`` steps, and the last
+        (``total_steps``, default the callback's own) with ``save_last``."""
+        total = self.total_steps if total_steps is None else total_steps
+        return bool(self.every_n_steps and step % self.every_n_steps == 0) or (
+            self.save_last and total is not None and step == total)
 
     def save(self, trainer, pl_module, step: int) -> Path:
         """Stage step ``step``'s checkpoint and write it (in the background with ``background``);

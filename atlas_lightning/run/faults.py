@@ -159,8 +159,7 @@ def check_injections(callbacks: dict[str, Any], cfg: Any, resumed_step: int) -> 
         step, why = fault.step, None
         if not resumed_step < step <= total:
             why = f"the run trains RL steps {resumed_step + 1}..{total}"
-        elif fault.fault == "checkpoint_write" and not (saver is not None and (
-                (saver.every_n_steps and step % saver.every_n_steps == 0) or (saver.save_last and step == total))):
+        elif fault.fault == "checkpoint_write" and not (saver is not None and saver.saves_at(step, total)):
             why = "no checkpoint is written at that step (trainer.save_every)"
         elif fault.phase == "validation" and not (validation is not None and validation.should_validate(step, total)):
             why = "no validation runs at that step (trainer.val_every)"
