@@ -35,6 +35,20 @@ def _streamed_tokens(engine) -> int:
     return sum(len(call.streamed.token_ids) for call in list(engine._calls.values()) if call.streamed is not None)
 
 
+def _count_interrupted(engine) -> dict:
+    """Counts the calls of ``engine.interrupt`` that cut a turn short (a spy on the real engine)."""
+    cut = {"syncs": 0}
+    interrupt = engine.interrupt
+
+    def counting(request_ids):
+        results = interrupt(request_ids)
+        cut["syncs"] += any(result.finish_reason == "interrupted" for result in results)
+        return results
+
+    engine.interrupt = counting
+    return cut
+
+
 def test_a_sync_mid_rollout_interrupts_it_and_the_rollout_continues_on_the_new_version(
         streaming_server, tiny_model_dir, sample_data_dir, tmp_path):
     cfg = compose(["experiment=tiny-cpu", f"model.path={tiny_model_dir}", f"data.root={sample_data_dir}",
@@ -45,16 +59,23 @@ def test_a_sync_mid_rollout_interrupts_it_and_the_rollout_continues_on_the_new_v
     dm.setup()
     dm.weights_version = 0
     out: dict = {}
+    cut = _count_interrupted(streaming_server)
     producer = threading.Thread(target=lambda: out.update(batch=dm.rollout(1)))
     producer.start()
-    for version in (1, 2):  # two syncs, each while tokens are streaming
+    # Syncs while tokens stream, until two of them have cut a turn short. A sync can find every
+    # turn already finished on the server when a loaded machine delays the client's reading of the
+    # stream, so it is repeated rather than trusted to land.
+    version = 0
+    while cut["syncs"] < 2 and producer.is_alive() and version < 12:
         deadline = time.monotonic() + 120
-        while _streamed_tokens(streaming_server) < 4 and time.monotonic() < deadline:
+        while _streamed_tokens(streaming_server) < 4 and producer.is_alive() and time.monotonic() < deadline:
             time.sleep(0.002)
+        version += 1
         with dm.engine_for_sync():
             assert streaming_server.num_pending() == 0  # the rollout gave the engine up
             dm.weights_version = version
     producer.join(timeout=300)
+    assert cut["syncs"] >= 1, "no sync found a turn in flight"
     batch = out["batch"]
     assert batch.weights_version == 0 and batch.stats.reprefill_tokens > 0
     assert batch.timing["reprefill"] >= 0.0
@@ -71,5 +92,5 @@ def test_a_sync_mid_rollout_interrupts_it_and_the_rollout_continues_on_the_new_v
         for generation in record.episode["generations"]:
             first, last = generation["offsets"]
             straddling += len({versions[i] for i in range(first, last) if mask[i]}) > 1
-    assert versions_seen >= {0, 1}
+    assert 0 in versions_seen and len(versions_seen) >= 2
     assert straddling >= 1
