@@ -5,7 +5,8 @@ Contract:
 - RL steps are 1-based, as verl's: step ``N`` is the N-th rollout batch, sampled with the
   weights after ``N - 1`` updates; validation "before training" is step 0.
 - Step ``N`` samples the questions ``QuestionSampler.step_indices(N - 1)`` (a pure function
-  of the seed and the step), ``rollout.n`` samples each. With several engines (``world_size / TP``),
+  of the seed and the step), ``rollout.n`` samples each (``step_questions.py``, which the
+  run's start-up reads too). With several engines (``world_size / TP``),
   engine ``g`` serves the ``g``-th share of the questions; the ranks of one TP group feed it
   identical requests and then keep their own share of its trajectories.
 - Synchronous mode is strictly on-policy: the train dataloader has a length (``total_steps``),
@@ -39,7 +40,6 @@ Contract:
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from contextlib import nullcontext
@@ -52,25 +52,23 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from atlas_lightning.config import LoopLimits
 from atlas_lightning.questions.loader import QuestionSplits, load_splits
-from atlas_lightning.rollout import inflight
 from atlas_lightning.rollout.asynchronous import AsynchronousSteps
 from atlas_lightning.rollout.prefetch import RolloutProducer, WeightsClock
 from atlas_lightning.rollout.trajectory_producer import TrajectoryProducer
-from atlas_lightning.questions.sampler import QuestionSampler, shard
+from atlas_lightning.questions.sampler import shard
 from atlas_lightning.questions.schema import Question
-from atlas_lightning.env.episode import Episode, RuntimeConfig
+from atlas_lightning.env.episode import Episode
 from atlas_lightning.rollout.agent_loop import AgentLoop, Lane, LoopStats, Sampling, Trajectory
-from atlas_lightning.questions.uid import trajectory_uid
-from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch, session_id
+from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch
 from atlas_lightning.rollout.chat import ChatFormat
 from atlas_lightning.reward.scorer import build_scorer
 from atlas_lightning.rollout.engine import Engine
 from atlas_lightning.rollout.engines.args import client_in_flight
 from atlas_lightning.rollout.interruption import SyncPause
 from atlas_lightning.rollout.rng import preserved_rng
+from atlas_lightning.rollout.step_questions import (StepQuestions, chat_format, fitting, prompt_ids, runtime,
+                                                    trajectory_key)
 from atlas_lightning.store.lora_shapes import LoraShape
-
-log = logging.getLogger(__name__)
 
 
 class _RolloutSteps(IterableDataset):
@@ -198,18 +196,17 @@ class RolloutDataModule(L.LightningDataModule):
             self.local_rank = self.trainer.local_rank
             self.world_size = self.trainer.world_size
         if self.chat is None:
-            from transformers import AutoTokenizer
-
-            self.chat = ChatFormat(AutoTokenizer.from_pretrained(self.cfg.model.path))
+            self.chat = chat_format(self.cfg)
         if not self.train_questions:
             splits = self.questions or load_splits(self.cfg.data)
-            self.train_questions = self._fitting(splits.train, "train")
-            self.val_questions = self._fitting(splits.val, "val")
-        self.sampler = QuestionSampler(len(self.train_questions), self.cfg.algorithm.train_batch_size,
-                                       seed=self.cfg.data.seed, shuffle=self.cfg.data.shuffle)
+            self.train_questions = fitting(splits.train, "train", self.chat, self.cfg)
+            self.val_questions = fitting(splits.val, "val", self.chat, self.cfg)
+        #: What each step samples (``step_questions.py``), as the run's start-up compared a
+        #: checkpoint's kept steps in flight with it (``run/kept_rollouts.py``).
+        self.steps = StepQuestions(self.train_questions, self.cfg)
+        self.sampler = self.steps.sampler
         if self.partial_rollouts and self.resume_from is not None:
             self.async_steps.restore(self.resume_from)
-            inflight.check_continued(self.async_steps.restored, self.sampled_keys, self.resume_from)
         if self.engine is None:
             from atlas_lightning.rollout.factory import build_engine
 
@@ -217,24 +214,6 @@ class RolloutDataModule(L.LightningDataModule):
             self.engine = self._built_engine = build_engine(self.cfg, self.rank, self.local_rank, self.world_size,
                                                             actor_lora=self.actor_lora)
             self.engine_allocated_bytes = _allocated_bytes() - allocated
-
-    def _fitting(self, questions: list[Question], split: str) -> list[Question]:
-        """Drop questions whose prompt exceeds ``rollout.max_prompt_length`` (as verl's loader
-        does), saying how many."""
-        limit = self.cfg.rollout.max_prompt_length
-        kept = [q for q in questions if len(self._prompt_ids(Episode(q, 0, self._runtime()))) <= limit]
-        if len(kept) < len(questions):
-            log.warning("%d of %d %s questions have prompts over rollout.max_prompt_length=%d and are skipped",
-                        len(questions) - len(kept), len(questions), split, limit)
-        if not kept:
-            raise ValueError(f"no {split} question fits rollout.max_prompt_length={limit}")
-        return kept
-
-    def _runtime(self) -> RuntimeConfig:
-        return RuntimeConfig(max_explores=self.cfg.rollout.max_explores, max_turns=self.cfg.rollout.max_turns)
-
-    def _prompt_ids(self, episode: Episode) -> list[int]:
-        return self.chat.prompt_ids(episode.messages(), episode.tools())
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_RolloutSteps(self), batch_size=None, num_workers=0, collate_fn=_identity)
@@ -266,8 +245,8 @@ class RolloutDataModule(L.LightningDataModule):
         trajectories = []
         for question in shard(questions, engine_index, engines):
             for sample in range(samples):
-                episode = Episode(question, sample, self._runtime(), seed=self.cfg.seed)
-                prompt = self._prompt_ids(episode)
+                episode = Episode(question, sample, runtime(self.cfg), seed=self.cfg.seed)
+                prompt = prompt_ids(self.chat, episode)
                 episode.on_prompt_tokens(len(prompt))
                 uid, session = trajectory_key(question, sample)
                 trajectories.append(Trajectory(uid=uid, session_id=session, episode=episode, prompt_ids=prompt))
@@ -379,19 +358,10 @@ class RolloutDataModule(L.LightningDataModule):
 
     def train_trajectories(self, step: int) -> list[Trajectory]:
         """This rank's fresh trajectories of step ``step``, each carrying its requests' seed parts."""
-        trajectories = self._trajectories(self._step_questions(step), self.cfg.rollout.n)
+        trajectories = self._trajectories(self.steps.questions(step), self.cfg.rollout.n)
         for traj in trajectories:
             traj.seed_parts = (self.cfg.seed, "train", step)
         return trajectories
-
-    def sampled_keys(self, step: int) -> set[tuple[str, str]]:
-        """Every rank's ``(uid, session)`` of step ``step``'s trajectories (``train_trajectories``
-        of all ranks together)."""
-        return {trajectory_key(q, sample) for q in self._step_questions(step) for sample in range(self.cfg.rollout.n)}
-
-    def _step_questions(self, step: int) -> list[Question]:
-        """Every rank's questions of RL step ``step`` (the sampler's draw)."""
-        return [self.train_questions[i] for i in self.sampler.step_indices(step - 1)]
 
     def assemble_step(self, step: int, trajectories: list[Trajectory], stats: LoopStats, version: Optional[int],
                       timing: dict) -> RolloutBatch:
@@ -463,7 +433,7 @@ class RolloutDataModule(L.LightningDataModule):
         """The fixed probe sequence of the weight-sync check: the first validation question's
         prompt (identical on every rank)."""
         question = (self.val_questions or self.train_questions)[0]
-        return self._prompt_ids(Episode(question, 0, self._runtime()))
+        return prompt_ids(self.chat, Episode(question, 0, runtime(self.cfg)))
 
     # -- resumable state ------------------------------------------------------------------
 
@@ -483,12 +453,6 @@ class RolloutDataModule(L.LightningDataModule):
             if self.engine is engine:
                 self.engine = None
             engine.close()
-
-
-def trajectory_key(question: Question, sample: int) -> tuple[str, str]:
-    """The ``(uid, session_id)`` of sample ``sample`` of ``question``: a trajectory's identity
-    in records, checkpoints and the kept steps in flight."""
-    return trajectory_uid(question.benchmark, question.question_id), session_id(sample)
 
 
 def _identity(batch):

@@ -26,8 +26,8 @@ one whose marker was rewritten, runs code). ``restore`` checks what it read: eac
 ``rank_<r>.pkl`` holding rank ``r``'s steps after the checkpoint's, each trajectory's token
 arrays of one length, its log-probs finite (``InflightError``, an ``InputError`` naming the file;
 ``run/facts.py`` reads them so before anything is written). ``check_continued`` refuses kept
-steps whose trajectories are not the ones this run samples (the datamodule calls it as it
-restores them, before any rollout).
+steps whose trajectories are not the ones this run samples (``run/facts.py`` calls it too, with
+the steps ``rollout/step_questions.py`` says the run samples, before anything is written).
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ class TrajectoryProducer:
         """This rank's trajectories of ``step``: fresh, or where a checkpoint kept them (every
         rank's, merged), the kept ones (matched by uid and session). A kept step holds every
         trajectory of its step, so a fresh one it lacks means the step's prompts changed since
-        the checkpoint (``inflight.check_continued`` refuses that at set-up): ``InputError``."""
+        the checkpoint (the run's start-up refuses that, ``inflight.check_continued``): ``InputError``."""
         fresh = self.source.train_trajectories(step)
         if restored is None:
             return fresh

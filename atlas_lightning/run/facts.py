@@ -88,7 +88,7 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
         folder = cfg.model.get(f"{role}_adapter")
         if folder and not Path(folder).is_dir():
             raise ConfigError(f"model.{role}_adapter={folder}: no such folder")
-    start = resume_path(cfg, folders["checkpoints"], training=training)
+    start = resume_path(cfg, folders["checkpoints"], training=training, questions=questions)
     from atlas_lightning.models.build import check_base_weights
 
     check_base_weights(cfg.model.path)  # last: it imports transformers, and reads every header
@@ -148,14 +148,16 @@ def check_writable(dirs: Mapping[str, Path]) -> None:
                               f"choose another paths.root or fix the folder's permissions") from None
 
 
-def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True) -> StartingPoint:
+def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
+                questions: Optional[QuestionSplits] = None) -> StartingPoint:
     """``trainer.resume``: None (fresh), ``auto`` (this run's newest checkpoint under
     ``checkpoints`` that verifies; newer ones that do not, or whose save did not finish, are
     named in ``notes``; if checkpoints exist and none verifies it is refused rather than started
     afresh over them) or a ``global_step_N`` folder, which must verify
     (``store.checkpoints.verify_checkpoint``: marker, file list, sizes, sha256). Either way its
     Lightning state must be whole (``_check_state``) and, when ``training``, the trajectories it
-    keeps in flight readable and continued by this config (``_check_kept_rollouts``)."""
+    keeps in flight readable and continued by this config (``_check_kept_rollouts``; the steps
+    this run samples come from ``questions``, the splits ``check_inputs`` loaded, or are loaded)."""
     from atlas_lightning.store.checkpoints import (
         CheckpointError, latest_verified, lightning_state_path, verify_checkpoint,
     )
@@ -174,7 +176,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True) ->
         if folder is not None:
             _check_state(folder, "trainer.resume=auto")
             if training:
-                _check_kept_rollouts(cfg, folder, "trainer.resume=auto")
+                _check_kept_rollouts(cfg, folder, "trainer.resume=auto", questions)
             notes.append(f"trainer.resume=auto: resuming from {folder} (verified)")
         elif notes:
             notes.append(f"trainer.resume=auto: no complete checkpoint under {checkpoints}: starting afresh")
@@ -188,7 +190,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True) ->
         raise ConfigError(f"trainer.resume={resume}: {err}") from None
     _check_state(folder, f"trainer.resume={resume}")
     if training:
-        _check_kept_rollouts(cfg, folder, f"trainer.resume={resume}")
+        _check_kept_rollouts(cfg, folder, f"trainer.resume={resume}", questions)
     return StartingPoint(folder, str(lightning_state_path(folder)), [f"trainer.resume: resuming from {folder} (verified)"])
 
 
@@ -215,10 +217,12 @@ def unfinished_checkpoints(checkpoints: Path, after: Optional[Path]) -> list[Pat
     return found
 
 
-def _check_kept_rollouts(cfg: DictConfig, folder: Path, key: str) -> None:
+def _check_kept_rollouts(cfg: DictConfig, folder: Path, key: str, questions: Optional[QuestionSplits]) -> None:
     """The trajectories ``folder`` keeps in flight (partial rollouts, ``rollout/inflight.py``)
     read back whole, and this run continues them: with scheduling by trajectory off (another
-    layout, or ``layout.partial_rollouts=false``) their generated tokens would be dropped."""
+    layout, or ``layout.partial_rollouts=false``) their generated tokens would be dropped, and
+    with it on each kept step must hold the trajectories this run samples for it
+    (``_check_same_steps``)."""
     from atlas_lightning.rollout import inflight
 
     try:
@@ -234,6 +238,27 @@ def _check_kept_rollouts(cfg: DictConfig, folder: Path, key: str) -> None:
             f"({tokens} generated tokens, partial rollouts); layout.mode={cfg.layout.mode} "
             f"layout.partial_rollouts={bool(cfg.layout.get('partial_rollouts', False))} would not continue them "
             f"and they would be lost: resume with layout.mode=separate layout.partial_rollouts=true")
+    if steps and continued:
+        _check_same_steps(cfg, folder, key, steps, questions)
+
+
+def _check_same_steps(cfg: DictConfig, folder: Path, key: str, steps: dict,
+                      questions: Optional[QuestionSplits]) -> None:
+    """Each kept step holds exactly the trajectories this run samples for it
+    (``inflight.check_continued``): a step's questions are the sampler's draw from the training
+    questions whose prompts fit under ``model.path``'s tokenizer, computed as the data module
+    computes them (``rollout/step_questions.py``), so ``rollout.n``, ``data.*`` or ``data.seed``
+    changed since the checkpoint are refused here, before anything is written."""
+    from atlas_lightning.questions.loader import load_splits
+    from atlas_lightning.rollout import inflight
+    from atlas_lightning.rollout.step_questions import StepQuestions, chat_format, fitting
+
+    train = (questions or load_splits(cfg.data)).train
+    sampled = StepQuestions(fitting(train, "train", chat_format(cfg), cfg, say=False), cfg)
+    try:
+        inflight.check_continued(steps, sampled.keys, folder)
+    except inflight.InflightError as err:
+        raise ConfigError(f"{key}: {err}") from None
 
 
 def _check_state(folder: Path, key: str) -> None:

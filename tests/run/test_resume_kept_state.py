@@ -65,14 +65,16 @@ class _RunsCode:
 
 def test_kept_trajectories_of_every_rank_read_back_and_resume(tmp_path, cfg_of):
     from atlas_lightning.run.facts import check_inputs
+    from tests.rollout.test_inflight_continued import kept_step_files
 
-    folder = _with_inflight(_checkpoint(tmp_path / "elsewhere", 3), {
-        "rank_0.pkl": _file(0), "rank_1.pkl": _file(1, [{"step": 4, "version": 2, "trajectories": [
-            _trajectory(session="s3")]}])})  # written at world size 2, read at 1: merged by step
+    files = kept_step_files(cfg_of(*SEPARATE), 4, ranks=2)  # written at world size 2, read at 1: merged by step
+    folder = _with_inflight(_checkpoint(tmp_path / "elsewhere", 3), files)
     start = check_inputs(cfg_of(f"trainer.resume={folder}", *SEPARATE)).start
     assert start.resume == folder
     kept = inflight.restore(folder)
-    assert list(kept) == [4] and len(kept[4].trajectories) == 2 and inflight.saved_tokens(kept) == 6
+    count = sum(len(pickle.loads(data)["steps"][0]["trajectories"]) for data in files.values())
+    assert list(kept) == [4] and len(kept[4].trajectories) == count and inflight.saved_tokens(kept) == 3 * count
+    assert len(files) == 2 and count > 2
 
 
 def test_what_a_question_read_from_parquet_holds_reads_back(tmp_path):
@@ -174,6 +176,42 @@ def test_kept_tokens_a_run_would_not_continue_are_refused_naming_the_keys(tmp_pa
     empty = _with_inflight(_checkpoint(tmp_path / "empty", 3), {"rank_0.pkl": _file(0, [
         {"step": 4, "version": 2, "trajectories": [_trajectory(tokens=0)]}])})
     assert check_inputs(cfg_of(f"trainer.resume={empty}", *layout)).start.resume == empty
+
+
+def _tree(root) -> dict[str, str]:
+    """Every folder and file under ``root``: ``{relative path: sha256 of its bytes, or "folder"}``."""
+    import hashlib
+
+    return {str(p.relative_to(root)): "folder" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*"))}
+
+
+def test_a_resume_whose_kept_steps_this_run_would_not_sample_exits_2_and_changes_no_file(
+        tmp_path, cfg_of, tiny_model_dir, sample_data_dir, run_logs_removed):
+    """Through the CLI: a run directory as a launch with ``rollout.n=2`` left it (its
+    ``config.yaml`` and logs, a checkpoint keeping step 2 in flight), resumed with ``rollout.n=1``:
+    refused in one line naming the checkpoint and the step, exit 2, every file as it was."""
+    import subprocess
+    import sys
+
+    from atlas_lightning.run.wiring import prepare_run
+    from tests.rollout.test_inflight_continued import checkpoint_keeping
+
+    launch = [*SEPARATE, "rollout.n=2", "algorithm.train_batch_size=2", "algorithm.ppo_mini_batch_size=1"]
+    prepare_run(cfg_of(*launch), "fit")  # what the launch that wrote the checkpoint left
+    folder = checkpoint_keeping(cfg_of(*launch), tmp_path / "checkpoints" / "run", 2)
+    before = _tree(tmp_path)
+    command = [sys.executable, "-m", "atlas_lightning.cli", "fit", "experiment=tiny-cpu", f"paths.root={tmp_path}",
+               "name=run", f"model.path={tiny_model_dir}", f"data.root={sample_data_dir}", *launch, "rollout.n=1",
+               "trainer.resume=auto", "logger.mode=disabled"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
+    assert done.returncode == 2, done.stderr[-4000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-4000:]
+    assert lines[0].startswith(f"atlas-lightning fit: config error: trainer.resume=auto: {folder}: step 2 in flight "
+                               f"keeps 2 trajectories this run does not sample"), lines[0]
+    assert _tree(tmp_path) == before
 
 
 def _rng_damage(part):
