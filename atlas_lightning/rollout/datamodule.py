@@ -202,7 +202,7 @@ class RolloutDataModule(L.LightningDataModule):
             self.train_questions = fitting(splits.train, "train", self.chat, self.cfg)
             self.val_questions = fitting(splits.val, "val", self.chat, self.cfg)
         #: What each step samples (``step_questions.py``), as the run's start-up compared a
-        #: checkpoint's kept steps in flight with it (``run/kept_rollouts.py``).
+        #: checkpoint's kept steps in flight with it (``run/facts.py``).
         self.steps = StepQuestions(self.train_questions, self.cfg)
         self.sampler = self.steps.sampler
         if self.partial_rollouts and self.resume_from is not None:

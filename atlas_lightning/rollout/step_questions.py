@@ -14,7 +14,7 @@ Contract:
 
 One path for the two that need it: the data module, which samples these steps
 (``datamodule.RolloutDataModule``), and the run's start-up, which compares a checkpoint's kept
-in-flight steps with them before anything is written (``run/kept_rollouts.py``).
+in-flight steps with them before anything is written (``run/facts.py``).
 """
 
 from __future__ import annotations
