@@ -24,6 +24,13 @@ in this mode):
   handed over (the data cursor: a step sampled ahead but not trained on is sampled again after
   a restart, never lost or counted twice). ``stop`` ends the producer and drops what it sampled
   ahead.
+- The producer draws nothing from the process's global generators (torch's, CUDA's, numpy's,
+  Python's), which the update draws its LoRA dropout masks from while the producer samples: each
+  request carries its own seed (``engine.request_seed``), the engines sample from it (the
+  vLLM server in its own process; the transformers reference from a ``torch.Generator`` of that
+  seed), episodes permute their candidates by a hash, and the client's request ids come from
+  ``uuid4`` (the OS). So a resumed run's masks do not depend on how the two threads interleave
+  (tests/rollout/test_datamodule_async.py, tests/rollout/test_server_engine.py).
 """
 
 from __future__ import annotations

@@ -117,6 +117,60 @@ def test_rollouts_overlap_updates_with_bounded_staleness(hf_engine, tiny_model_d
     resumed.teardown("fit")
 
 
+class _DrawsMasks(_SlowUpdates):
+    """Each update draws from the global generators as LoRA dropout does (torch's; numpy's and
+    Python's too), the first one right after seeding them: what it draws is a function of the
+    seeds alone unless another thread draws from them too."""
+
+    SEED = 1234
+
+    def __init__(self, update_s: float):
+        super().__init__(update_s)
+        self.masks = []
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            _seed_globals(self.SEED)
+        self.masks.append(_draw_globals())
+        time.sleep(self.update_s / 2)  # the producer samples the next step meanwhile
+        self.masks.append(_draw_globals())
+        super().training_step(batch, batch_idx)
+
+
+def _seed_globals(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _draw_globals() -> tuple:
+    import random
+
+    import numpy as np
+
+    return (torch.rand(8) > 0.5).tolist(), np.random.rand(2).tolist(), random.random()
+
+
+def test_the_producer_thread_draws_nothing_from_the_global_generators(hf_engine, tiny_model_dir, sample_data_dir,
+                                                                     tmp_path):
+    """The separate layout samples on a producer thread while the update draws its LoRA dropout
+    masks from the process's global generators: were the rollout side (engine, agent loop,
+    episodes, reward) to draw from them, the masks would depend on how the two threads
+    interleave, and a resumed run would draw other masks than the run it continues. Sampled at
+    temperature 1 (the engine draws from a generator of each request's seed): every mask is the
+    one the seeds alone give."""
+    module = _DrawsMasks(update_s=1.0)
+    _fit(RolloutDataModule(_cfg(tiny_model_dir, sample_data_dir, tmp_path, "rollout.temperature=1.0"),
+                           engine=hf_engine), module)
+    assert [s[:3] for s in module.seen] == [(1, 0, 0), (2, 0, 1), (3, 1, 1)]  # sampled during the updates
+    _seed_globals(_DrawsMasks.SEED)
+    assert module.masks == [_draw_globals() for _ in module.masks]
+
+
 def test_synchronous_layout_never_prefetches(hf_engine, tiny_model_dir, sample_data_dir, tmp_path):
     dm = RolloutDataModule(_cfg(tiny_model_dir, sample_data_dir, tmp_path, "layout=single", "trainer.total_steps=3"),
                            engine=hf_engine)

@@ -144,10 +144,13 @@ def test_streamed_completions_equal_whole_ones_and_an_interrupted_one_keeps_its_
     """Streamed (partial rollouts): the same tokens and log-probs as a whole reply, seeded; an
     interrupted request hands back a prefix of its generation with its log-probs, never comes
     back from ``poll``, and its continuation by re-prefill (prompt plus the kept tokens, the
-    rest of the budget) under the same weights completes the uninterrupted greedy generation."""
+    rest of the budget) under the same weights completes the uninterrupted greedy generation.
+    The client draws nothing from this process's global generators, whose draws the trainer's
+    LoRA dropout masks are while the separate layout's producer thread samples."""
     from atlas_lightning.rollout.engines.server_engine import ServerEngine
 
     streamed = ServerEngine(server_engine.url, max_in_flight=8, streaming=True)
+    drawn = _global_generator_states()
     try:
         specs = [SamplingSpec(max_tokens=24, temperature=1.0, seed=5), SamplingSpec(max_tokens=24, temperature=0.0)]
         requests = [GenerationRequest(f"st{i}-{j}", tuple(p), spec)
@@ -174,8 +177,18 @@ def test_streamed_completions_equal_whole_ones_and_an_interrupted_one_keeps_its_
         assert rest.error is None and rest.finish_reason == full.finish_reason
         assert cut.token_ids + rest.token_ids == full.token_ids
         assert max(abs(a - b) for a, b in zip(cut.logprobs + rest.logprobs, full.logprobs)) < TOL
+        assert _global_generator_states() == drawn
     finally:
         streamed.close()
+
+
+def _global_generator_states() -> tuple:
+    """This process's global torch, numpy and Python generator states, comparable with ``==``."""
+    import random
+
+    import numpy as np
+
+    return torch.get_rng_state().tolist(), np.random.get_state()[1].tolist(), random.getstate()
 
 
 def test_lora_matches_reference_and_is_never_stale(server_engine, hf_engine, tiny_model_dir, tmp_path):
