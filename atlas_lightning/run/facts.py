@@ -155,9 +155,11 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
     named in ``notes``; if checkpoints exist and none verifies it is refused rather than started
     afresh over them) or a ``global_step_N`` folder, which must verify
     (``store.checkpoints.verify_checkpoint``: marker, file list, sizes, sha256). Either way its
-    Lightning state must be whole (``_check_state``) and, when ``training``, the trajectories it
+    Lightning state must be whole (``_check_state``), its adapters of this run's LoRA settings and
+    base (``run/resume_adapters.py``) and, when ``training``, the trajectories it
     keeps in flight readable and continued by this config (``_check_kept_rollouts``; the steps
     this run samples come from ``questions``, the splits ``check_inputs`` loaded, or are loaded)."""
+    from atlas_lightning.run.resume_adapters import check_resume_adapters
     from atlas_lightning.store.checkpoints import (
         CheckpointError, latest_verified, lightning_state_path, verify_checkpoint,
     )
@@ -175,6 +177,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
                               + "\nmove the damaged folders away, or set trainer.resume=null to start afresh")
         if folder is not None:
             _check_state(folder, "trainer.resume=auto")
+            check_resume_adapters(cfg, folder, "trainer.resume=auto")
             if training:
                 _check_kept_rollouts(cfg, folder, "trainer.resume=auto", questions)
             notes.append(f"trainer.resume=auto: resuming from {folder} (verified)")
@@ -189,6 +192,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
     except CheckpointError as err:
         raise ConfigError(f"trainer.resume={resume}: {err}") from None
     _check_state(folder, f"trainer.resume={resume}")
+    check_resume_adapters(cfg, folder, f"trainer.resume={resume}")
     if training:
         _check_kept_rollouts(cfg, folder, f"trainer.resume={resume}", questions)
     return StartingPoint(folder, str(lightning_state_path(folder)), [f"trainer.resume: resuming from {folder} (verified)"])

@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from atlas_lightning.config import ConfigError, compose
 
@@ -114,6 +113,7 @@ def check_adapter(cfg, shape, role: str, folder: Path) -> str:
     shapes that LoRA and this base imply. Returns the line pre-flight prints: the shape it will
     train, and where ``model.lora`` (or ``model.critic_lora``) says otherwise, that the folder's wins."""
     from atlas_lightning.planning.shapes import safetensors_header
+    from atlas_lightning.run.adapter_files import check_adapter_base, target_names
     from atlas_lightning.store.lora_shapes import (AdapterConfigError, config_lora_shape, read_adapter_config,
                                                    shape_from_adapter_config, starting_adapter_source)
 
@@ -124,7 +124,7 @@ def check_adapter(cfg, shape, role: str, folder: Path) -> str:
         lora = shape_from_adapter_config(saved, str(config_file))
     except AdapterConfigError as err:
         raise PreflightError(f"{source}: {err}") from None
-    _check_adapter_base(shape, folder, source)
+    check_adapter_base(shape, folder, source)
 
     weights = folder / "adapter_model.safetensors"
     if not weights.is_file():
@@ -161,7 +161,8 @@ def check_adapter(cfg, shape, role: str, folder: Path) -> str:
     head = _check_value_head(shape, folder, saved, header, source) if role == "critic" else ""
     line = f"{role} {folder}: {lora.describe()}, {seen} tensors{head}"
     configured = config_lora_shape(cfg, role)
-    if (configured.rank, configured.alpha, _named(configured, shape)) != (lora.rank, lora.alpha, _named(lora, shape)):
+    if ((configured.rank, configured.alpha, target_names(configured, shape))
+            != (lora.rank, lora.alpha, target_names(lora, shape))):
         line += f" (the folder's shape; {configured.source} says {configured.describe()})"
     return line
 
@@ -174,13 +175,6 @@ def _module_rank(lora, key: str) -> int:
         if re.search(rf"(^|\.){pattern}$", module):
             return int(rank)
     return lora.rank
-
-
-def _named(lora, shape):
-    """``lora.target_modules`` as a sorted tuple of this base's linear names (``all-linear`` expanded)."""
-    if lora.target_modules == "all-linear":
-        return tuple(sorted(shape.linear_names()))
-    return lora.target_modules if isinstance(lora.target_modules, str) else tuple(sorted(lora.target_modules))
 
 
 def _check_value_head(shape, folder: Path, saved: dict, header: dict, source: str) -> str:
@@ -206,34 +200,6 @@ def _check_value_head(shape, folder: Path, saved: dict, header: dict, source: st
         raise PreflightError(f"{source}: {folder}'s modules_to_save hold {weights}; a value head is a weight "
                              f"[1, {shape.hidden_size}]")
     return f", value head {next(iter(weights))} (modules_to_save)"
-
-
-def _check_adapter_base(shape, folder: Path, source: str) -> None:
-    """``atlas_base.json``'s config fields against this base's ``config.json`` (shared fields only)."""
-    identity_file = folder / "atlas_base.json"
-    if not identity_file.is_file():
-        return  # an adapter from elsewhere: the tensor shapes below are the check
-    from atlas_lightning.models.identity import SHAPE_FIELDS
-
-    theirs = json.loads(identity_file.read_text()).get("config", {})
-    mine = _base_config_fields(shape)
-    for key in SHAPE_FIELDS:
-        if key in theirs and key in mine and _normal(key, theirs[key]) != _normal(key, mine[key]):
-            raise PreflightError(f"{source}: {folder} was trained on a different base: {key} is {theirs[key]!r} "
-                                 f"there, {mine[key]!r} in model.path's config.json")
-
-
-def _normal(key: str, value: Any) -> Any:
-    if key == "model_type" and isinstance(value, str):
-        return value.removesuffix("_text")
-    return list(value) if isinstance(value, (list, tuple)) else value
-
-
-def _base_config_fields(shape) -> dict[str, Any]:
-    raw = json.loads(Path(shape.source).read_text())
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-    return {**text, "model_type": text.get("model_type", raw.get("model_type")),
-            "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
 
 
 def check_adapters(cfg) -> str:

@@ -34,12 +34,12 @@ def fit(cfg: DictConfig) -> int:
         return memory_check(cfg)
     facts = check_inputs(cfg)  # before anything is written: a bad model folder or checkpoint exits 2
     callbacks = build_callbacks(cfg, facts)  # a bad callback argument too
+    module = PPOModule(cfg, resume_from=facts.start.resume)  # and a reward or weight sync that cannot be built
+    datamodule = RolloutDataModule(cfg, questions=facts.questions, resume_from=facts.start.resume,
+                                   actor_lora=facts.lora["actor"])
     with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: _step_of(str(facts.start.resume or ""))):
         prepare_run(cfg, "fit", notes=facts.start.notes)  # a disk full already: the write stop (exit 7)
     trainer = build_trainer(cfg, callbacks=callbacks)
-    module = PPOModule(cfg, resume_from=facts.start.resume)
-    datamodule = RolloutDataModule(cfg, questions=facts.questions, resume_from=facts.start.resume,
-                                   actor_lora=facts.lora["actor"])
     started = time.time()
     # a fault part-way (engine, memory, non-finite) stops cleanly, naming the checkpoint to resume from
     with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: module.finished_step, trainer=trainer):
@@ -108,13 +108,14 @@ def validate(cfg: DictConfig) -> int:
                                             checkpoints=facts.folders["checkpoints"], run_id=cfg.name)
             results.update(validation.run_validation(trainer, pl_module, step))
 
+    # built before anything is written: a reward or weight sync that cannot be built exits 2
+    module = PPOModule(cfg, resume_from=facts.start.resume)
+    datamodule = RolloutDataModule(cfg, questions=facts.questions, actor_lora=facts.lora["actor"])
     # a fault (the engine dies, the disk is full) stops cleanly as in fit
     with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: step):
         prepare_run(cfg, "validate", notes=facts.start.notes)
         trainer = build_trainer(cfg, callbacks=[_ValidateOnce()], limit_val_batches=1)
-        trainer.validate(PPOModule(cfg, resume_from=facts.start.resume),
-                         datamodule=RolloutDataModule(cfg, questions=facts.questions, actor_lora=facts.lora["actor"]),
-                         ckpt_path=ckpt)
+        trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt)
     if trainer.global_rank == 0:
         shown = {k: v for k, v in sorted(results.items()) if k.endswith(("/acc", "/objective"))}
         print("\n".join(f"{k:40s} {v:.4f}" for k, v in shown.items()), file=sys.stderr)

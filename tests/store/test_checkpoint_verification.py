@@ -51,8 +51,15 @@ def _state_bytes(**change) -> bytes:
     return buffer.getvalue()
 
 
+#: The LoRA settings of the tiny model's runs (``conf/model/tiny.yaml``: r8 alpha 16, all-linear),
+#: as peft writes them: what ``_checkpoint``'s adapters say they were trained with.
+TINY_LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj"]}
+
+
 def _checkpoint(root, step, *, adapters=None, state=None):
-    """``root/global_step_<step>`` as the checkpoint callback lays it out, marker last."""
+    """``root/global_step_<step>`` as the checkpoint callback lays it out, marker last; its
+    adapters are of ``TINY_LORA`` (the bytes of their tensors are not a safetensors file)."""
     folder = root / f"global_step_{step}"
     for role in ("actor", "critic"):
         target = folder / role / "lora_adapter"
@@ -62,8 +69,7 @@ def _checkpoint(root, step, *, adapters=None, state=None):
             save_adapter(adapters, role, target)
         else:
             target.mkdir(parents=True)
-            (target / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
-                                                                    "role": role}))
+            (target / "adapter_config.json").write_text(json.dumps({**TINY_LORA, "role": role}))
             (target / "adapter_model.safetensors").write_bytes(bytes(range(256)) * (step + 1))
     (folder / "lightning").mkdir(parents=True)
     (folder / "lightning" / "state.ckpt").write_bytes(_state_bytes() if state is None else state)
@@ -304,6 +310,10 @@ def test_the_checks_return_what_they_read_once(tmp_path, cfg_of, sample_data_dir
     from atlas_lightning.run.facts import check_inputs
 
     folder = _checkpoint(tmp_path / "elsewhere", 7)
+    (folder / "actor" / "lora_adapter" / "adapter_config.json").write_text(json.dumps(
+        {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "role": "actor"}))  # a shape of its own
+    (folder / MARKER).unlink()
+    write_marker(folder, 7)
     cfg = cfg_of(f"trainer.init_from={folder}", "trainer.init_critic=false", "data.val_max_questions=3")
     facts = check_inputs(cfg)
     assert facts.folders["checkpoints"] == tmp_path / "checkpoints" / "run"

@@ -1,0 +1,112 @@
+"""What a resume would refuse once the model is built is refused at the start, before the run's
+``config.yaml`` and logs are written: a checkpoint whose adapters were trained with other LoRA
+settings than this run's, or on a base of other config fields (``run/resume_adapters.py``); and
+a reward that cannot be built. A refused launch leaves the run's folder as it was."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from atlas_lightning.cli import main
+from atlas_lightning.config import ConfigError
+from atlas_lightning.store.checkpoints import MARKER, write_marker
+from tests.store.test_checkpoint_verification import _checkpoint
+
+
+def _tree(root) -> dict[str, str]:
+    return {str(p.relative_to(root)): "folder" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("override, role, differs", [
+    ("model.lora.rank=16", "actor", "r=8 (this run: 16)"),
+    ("model.lora.alpha=32", "actor", "lora_alpha=16.0 (this run: 32.0)"),
+    ("model.lora.target_modules=[q_proj,v_proj]", "actor", "target_modules=('down_proj', 'gate_proj', 'k_proj', "
+                                                           "'o_proj', 'q_proj', 'up_proj', 'v_proj') (this run: "
+                                                           "('q_proj', 'v_proj'))"),
+    ("model.critic_lora.rank=4", "critic", "r=8 (this run: 4)"),
+])
+@pytest.mark.parametrize("training", [True, False], ids=["fit", "validate"])
+def test_a_checkpoint_of_other_lora_settings_is_refused_before_anything_is_written(tmp_path, cfg_of, override, role,
+                                                                                  differs, training):
+    from atlas_lightning.run.facts import check_inputs
+
+    folder = _checkpoint(tmp_path / "elsewhere", 3)
+    assert check_inputs(cfg_of(f"trainer.resume={folder}"), training=training).start.resume == folder
+    with pytest.raises(ConfigError) as refused:
+        check_inputs(cfg_of(f"trainer.resume={folder}", override), training=training)
+    message = str(refused.value)
+    assert message.startswith(f"trainer.resume={folder}: its {role} adapter ({folder / role / 'lora_adapter'}) "
+                              f"was trained with {differs}"), message
+    assert f"trainer.init_from={folder}" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere"]
+
+
+@pytest.mark.parametrize("identity, message", [
+    ({"config": {"hidden_size": 64}}, "was trained on a different base: hidden_size is 64 there, 128 in model.path's"),
+    ("not json", "atlas_base.json is not readable JSON"),
+])
+def test_a_checkpoint_of_another_base_is_refused_before_anything_is_written(tmp_path, cfg_of, identity, message):
+    from atlas_lightning.run.facts import check_inputs
+
+    folder = _checkpoint(tmp_path / "elsewhere", 3)
+    adapter = folder / "critic" / "lora_adapter"
+    (adapter / "atlas_base.json").write_text(identity if isinstance(identity, str) else json.dumps(identity))
+    (folder / MARKER).unlink()
+    write_marker(folder, 3)
+    with pytest.raises(ConfigError) as refused:
+        check_inputs(cfg_of(f"trainer.resume={folder}"))
+    assert str(refused.value).startswith(f"trainer.resume={folder}: {adapter}") and message in str(refused.value)
+
+
+def test_adapters_as_peft_saves_them_pass_and_are_refused_as_the_built_model_would(tmp_path, cfg_of, tiny_model_dir):
+    """The settings compared are the ones the built model compares (``PPOModule._check_resume``):
+    real adapters of this run's LoRA resume; the same with another rank is refused at the start."""
+    from atlas_lightning.run.facts import check_inputs
+    from tests.model_builds import actor_critic
+
+    folder = _checkpoint(tmp_path / "elsewhere", 3, adapters=actor_critic(tiny_model_dir, {"rank": 8, "alpha": 16}))
+    assert check_inputs(cfg_of(f"trainer.resume={folder}")).start.resume == folder
+    with pytest.raises(ConfigError, match=r"its actor adapter .* was trained with r=8 \(this run: 4\)"):
+        check_inputs(cfg_of(f"trainer.resume={folder}", "model.lora.rank=4"))
+
+
+def _launch(cfg_of, tmp_path, sample_data_dir, tiny_model_dir, *overrides) -> list[str]:
+    return ["fit", "experiment=tiny-cpu", f"paths.root={tmp_path}", "name=run", f"model.path={tiny_model_dir}",
+            f"data.root={sample_data_dir}", "logger.mode=disabled", *overrides]
+
+
+def test_a_refused_resume_through_the_cli_exits_2_in_one_line_and_changes_no_file(tmp_path, cfg_of, sample_data_dir,
+                                                                                   tiny_model_dir, capsys):
+    """A run's folder as its launch left it (config, logs, a checkpoint), resumed with another
+    ``model.lora.rank``: refused naming the key and the setting, every file as it was."""
+    import logging
+
+    from atlas_lightning.run.wiring import prepare_run
+
+    names = ("atlas_lightning", "lightning", "lightning.pytorch")
+    before_handlers = {name: list(logging.getLogger(name).handlers) for name in names}
+    prepare_run(cfg_of(), "fit")  # the launch that wrote the checkpoint
+    for name in names:  # its log handlers closed, as at that launch's exit
+        for handler in [h for h in logging.getLogger(name).handlers if h not in before_handlers[name]]:
+            logging.getLogger(name).removeHandler(handler)
+            handler.close()
+    _checkpoint(tmp_path / "checkpoints" / "run", 3)
+    capsys.readouterr()
+    before = _tree(tmp_path)
+    assert main(_launch(cfg_of, tmp_path, sample_data_dir, tiny_model_dir, "trainer.resume=auto",
+                        "model.lora.rank=16")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("atlas-lightning fit: config error: trainer.resume=auto: its actor "
+                                               "adapter"), err
+    assert _tree(tmp_path) == before
+
+
+def test_a_reward_that_cannot_be_built_exits_2_before_anything_is_written(tmp_path, cfg_of, sample_data_dir,
+                                                                          tiny_model_dir, capsys):
+    assert main(_launch(cfg_of, tmp_path, sample_data_dir, tiny_model_dir, "+reward.no_such_argument=1")) == 2
+    assert "reward._target_=atlas_lightning.reward.CostReward: cannot build the reward scorer" in capsys.readouterr().err
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "logs").exists()
