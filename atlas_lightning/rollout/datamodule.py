@@ -66,7 +66,7 @@ from atlas_lightning.rollout.engine import Engine
 from atlas_lightning.rollout.engines.args import client_in_flight
 from atlas_lightning.rollout.interruption import SyncPause
 from atlas_lightning.rollout.rng import preserved_rng
-from atlas_lightning.rollout.step_questions import (StepQuestions, chat_format, fitting, prompt_ids, runtime,
+from atlas_lightning.rollout.step_questions import (StepQuestions, chat_format, fitted_splits, prompt_ids, runtime,
                                                     trajectory_key)
 from atlas_lightning.store.lora_shapes import LoraShape
 
@@ -117,8 +117,9 @@ class RolloutDataModule(L.LightningDataModule):
     def __init__(self, cfg: DictConfig, engine: Optional[Engine] = None,
                  questions: Optional[QuestionSplits] = None, resume_from: Optional[str] = None,
                  actor_lora: Optional[LoraShape] = None) -> None:
-        """``engine``: see the module doc. ``questions``: the splits the run's start-up loaded and
-        checked (``run.facts.check_inputs``), never read again here; None: ``setup`` loads them
+        """``engine``: see the module doc. ``questions``: the splits the run's start-up loaded,
+        checked and fitted to ``rollout.max_prompt_length`` (``run.facts.check_inputs``,
+        ``step_questions.fitted_splits``), used as they are; None: ``setup`` loads and fits them
         (a datamodule built on its own, as tests do). ``resume_from``: the verified checkpoint a
         resumed run continues, whose trajectories in flight (partial rollouts, ``inflight.py``)
         the producer continues. ``actor_lora``: the LoRA shape the actor trains, as the run's
@@ -198,9 +199,8 @@ class RolloutDataModule(L.LightningDataModule):
         if self.chat is None:
             self.chat = chat_format(self.cfg)
         if not self.train_questions:
-            splits = self.questions or load_splits(self.cfg.data)
-            self.train_questions = fitting(splits.train, "train", self.chat, self.cfg)
-            self.val_questions = fitting(splits.val, "val", self.chat, self.cfg)
+            splits = self.questions or fitted_splits(self.cfg, load_splits(self.cfg.data), self.chat)
+            self.train_questions, self.val_questions = splits.train, splits.val
         #: What each step samples (``step_questions.py``), as the run's start-up compared a
         #: checkpoint's kept steps in flight with it (``run/facts.py``).
         self.steps = StepQuestions(self.train_questions, self.cfg)

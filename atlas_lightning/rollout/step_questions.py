@@ -12,19 +12,23 @@ Contract:
 - A trajectory is named by ``(uid, session)`` (``trajectory_key``), in records, checkpoints and
   the steps a checkpoint keeps in flight.
 
-One path for the two that need it: the data module, which samples these steps
-(``datamodule.RolloutDataModule``), and the run's start-up, which compares a checkpoint's kept
-in-flight steps with them before anything is written (``run/facts.py``).
+One path for the two that need it: the run's start-up (``run/facts.py``), which fits the
+splits once before anything is written (``fitted_splits``: a bad ``rollout.max_prompt_length``,
+``algorithm.train_batch_size`` or tokenizer exits 2 there) and compares a checkpoint's kept
+in-flight steps with the steps this run samples, and the data module
+(``datamodule.RolloutDataModule``), which samples them from the splits it is given.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable, Optional
 
 from omegaconf import DictConfig
 
 from atlas_lightning.config import ConfigError
 from atlas_lightning.env.episode import Episode, RuntimeConfig
+from atlas_lightning.questions.loader import QuestionSplits
 from atlas_lightning.questions.sampler import QuestionSampler
 from atlas_lightning.questions.schema import Question
 from atlas_lightning.questions.uid import trajectory_uid
@@ -55,21 +59,32 @@ def prompt_ids(chat: ChatFormat, episode: Episode) -> list[int]:
     return chat.prompt_ids(episode.messages(), episode.tools())
 
 
-def fitting(questions: list[Question], split: str, chat: ChatFormat, cfg: DictConfig, *,
-            say: bool = True) -> list[Question]:
-    """``questions`` without those whose prompt exceeds ``rollout.max_prompt_length``, saying how
-    many were dropped (``say``: the run's start-up, which only compares, leaves that to the data
-    module); ``ConfigError`` when none is left."""
+def fitting(questions: list[Question], split: str, chat: ChatFormat, cfg: DictConfig,
+            say: Callable[[str], None] = log.warning) -> list[Question]:
+    """``questions`` without those whose prompt exceeds ``rollout.max_prompt_length``, telling
+    ``say`` how many were dropped; ``ConfigError`` when none is left."""
     limit = cfg.rollout.max_prompt_length
     limits = runtime(cfg)
     kept = [q for q in questions if len(prompt_ids(chat, Episode(q, 0, limits))) <= limit]
-    if say and len(kept) < len(questions):
-        log.warning("%d of %d %s questions have prompts over rollout.max_prompt_length=%d and are skipped",
-                    len(questions) - len(kept), len(questions), split, limit)
+    if len(kept) < len(questions):
+        say(f"{len(questions) - len(kept)} of {len(questions)} {split} questions have prompts over "
+            f"rollout.max_prompt_length={limit} and are skipped")
     if not kept:
         raise ConfigError(f"rollout.max_prompt_length={limit}: no {split} question's prompt fits it "
                           f"({len(questions)} questions of data.{split}_split)")
     return kept
+
+
+def fitted_splits(cfg: DictConfig, splits: QuestionSplits, chat: Optional[ChatFormat] = None,
+                  say: Callable[[str], None] = log.warning) -> QuestionSplits:
+    """``splits`` without the questions whose prompts do not fit (``fitting``; ``chat``: default
+    ``model.path``'s), the training ones checked to fill a batch (``StepQuestions``):
+    ``ConfigError`` naming the key otherwise."""
+    chat = chat if chat is not None else chat_format(cfg)
+    fitted = QuestionSplits(train=fitting(splits.train, "train", chat, cfg, say),
+                            val=fitting(splits.val, "val", chat, cfg, say))
+    StepQuestions(fitted.train, cfg)
+    return fitted
 
 
 class StepQuestions:

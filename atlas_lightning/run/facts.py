@@ -44,10 +44,18 @@ class RunFacts:
     #: ``{"actor", "critic"}``: the LoRA each adapter trains, from its starting folder's
     #: ``adapter_config.json`` or the config (``store.lora_shapes.lora_shapes``).
     lora: Mapping[str, LoraShape]
-    #: The train and validation questions (None for a verb that reads none: memory-check).
+    #: The train and validation questions whose prompts fit ``rollout.max_prompt_length``
+    #: (``rollout/step_questions.fitted_splits``; None for a verb that reads none: memory-check).
     questions: Optional[QuestionSplits]
     #: The checkpoint it resumes from (``resume_path``).
     start: StartingPoint
+    #: What was decided about the questions (those skipped for their prompt's length), for the run's log.
+    question_notes: tuple[str, ...] = ()
+
+    @property
+    def notes(self) -> list[str]:
+        """Everything decided at start-up, for the run's log and stderr (``wiring.prepare_run``)."""
+        return [*self.start.notes, *self.question_notes]
 
 
 def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -> RunFacts:
@@ -55,7 +63,8 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     calls it first) and return it: the run's folders (``paths.*``: writable, or creatable), what
     the separate layout's server cannot run (``rollout/layout_checks.py``), ``model.path`` (``planning.model_folder``),
     the question splits (``data``: every file of the train and validation splits loads,
-    ``questions.loader.load_splits``), ``trainer.init_from``
+    ``questions.loader.load_splits``, and is fitted to ``rollout.max_prompt_length`` under
+    ``model.path``'s tokenizer, filling a batch: ``rollout/step_questions.fitted_splits``), ``trainer.init_from``
     (a complete checkpoint whose adapters verify against ``checkpoint.json``), the starting
     adapter folders and their LoRA shapes (``store.lora_shapes``), and ``trainer.resume``
     (``resume_path``; ``training``: the run trains on from it, so the trajectories it keeps in
@@ -73,7 +82,7 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     check_machine(cfg)
     check_model_folder(cfg.model.path)
     _check_lora_targets(cfg.model)
-    questions = None
+    questions, question_notes = None, []
     if data:
         from atlas_lightning.questions.loader import load_splits
 
@@ -88,11 +97,16 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
         folder = cfg.model.get(f"{role}_adapter")
         if folder and not Path(folder).is_dir():
             raise ConfigError(f"model.{role}_adapter={folder}: no such folder")
+    if questions is not None:  # the tokenizer's turn (it imports transformers), then the resume's, which reads them
+        from atlas_lightning.rollout.step_questions import fitted_splits
+
+        questions = fitted_splits(cfg, questions, say=question_notes.append)
     start = resume_path(cfg, folders["checkpoints"], training=training, questions=questions)
     from atlas_lightning.models.build import check_base_weights
 
     check_base_weights(cfg.model.path)  # last: it imports transformers, and reads every header
-    return RunFacts(folders=folders, lora=lora_shapes(cfg), questions=questions, start=start)
+    return RunFacts(folders=folders, lora=lora_shapes(cfg), questions=questions, start=start,
+                    question_notes=tuple(question_notes))
 
 
 def _check_separate_layout(cfg: DictConfig) -> None:
@@ -250,15 +264,16 @@ def _check_same_steps(cfg: DictConfig, folder: Path, key: str, steps: dict,
                       questions: Optional[QuestionSplits]) -> None:
     """Each kept step holds exactly the trajectories this run samples for it
     (``inflight.check_continued``): a step's questions are the sampler's draw from the training
-    questions whose prompts fit under ``model.path``'s tokenizer, computed as the data module
-    computes them (``rollout/step_questions.py``), so ``rollout.n``, ``data.*`` or ``data.seed``
-    changed since the checkpoint are refused here, before anything is written."""
+    questions whose prompts fit (``questions``, fitted by ``check_inputs``; loaded and fitted here
+    otherwise), as the data module draws them (``rollout/step_questions.py``), so ``rollout.n``,
+    ``data.*`` or ``data.seed`` changed since the checkpoint are refused here, before anything is
+    written."""
     from atlas_lightning.questions.loader import load_splits
     from atlas_lightning.rollout import inflight
-    from atlas_lightning.rollout.step_questions import StepQuestions, chat_format, fitting
+    from atlas_lightning.rollout.step_questions import StepQuestions, fitted_splits
 
-    train = (questions or load_splits(cfg.data)).train
-    sampled = StepQuestions(fitting(train, "train", chat_format(cfg), cfg, say=False), cfg)
+    fitted = questions if questions is not None else fitted_splits(cfg, load_splits(cfg.data), say=lambda _: None)
+    sampled = StepQuestions(fitted.train, cfg)
     try:
         inflight.check_continued(steps, sampled.keys, folder)
     except inflight.InflightError as err:

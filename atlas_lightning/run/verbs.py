@@ -38,7 +38,7 @@ def fit(cfg: DictConfig) -> int:
     datamodule = RolloutDataModule(cfg, questions=facts.questions, resume_from=facts.start.resume,
                                    actor_lora=facts.lora["actor"])
     with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: _step_of(str(facts.start.resume or ""))):
-        prepare_run(cfg, "fit", notes=facts.start.notes)  # a disk full already: the write stop (exit 7)
+        prepare_run(cfg, "fit", notes=facts.notes)  # a disk full already: the write stop (exit 7)
     trainer = build_trainer(cfg, callbacks=callbacks)
     started = time.time()
     # a fault part-way (engine, memory, non-finite) stops cleanly, naming the checkpoint to resume from
@@ -113,7 +113,7 @@ def validate(cfg: DictConfig) -> int:
     datamodule = RolloutDataModule(cfg, questions=facts.questions, actor_lora=facts.lora["actor"])
     # a fault (the engine dies, the disk is full) stops cleanly as in fit
     with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: step):
-        prepare_run(cfg, "validate", notes=facts.start.notes)
+        prepare_run(cfg, "validate", notes=facts.notes)
         trainer = build_trainer(cfg, callbacks=[_ValidateOnce()], limit_val_batches=1)
         trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt)
     if trainer.global_rank == 0:

@@ -106,8 +106,8 @@ def prepare_run(cfg: DictConfig, verb: str, notes: Sequence[str] = ()) -> None:
     config (``outputs/<name>/config.yaml``) and the logs (``outputs/<name>/main_ppo.log``, the
     name the runs of ATLAS report 28, the reproduced report, wrote, across launches;
     ``logs/<name>-<time>-<verb>.log`` for this launch), once neither of the first two is a folder
-    (``ConfigError``, nothing written); ``notes`` (what was decided about the
-    starting point, ``RunFacts.start.notes``) go to the logs and stderr. Rank 0 writes; other
+    (``ConfigError``, nothing written); ``notes`` (what was decided at
+    start-up, ``RunFacts.notes``) go to the logs and stderr. Rank 0 writes; other
     ranks do nothing."""
     if _launch_rank() != 0:
         return

@@ -1,7 +1,9 @@
-"""What a resume would refuse once the model is built is refused at the start, before the run's
-``config.yaml`` and logs are written: a checkpoint whose adapters were trained with other LoRA
-settings than this run's, or on a base of other config fields (``run/resume_adapters.py``); and
-a reward that cannot be built. A refused launch leaves the run's folder as it was."""
+"""What a launch would refuse once the model, the data module or the reward is built is refused
+at the start, before the run's ``config.yaml`` and logs are written: a checkpoint whose adapters
+were trained with other LoRA settings than this run's, or on a base of other config fields
+(``run/resume_adapters.py``); questions none of whose prompts fit, or too few to fill a batch
+(``rollout/step_questions.fitted_splits``); a reward that cannot be built. A refused launch
+leaves the run's folder as it was."""
 
 from __future__ import annotations
 
@@ -110,3 +112,33 @@ def test_a_reward_that_cannot_be_built_exits_2_before_anything_is_written(tmp_pa
     assert main(_launch(cfg_of, tmp_path, sample_data_dir, tiny_model_dir, "+reward.no_such_argument=1")) == 2
     assert "reward._target_=atlas_lightning.reward.CostReward: cannot build the reward scorer" in capsys.readouterr().err
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.max_prompt_length=100"], "config error: rollout.max_prompt_length=100: no train question's prompt fits"),
+    (["algorithm.train_batch_size=512"], "config error: algorithm.train_batch_size=512: the 320 training questions "
+                                         "whose prompts fit rollout.max_prompt_length cannot fill one batch"),
+])
+def test_questions_that_cannot_make_a_step_exit_2_before_anything_is_written(tmp_path, cfg_of, sample_data_dir,
+                                                                             tiny_model_dir, capsys, overrides,
+                                                                             message):
+    assert main(_launch(cfg_of, tmp_path, sample_data_dir, tiny_model_dir, *overrides)) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "logs").exists()
+
+
+def test_the_questions_are_fitted_once_at_the_start_and_the_skipped_ones_reach_the_log(cfg_of):
+    """The start-up fits the splits (saying how many it skipped, for the run's log) and the data
+    module samples from what it fitted."""
+    from atlas_lightning.rollout.datamodule import RolloutDataModule
+    from atlas_lightning.run.facts import check_inputs
+
+    cfg = cfg_of("rollout.max_prompt_length=614")
+    facts = check_inputs(cfg)
+    skipped = 320 - len(facts.questions.train)
+    assert 0 < skipped < 320
+    assert f"{skipped} of 320 train questions have prompts over rollout.max_prompt_length=614 and are skipped" in (
+        facts.notes)
+    dm = RolloutDataModule(cfg, engine=object(), questions=facts.questions)
+    dm.setup()
+    assert dm.train_questions is facts.questions.train and dm.val_questions is facts.questions.val
