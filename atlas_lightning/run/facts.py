@@ -97,11 +97,11 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
         folder = cfg.model.get(f"{role}_adapter")
         if folder and not Path(folder).is_dir():
             raise ConfigError(f"model.{role}_adapter={folder}: no such folder")
-    if questions is not None:  # the tokenizer's turn (it imports transformers), then the resume's, which reads them
+    start = resume_path(cfg, folders["checkpoints"], training=training, questions=questions)
+    if questions is not None:  # after the files' checks: the tokenizer imports transformers
         from atlas_lightning.rollout.step_questions import fitted_splits
 
         questions = fitted_splits(cfg, questions, say=question_notes.append)
-    start = resume_path(cfg, folders["checkpoints"], training=training, questions=questions)
     from atlas_lightning.models.build import check_base_weights
 
     check_base_weights(cfg.model.path)  # last: it imports transformers, and reads every header
@@ -264,15 +264,16 @@ def _check_same_steps(cfg: DictConfig, folder: Path, key: str, steps: dict,
                       questions: Optional[QuestionSplits]) -> None:
     """Each kept step holds exactly the trajectories this run samples for it
     (``inflight.check_continued``): a step's questions are the sampler's draw from the training
-    questions whose prompts fit (``questions``, fitted by ``check_inputs``; loaded and fitted here
-    otherwise), as the data module draws them (``rollout/step_questions.py``), so ``rollout.n``,
-    ``data.*`` or ``data.seed`` changed since the checkpoint are refused here, before anything is
-    written."""
+    questions whose prompts fit under ``model.path``'s tokenizer (``questions``, the splits
+    ``check_inputs`` loaded, or loaded here), as the data module draws them
+    (``rollout/step_questions.py``), so ``rollout.n``, ``data.*`` or ``data.seed`` changed since the
+    checkpoint are refused here, before anything is written."""
     from atlas_lightning.questions.loader import load_splits
     from atlas_lightning.rollout import inflight
     from atlas_lightning.rollout.step_questions import StepQuestions, fitted_splits
 
-    fitted = questions if questions is not None else fitted_splits(cfg, load_splits(cfg.data), say=lambda _: None)
+    # fitted again by check_inputs for the run (cheap; only a resume that keeps steps in flight does it twice)
+    fitted = fitted_splits(cfg, questions or load_splits(cfg.data), say=lambda _: None)
     sampled = StepQuestions(fitted.train, cfg)
     try:
         inflight.check_continued(steps, sampled.keys, folder)
