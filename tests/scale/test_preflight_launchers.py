@@ -59,11 +59,12 @@ def test_there_is_one_launcher_per_experiment_and_a_slurm_template():
     assert (LAUNCH / "slurm.sbatch").is_file()
 
 
-#: The launchers run through the shell in full: one of each kind (CPU; a GPU run continued from
-#: adapters; the separate layout). The others differ from these only in their last line, which
-#: ``test_every_launcher_runs_its_own_experiment`` checks, and their configs pass the same plan and
-#: pre-flight in-process (``test_every_experiment_plans_and_passes_preflight_on_cpu``).
-LAUNCHED = ("tiny-cpu", "r28-continued-cost-8gpu-n32", "r28-continued-cost-8gpu-t98304-separate6-2-memory")
+#: The launchers run through the shell in full: one of each kind (CPU; the separate layout; a GPU
+#: run continued from adapters, given as launcher variables: ``test_launcher_variables_become_overrides``,
+#: one launch fewer: each runs two Python processes, ~11 CPU-s). The others differ from these only
+#: in their last line, which ``test_every_launcher_runs_its_own_experiment`` checks, and their
+#: configs pass the same plan and pre-flight in-process (``test_every_experiment_plans_and_passes_preflight_on_cpu``).
+LAUNCHED = ("tiny-cpu", "r28-continued-cost-8gpu-t98304-separate6-2-memory")
 
 
 def _tiny_inputs(run, tiny8, tiny_model_dir, sample_data_dir, step29) -> list[str]:
@@ -123,8 +124,6 @@ def test_launcher_preflight_on_cpu_with_the_tiny_model(run, tiny8, tiny_model_di
     assert "pre-flight passed" in out and "ATLAS_PREFLIGHT_ONLY set" in out
     if run != "tiny-cpu":
         assert "GPU count NOT checked" in out  # the relaxation says so
-    if run == "r28-continued-cost-8gpu-n32":
-        assert "actor " in out and "critic " in out and "r64" in out
     if run in SEPARATE:
         assert "receive_weights" in out  # the serving cards' bucket phase is planned
     assert (tmp_path / "outputs" / run / "plan.json").is_file()
@@ -140,10 +139,14 @@ def test_launcher_variables_become_overrides(tiny8, sample_data_dir, step29, tmp
     result = subprocess.run(["bash", str(LAUNCH / "r28-continued-cost-8gpu-n32.sh")], env=env, capture_output=True,
                             text=True, timeout=120)
     out = result.stdout + result.stderr
+    logs = list((tmp_path / "logs").glob("r28-continued-cost-8gpu-n32-*.log"))
+    assert len(logs) == 1 and "== plan" in logs[0].read_text()  # everything went to logs/ too
     assert result.returncode == 0, out[-3000:]
+    assert "pre-flight passed" in out and "ATLAS_PREFLIGHT_ONLY set" in out
     assert (f"overrides: experiment=r28-continued-cost-8gpu-n32 paths.root={tmp_path} plan.card_gib=139 "
             f"model.path={tiny8} data.root={sample_data_dir} trainer.init_from={step29}") in out
-    assert "GPU count NOT checked" in out and "r64" in out  # --cpu-preflight; the adapters of step29
+    assert "GPU count NOT checked" in out  # --cpu-preflight
+    assert "actor " in out and "critic " in out and "r64" in out  # the shapes of step29's adapters
     plan = json.loads((tmp_path / "outputs" / "r28-continued-cost-8gpu-n32" / "plan.json").read_text())
     assert plan["card_gib"] == 139
 
