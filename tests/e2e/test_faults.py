@@ -58,7 +58,7 @@ SIGKILL = ("sigkill", 3, [], None, [])
 CPU_CHAIN = [CHAIN[0], SIGKILL, ("non_finite", 4, ["non-finite values: step 4: non-finite"], "non_finite", []),
              CHAIN[2]]
 #: The disk full as step 4's checkpoint is written: the card's chain (on CPU a real fit on a full
-#: disk ends in the same stop, ``tests/run/test_run_log.py``, and the callback names the last
+#: disk ends in the same stop, ``tests/e2e/test_colocated_merged.py``, and the callback names the last
 #: complete checkpoint, ``tests/callbacks/test_cb_checkpoint_background.py``: a launch less here)
 WRITE = [("checkpoint_write", 4, ["a checkpoint could not be written after RL step 4", "No space left on device"],
           "write", [])]

@@ -1,15 +1,13 @@
 """The run's logs on a disk that refuses writes: one line on stderr, the lines counted, never
-logging's "--- Logging error ---" traceback; a fit whose log and checkpoint meet a full disk
-ends in the write stop's one line (exit 7) and nothing else; a disk full before the first step
-(the config cannot be written) is the write stop too."""
+logging's "--- Logging error ---" traceback; a disk full before the first step (the config
+cannot be written) is the write stop too. A real fit whose log and checkpoint meet a full disk
+ends in the write stop's one line (exit 7) and nothing else: ``tests/e2e/test_colocated_merged.py``
+(the launch that also checks the merged syncs)."""
 
 from __future__ import annotations
 
 import errno
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -67,29 +65,3 @@ def test_a_config_the_disk_cannot_hold_is_the_write_stop(tmp_path, sample_data_d
     assert "Traceback" not in err
     assert "a file of the run could not be written after RL step 0" in err and "No space left on device" in err
     assert "free space on the file system" in err
-
-
-@needs_full
-@pytest.mark.vllm
-def test_a_fit_on_a_full_disk_ends_in_the_write_stop_line_alone(tiny_model_dir, sample_data_dir, tmp_path):
-    """``main_ppo.log`` on a disk that refuses every line, and step 1's checkpoint on a full disk
-    (``FaultInjection``'s ``checkpoint_write``): the stop names the full disk (exit 7), stderr
-    holds no traceback, the log's refusal is said once."""
-    outputs = tmp_path / "outputs" / "full"
-    outputs.mkdir(parents=True)
-    (outputs / "main_ppo.log").symlink_to(FULL)
-    command = [sys.executable, "-m", "atlas_lightning.cli", "fit", "experiment=tiny-cpu", "name=full",
-               f"model.path={tiny_model_dir}", f"data.root={sample_data_dir}", f"paths.root={tmp_path}",
-               "rollout.n=2", "algorithm.train_batch_size=2", "algorithm.ppo_mini_batch_size=1",
-               "rollout.max_tokens_per_turn=24", "trainer.total_steps=1", "trainer.save_every=1",
-               "trainer.val_before_train=false", "trainer.val_every=100", "callbacks.validation.val_on_last_step=false",
-               "logger.mode=disabled",
-               "+callbacks.fault_injection._target_=atlas_lightning.callbacks.faults.FaultInjection",
-               "+callbacks.fault_injection.fault=checkpoint_write", "+callbacks.fault_injection.step=1"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled"))
-    assert done.returncode == 7, done.stderr[-4000:]
-    assert "Traceback" not in done.stderr and "Logging error" not in done.stderr, done.stderr[-4000:]
-    assert done.stderr.count(f"the run's log {outputs / 'main_ppo.log'} cannot be written") == 1
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("atlas-lightning fit: stopped: a checkpoint could not be written after RL step 1"), last
