@@ -174,13 +174,14 @@ def test_writing_refuses_the_same_collision(tmp_path, gpqa):
         write_questions(tmp_path / "gpqa" / "train.parquet", clash)
 
 
-def test_the_datamodule_names_trajectories_with_the_loaders_rule():
-    import inspect
+def test_the_datamodule_names_trajectories_with_the_loaders_rule(gpqa):
+    from atlas_lightning.rollout import datamodule, step_questions
 
-    from atlas_lightning.rollout import datamodule
-
-    assert datamodule.trajectory_uid is trajectory_uid
-    assert "trajectory_uid(question.benchmark, question.question_id)" in inspect.getsource(datamodule)
+    assert datamodule.trajectory_key is step_questions.trajectory_key  # one rule for records and resumes
+    question = gpqa[0]
+    uid, session = step_questions.trajectory_key(question, 3)
+    assert uid == trajectory_uid(question.benchmark, question.question_id)
+    assert session != step_questions.trajectory_key(question, 2)[1]
 
 
 # -- costs and the reward ------------------------------------------------------------------------
