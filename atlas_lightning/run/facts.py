@@ -12,9 +12,10 @@ Who calls it: ``run/verbs.py`` (fit, validate), ``run/memory_check.py`` (no spli
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from omegaconf import DictConfig
 
@@ -97,11 +98,15 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
         folder = cfg.model.get(f"{role}_adapter")
         if folder and not Path(folder).is_dir():
             raise ConfigError(f"model.{role}_adapter={folder}: no such folder")
-    start = resume_path(cfg, folders["checkpoints"], training=training, questions=questions)
-    if questions is not None:  # after the files' checks: the tokenizer imports transformers
+    fitted = None
+    if questions is not None:  # fitted after the files' checks (the tokenizer imports transformers), once
         from atlas_lightning.rollout.step_questions import fitted_splits
 
-        questions = fitted_splits(cfg, questions, say=question_notes.append)
+        loaded = questions
+        fitted = functools.cache(lambda: fitted_splits(cfg, loaded, say=question_notes.append))
+    start = resume_path(cfg, folders["checkpoints"], training=training, fitted=fitted)
+    if fitted is not None:
+        questions = fitted()
     from atlas_lightning.models.build import check_base_weights
 
     check_base_weights(cfg.model.path)  # last: it imports transformers, and reads every header
@@ -163,7 +168,7 @@ def check_writable(dirs: Mapping[str, Path]) -> None:
 
 
 def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
-                questions: Optional[QuestionSplits] = None) -> StartingPoint:
+                fitted: Optional[Callable[[], QuestionSplits]] = None) -> StartingPoint:
     """``trainer.resume``: None (fresh), ``auto`` (this run's newest checkpoint under
     ``checkpoints`` that verifies; newer ones that do not, or whose save did not finish, are
     named in ``notes``; if checkpoints exist and none verifies it is refused rather than started
@@ -172,7 +177,8 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
     Lightning state must be whole (``_check_state``), its adapters of this run's LoRA settings and
     base (``run/resume_adapters.py``) and, when ``training``, the trajectories it
     keeps in flight readable and continued by this config (``_check_kept_rollouts``; the steps
-    this run samples come from ``questions``, the splits ``check_inputs`` loaded, or are loaded)."""
+    this run samples come from ``fitted()``, the splits ``check_inputs`` fits for the run, or
+    are loaded and fitted here)."""
     from atlas_lightning.run.resume_adapters import check_resume_adapters
     from atlas_lightning.store.checkpoints import (
         CheckpointError, latest_verified, lightning_state_path, verify_checkpoint,
@@ -193,7 +199,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
             _check_state(folder, "trainer.resume=auto")
             check_resume_adapters(cfg, folder, "trainer.resume=auto")
             if training:
-                _check_kept_rollouts(cfg, folder, "trainer.resume=auto", questions)
+                _check_kept_rollouts(cfg, folder, "trainer.resume=auto", fitted)
             notes.append(f"trainer.resume=auto: resuming from {folder} (verified)")
         elif notes:
             notes.append(f"trainer.resume=auto: no complete checkpoint under {checkpoints}: starting afresh")
@@ -208,7 +214,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
     _check_state(folder, f"trainer.resume={resume}")
     check_resume_adapters(cfg, folder, f"trainer.resume={resume}")
     if training:
-        _check_kept_rollouts(cfg, folder, f"trainer.resume={resume}", questions)
+        _check_kept_rollouts(cfg, folder, f"trainer.resume={resume}", fitted)
     return StartingPoint(folder, str(lightning_state_path(folder)), [f"trainer.resume: resuming from {folder} (verified)"])
 
 
@@ -235,7 +241,8 @@ def unfinished_checkpoints(checkpoints: Path, after: Optional[Path]) -> list[Pat
     return found
 
 
-def _check_kept_rollouts(cfg: DictConfig, folder: Path, key: str, questions: Optional[QuestionSplits]) -> None:
+def _check_kept_rollouts(cfg: DictConfig, folder: Path, key: str,
+                         fitted: Optional[Callable[[], QuestionSplits]]) -> None:
     """The trajectories ``folder`` keeps in flight (partial rollouts, ``rollout/inflight.py``)
     read back whole, and this run continues them: with scheduling by trajectory off (another
     layout, or ``layout.partial_rollouts=false``) their generated tokens would be dropped, and
@@ -257,24 +264,23 @@ def _check_kept_rollouts(cfg: DictConfig, folder: Path, key: str, questions: Opt
             f"layout.partial_rollouts={bool(cfg.layout.get('partial_rollouts', False))} would not continue them "
             f"and they would be lost: resume with layout.mode=separate layout.partial_rollouts=true")
     if steps and continued:
-        _check_same_steps(cfg, folder, key, steps, questions)
+        _check_same_steps(cfg, folder, key, steps, fitted)
 
 
 def _check_same_steps(cfg: DictConfig, folder: Path, key: str, steps: dict,
-                      questions: Optional[QuestionSplits]) -> None:
+                      fitted: Optional[Callable[[], QuestionSplits]]) -> None:
     """Each kept step holds exactly the trajectories this run samples for it
     (``inflight.check_continued``): a step's questions are the sampler's draw from the training
-    questions whose prompts fit under ``model.path``'s tokenizer (``questions``, the splits
-    ``check_inputs`` loaded, or loaded here), as the data module draws them
+    questions whose prompts fit under ``model.path``'s tokenizer (``fitted()``, the splits
+    ``check_inputs`` fits for the run, or loaded and fitted here), as the data module draws them
     (``rollout/step_questions.py``), so ``rollout.n``, ``data.*`` or ``data.seed`` changed since the
     checkpoint are refused here, before anything is written."""
     from atlas_lightning.questions.loader import load_splits
     from atlas_lightning.rollout import inflight
     from atlas_lightning.rollout.step_questions import StepQuestions, fitted_splits
 
-    # fitted again by check_inputs for the run (cheap; only a resume that keeps steps in flight does it twice)
-    fitted = fitted_splits(cfg, questions or load_splits(cfg.data), say=lambda _: None)
-    sampled = StepQuestions(fitted.train, cfg)
+    splits = fitted() if fitted is not None else fitted_splits(cfg, load_splits(cfg.data), say=lambda _: None)
+    sampled = StepQuestions(splits.train, cfg)
     try:
         inflight.check_continued(steps, sampled.keys, folder)
     except inflight.InflightError as err:
