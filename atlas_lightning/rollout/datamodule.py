@@ -204,7 +204,6 @@ class RolloutDataModule(L.LightningDataModule):
         #: What each step samples (``step_questions.py``), as the run's start-up compared a
         #: checkpoint's kept steps in flight with it (``run/facts.py``).
         self.steps = StepQuestions(self.train_questions, self.cfg)
-        self.sampler = self.steps.sampler
         if self.partial_rollouts and self.resume_from is not None:
             self.async_steps.restore(self.resume_from)
         if self.engine is None:

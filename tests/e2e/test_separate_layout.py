@@ -163,7 +163,7 @@ def test_sigkill_then_resume_samples_the_prefetched_step_again(killed_and_resume
     cfg = compose(run.command[run.command.index("experiment=tiny-cpu"):])
     dm = RolloutDataModule(cfg, engine=object())  # no engine: only the sampler is read
     dm.setup("fit")
-    expected = sorted(dm.train_questions[i].question_id for i in dm.sampler.step_indices(2))
+    expected = sorted(q.question_id for q in dm.steps.questions(3))
     folder = root / "artifacts" / NAME / "train" / "step_3"
     assert verify_manifest(folder) == []
     records = [read_record(p) for p in folder.glob("*.json") if p.name != "manifest.json"]
