@@ -1,7 +1,8 @@
 """What the run needs of this machine, checked before anything is written: the cards
-``trainer.accelerator`` asks for, and W&B's key when it logs online.
+``trainer.accelerator`` asks for, W&B's key when it logs online and the settings W&B reads from
+the environment, and the Hub not switched off where the run uploads to it.
 
-Who calls it: ``run/wiring.check_inputs`` (fit, validate, memory-check) and the pre-flight's
+Who calls it: ``run/facts.check_inputs`` (fit, validate, memory-check), ``run/verbs.publish`` and the pre-flight's
 ``environment`` check (which may skip the card count on a CPU machine: ``--cpu-preflight``).
 """
 
@@ -17,8 +18,9 @@ def check_machine(cfg, *, count_gpus: bool = True) -> list[str]:
     ``cfg``: ``trainer.accelerator=gpu`` (or ``cuda``) where CUDA has fewer cards than
     ``trainer.devices`` (none at all on a CPU machine), a colocated server engine asked to sleep
     where there are cards (``rollout/factory.server_engine`` refuses it), or ``logger.mode`` resolving to
-    ``online`` with no W&B key (``WANDB_API_KEY``, or ``wandb login``'s)."""
-    from atlas_lightning.loggers.wandb_logger import resolve_wandb_mode, wandb_credentials
+    ``online`` with no W&B key (``WANDB_API_KEY``, or ``wandb login``'s), or W&B's settings (its
+    ``WANDB_*`` environment, ``logger.project``) that W&B would refuse at its start."""
+    from atlas_lightning.loggers.wandb_logger import check_wandb_settings, resolve_wandb_mode, wandb_credentials
 
     notes = []
     t = cfg.trainer
@@ -35,6 +37,10 @@ def check_machine(cfg, *, count_gpus: bool = True) -> list[str]:
         raise ConfigError("rollout.enable_sleep_mode=true with rollout.engine=vllm-server on GPUs: the server cannot "
                           "sleep (its /sleep route is dev-mode only); set rollout.enable_sleep_mode=false or use "
                           "rollout.engine=vllm")
+    if cfg.hub.publish_checkpoints:
+        check_hub_online("hub.publish_checkpoints=true")
+    if resolve_wandb_mode(cfg.logger.mode) != "disabled":
+        check_wandb_settings(cfg)
     if resolve_wandb_mode(cfg.logger.mode) == "online":
         source = wandb_credentials()
         if source is None:
@@ -42,6 +48,16 @@ def check_machine(cfg, *, count_gpus: bool = True) -> list[str]:
                               "or log offline (logger.mode=offline; `wandb sync` uploads it later)")
         notes.append(f"W&B key from {source}")
     return notes
+
+
+def check_hub_online(what: str) -> None:
+    """``ConfigError`` when ``HF_HUB_OFFLINE`` switches the Hub off, for ``what`` needs it (every
+    upload would fail, retried as if the network were down)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"{what} uploads to the Hub, but HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '1')} "
+                          f"(environment) switches it off: unset HF_HUB_OFFLINE for this command")
 
 
 def _gpu_count() -> int:

@@ -99,6 +99,18 @@ def test_a_bad_callback_or_layout_exits_2_naming_the_key_before_anything_is_writ
     (["trainer.gpu_hour_usd=inf"], "trainer.gpu_hour_usd=inf: must be a finite number"),
     (["trainer.gpu_hour_usd=cheap"], "trainer.gpu_hour_usd"),
     (["rollout.gdn_prefill_backend=tritn"], "rollout.gdn_prefill_backend='tritn': is not one of auto, triton"),
+    (["layout.mode=separate"], "layout.mode=separate with layout.serve_gpus=0: a separate layout serves on cards of "
+                               "its own"),
+    # a training process left without a trajectory: one TP2 engine, one TP1 engine a card, the separate layout's ranks
+    (["layout=colocated_2gpu", "algorithm.train_batch_size=1", "algorithm.ppo_mini_batch_size=1", "rollout.n=1"],
+     "algorithm.train_batch_size=1 with rollout.n=1: the 2 training processes (1 engine(s) of 2) would leave one "
+     "without a trajectory"),
+    (["layout=colocated_2gpu", "layout.engine_tp=1", "algorithm.train_batch_size=1", "algorithm.ppo_mini_batch_size=1"],
+     "at least algorithm.train_batch_size=2"),
+    (["layout=colocated_8gpu_tp4", "algorithm.train_batch_size=2", "algorithm.ppo_mini_batch_size=1", "rollout.n=1"],
+     "at least algorithm.train_batch_size=8"),
+    (["layout=separate_4_4", "algorithm.train_batch_size=3", "algorithm.ppo_mini_batch_size=1"],
+     "the 4 training processes (4 engine(s) of 1)"),
 ])
 def test_layout_and_algorithm_keys_that_cannot_work_are_refused_at_compose(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -113,6 +125,9 @@ def test_every_shipped_experiment_and_layout_still_composes():
     compose(["experiment=tiny-cpu", "layout=separate_cpu", "rollout=vllm_server_cpu", "layout.partial_rollouts=true",
              "layout.staleness_policy=drop"])
     compose(["experiment=tiny-cpu", "rollout=vllm_server_cpu"])  # one colocated server engine
+    # one question's trajectories split over a TP2 engine's two processes: each gets one
+    compose(["experiment=tiny-cpu", "layout=colocated_2gpu", "algorithm.train_batch_size=1",
+             "algorithm.ppo_mini_batch_size=1", "rollout.n=2"])
     compose(["experiment=tiny-cpu", "layout=separate_cpu", "rollout=vllm_server_cpu", "rollout.weight_sync=merged",
              "rollout.weight_transfer=gloo"])
 
