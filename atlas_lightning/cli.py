@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from atlas_lightning.config import ConfigError
+from atlas_lightning.config import ConfigError, redacted_text
 from atlas_lightning.errors import InputError, RunStopped
 
 CONFIG_VERBS = {
@@ -217,17 +217,19 @@ def main(argv: list[str] | None = None) -> int:
 
             return preflight_main(argv[1:])
         return _run_config_verb(args)
+    # each message masked as the run's files are (a launcher tees stderr into logs/): a value named
+    # in a refusal may be a URL with its password
     except ConfigError as err:
-        print(f"atlas-lightning {args.verb}: config error: {err}", file=sys.stderr)
+        print(f"atlas-lightning {args.verb}: config error: {redacted_text(str(err))}", file=sys.stderr)
         return 2
     except InputError as err:  # a question file, adapter or checkpoint folder that cannot be used
-        print(f"atlas-lightning {args.verb}: {err}", file=sys.stderr)
+        print(f"atlas-lightning {args.verb}: {redacted_text(str(err))}", file=sys.stderr)
         return 2
     except RunStopped as err:  # a fault part-way; the last complete checkpoint resumes (run/faults.py)
-        print(f"atlas-lightning {args.verb}: stopped: {err}", file=sys.stderr)
+        print(f"atlas-lightning {args.verb}: stopped: {redacted_text(str(err))}", file=sys.stderr)
         return err.exit_code
     except NotImplementedError as err:
-        print(f"atlas-lightning {args.verb}: not available yet: {err}", file=sys.stderr)
+        print(f"atlas-lightning {args.verb}: not available yet: {redacted_text(str(err))}", file=sys.stderr)
         return 3
 
 
