@@ -371,6 +371,27 @@ def test_data_verbs_refuse_bad_folders_by_argument(args, message, tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("verb, replaced", [("sample", "gpqa/train.parquet"), ("demo-model", "config.json"),
+                                           ("demo-model", "model.safetensors")])
+def test_a_data_verb_replaces_no_file_of_other_bytes(verb, replaced, tmp_path, capsys):
+    """A user's own file where the verb writes one (their questions, their model) is never
+    overwritten: refused naming it, the folder as it was; the verb's own output (the same bytes,
+    ``make demo`` run again) is replaced freely."""
+    out = tmp_path / "out"
+    assert main(["data", verb, "--out", str(out)]) == 0
+    assert main(["data", verb, "--out", str(out)]) == 0  # again, the same bytes
+    (out / replaced).write_bytes(b"the user's own file")
+    (out / "theirs.txt").write_text("left alone")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["data", verb, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: {out / replaced} exists and holds other bytes than this verb writes" in err, err
+    assert "Traceback" not in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "nothing left beside it"
+
+
 def test_a_resume_folder_that_does_not_exist_is_named_so(tmp_path, sample_data_dir, capsys):
     root = tmp_path / "root"
     code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}", f"trainer.resume={tmp_path}/nope/global_step_5",
