@@ -410,6 +410,10 @@ def validate(cfg: DictConfig) -> None:
         _check_target("rollout.engine", cfg.rollout.engine, f"one of {', '.join(ENGINE_ALIASES)}",
                       called_as=ENGINE_CALL)
     _check_target("reward._target_", cfg.reward._target_)
+    if cfg.rollout.engine == "hf" and (cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0):  # it refuses each request
+        raise ConfigError(f"rollout.engine=hf (the transformers reference engine) samples with neither top_p nor top_k: "
+                          f"rollout.top_p={cfg.rollout.top_p} rollout.top_k={cfg.rollout.top_k}; use rollout.engine=vllm "
+                          f"or rollout.top_p=1.0 rollout.top_k=-1")
     if cfg.algorithm.train_batch_size % cfg.algorithm.ppo_mini_batch_size:
         raise ConfigError(
             f"algorithm.ppo_mini_batch_size={cfg.algorithm.ppo_mini_batch_size} must divide "

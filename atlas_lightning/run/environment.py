@@ -39,6 +39,7 @@ def check_machine(cfg, *, count_gpus: bool = True) -> list[str]:
                           "rollout.engine=vllm")
     if cfg.hub.publish_checkpoints:
         check_hub_online("hub.publish_checkpoints=true")
+        _check_hub_token()
     if resolve_wandb_mode(cfg.logger.mode) != "disabled":
         check_wandb_settings(cfg)
     if resolve_wandb_mode(cfg.logger.mode) == "online":
@@ -58,6 +59,21 @@ def check_hub_online(what: str) -> None:
     if constants.HF_HUB_OFFLINE:
         raise ConfigError(f"{what} uploads to the Hub, but HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '1')} "
                           f"(environment) switches it off: unset HF_HUB_OFFLINE for this command")
+
+
+def _check_hub_token() -> None:
+    """A Hub token is there for the checkpoint uploads (``HF_TOKEN`` or ``hf auth login``'s):
+    without one each upload would fail mid-run, in the background, saying so only in the log."""
+    from huggingface_hub import get_token
+
+    try:
+        token = get_token()
+    except Exception:  # an unreadable saved login is no token
+        token = None
+    if not token:
+        raise ConfigError("hub.publish_checkpoints=true but there is no Hub token here: set HF_TOKEN to a token with "
+                          "write access or run `hf auth login`; or hub.publish_checkpoints=false (publish later with "
+                          "atlas-lightning publish)")
 
 
 def _gpu_count() -> int:

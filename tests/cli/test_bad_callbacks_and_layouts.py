@@ -101,6 +101,9 @@ def test_a_bad_callback_or_layout_exits_2_naming_the_key_before_anything_is_writ
     (["rollout.gdn_prefill_backend=tritn"], "rollout.gdn_prefill_backend='tritn': is not one of auto, triton"),
     (["layout.mode=separate"], "layout.mode=separate with layout.serve_gpus=0: a separate layout serves on cards of "
                                "its own"),
+    (["rollout.engine=hf", "rollout.top_p=0.9"], "rollout.engine=hf (the transformers reference engine) samples with "
+                                                 "neither top_p nor top_k"),
+    (["rollout.engine=hf", "rollout.top_k=20"], "rollout.top_p=1.0 rollout.top_k=20"),
     # a training process left without a trajectory: one TP2 engine, one TP1 engine a card, the separate layout's ranks
     (["layout=colocated_2gpu", "algorithm.train_batch_size=1", "algorithm.ppo_mini_batch_size=1", "rollout.n=1"],
      "algorithm.train_batch_size=1 with rollout.n=1: the 2 training processes (1 engine(s) of 2) would leave one "

@@ -371,6 +371,30 @@ def test_data_verbs_refuse_bad_folders_by_argument(args, message, tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("offline, message", [
+    (False, "hub.publish_checkpoints=true but there is no Hub token here: set HF_TOKEN"),
+    (True, "hub.publish_checkpoints=true uploads to the Hub, but HF_HUB_OFFLINE=1 (environment) switches it off"),
+])
+def test_checkpoint_uploads_that_cannot_happen_are_refused_before_anything_is_written(offline, message, tmp_path,
+                                                                                    capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no saved login
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf-home" / "token"))
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read once, at import
+    root = tmp_path / "root"
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}", "hub.publish_checkpoints=true", "hub.repo_id=a/b",
+                 f"model.path={write_fake_model_folder(tmp_path / 'model')}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+    assert not root.exists()
+
+
 @pytest.mark.parametrize("verb, replaced", [("sample", "gpqa/train.parquet"), ("demo-model", "config.json"),
                                            ("demo-model", "model.safetensors")])
 def test_a_data_verb_replaces_no_file_of_other_bytes(verb, replaced, tmp_path, capsys):
