@@ -1,6 +1,7 @@
 """What the run needs of this machine, checked before anything is written: the cards
 ``trainer.accelerator`` asks for, W&B's key when it logs online and the settings W&B reads from
-the environment, and the Hub not switched off where the run uploads to it.
+the environment, the running server ``rollout.server_url`` names, and the Hub (online, a token)
+where the run uploads to it.
 
 Who calls it: ``run/facts.check_inputs`` (fit, validate, memory-check), ``run/verbs.publish`` and the pre-flight's
 ``environment`` check (which may skip the card count on a CPU machine: ``--cpu-preflight``).
@@ -37,6 +38,8 @@ def check_machine(cfg, *, count_gpus: bool = True) -> list[str]:
         raise ConfigError("rollout.enable_sleep_mode=true with rollout.engine=vllm-server on GPUs: the server cannot "
                           "sleep (its /sleep route is dev-mode only); set rollout.enable_sleep_mode=false or use "
                           "rollout.engine=vllm")
+    if r.server_url:
+        _check_server_answers(r.server_url)
     if cfg.hub.publish_checkpoints:
         check_hub_online("hub.publish_checkpoints=true")
         _check_hub_token()
@@ -59,6 +62,23 @@ def check_hub_online(what: str) -> None:
     if constants.HF_HUB_OFFLINE:
         raise ConfigError(f"{what} uploads to the Hub, but HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '1')} "
                           f"(environment) switches it off: unset HF_HUB_OFFLINE for this command")
+
+
+def _check_server_answers(url: str) -> None:
+    """The running vLLM server ``rollout.server_url`` names answers ``/health`` (the run would
+    otherwise write its files and stop at its first request)."""
+    from atlas_lightning.config import redacted_text
+    from atlas_lightning.rollout.engines.server_http import HTTP_ERRORS, http_call
+
+    try:
+        status, body = http_call(url, "GET", "/health", timeout=10.0)
+    except HTTP_ERRORS as err:
+        raise ConfigError(f"rollout.server_url={redacted_text(url)}: no server answers there ({type(err).__name__}); "
+                          f"start the vLLM server first, or leave rollout.server_url null for the run to start its own") \
+            from None
+    if status != 200:
+        raise ConfigError(f"rollout.server_url={redacted_text(url)}: /health answered {status}, not 200: the server "
+                          f"is not ready to serve")
 
 
 def _check_hub_token() -> None:

@@ -62,8 +62,9 @@ class RunFacts:
 def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -> RunFacts:
     """Verify what the run reads before anything is written (every verb that loads the model
     calls it first) and return it: the run's folders (``paths.*``: writable, or creatable), what
-    the separate layout's server cannot run (``rollout/layout_checks.py``), ``model.path`` (``planning.model_folder``),
-    the question splits (``data``: every file of the train and validation splits loads,
+    the separate layout's server cannot run (``rollout/layout_checks.py``), what this machine cannot
+    run (``run/environment.check_machine``: cards, W&B, the Hub), ``model.path`` (``planning.model_folder``)
+    and ``model.shape``, the question splits (``data``: ``data.root`` a folder of the benchmarks, every file of the train and validation splits loads,
     ``questions.loader.load_splits``, and is fitted to ``rollout.max_prompt_length`` under
     ``model.path``'s tokenizer, filling a batch: ``rollout/step_questions.fitted_splits``), ``trainer.init_from``
     (a complete checkpoint whose adapters verify against ``checkpoint.json``), the starting

@@ -148,15 +148,16 @@ def publish(cfg: DictConfig, weights: bool = False) -> int:
 
 
 def check_publish(cfg: DictConfig) -> None:
-    """Before the Hub is asked anything: ``paths.root`` is a folder holding a run's folders
+    """Before the Hub is asked anything: ``hub.repo_id``, then ``paths.root`` is a folder holding a run's folders
     (``hub.publish.TOP_LEVEL_FOLDERS``) and can take the ``README.md`` and ``FILES.txt`` written
     there, and the Hub is not switched off (``HF_HUB_OFFLINE``: ``run/environment.check_hub_online``).
     ``ConfigError`` naming the key or variable otherwise."""
     from atlas_lightning.config import ConfigError
-    from atlas_lightning.hub.publish import TOP_LEVEL_FOLDERS
+    from atlas_lightning.hub.publish import TOP_LEVEL_FOLDERS, check_hub_repo
     from atlas_lightning.run.environment import check_hub_online
     from atlas_lightning.run.facts import check_writable
 
+    check_hub_repo(cfg)  # the keys first, then what they name
     root = Path(cfg.paths.root)
     if not root.is_dir():
         raise ConfigError(f"paths.root={root}: {'not a folder' if root.exists() else 'no such folder'} (publish "

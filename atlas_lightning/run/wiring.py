@@ -99,7 +99,8 @@ class RedactingFormatter(logging.Formatter):
 def _check_run_files(outputs: Path) -> None:
     """The files every launch writes at the same place (``outputs/<name>/config.yaml``, replaced;
     ``main_ppo.log``, appended to): where one exists it is a file, or a link to one (a folder of
-    that name would fail the launch half-way through its first writes, with a traceback)."""
+    that name would fail the launch half-way through its first writes, with a traceback), and
+    ``main_ppo.log`` takes lines."""
     for path in (outputs / "config.yaml", outputs / RUN_LOG):
         if path.exists() and path.is_dir():
             raise ConfigError(f"the run's file {path} is a folder: move it away (each launch writes its "
@@ -107,6 +108,14 @@ def _check_run_files(outputs: Path) -> None:
         if path.exists() and not path.is_file() and not path.is_char_device():
             raise ConfigError(f"the run's file {path} is not a file: move it away (each launch writes its "
                               f"{path.name} there)")
+    log_file = outputs / RUN_LOG
+    if log_file.exists():
+        try:  # appended to, not replaced: the file itself must take lines (opening changes no byte)
+            with open(log_file, "ab"):
+                pass
+        except OSError as err:
+            raise ConfigError(f"the run's log {log_file} cannot be appended to ({err.strerror or err}): fix its "
+                              f"permissions or move it away (each launch appends its lines)") from None
 
 
 def prepare_run(cfg: DictConfig, verb: str, notes: Sequence[str] = ()) -> None:

@@ -147,6 +147,31 @@ def test_a_run_file_that_is_a_folder_exits_2_before_anything_is_written(name, tm
         "outputs", "outputs/tiny-cpu", f"outputs/tiny-cpu/{name}"]
 
 
+@pytest.mark.parametrize("unappendable", ["/proc/version", "read-only"])
+def test_a_run_log_that_takes_no_lines_exits_2_before_anything_is_written(unappendable, tmp_path, sample_data_dir,
+                                                                          tiny_model_dir, capsys):
+    """``main_ppo.log`` is appended to by every launch: one that exists and takes no line (a file
+    without write permission; a link to a file nothing can append to, which binds root too) is
+    refused before the config is written, instead of a traceback after it."""
+    import os
+
+    log_file = tmp_path / "outputs" / "tiny-cpu" / "main_ppo.log"
+    log_file.parent.mkdir(parents=True)
+    if unappendable == "read-only":
+        log_file.write_text("the last launch's lines\n")
+        log_file.chmod(0o444)
+        if os.access(log_file, os.W_OK):
+            pytest.skip("this user writes a read-only file (root)")
+    else:
+        log_file.symlink_to(unappendable)
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path}", f"model.path={tiny_model_dir}",
+                 f"data.root={sample_data_dir}", "logger.mode=disabled"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"the run's log {log_file} cannot be appended to" in err and "Traceback" not in err, err
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "outputs", "outputs/tiny-cpu", "outputs/tiny-cpu/main_ppo.log"]
+
+
 def test_a_fault_at_a_step_the_resumed_run_does_not_train_is_refused():
     from atlas_lightning.callbacks.faults import FaultInjection
     from atlas_lightning.run.faults import check_injections

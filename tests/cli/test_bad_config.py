@@ -340,6 +340,8 @@ def test_cfg_job_prints_the_config_and_version_is_there(capsys):
     (["trainer.accelerator=gpu"], "trainer.accelerator=gpu with trainer.devices=1: this machine has no CUDA GPU"),
     (["experiment=h200-tiny"], "this machine has no CUDA GPU"),
     (["logger.mode=online"], "logger.mode=online but W&B has no API key here: set WANDB_API_KEY or run `wandb login`"),
+    (["rollout=vllm_server_cpu", "rollout.server_url=http://127.0.0.1:9"],
+     "rollout.server_url=http://127.0.0.1:9: no server answers there"),
 ])
 def test_what_this_machine_cannot_run_is_refused_before_anything_is_written(overrides, message, tmp_path, capsys,
                                                                           monkeypatch):
