@@ -414,6 +414,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"rollout.engine=hf (the transformers reference engine) samples with neither top_p nor top_k: "
                           f"rollout.top_p={cfg.rollout.top_p} rollout.top_k={cfg.rollout.top_k}; use rollout.engine=vllm "
                           f"or rollout.top_p=1.0 rollout.top_k=-1")
+    _check_gap_resolvable(cfg)
     if cfg.algorithm.train_batch_size % cfg.algorithm.ppo_mini_batch_size:
         raise ConfigError(
             f"algorithm.ppo_mini_batch_size={cfg.algorithm.ppo_mini_batch_size} must divide "
@@ -446,6 +447,33 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"callbacks.{name} needs a _target_ (a class path)")
         if spec is not None:
             _check_target(f"callbacks.{name}._target_", spec._target_)
+
+
+#: The relative resolution (machine epsilon) of each ``model.dtype``.
+DTYPE_EPS = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
+#: The largest per-token probe gap a clean engine shows, in roundings (eps) of ``model.dtype``: with
+#: the same weights on both sides, bf16 gaps of 0.06-0.11 (vLLM on CPU and on the H200) and up to
+#: 0.077 (the hf engine, once the adapter acts), fp32 ones up to 1.9e-6: 10-16 eps in both dtypes.
+CLEAN_GAP_ROUNDINGS = 16
+
+
+def _check_gap_resolvable(cfg: DictConfig) -> None:
+    """``rollout.max_logprob_gap`` (the weight sync's ceiling on the probe gap, nats a token) must
+    admit what ``model.dtype``'s rounding alone makes a clean engine show (``CLEAN_GAP_ROUNDINGS``
+    eps of the dtype: 0.125 in bf16). Below it, every engine that applies the weights it was sent
+    is refused at some sync, after the run wrote its files: in bf16 the trainer's own probe cannot
+    move by less than about 0.15 (over 299 tokens; a lora_B shift of 1e-6 already moves it that
+    much, and 3e-7 not at all), so the starting check's mark, aimed from a float32-sized gap, is
+    out of reach, and once the adapter acts the gap reaches 0.03-0.08 a token. The measured numbers
+    decide, not the device: the GPU configs' bf16 runs set 0.3."""
+    dtype, ceiling = cfg.model.dtype, cfg.rollout.max_logprob_gap
+    floor = CLEAN_GAP_ROUNDINGS * DTYPE_EPS.get(dtype, 0.0)
+    if ceiling < floor:
+        raise ConfigError(
+            f"model.dtype={dtype} with rollout.max_logprob_gap={ceiling}: {dtype} rounding alone makes a clean "
+            f"engine's probe log-probs differ from the trainer's by up to {floor:.3g} a token ({CLEAN_GAP_ROUNDINGS} "
+            f"x its eps), so the weight sync would refuse every engine; use model.dtype=float32 (CPU runs) or set "
+            f"rollout.max_logprob_gap to {floor:.3g} or more (the GPU configs' bf16 runs use 0.3)")
 
 
 #: How ``rollout/factory.build_engine`` calls an engine of the user's (a class or factory): a
@@ -711,14 +739,19 @@ def _unresolved_key(node: Any, prefix: str = "") -> Optional[str]:
 
 def _explain(err: Exception) -> str:
     """Hydra's and OmegaConf's message, without their internals; names the full key. Where
-    hydra's message wraps OmegaConf's (an override it could not merge), OmegaConf's says why."""
+    hydra's message wraps OmegaConf's (an override it could not merge), OmegaConf's says why.
+    Where hydra raises its own while composing a file (a bad key in an experiment or group file,
+    packaged or ``--config-dir``: "In 'experiment/mine': ..."), OmegaConf's error is its context,
+    not its cause: its full dotted key (``trainer.max_step``) is named, with hydra's file."""
     from omegaconf.errors import OmegaConfBaseException
 
     while isinstance(err.__cause__, OmegaConfBaseException):
         err = err.__cause__
     lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
     kept = [line for line in lines if not line.startswith(("object_type", "full_key", "reference_type"))]
-    full_key = getattr(err, "full_key", None)
+    full_key, inner = None, err
+    while inner is not None and not full_key:
+        full_key, inner = getattr(inner, "full_key", None), inner.__cause__ or inner.__context__
     text = " ".join(kept) or type(err).__name__
     if full_key and full_key not in text:
         text = f"{full_key}: {text}"

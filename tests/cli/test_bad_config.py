@@ -574,3 +574,28 @@ def test_a_plan_json_that_cannot_be_written_exits_2_naming_the_folder(tmp_path, 
     assert f"the run's outputs folder {tmp_path / 'afile'}/outputs/run: plan.json cannot be written" in captured.err
     assert "Traceback" not in captured.err and captured.out == ""
     assert (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.parametrize("files, choice, key, where", [
+    ({"experiment/mine.yaml": "# @package _global_\ntrainer: {max_step: 3}\n"}, "experiment=mine",
+     "trainer.max_step", "In 'experiment/mine'"),
+    ({"experiment/mine.yaml": "# @package _global_\nmodel:\n  lora: {rnak: 3}\n"}, "experiment=mine",
+     "model.lora.rnak", "In 'experiment/mine'"),
+    # a user experiment on top of a packaged one: the bad key is still named in full
+    ({"experiment/mine.yaml": "# @package _global_\ndefaults:\n  - tiny-cpu\nrollout: {max_explore: 2}\n"},
+     "experiment=mine", "rollout.max_explore", "In 'experiment/mine'"),
+    ({"model/mine.yaml": "lora: {rnak: 3}\n"}, "model=mine", "model.lora.rnak", "In 'model/mine'"),
+    ({"rollout/mine.yaml": "max_explore: 2\n"}, "rollout=mine", "rollout.max_explore", "In 'rollout/mine'"),
+])
+def test_a_bad_key_in_a_config_file_is_named_by_its_full_key(tmp_path, capsys, files, choice, key, where):
+    """A key the schema lacks, inside an experiment or group file of ``--config-dir`` (hydra
+    composes it and raises its own error, OmegaConf's as its context): the message names the
+    full dotted key and the file; exit 2, one line, nothing written."""
+    for name, text in files.items():
+        (tmp_path / "conf" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "conf" / name).write_text(text)
+    root = tmp_path / "root"
+    assert main(["fit", choice, f"paths.root={root}", "--config-dir", str(tmp_path / "conf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"config error: {key}: " in err[0] and where in err[0], err
+    assert "Traceback" not in err[0] and not root.exists()
