@@ -302,9 +302,38 @@ class QuestionSplits:
 
 def load_splits(cfg_data: Any) -> QuestionSplits:
     """The train and validation splits of ``cfg_data`` (``DataConfig``). Every row of every file
-    is read and checked, the validation cap included (``load_split``): loading is verifying."""
-    return QuestionSplits(train=load_split(cfg_data, cfg_data.train_split),
-                          val=load_split(cfg_data, cfg_data.val_split, cfg_data.val_max_questions))
+    is read and checked, the validation cap included (``load_split``): loading is verifying; the
+    subset columns too (``check_subset_columns``)."""
+    splits = QuestionSplits(train=load_split(cfg_data, cfg_data.train_split),
+                            val=load_split(cfg_data, cfg_data.val_split, cfg_data.val_max_questions))
+    check_subset_columns(cfg_data, {cfg_data.train_split: splits.train, cfg_data.val_split: splits.val})
+    return splits
+
+
+#: The subset column read when ``data.subset_columns`` is left as it is: optional (the bundled
+#: sample and a user's data may have no subsets; validation then shows none).
+DEFAULT_SUBSET_COLUMN = "subset"
+
+
+def check_subset_columns(cfg_data: Any, loaded: Mapping[str, Sequence[Question]]) -> None:
+    """Every subset column the user named is in at least one of the run's question files.
+
+    ``loaded``: split name -> its questions (``load_split``). A file that lacks a subset column
+    skips it (the module doc); but a column that NO file of the run has gives validation no view
+    at all, silently: a misspelt name. The default ``subset``, unmapped, stays optional; any other
+    name in ``data.subset_columns``, or ``subset`` renamed by ``data.columns``, was named by the
+    user and is refused here (``DataError``: the key, the column and the files)."""
+    mapping = dict(cfg_data.columns or {})
+    present = {name for questions in loaded.values() for question in questions for name in question.subsets}
+    missing = [name for name in (cfg_data.subset_columns or ())
+               if name not in present and (name != DEFAULT_SUBSET_COLUMN or name in mapping)]
+    if missing:
+        files = ", ".join(f"{benchmark}/{split}.parquet" for split in loaded for benchmark in cfg_data.benchmarks)
+        named = ", ".join(f"{name!r}" + (f" (mapped to {mapping[name]!r} by data.columns)" if name in mapping else "")
+                          for name in missing)
+        raise DataError(f"data.subset_columns={list(cfg_data.subset_columns)}: no question file of the run has the "
+                        f"column {named} (under data.root={cfg_data.root}: {files}); name columns the files have, "
+                        f"or map them with data.columns")
 
 
 def _table(questions: Sequence[Question], where: str) -> pa.Table:

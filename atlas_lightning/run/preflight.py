@@ -85,16 +85,17 @@ def check_callbacks(cfg) -> str:
 
 
 def check_data(cfg) -> str:
-    from atlas_lightning.questions.loader import load_split
+    from atlas_lightning.questions.loader import check_subset_columns, load_split
     from atlas_lightning.run.facts import check_data_root
 
     check_data_root(cfg.data)  # fit's own check of the key
-    counts = []
+    counts, loaded = [], {}
     for split in (cfg.data.train_split, cfg.data.val_split):
-        questions = load_split(cfg.data, split)
+        questions = loaded[split] = load_split(cfg.data, split)
         if not questions:
             raise PreflightError(f"data.root={cfg.data.root}: split {split} has no questions")
         counts.append(f"{split} {len(questions)}")
+    check_subset_columns(cfg.data, loaded)
     return f"{cfg.data.root}: {', '.join(counts)} questions ({', '.join(cfg.data.benchmarks)})"
 
 

@@ -141,6 +141,68 @@ def test_subset_columns_present_are_read_and_absent_skipped(tmp_path, gpqa_quest
     assert all(q.subsets == {} for q in load_questions(tmp_path, "gpqa", "train", subset_columns=()))
 
 
+
+def _split_files(root, gpqa_questions, tier_in=(), without_subset=False):
+    """gpqa's train and val_full files; ``tier_in``: the splits whose file has a ``tier`` column."""
+    for split in ("train", "val_full"):
+        rows = _rows(gpqa_questions)
+        for index, row in enumerate(rows):
+            if split in tier_in:
+                row["tier"] = "hard" if index % 2 else "easy"
+            if without_subset:
+                del row["subset"]
+        _write_rows(root, rows, split=split)
+    return OmegaConf.structured(DataConfig(root=str(root), benchmarks=["gpqa"], val_split="val_full"))
+
+
+@pytest.mark.parametrize("subset_columns, columns, named", [
+    (["level"], {}, "'level'"),
+    (["subset", "teir"], {}, "'teir'"),
+    (["subset", "tier", "level"], {}, "'level'"),
+    (["subset"], {"subset": "category"}, "'subset' (mapped to 'category' by data.columns)"),
+])
+def test_a_subset_column_no_file_of_the_run_has_is_refused(tmp_path, gpqa_questions, subset_columns, columns, named):
+    """A subset column the user named (any but the default ``subset``, or ``subset`` renamed by
+    ``data.columns``) that no question file of the run has would give validation no view of it,
+    silently: refused naming the key, the column and the files."""
+    from atlas_lightning.questions.loader import load_splits
+
+    cfg = _split_files(tmp_path, gpqa_questions, tier_in=("val_full",))
+    cfg.subset_columns, cfg.columns = subset_columns, columns
+    with pytest.raises(DataError) as refused:
+        load_splits(cfg)
+    message = str(refused.value)
+    assert message.startswith(f"data.subset_columns={subset_columns}: no question file of the run has the column "
+                              f"{named} (under data.root={tmp_path}: gpqa/train.parquet, gpqa/val_full.parquet)")
+
+
+@pytest.mark.parametrize("subset_columns, tier_in, without_subset", [
+    (["subset"], (), True),  # the default: optional, data may have no subsets
+    (["subset", "tier"], ("val_full",), True),  # in one file of the run is enough
+    (["tier"], ("train",), False),
+    ([], (), False),
+])
+def test_subset_columns_some_file_has_and_the_default_pass(tmp_path, gpqa_questions, subset_columns, tier_in,
+                                                            without_subset):
+    from atlas_lightning.questions.loader import load_splits
+
+    cfg = _split_files(tmp_path, gpqa_questions, tier_in=tier_in, without_subset=without_subset)
+    cfg.subset_columns = subset_columns
+    splits = load_splits(cfg)
+    assert len(splits.train) == len(gpqa_questions) and splits.val
+
+
+def test_a_subset_column_no_file_has_exits_2_before_anything_is_written(tmp_path, sample_data_dir, capsys):
+    from atlas_lightning.cli import main
+
+    root = tmp_path / "root"
+    for override in ("data.subset_columns=[levle]", "+data.columns={subset:category}"):
+        assert main(["fit", "experiment=tiny-cpu", f"paths.root={root}", f"data.root={sample_data_dir}",
+                     override]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "data.subset_columns=" in err[0] and "no question file of the run has" in err[0]
+        assert not root.exists()
+
 def test_optional_columns_may_be_absent(tmp_path, gpqa_questions):
     rows = _rows(gpqa_questions)
     for row in rows:
