@@ -684,4 +684,5 @@ def weight_sync_of(cfg: DictConfig) -> WeightSync:
     ``paths.outputs/.engine_adapters``: hidden, never published)."""
     r = cfg.rollout
     return WeightSync(kind=r.weight_sync, bucket_mb=r.bucket_mb, logprob_gap_factor=r.logprob_gap_factor,
-                      max_logprob_gap=r.max_logprob_gap, adapter_folder=Path(cfg.paths.outputs) / ".engine_adapters")
+                      max_logprob_gap=r.max_logprob_gap, adapter_folder=Path(cfg.paths.outputs) / ".engine_adapters",
+                      dtype=cfg.model.dtype)

@@ -199,10 +199,12 @@ class WeightSync:
     (``rollout.weight_sync``); ``bucket_mb``: the merged buckets' cap in MiB (``rollout.bucket_mb``);
     ``logprob_gap_factor`` and ``max_logprob_gap``: the probe's bound (``rollout.*``);
     ``adapter_folder``: where LoRA exports go (``outputs/<name>/.engine_adapters``: hidden, never
-    published); ``keep_versions``: exported adapters kept (the engine may still read them)."""
+    published); ``keep_versions``: exported adapters kept (the engine may still read them);
+    ``dtype``: the model's compute dtype (``model.dtype``), whose rounding floors the noise
+    (``sync_probe.rounding_floor``)."""
 
     def __init__(self, *, kind: str, bucket_mb: float, logprob_gap_factor: float, max_logprob_gap: float,
-                 adapter_folder: str | Path, keep_versions: int = 2) -> None:
+                 adapter_folder: str | Path, keep_versions: int = 2, dtype: str = "float32") -> None:
         if kind not in KINDS:
             raise ValueError(f"WeightSync: kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) or keep_versions < 1:
@@ -214,6 +216,7 @@ class WeightSync:
         self.max_logprob_gap = float(max_logprob_gap)
         self.adapter_folder = Path(adapter_folder)
         self.keep_versions = keep_versions
+        self.dtype = dtype
         #: The version the engines serve (None before the first sync) and the last engine-side id.
         self.version: Optional[int] = None
         self.sync_id = 0
@@ -224,7 +227,7 @@ class WeightSync:
         self.noise_gap: Optional[float] = None
         #: The proof that the engine applies what it is sent (``sync_probe``; not saved either:
         #: a resumed process proves its own engine with the starting check).
-        self.movement = MovementCheck(kind)
+        self.movement = MovementCheck(kind, dtype)
 
     def sync(self, model, serving, version: int, device: Any = "cpu") -> dict[str, float]:
         """Serve ``model``'s actor as weights version ``version`` on ``serving.engine``, verified;
@@ -294,7 +297,8 @@ class WeightSync:
         """Max |trainer - engine| log-prob over the probe sequence, against a bound set from the
         measured noise: the gap of this process's first sync (weights verified by digest, so only
         numerics differ) times ``logprob_gap_factor``, never below ``NOISE_ULPS`` float32
-        roundings of the probe's largest log-prob (``sync_probe.rounding_floor``, per token) nor
+        roundings of the probe's largest log-prob nor one rounding of it in the compute dtype
+        (``sync_probe.rounding_floor``, per token) nor
         above ``max_logprob_gap``. The first sync itself is held to ``max_logprob_gap``."""
         gap = float(np.max(np.abs(reading.engine - reading.trainer)))
         gap, scale = dist_utils.all_reduce_max([gap, probe_scale(reading.trainer)])
@@ -365,7 +369,7 @@ class WeightSync:
         """The probe's bound (see ``_check_gap``); ``scale``: the largest |log-prob| on the probe."""
         if self.noise_gap is None:
             return self.max_logprob_gap
-        return min(self.max_logprob_gap, self.logprob_gap_factor * max(self.noise_gap, rounding_floor(scale)))
+        return min(self.max_logprob_gap, self.logprob_gap_factor * max(self.noise_gap, rounding_floor(scale, dtype=self.dtype)))
 
     def _prune(self) -> None:
         """Keep the newest ``keep_versions`` exported adapters (the engine may still read them)."""

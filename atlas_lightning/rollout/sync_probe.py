@@ -19,8 +19,9 @@ lies within a quarter of the expected one's length of it. An engine that ignores
 of 1, four times the limit, whatever the learning rate; one that applies it twice shows 1 too.
 
 Measurable. The ratio decides only when ``|e| >= MEASURABLE * noise``, ``noise`` being the
-largest gap norm ``|E - T|`` of any verified state of this process (at least ``NOISE_ULPS``
-float32 roundings of the probe's largest log-prob on every token). Then even a clean engine
+largest gap norm ``|E - T|`` of any verified state of this process (at least the rounding floor:
+``NOISE_ULPS`` float32 roundings of the probe's largest log-prob on every token, and one rounding
+of the model's compute dtype on every token, ``noise_floor``). Then even a clean engine
 whose gaps did not cancel at all (``|r| <= 2 noise``) stays at half the limit. Below it (a tiny
 learning rate) the sync is not decided and the reference stays the last VERIFIED state: the next
 syncs are compared with it, so the trainer's movement accumulates until it is measurable, and an
@@ -79,6 +80,8 @@ MARK_NOISES = 64.0
 MARK_TRIES = 10
 #: float32's relative resolution (2**-23): the finest gap two float32 log-probs can show.
 FLOAT32_EPS = 2.0 ** -23
+#: The relative resolution (machine epsilon) of each compute dtype the trainer and engine may run in.
+DTYPE_EPS = {"float32": FLOAT32_EPS, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
 #: A clean engine differs from the trainer by a few roundings of the largest probe log-prob
 #: (a log-softmax over the vocabulary; seen: 3-5 float32 ulps on the tiny model, gaps 3.8e-6 to
 #: 5.7e-6 at |log-prob| 10.7): the noise floor, so that a lucky first sync cannot set the bound
@@ -131,12 +134,22 @@ class Movement:
         return self.ratio <= RESIDUAL_LIMIT
 
 
-def rounding_floor(scale: float, tokens: int = 1) -> float:
-    """The float32 rounding floor: ``NOISE_ULPS`` roundings of a log-prob of magnitude ``scale``
+def rounding_floor(scale: float, tokens: int = 1, dtype: str = "float32") -> float:
+    """The rounding floor: ``NOISE_ULPS`` float32 roundings of a log-prob of magnitude ``scale``
     (``probe_scale``) on each of ``tokens`` tokens, as an L2 norm over them; with one token, the
-    per-token floor (the weight sync's probe bound, ``sync.py``). No gap a clean engine shows is
-    held to less."""
-    return NOISE_ULPS * scale * FLOAT32_EPS * math.sqrt(max(1, tokens))
+    per-token floor (the weight sync's probe bound, ``sync.py``), there at least one rounding of
+    that log-prob in the compute ``dtype``. No gap a clean engine shows is held to less.
+
+    Why the dtype: a model computing in bf16 rounds its activations to 2**-7. Measured on the
+    tiny model with the hf engine (bf16, 299 probe tokens, largest |log-prob| 11.3): the engine
+    agrees with the trainer to 4e-6 at the base, a float32-sized first gap, yet once the adapter
+    acts (a lora_B shift of 1e-4 to 0.1) the clean gap is 0.17-0.35 in norm and 0.03-0.08 a token
+    (one bf16 rounding of the largest log-prob: 0.088); vLLM's bf16 gaps are 0.06-0.11 a token.
+    A float32 floor let that first sync set the bound 4,000x below what later clean syncs show."""
+    per_token = NOISE_ULPS * scale * FLOAT32_EPS
+    if tokens <= 1:
+        return max(per_token, scale * DTYPE_EPS.get(dtype, FLOAT32_EPS))
+    return per_token * math.sqrt(tokens)
 
 
 def probe_scale(trainer: np.ndarray) -> float:
@@ -144,9 +157,19 @@ def probe_scale(trainer: np.ndarray) -> float:
     return max(1.0, float(np.max(np.abs(trainer)))) if trainer.size else 1.0
 
 
-def noise_floor(trainer: np.ndarray) -> float:
-    """The rounding floor of the probe ``trainer`` over all its tokens, in norm (``rounding_floor``)."""
-    return rounding_floor(probe_scale(trainer), trainer.size)
+def noise_floor(trainer: np.ndarray, dtype: str = "float32") -> float:
+    """The rounding floor of the probe ``trainer`` over all its tokens, in norm: ``rounding_floor``,
+    and at least one rounding of a unit log-prob in the compute ``dtype`` on every token.
+
+    Why the second: in bf16 the trainer's own probe moves in steps. Measured (tiny model, bf16,
+    299 tokens): a lora_B shift of 3e-7 moves it by 0, one of 1e-6 by 0.145 (2**-7 x sqrt(299)
+    is 0.135), and it follows the shift only from about 1e-2 (2.7); a float32 floor (9e-5) set
+    the marked adapter's aim at 0.006, below any movement the probe can show, and the starting
+    check refused a clean engine. With this floor the aim (64 x 0.135) lies where the movement
+    is linear. An engine's larger measured gap (the 27B-shaped hybrid on the H200: 1.64) still
+    decides, as before."""
+    floor = rounding_floor(probe_scale(trainer), trainer.size)
+    return max(floor, DTYPE_EPS.get(dtype, FLOAT32_EPS) * math.sqrt(max(1, trainer.size)))
 
 
 def movement(before: Reading, after: Reading, noise: float) -> Movement:
@@ -162,10 +185,12 @@ def movement(before: Reading, after: Reading, noise: float) -> Movement:
 
 class MovementCheck:
     """The rule over a process's syncs (module doc): the reference (the last verified reading) and
-    the noise. ``kind``: the sync kind (``lora`` or ``merged``), named in its messages."""
+    the noise. ``kind``: the sync kind (``lora`` or ``merged``), named in its messages;
+    ``dtype``: the model's compute dtype (``model.dtype``), for the noise floor (``noise_floor``)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, dtype: str = "float32") -> None:
         self.kind = kind
+        self.dtype = dtype
         self.reference: Optional[Reading] = None
         self.noise = 0.0
         #: The last movement judged or deferred, and the syncs since the last verified one.
@@ -197,7 +222,7 @@ class MovementCheck:
     def _verified(self, reading: Reading) -> None:
         self.reference = reading
         self.unverified_syncs = 0
-        floor = noise_floor(reading.trainer)
+        floor = noise_floor(reading.trainer, self.dtype)
         self.noise = dist_utils.all_reduce_max([max(self.noise, floor, reading.gap_norm())])[0]
 
     def _refusal(self, moved: Movement, reading: Reading, starting: Optional[str]) -> str:

@@ -146,7 +146,7 @@ def test_vllm_serves_the_folder_as_its_architecture(tmp_path, tiny_model_dir):
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny_model_dir / name, folder / name)
     args = EngineArgs.from_config(compose(["experiment=tiny-cpu", f"model.path={folder}", "model.dtype=bfloat16",
-                                           "rollout.weight_sync=merged"]))
+                                           "rollout.max_logprob_gap=0.3", "rollout.weight_sync=merged"]))
     prepare_cpu_environment(args.cpu_kvcache_gib)
     llm = start_llm(**{**args.vllm_kwargs(on_cpu=True), "enable_prefix_caching": False})
     try:

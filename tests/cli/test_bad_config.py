@@ -599,3 +599,29 @@ def test_a_bad_key_in_a_config_file_is_named_by_its_full_key(tmp_path, capsys, f
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"config error: {key}: " in err[0] and where in err[0], err
     assert "Traceback" not in err[0] and not root.exists()
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    (["model.dtype=bfloat16"], "model.dtype=bfloat16 with rollout.max_logprob_gap=0.05"),
+    (["~model"], "model.dtype=bfloat16 with rollout.max_logprob_gap=0.05"),  # the schema's default dtype
+    (["model.dtype=bfloat16", "rollout.max_logprob_gap=0.1"], "model.dtype=bfloat16 with rollout.max_logprob_gap=0.1"),
+    (["model.dtype=float16", "rollout.max_logprob_gap=0.01"], "model.dtype=float16 with rollout.max_logprob_gap=0.01"),
+    (["model.dtype=float32", "rollout.max_logprob_gap=1e-6"], "model.dtype=float32 with rollout.max_logprob_gap=1e-06"),
+    (["model.dtype=bfloat16", "rollout.max_logprob_gap=0.3"], None),  # the GPU configs' bf16 runs
+    (["model.dtype=float16", "rollout.max_logprob_gap=0.05"], None),
+    (["model.dtype=float32"], None),
+])
+def test_a_max_logprob_gap_below_the_dtypes_rounding_exits_2_before_anything_is_written(tmp_path, capsys, overrides,
+                                                                                        refused):
+    """The weight sync's ceiling on the probe gap must admit what the model's dtype rounding
+    alone makes a clean engine show (16 eps: 0.125 in bf16); below it every engine would be
+    refused at some sync after the run wrote its files, so the launch is refused at once."""
+    root = tmp_path / "root"
+    if refused is None:
+        compose(["experiment=tiny-cpu", f"paths.root={root}", *overrides])
+        return
+    assert main(["fit", "experiment=tiny-cpu", f"paths.root={root}", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"config error: {refused}: " in err[0], err
+    assert "use model.dtype=float32" in err[0] and "rollout.max_logprob_gap to " in err[0]
+    assert not root.exists()

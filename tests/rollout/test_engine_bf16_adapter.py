@@ -42,6 +42,7 @@ from tests.rollout.test_sync_applied import _ignoring_class
 
 model_dir, root = sys.argv[1:3]
 bf16 = ["experiment=tiny-cpu", f"model.path={model_dir}", f"paths.root={root}", "model.dtype=bfloat16",
+        "rollout.max_logprob_gap=0.3",
         "rollout.max_model_len=1024", "rollout.max_prompt_length=512", "rollout.max_response_length=512",
         "rollout.max_tokens_per_turn=128"]
 cfg = compose(bf16)

@@ -236,3 +236,95 @@ def test_a_merged_engine_that_cannot_answer_before_its_first_load_still_gets_the
     serving = SimpleNamespace(engine=engine, probe_token_ids=lambda: list(range(20, 120)), weights_version=None)
     metrics = module.weight_sync.sync(module.model, serving, version=0)
     assert metrics["rollout/applied_residual_ratio"] < RESIDUAL_LIMIT / 4 and serving.weights_version == 0
+
+
+@pytest.mark.parametrize("dtype, eps", [("float32", 2.0 ** -23), ("bfloat16", 2.0 ** -7), ("float16", 2.0 ** -10)])
+def test_the_noise_floor_follows_the_compute_dtype(dtype, eps):
+    """One rounding of the compute dtype on every token floors the noise (in norm: of a unit
+    log-prob; per token, the absolute probe's floor: of the probe's largest log-prob); float32's
+    floors are the float32 roundings as before, which the dtype term never exceeds there."""
+    from atlas_lightning.rollout.sync_probe import probe_scale, rounding_floor
+
+    scale = probe_scale(BASE)
+    assert noise_floor(BASE, dtype) == pytest.approx(max(noise_floor(BASE), eps * np.sqrt(TOKENS)))
+    assert rounding_floor(scale, dtype=dtype) == pytest.approx(max(rounding_floor(scale), scale * eps))
+    check = MovementCheck("lora", dtype)
+    check.start(_reading(0, BASE, BASE))  # an engine that agrees to the bit (the hf engine at the base)
+    assert check.noise == noise_floor(BASE, dtype)
+    if dtype == "float32":
+        assert noise_floor(BASE, dtype) == noise_floor(BASE)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_probe_that_moves_in_rounding_steps_is_marked_where_it_follows_the_shift(dtype):
+    """In a half-precision dtype the trainer's probe moves in steps (tiny model, bf16: a lora_B
+    shift of 3e-7 moves it by 0, one of 1e-6 by 0.145, linear only from about 1e-2). Aimed from a
+    float32 floor the mark is out of reach; from the dtype's floor it lands, and a clean engine
+    that follows passes while one that ignores the mark is refused."""
+    from atlas_lightning.rollout.sync_probe import DTYPE_EPS
+
+    step = DTYPE_EPS[dtype] * np.sqrt(TOKENS)  # the probe's smallest movement in this dtype
+
+    def stepped(shift):  # below about 1e-2: a rounding step at most; above: follows the shift
+        linear = 270.0 * shift
+        return BASE + (0.0 if shift < 1e-6 else max(step * 1.07, linear)) * DIRECTION
+
+    with pytest.raises(WeightSyncError, match="no lora_B shift moves the trainer's probe"):
+        mark_shift(stepped, BASE, noise_floor(BASE))
+    check = MovementCheck("lora", dtype)
+    check.start(_reading(0, BASE, BASE))
+    shift = mark_shift(stepped, BASE, check.noise)
+    marked = stepped(shift)
+    assert np.linalg.norm(marked - BASE) >= MEASURABLE * check.noise
+    moved = check.check(_reading(1, marked, marked + step * DIRECTION[::-1]), starting="the marked adapter")
+    assert moved.ratio < RESIDUAL_LIMIT / 4
+    ignoring = MovementCheck("lora", dtype)
+    ignoring.start(_reading(0, BASE, BASE))
+    with pytest.raises(StartingCheckError, match="1.00 of the expected movement"):
+        ignoring.check(_reading(1, marked, BASE), starting="the marked adapter")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_starting_check_with_the_reference_engine_in_each_dtype(tiny_model_dir, tmp_path, dtype):
+    """The real sync and the transformers reference engine in ``dtype`` (it agrees with the
+    trainer to float32 roundings at the base, to bf16 ones once an adapter acts): a clean engine
+    passes the starting check and clean updates; one that holds the adapter and applies none is
+    refused."""
+    import torch
+    from types import SimpleNamespace
+
+    from atlas_lightning.config import compose
+    from atlas_lightning.ppo.module import PPOModule
+    from atlas_lightning.rollout.factory import hf_engine
+    from tests.rollout.test_sync_applied import _update
+
+    cfg = compose(["experiment=tiny-cpu", f"model.path={tiny_model_dir}", f"paths.root={tmp_path}",
+                   f"model.dtype={dtype}", "rollout.engine=hf", "rollout.max_logprob_gap=0.3"])
+    engine = hf_engine(cfg, rank=0, local_rank=0, world_size=1)
+    probe = [(37 * i) % 1900 + 20 for i in range(300)]
+    serving = SimpleNamespace(engine=engine, probe_token_ids=lambda: probe, weights_version=None)
+    module = PPOModule(cfg)
+    module.configure_model()
+    sync = module.weight_sync
+    metrics = sync.sync(module.model, serving, version=0)
+    assert metrics["rollout/applied_residual_ratio"] < RESIDUAL_LIMIT / 4
+    optimizer = torch.optim.AdamW(list(module.model.actor_parameters()), lr=2e-3)
+    for version in (1, 2, 3):
+        _update(module, optimizer)
+        metrics = sync.sync(module.model, serving, version=version)
+        assert metrics["rollout/logprob_gap"] <= metrics["rollout/logprob_gap_bound"]
+        assert sync.movement.last.residual <= RESIDUAL_LIMIT / 2 * max(sync.movement.last.expected,
+                                                                        MEASURABLE * sync.movement.noise)
+
+    class Ignoring(type(engine)):
+        def prompt_logprobs(self, token_ids):
+            adapter = getattr(self.model, "disable_adapter", None)
+            with adapter() if adapter is not None else __import__("contextlib").nullcontext():
+                return super().prompt_logprobs(token_ids)
+
+    engine.set_adapter(None)
+    engine.__class__ = Ignoring
+    module = PPOModule(cfg)
+    module.configure_model()
+    with pytest.raises(StartingCheckError, match="1.00 of the expected movement"):
+        module.weight_sync.sync(module.model, serving, version=0)
