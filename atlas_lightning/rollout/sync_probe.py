@@ -68,6 +68,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from atlas_lightning import distributed as dist_utils
+from atlas_lightning.config import DTYPE_EPS
 from atlas_lightning.errors import InputError
 
 #: The largest residual, as a share of the expected movement, of an engine that applies the weights.
@@ -79,9 +80,7 @@ MARK_NOISES = 64.0
 #: Trainer-only tries to size the marked adapter's shift.
 MARK_TRIES = 10
 #: float32's relative resolution (2**-23): the finest gap two float32 log-probs can show.
-FLOAT32_EPS = 2.0 ** -23
-#: The relative resolution (machine epsilon) of each compute dtype the trainer and engine may run in.
-DTYPE_EPS = {"float32": FLOAT32_EPS, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
+FLOAT32_EPS = DTYPE_EPS["float32"]
 #: A clean engine differs from the trainer by a few roundings of the largest probe log-prob
 #: (a log-softmax over the vocabulary; seen: 3-5 float32 ulps on the tiny model, gaps 3.8e-6 to
 #: 5.7e-6 at |log-prob| 10.7): the noise floor, so that a lucky first sync cannot set the bound
