@@ -67,7 +67,8 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     ``questions.loader.load_splits``, and is fitted to ``rollout.max_prompt_length`` under
     ``model.path``'s tokenizer, filling a batch: ``rollout/step_questions.fitted_splits``), ``trainer.init_from``
     (a complete checkpoint whose adapters verify against ``checkpoint.json``), the starting
-    adapter folders and their LoRA shapes (``store.lora_shapes``), and ``trainer.resume``
+    adapter folders, their tensors and their LoRA shapes (``_check_starting_adapters``,
+    ``store.lora_shapes``), and ``trainer.resume``
     (``resume_path``; ``training``: the run trains on from it, so the trajectories it keeps in
     flight must be continued). ``ConfigError`` / ``DataError`` / ``AdapterConfigError`` naming
     the key or file otherwise (the CLI exits 2)."""
@@ -98,6 +99,11 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
         folder = cfg.model.get(f"{role}_adapter")
         if folder and not Path(folder).is_dir():
             raise ConfigError(f"model.{role}_adapter={folder}: no such folder")
+    _check_starting_adapters(cfg)
+    from atlas_lightning.models.build import check_base_config, check_base_weights
+
+    # before the tokenizer loads: that reads config.json too, and fails on a bad one without naming it
+    check_base_config(cfg.model.path)
     fitted = None
     if questions is not None:  # fitted after the files' checks (the tokenizer imports transformers), once
         from atlas_lightning.rollout.step_questions import fitted_splits
@@ -107,11 +113,35 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     start = resume_path(cfg, folders["checkpoints"], training=training, fitted=fitted)
     if fitted is not None:
         questions = fitted()
-    from atlas_lightning.models.build import check_base_weights
-
-    check_base_weights(cfg.model.path)  # last: it imports transformers, and reads every header
+    check_base_weights(cfg.model.path)  # last: it builds the model on the meta device from every header
     return RunFacts(folders=folders, lora=lora_shapes(cfg), questions=questions, start=start,
                     question_notes=tuple(question_notes))
+
+
+def _check_starting_adapters(cfg: DictConfig) -> None:
+    """Each adapter that starts from a folder (``model.actor_adapter``, ``model.critic_adapter``,
+    ``trainer.init_from``'s) read as the build reads it (``models.adapters.read_adapter_folder``:
+    its files there and readable, every tensor finite, its ``atlas_base.json`` naming this role)
+    and its tensors' shapes checked against its own ``adapter_config.json`` and this base from the
+    safetensors header (``preflight.check_adapter``): refused here, naming the key and the folder,
+    rather than when the model is built, after the run's config and logs are written."""
+    from atlas_lightning.errors import InputError
+    from atlas_lightning.models.adapters import read_adapter_folder
+    from atlas_lightning.planning.shapes import read_model_shape
+    from atlas_lightning.run.preflight import PreflightError, check_adapter
+    from atlas_lightning.store.lora_shapes import read_lora_shape, starting_adapter_source, starting_adapters
+
+    folders = starting_adapters(cfg)
+    shape = read_model_shape(cfg.model.path) if folders else None
+    for role, folder in folders.items():
+        source = starting_adapter_source(cfg, role)
+        read_lora_shape(folder)  # its adapter_config.json first, refused as lora_shapes refuses it
+        try:
+            read_adapter_folder(folder, role)
+            check_adapter(cfg, shape, role, Path(folder))
+        except (InputError, PreflightError, FileNotFoundError) as err:
+            message = str(err).removeprefix(f"{folder}: ")
+            raise ConfigError(message if message.startswith(source) else f"{source}={folder}: {message}") from None
 
 
 def _check_separate_layout(cfg: DictConfig) -> None:

@@ -217,10 +217,13 @@ def test_init_from_needs_a_complete_checkpoint_as_resume_does(tmp_path, cfg_of):
         check_inputs(cfg_of(f"trainer.init_from={folder}"))
 
 
-def test_init_from_with_the_actor_alone_checks_the_actor_alone(tmp_path, cfg_of):
+def test_init_from_with_the_actor_alone_checks_the_actor_alone(tmp_path, cfg_of, tiny_model_dir):
+    """Real adapters (the start-up reads a starting adapter's tensors); the critic's then damaged
+    after the marker was written."""
     from atlas_lightning.run.facts import check_inputs
+    from tests.model_builds import actor_critic
 
-    folder = _checkpoint(tmp_path / "elsewhere", 7)
+    folder = _checkpoint(tmp_path / "elsewhere", 7, adapters=actor_critic(tiny_model_dir, {"rank": 8, "alpha": 16}))
     (folder / "critic" / "lora_adapter" / "adapter_model.safetensors").write_bytes(b"\0")
     with pytest.raises(ConfigError, match="critic/lora_adapter"):
         check_inputs(cfg_of(f"trainer.init_from={folder}"))
@@ -303,17 +306,16 @@ def test_an_actor_that_has_not_stepped_yet_resumes(tmp_path, cfg_of):
     assert check_inputs(cfg_of(f"trainer.resume={folder}")).start.resume == folder
 
 
-def test_the_checks_return_what_they_read_once(tmp_path, cfg_of, sample_data_dir):
+def test_the_checks_return_what_they_read_once(tmp_path, cfg_of, sample_data_dir, tiny_model_dir):
     """What the checks load is what the run uses: the splits, the starting adapter's LoRA shape
     (its own config's, the critic's from the config), the folders."""
     from atlas_lightning.questions.loader import load_split
     from atlas_lightning.run.facts import check_inputs
+    from tests.model_builds import actor_critic
 
-    folder = _checkpoint(tmp_path / "elsewhere", 7)
-    (folder / "actor" / "lora_adapter" / "adapter_config.json").write_text(json.dumps(
-        {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "role": "actor"}))  # a shape of its own
-    (folder / MARKER).unlink()
-    write_marker(folder, 7)
+    own = {"rank": 4, "alpha": 8, "target_modules": ["q_proj"]}  # the actor's shape of its own
+    folder = _checkpoint(tmp_path / "elsewhere", 7, adapters=actor_critic(tiny_model_dir, own,
+                                                                           critic_lora={"rank": 8, "alpha": 16}))
     cfg = cfg_of(f"trainer.init_from={folder}", "trainer.init_critic=false", "data.val_max_questions=3")
     facts = check_inputs(cfg)
     assert facts.folders["checkpoints"] == tmp_path / "checkpoints" / "run"
