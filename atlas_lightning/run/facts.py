@@ -123,12 +123,12 @@ def _check_starting_adapters(cfg: DictConfig) -> None:
     ``trainer.init_from``'s) read as the build reads it (``models.adapters.read_adapter_folder``:
     its files there and readable, every tensor finite, its ``atlas_base.json`` naming this role)
     and its tensors' shapes checked against its own ``adapter_config.json`` and this base from the
-    safetensors header (``preflight.check_adapter``): refused here, naming the key and the folder,
+    safetensors header (``adapter_files.check_adapter``, pre-flight's check): refused here, naming the key and the folder,
     rather than when the model is built, after the run's config and logs are written."""
     from atlas_lightning.errors import InputError
     from atlas_lightning.models.adapters import read_adapter_folder
-    from atlas_lightning.planning.shapes import read_model_shape
-    from atlas_lightning.run.preflight import PreflightError, check_adapter
+    from atlas_lightning.planning.shapes import ShapeError, read_model_shape
+    from atlas_lightning.run.adapter_files import check_adapter
     from atlas_lightning.store.lora_shapes import read_lora_shape, starting_adapter_source, starting_adapters
 
     folders = starting_adapters(cfg)
@@ -139,7 +139,7 @@ def _check_starting_adapters(cfg: DictConfig) -> None:
         try:
             read_adapter_folder(folder, role)
             check_adapter(cfg, shape, role, Path(folder))
-        except (InputError, PreflightError, FileNotFoundError) as err:
+        except (InputError, ShapeError, FileNotFoundError) as err:
             message = str(err).removeprefix(f"{folder}: ")
             raise ConfigError(message if message.startswith(source) else f"{source}={folder}: {message}") from None
 

@@ -12,7 +12,9 @@ torch.distributed checkpoint is read from its metadata), before the model is bui
   ``algorithm.critic_warmup``) or has ``step``, ``exp_avg`` and ``exp_avg_sq`` for every
   parameter its groups list; the critic has stepped once any RL step was checkpointed;
 * the loops' progress, the callbacks' states, the data cursor (``next_step``) and the module's
-  own ``atlas`` record (the RL step) are there;
+  own ``atlas`` record (the RL step, its folder's ``N``) are there;
+* the trainable tensors and Adam moments match the checkpoint's adapters, by role and shape,
+  and are finite (``run/resume_tensors.py``; the single-file state);
 * every rank's random generator states (``ppo/rng_state.py``: torch CPU and CUDA, numpy,
   Python) are there: without them the resumed run's LoRA dropout would draw other masks than
   the uninterrupted run's, a silent divergence like fresh Adam moments. A checkpoint written
@@ -59,14 +61,34 @@ def check_resume_state(folder: str | Path) -> None:
         if key not in top:
             raise ResumeStateError(f"{where}: its Lightning state has no {key!r} entry: not a resumable state")
     _check_rng(where, top.get(RNG_KEY))
-    if not any(isinstance(value, dict) and "next_step" in value for value in top.values()):
+    cursors = [value["next_step"] for value in top.values() if isinstance(value, dict) and "next_step" in value]
+    if not cursors:
         raise ResumeStateError(f"{where}: its Lightning state has no data cursor (the datamodule's next_step)")
-    rl_step = int((top.get("atlas") or {}).get("rl_step", 0))
+    rl_step = _check_steps(where, folder, (top.get("atlas") or {}).get("rl_step", 0), cursors[0])
     if len(optimizers) != len(OPTIMIZER_ROLES):
         raise ResumeStateError(f"{where}: its Lightning state holds {len(optimizers)} optimizer state(s), "
                                f"a resume needs {len(OPTIMIZER_ROLES)} ({', '.join(OPTIMIZER_ROLES)})")
     for role, (params, state) in zip(OPTIMIZER_ROLES, optimizers):
         _check_optimizer(where, role, params, state, rl_step)
+    if path.is_file():
+        from atlas_lightning.run.resume_tensors import check_state_tensors
+
+        check_state_tensors(where, Path(folder), top, ResumeStateError)
+
+
+def _check_steps(where: str, folder: str | Path, rl_step: Any, next_step: Any) -> int:
+    """The RL step the state records is its folder's ``global_step_N`` and the data cursor a
+    step number: otherwise the resumed run would count steps, or draw questions, from elsewhere."""
+    from atlas_lightning.store.checkpoints import checkpoint_step
+
+    if type(rl_step) is not int or type(next_step) is not int or next_step < 1:
+        raise ResumeStateError(f"{where}: its Lightning state records RL step {rl_step!r} and data cursor "
+                               f"{next_step!r}: not step numbers")
+    step = checkpoint_step(folder)
+    if step is not None and rl_step != step:
+        raise ResumeStateError(f"{where}: its Lightning state records RL step {rl_step}, its folder is "
+                               f"{Path(folder).name}: the state is another step's")
+    return rl_step
 
 
 def _check_rng(where: str, entry: Any) -> None:
