@@ -226,7 +226,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
             raise ConfigError("trainer.resume=auto: no checkpoint of this run verifies:\n  " + "\n  ".join(refusals)
                               + "\nmove the damaged folders away, or set trainer.resume=null to start afresh")
         if folder is not None:
-            _check_state(folder, "trainer.resume=auto")
+            _check_state(folder, "trainer.resume=auto", cfg)
             check_resume_adapters(cfg, folder, "trainer.resume=auto")
             if training:
                 _check_kept_rollouts(cfg, folder, "trainer.resume=auto", fitted)
@@ -241,7 +241,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
         verify_checkpoint(folder)
     except CheckpointError as err:
         raise ConfigError(f"trainer.resume={resume}: {err}") from None
-    _check_state(folder, f"trainer.resume={resume}")
+    _check_state(folder, f"trainer.resume={resume}", cfg)
     check_resume_adapters(cfg, folder, f"trainer.resume={resume}")
     if training:
         _check_kept_rollouts(cfg, folder, f"trainer.resume={resume}", fitted)
@@ -317,11 +317,12 @@ def _check_same_steps(cfg: DictConfig, folder: Path, key: str, steps: dict,
         raise ConfigError(f"{key}: {err}") from None
 
 
-def _check_state(folder: Path, key: str) -> None:
-    """The checkpoint's Lightning state is whole (``run/resume_state.py``), or the key is refused."""
+def _check_state(folder: Path, key: str, cfg: DictConfig) -> None:
+    """The checkpoint's Lightning state is whole and of this run's optimizer settings
+    (``run/resume_state.py``), or the key is refused."""
     from atlas_lightning.run.resume_state import ResumeStateError, check_resume_state
 
     try:
-        check_resume_state(folder)
+        check_resume_state(folder, cfg.algorithm)
     except ResumeStateError as err:
         raise ConfigError(f"{key}: {err}") from None

@@ -23,6 +23,10 @@ from atlas_lightning.store.checkpoints import (
 )
 
 
+#: ``experiment=tiny-cpu``'s learning rates: a state's optimizers were set up with them.
+TINY_LR = {"actor": 2.0e-3, "critic": 1.0e-3}
+
+
 def resumable_state(**change) -> dict:
     """A Lightning state of the shape a resume restores (two AdamW optimizers with their moments,
     loops, callbacks, the data cursor, the module's record, every rank's generator states), with
@@ -31,13 +35,13 @@ def resumable_state(**change) -> dict:
 
     from atlas_lightning.ppo.rng_state import RNG_KEY, capture
 
-    def adam(names):
+    def adam(names, lr):
         return {"state": {i: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
-                          for i in range(len(names))}, "param_groups": [{"params": list(range(len(names))), "lr": 1e-6}]}
+                          for i in range(len(names))}, "param_groups": [{"params": list(range(len(names))), "lr": lr}]}
 
     # the tensors of ``_checkpoint``'s adapters (``_FAKE_ADAPTER``): two LoRA factors a role, the critic's value head
     trained = {f"m.{factor}.{role}.weight": torch.zeros(2) for role in ("actor", "critic") for factor in ("lora_A", "lora_B")}
-    state = {"state_dict": {**trained, "m.value_head.weight": torch.zeros(2)}, "optimizer_states": [adam("ab"), adam("cde")],
+    state = {"state_dict": {**trained, "m.value_head.weight": torch.zeros(2)}, "optimizer_states": [adam("ab", TINY_LR["actor"]), adam("cde", TINY_LR["critic"])],
              "loops": {"fit_loop": {}}, "callbacks": {"ValidationCallback": {"validated": [0]}},
              "RolloutDataModule": {"next_step": 4}, "atlas": {"rl_step": 3}, RNG_KEY: capture()}
     state.update(change)
@@ -79,13 +83,14 @@ def _trained_state(model) -> dict:
     trainable tensors, and Adam's moments for each of the actor's and the critic's parameters."""
     import torch
 
-    def adam(params):
+    def adam(params, lr):
         return {"state": {i: {"step": torch.tensor(3.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-                          for i, p in enumerate(params)}, "param_groups": [{"params": list(range(len(params))), "lr": 1e-6}]}
+                          for i, p in enumerate(params)}, "param_groups": [{"params": list(range(len(params))), "lr": lr}]}
 
     trained = {f"model.{name}": p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     return {"state_dict": trained,
-            "optimizer_states": [adam(list(model.actor_parameters())), adam(list(model.critic_parameters()))]}
+            "optimizer_states": [adam(list(model.actor_parameters()), TINY_LR["actor"]),
+                                 adam(list(model.critic_parameters()), TINY_LR["critic"])]}
 
 
 def _checkpoint(root, step, *, adapters=None, state=None):
@@ -476,3 +481,58 @@ def test_resume_onto_the_same_base_and_settings_passes(trained_checkpoint, qwen3
     module = _module(tmp_path, qwen3_base, trained_checkpoint)
     module.configure_model()
     assert module.model is not None
+
+
+def _groups_with(state, **fields):
+    """``state`` whose optimizers' groups also say ``fields`` (as AdamW saves them)."""
+    return {**state, "optimizer_states": [{**entry, "param_groups": [{**group, **fields} for group in entry["param_groups"]]}
+                                          for entry in state["optimizer_states"]]}
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["one_file", "distributed"])
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.actor_lr=0.5", "its actor optimizer was set up with lr=0.002 (this run: algorithm.actor_lr=0.5)"),
+    ("algorithm.critic_lr=1e-6", "its critic optimizer was set up with lr=0.001 (this run: algorithm.critic_lr=1e-06)"),
+    ("algorithm.weight_decay=0.3", "its actor optimizer was set up with weight_decay=0.01 (this run: "
+                                   "algorithm.weight_decay=0.3)"),
+    ("algorithm.betas=[0.8,0.99]", "its actor optimizer was set up with betas=[0.9, 0.999] (this run: "
+                                   "algorithm.betas=[0.8, 0.99])"),
+])
+def test_a_resume_under_other_optimizer_settings_is_refused_before_anything_is_written(tmp_path, cfg_of, override,
+                                                                                      message, distributed):
+    """Lightning restores the optimizers' saved settings with their moments: a learning rate (or
+    weight decay, betas) changed for the resume would be recorded in the run's config and not used."""
+    from atlas_lightning.run.facts import check_inputs
+
+    folder = _checkpoint(tmp_path / "elsewhere", 3)
+    _write_state(folder, _groups_with(resumable_state(), weight_decay=0.01, betas=(0.9, 0.999)), distributed)
+    check_inputs(cfg_of(f"trainer.resume={folder}"))  # the same settings: accepted
+    with pytest.raises(ConfigError, match=re.escape(message)) as refused:
+        check_inputs(cfg_of(f"trainer.resume={folder}", override))
+    assert f"trainer.init_from={folder} trainer.resume=null" in str(refused.value)
+
+
+@pytest.mark.parametrize("role, file, message", [
+    ("actor", "adapter_model.safetensors", "adapter_model.safetensors tensor m.lora_A.weight holds 2 non-finite value(s)"),
+    ("critic", "adapter_model.safetensors", "adapter_model.safetensors tensor m.lora_A.weight holds 2 non-finite"),
+    ("critic", "value_head.safetensors", "value_head.safetensors tensor weight holds 2 non-finite value(s)"),
+])
+def test_a_resume_whose_adapter_is_not_finite_is_refused_before_anything_is_written(tmp_path, cfg_of, role, file,
+                                                                                    message):
+    """Its adapters are read as the build reads them, at the start (the marker written after the
+    damage: a checkpoint written so, not one damaged since)."""
+    from safetensors.torch import load_file, save_file
+
+    from atlas_lightning.run.facts import check_inputs
+
+    folder = _checkpoint(tmp_path / "elsewhere", 3)
+    path = folder / role / "lora_adapter" / file
+    tensors = load_file(path)
+    name = sorted(tensors)[0]
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, path)
+    (folder / MARKER).unlink()
+    write_marker(folder, 3)
+    with pytest.raises(ConfigError, match=re.escape(message)) as refused:
+        check_inputs(cfg_of(f"trainer.resume={folder}"))
+    assert str(refused.value).startswith(f"trainer.resume={folder}: ")
