@@ -80,6 +80,7 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
 
     folders = run_dirs(cfg)
     check_writable(folders)
+    _check_checkpoint_entries(folders["checkpoints"])
     _check_separate_layout(cfg)
     check_machine(cfg)
     check_model_folder(cfg.model.path)
@@ -195,6 +196,18 @@ def check_writable(dirs: Mapping[str, Path]) -> None:
         except OSError as err:
             raise ConfigError(f"{where}: {existing} is not writable ({err.strerror or err}); "
                               f"choose another paths.root or fix the folder's permissions") from None
+
+
+def _check_checkpoint_entries(checkpoints: Path) -> None:
+    """No entry of the run's checkpoints folder named as a step's checkpoint (``global_step_N``)
+    is anything but a folder: ``trainer.resume=auto`` would pass over it and the run would stop
+    when it saves that step (a file where the checkpoint's folder goes)."""
+    from atlas_lightning.store.checkpoints import checkpoint_step
+
+    for entry in sorted(checkpoints.iterdir()) if checkpoints.is_dir() else []:
+        if checkpoint_step(entry) is not None and not entry.is_dir():
+            raise ConfigError(f"the run's checkpoints folder holds {entry}, which is not a folder (a step's "
+                              f"checkpoint is one): move it away, or choose another name or paths.root")
 
 
 def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,

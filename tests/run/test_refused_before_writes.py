@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import pytest
 
@@ -142,3 +143,17 @@ def test_the_questions_are_fitted_once_at_the_start_and_the_skipped_ones_reach_t
     dm = RolloutDataModule(cfg, engine=object(), questions=facts.questions)
     dm.setup()
     assert dm.train_questions is facts.questions.train and dm.val_questions is facts.questions.val
+
+
+@pytest.mark.parametrize("resume", ["null", "auto"])
+@pytest.mark.parametrize("entry", ["global_step_1", "global_step_12"])
+def test_a_file_where_a_step_checkpoint_goes_is_refused_before_anything_is_written(tmp_path, cfg_of, resume, entry):
+    """A fresh run would stop when it saves that step, and ``auto`` would pass over it."""
+    from atlas_lightning.run.facts import check_inputs
+
+    checkpoints = tmp_path / "checkpoints" / "run"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / entry).write_text("not a checkpoint")
+    with pytest.raises(ConfigError, match=re.escape(f"holds {checkpoints / entry}, which is not a folder")):
+        check_inputs(cfg_of(f"trainer.resume={resume}"))
+    assert sorted(p.name for p in checkpoints.iterdir()) == [entry]
