@@ -126,7 +126,7 @@ class BaseWeightsError(InputError):
     at their random initialisation."""
 
 
-def check_base_weights(path: str | Path) -> None:
+def check_base_weights(path: str | Path) -> Optional[str]:
     """The folder's weights are exactly the tensors its architecture has, as transformers maps
     checkpoint names onto the model (tied weights and the names its class ignores excepted), read
     on the meta device (no tensor data is read): ``BaseWeightsError`` naming ``model.path`` and
@@ -136,8 +136,11 @@ def check_base_weights(path: str | Path) -> None:
     hold: the engine's loader refuses those, transformers' drops them silently); and a
     ``config.json`` transformers cannot build the model from, whatever its library raises. The
     engine reads the same folder, so this covers both sides; ``load_base`` checks the real load
-    again."""
+    again. Returns the base's fingerprint (``identity.folder_fingerprint``; None where it cannot
+    be read without loading), for the starting adapters' ``atlas_base.json`` to be checked against."""
     import logging
+
+    from .identity import folder_fingerprint
 
     from transformers import AutoModelForCausalLM
 
@@ -147,8 +150,8 @@ def check_base_weights(path: str | Path) -> None:
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # its load report would print the mismatches this refuses, as a table
     try:
-        _, info = AutoModelForCausalLM.from_pretrained(str(path), config=config, device_map="meta",
-                                                       ignore_mismatched_sizes=True, output_loading_info=True)
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), config=config, device_map="meta",
+                                                           ignore_mismatched_sizes=True, output_loading_info=True)
     except Exception as err:  # a config it cannot build a model from (a vocabulary too small for its ids, ...)
         raise BaseWeightsError(f"{where}: transformers cannot build the model its config.json describes from "
                                f"its weights ({_first_line(err)})") from None
@@ -168,6 +171,7 @@ def check_base_weights(path: str | Path) -> None:
                                f"describes has no place for ({', '.join(unexpected[:5])}"
                                f"{', ...' if len(unexpected) > 5 else ''}): the weights and the config disagree "
                                f"(e.g. num_hidden_layers, or a model_type of another family)")
+    return folder_fingerprint(model, path)
 
 
 def check_base_config(path: str | Path):

@@ -114,7 +114,8 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     start = resume_path(cfg, folders["checkpoints"], training=training, fitted=fitted)
     if fitted is not None:
         questions = fitted()
-    check_base_weights(cfg.model.path)  # last: it builds the model on the meta device from every header
+    fingerprint = check_base_weights(cfg.model.path)  # last: it builds the model on the meta device from every header
+    _check_adapter_bases(cfg, fingerprint, start.resume)
     return RunFacts(folders=folders, lora=lora_shapes(cfg), questions=questions, start=start,
                     question_notes=tuple(question_notes))
 
@@ -143,6 +144,30 @@ def _check_starting_adapters(cfg: DictConfig) -> None:
         except (InputError, ShapeError, FileNotFoundError) as err:
             message = str(err).removeprefix(f"{folder}: ")
             raise ConfigError(message if message.startswith(source) else f"{source}={folder}: {message}") from None
+
+
+def _check_adapter_bases(cfg: DictConfig, fingerprint: Optional[str], resume: Optional[Path]) -> None:
+    """Each adapter the run starts or resumes from was trained on this base's weights: its
+    ``atlas_base.json`` fingerprint against ``model.path``'s (``models/identity.py``; same
+    shapes, other weights is what it catches), where both are known. The build compares them
+    again; here it is refused before anything is written."""
+    from atlas_lightning.store.files import read_json_object
+    from atlas_lightning.store.lora_shapes import starting_adapter_source, starting_adapters
+
+    if fingerprint is None:
+        return
+    folders = [(starting_adapter_source(cfg, role), Path(folder)) for role, folder in starting_adapters(cfg).items()]
+    if resume is not None:
+        folders += [(f"trainer.resume={cfg.trainer.resume}", resume / role / "lora_adapter") for role in ("actor", "critic")]
+    for key, folder in folders:
+        identity = folder / "atlas_base.json"
+        if not identity.is_file():
+            continue  # an adapter from elsewhere: its tensors' shapes were the check
+        theirs = read_json_object(identity, ConfigError, f"{key}: {folder}").get("fingerprint")
+        if isinstance(theirs, str) and theirs != fingerprint:
+            raise ConfigError(f"{key}: {folder} was trained on a different base model: model.path={cfg.model.path}'s "
+                              f"weights hash to {fingerprint}, its base's to {theirs} (same shapes, different "
+                              f"weights); give the base it was trained on")
 
 
 def _check_separate_layout(cfg: DictConfig) -> None:
