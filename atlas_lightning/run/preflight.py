@@ -9,19 +9,21 @@ Checks, in order (each prints one line; the exit code is 0 when all pass, 2 othe
    ``callbacks``: every configured callback builds from its arguments, as ``fit`` builds it
    (``run/wiring.build_callbacks``: names and types checked, an injected fault that would strike);
 2. ``model``: ``model.path`` is a local folder with a readable ``config.json`` of a known
-   family, a tokenizer and weight files (none is loaded);
+   family, a tokenizer and weight files, checked as ``fit`` checks them: the weights are
+   exactly the tensors of the architecture (built on the meta device: no tensor is read), the
+   tokenizer loads and its chat template renders the tools;
 3. ``data``: the train and validation splits of every benchmark load (``data.loader.load_split``:
    a bad file, row or field is named);
 4. ``adapters``: the starting adapters (``trainer.init_from``'s ``actor``/``critic``, or
    ``model.actor_adapter``/``critic_adapter``) are PEFT folders whose base (``atlas_base.json``,
-   when present) has this base's config fields, and whose tensors (read from the safetensors
-   header only) have the shapes their own ``adapter_config.json`` (rank, target modules, per-
-   module ranks) and this base imply; the critic's value head too (``value_head.safetensors``,
-   or a module of ``modules_to_save``). Each adapter trains its folder's LoRA shape, actor and
-   critic alike, whatever ``model.lora`` says: the line printed names the shape, and says so
-   when the config's differs. Fresh adapters print the shape the config gives them. The
-   weights fingerprint needs the weights and is checked when the trainer loads them
-   (``models/adapters.py``);
+   when present) has this base's config fields, whose tensors are readable and finite (read as
+   ``fit`` reads them) and have the shapes their own ``adapter_config.json`` (rank, target
+   modules, per-module ranks) and this base imply; the critic's value head too
+   (``value_head.safetensors``, or a module of ``modules_to_save``). Each adapter trains its
+   folder's LoRA shape, actor and critic alike, whatever ``model.lora`` says: the line printed
+   names the shape, and says so when the config's differs. Fresh adapters print the shape the
+   config gives them. The weights fingerprint is checked by ``fit``'s start-up
+   (``run/facts.py``) and when the trainer loads them (``models/adapters.py``);
 5. ``plan``: ``planning.make_plan`` passes (layouts and memory; cards of ``plan.card_gib``
    GiB, default 80, or ``--card-gib``);
 6. ``environment``: enough GPUs on this node for ``trainer.devices``, vLLM importable when the
@@ -67,8 +69,13 @@ def check_model(cfg) -> str:
     from atlas_lightning.planning.model_folder import check_model_folder
     from atlas_lightning.planning.shapes import model_weight_files, read_model_shape
 
+    from atlas_lightning.models.build import check_base_weights
+    from atlas_lightning.rollout.step_questions import chat_format
+
     folder = Path(cfg.model.path)
     check_model_folder(folder)  # the one check fit, validate, memory-check and plan make
+    check_base_weights(folder)  # fit's: the weights are the architecture's, on the meta device
+    chat_format(cfg)  # fit's: the tokenizer loads, its chat template renders the tools
     shape = read_model_shape(folder)
     files = model_weight_files(folder)
     return (f"{folder}: {shape.model_type}, {shape.base_params / 1e9:.3g}B parameters, {shape.num_layers} layers, "
@@ -109,8 +116,12 @@ def check_adapters(cfg) -> str:
 
     from atlas_lightning.store.lora_shapes import ROLES, config_lora_shape
 
+    from atlas_lightning.models.adapters import read_adapter_folder
+
     folders = starting_adapters(cfg)
     shape = read_model_shape(cfg.model.path) if folders else None
+    for role, folder in folders.items():
+        read_adapter_folder(folder, role)  # fit's: its files readable, every tensor finite, its own role
     return "; ".join(check_adapter(cfg, shape, role, folders[role]) if role in folders
                      else f"{role} fresh: {config_lora_shape(cfg, role).describe()} ({config_lora_shape(cfg, role).source})"
                      for role in ROLES)
