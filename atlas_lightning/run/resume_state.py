@@ -77,10 +77,12 @@ def check_resume_state(folder: str | Path, algorithm: Any = None) -> None:
         _check_optimizer(where, role, params, state, rl_step)
         if algorithm is not None:
             _check_hyperparameters(where, role, groups, algorithm)
-    if path.is_file():
-        from atlas_lightning.run.resume_tensors import check_state_tensors
+    from atlas_lightning.run import resume_tensors
 
-        check_state_tensors(where, Path(folder), top, ResumeStateError)
+    if path.is_file():
+        resume_tensors.check_state_tensors(where, Path(folder), top, ResumeStateError)
+    else:
+        resume_tensors.check_state_shapes(where, Path(folder), *_distributed_shapes(path, optimizers), ResumeStateError)
 
 
 def _check_steps(where: str, folder: str | Path, rl_step: Any, next_step: Any) -> int:
@@ -208,3 +210,20 @@ def _distributed(path: Path) -> tuple[dict, list[tuple[list, dict, list[dict]]]]
                 state.setdefault(name, set()).add(kept)
         optimizers.append((params, state, groups))
     return top, optimizers
+
+
+def _distributed_shapes(path: Path, optimizers: list) -> tuple[dict[str, tuple], list[tuple[int, dict]]]:
+    """A torch.distributed state's trainable tensors (name -> shape) and, for each optimizer,
+    ``(parameters listed, {moment: [shapes]})``, from its metadata alone (``resume_tensors``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from atlas_lightning.run.resume_tensors import MOMENTS
+
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    sizes = {key: tuple(entry.size) for key, entry in metadata.items() if hasattr(entry, "size")}
+    state = {key[len("state_dict."):]: size for key, size in sizes.items() if key.startswith("state_dict.")}
+    moments = [(len(params), {moment: [size for key, size in sizes.items()
+                                       if key.startswith(f"optimizer_{index}.state.") and key.endswith(f".{moment}")]
+                              for moment in MOMENTS})
+               for index, (params, _, _) in enumerate(optimizers)]
+    return state, moments

@@ -16,9 +16,9 @@ compares the state with them, by role and shape:
 * every trainable tensor and moment is finite (a NaN restored would stop the first update, and
   a resume from the same checkpoint would stop again).
 
-For Lightning's single-file state, memory-mapped (tensor data is read for the finiteness check
-alone). A torch.distributed state (FSDP2 at several ranks) is checked for completeness by
-``run/resume_state.py`` from its metadata; its tensors are checked by the load itself.
+Lightning's single-file state is memory-mapped (tensor data is read for the finiteness check
+alone); a torch.distributed state (FSDP2) is checked from its metadata (names and shapes: its
+values' finiteness is left to the first update's NaN guard).
 
 ``ResumeStateError`` naming the checkpoint, the part and what differs.
 """
@@ -30,17 +30,42 @@ from pathlib import Path
 from typing import Any
 
 ROLES = ("actor", "critic")
+#: Adam's per-parameter tensors, of the parameter's shape.
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def check_state_tensors(where: str, folder: Path, checkpoint: dict, error: type[Exception]) -> None:
     """``checkpoint``: the single-file Lightning state of ``folder`` (a ``global_step_N``), with
-    its ``optimizer_states`` in ``ROLES`` order (``run/resume_state.py`` checked there are two)."""
+    its ``optimizer_states`` in ``ROLES`` order (``run/resume_state.py`` checked there are two):
+    its shapes (``check_state_shapes``), then every tensor finite."""
     state = checkpoint.get("state_dict")
-    if not isinstance(state, dict) or not state:
+    state = state if isinstance(state, dict) else {}
+    moments = [(len([p for group in entry.get("param_groups", []) for p in group.get("params", [])]),
+                {moment: [tuple(values[moment].shape) for values in (entry.get("state") or {}).values()
+                          if moment in values] for moment in MOMENTS})
+               for entry in checkpoint["optimizer_states"]]
+    check_state_shapes(where, folder, {key: tuple(tensor.shape) for key, tensor in state.items()}, moments, error)
+    bad = [key for key, tensor in state.items() if not _finite(tensor)]
+    if bad:
+        raise error(f"{where}: its Lightning state's trainable tensors hold NaN or inf ({', '.join(bad[:3])}): "
+                    f"resume from an earlier checkpoint")
+    for role, entry in zip(ROLES, checkpoint["optimizer_states"]):
+        for moment in MOMENTS:
+            if any(not _finite(values[moment]) for values in (entry.get("state") or {}).values() if moment in values):
+                raise error(f"{where}: the {role} optimizer's {moment} holds NaN or inf: resume from an earlier "
+                            f"checkpoint")
+
+
+def check_state_shapes(where: str, folder: Path, state: dict[str, tuple], optimizers: list[tuple[int, dict]],
+                       error: type[Exception]) -> None:
+    """The state's trainable tensors (name -> shape) and each optimizer's ``(parameters listed,
+    {moment: [shape of each parameter's]})``, in ``ROLES`` order, against the checkpoint's adapter
+    folders (module doc); from a single-file state or a distributed one's metadata alike."""
+    if not state:
         raise error(f"{where}: its Lightning state has no trainable tensors (state_dict): a resume would train "
                     f"from fresh adapters")
     expected = {role: _adapter_shapes(folder, role, error, where) for role in ROLES}
-    restored = {role: Counter(tuple(t.shape) for k, t in state.items() if _role_of(k) == role) for role in ROLES}
+    restored = {role: Counter(shape for key, shape in state.items() if _role_of(key) == role) for role in ROLES}
     for role in ROLES:
         if restored[role] != expected[role]:
             lacking, extra = expected[role] - restored[role], restored[role] - expected[role]
@@ -51,12 +76,14 @@ def check_state_tensors(where: str, folder: Path, checkpoint: dict, error: type[
     if strays:
         raise error(f"{where}: its Lightning state holds {len(strays)} tensor(s) neither adapter has "
                     f"({', '.join(strays[:3])})")
-    for role, entry in zip(ROLES, checkpoint["optimizer_states"]):
-        _check_moments(where, role, entry, expected[role], error)
-    bad = [key for key, tensor in state.items() if not _finite(tensor)]
-    if bad:
-        raise error(f"{where}: its Lightning state's trainable tensors hold NaN or inf ({', '.join(bad[:3])}): "
-                    f"resume from an earlier checkpoint")
+    for role, (listed, moments) in zip(ROLES, optimizers):
+        if listed != sum(expected[role].values()):
+            raise error(f"{where}: the {role} optimizer lists {listed} parameters, its adapter trains "
+                        f"{sum(expected[role].values())}: not this model's optimizer state")
+        for moment, shapes in moments.items():
+            if shapes and Counter(shapes) != expected[role]:
+                raise error(f"{where}: the {role} optimizer's {moment} tensors have other shapes than the {role} "
+                            f"adapter's tensors: not this model's optimizer state")
 
 
 def _role_of(key: str) -> str | None:
@@ -87,23 +114,6 @@ def _adapter_shapes(folder: Path, role: str, error: type[Exception], where: str)
         shapes.update(tuple(entry["shape"]) for key, entry in header.items()
                       if name == "value_head.safetensors" or ".lora_A." in key or ".lora_B." in key)
     return shapes
-
-
-def _check_moments(where: str, role: str, entry: Any, trained: Counter, error: type[Exception]) -> None:
-    """One optimizer's state against the shapes its role trains."""
-    params = [p for group in entry.get("param_groups", []) for p in group.get("params", [])]
-    if len(params) != sum(trained.values()):
-        raise error(f"{where}: the {role} optimizer lists {len(params)} parameters, its adapter trains "
-                    f"{sum(trained.values())}: not this model's optimizer state")
-    per_param = entry.get("state") or {}
-    for moment in ("exp_avg", "exp_avg_sq"):
-        tensors = [values[moment] for values in per_param.values() if moment in values]
-        if tensors and Counter(tuple(t.shape) for t in tensors) != trained:
-            raise error(f"{where}: the {role} optimizer's {moment} tensors have other shapes than the {role} "
-                        f"adapter's tensors: not this model's optimizer state")
-        if any(not _finite(t) for t in tensors):
-            raise error(f"{where}: the {role} optimizer's {moment} holds NaN or inf: resume from an earlier "
-                        f"checkpoint")
 
 
 def _finite(tensor: Any) -> bool:

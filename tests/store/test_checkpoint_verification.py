@@ -315,10 +315,10 @@ def _moments(entry, moment, value):
     return {**entry, "state": {i: {**kept, moment: value} for i, kept in entry["state"].items()}}
 
 
-#: The trainable tensors and moments against the checkpoint's adapters (``run/resume_tensors.py``):
-#: Lightning's one-file state, whose tensors are checked before the load (the distributed one's at it).
+#: The trainable tensors and moments against the checkpoint's adapters (``run/resume_tensors.py``).
 _TENSORS = [
     ("no_state_dict", lambda s: _without(s, "state_dict"), "has no trainable tensors (state_dict)"),
+    ("an_empty_state_dict", lambda s: {**s, "state_dict": {}}, "has no trainable tensors (state_dict)"),
     ("a_tensor_left_out", lambda s: {**s, "state_dict": _without(s["state_dict"], "m.lora_B.actor.weight")},
      "its Lightning state's actor tensors do not match its actor/lora_adapter: 1 missing (shapes [2] x1)"),
     ("a_tensor_of_another_shape", lambda s: {**s, "state_dict": _set(s["state_dict"], "m.lora_A.critic.weight",
@@ -339,16 +339,23 @@ _TENSORS = [
 ]
 
 
+@pytest.mark.parametrize("distributed", [False, True], ids=["one_file", "distributed"])
 @pytest.mark.parametrize("damage, change, message", _TENSORS, ids=[d for d, _, _ in _TENSORS])
 def test_a_resume_whose_tensors_do_not_fit_its_adapters_is_refused_before_anything_is_written(
-        tmp_path, cfg_of, damage, change, message):
+        tmp_path, cfg_of, damage, change, message, distributed):
     """The whole class: whatever the state lacks, holds beside, or holds of another shape or not
-    finite, measured against the checkpoint's own adapters, is named before the run writes."""
+    finite, measured against the checkpoint's own adapters, is named before the run writes (a
+    distributed state from its metadata: shapes, not values)."""
     from atlas_lightning.run.facts import check_inputs
 
+    if distributed and damage in ("a_nan_tensor", "nan_moments"):
+        pytest.skip("a distributed state's values are read by the load, not at the start (run/resume_tensors.py)")
+    if distributed and damage == "no_state_dict":
+        pytest.skip("Lightning writes a distributed state_dict always (an_empty_state_dict tries it)")
     folder = _checkpoint(tmp_path / "elsewhere", 3)
+    _write_state(folder, resumable_state(), distributed)
     check_inputs(cfg_of(f"trainer.resume={folder}"))  # whole: accepted
-    _write_state(folder, change(resumable_state()), False)
+    _write_state(folder, change(resumable_state()), distributed)
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_inputs(cfg_of(f"trainer.resume={folder}"))
 
