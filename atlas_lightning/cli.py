@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from atlas_lightning.config import ConfigError
+from atlas_lightning.config import ConfigError, redacted_text
 from atlas_lightning.errors import InputError, RunStopped
 
 CONFIG_VERBS = {
@@ -139,22 +139,52 @@ def _check_data_args(args: argparse.Namespace) -> None:
                          f"leave --base out to build one)")
 
 
+def _replacing_nothing(out: Path, build, last: str = "") -> dict:
+    """``build(folder)``'s files made aside, then moved into ``out`` only when no file there of
+    the same name holds other bytes (a user's own parquet or weights, a sample of another seed):
+    ``InputError`` naming it otherwise, ``out`` left as it was. Re-running a verb into its own
+    output (``make demo``) replaces each file with the same bytes. ``last``: the file moved last
+    (the one whose presence says the folder is whole)."""
+    import shutil
+    import tempfile
+
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    staging = Path(tempfile.mkdtemp(prefix=".atlas-data-", dir=existing))
+    try:
+        summary = build(staging / "out")
+        made = sorted((p for p in (staging / "out").rglob("*") if p.is_file()), key=lambda p: (p.name == last, p))
+        for path in made:
+            target = out / path.relative_to(staging / "out")
+            if target.exists() and (not target.is_file() or target.read_bytes() != path.read_bytes()):
+                raise InputError(f"--out {out}: {target} exists and holds other bytes than this verb writes (your "
+                                 f"own file, or one of another --seed): nothing was replaced; choose an empty folder "
+                                 f"or move that file away")
+        for path in made:
+            target = out / path.relative_to(staging / "out")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {**summary, "out": str(out)}
+
+
 def _run_data(args: argparse.Namespace) -> int:
     import json
 
     _check_data_args(args)
+    out = args.out.expanduser()
     if args.data_verb == "sample":
         from atlas_lightning.demo.sample import build_sample
 
-        summary = build_sample(args.out, seed=args.seed)
+        summary = _replacing_nothing(out, lambda folder: build_sample(folder, seed=args.seed))
     elif args.data_verb == "demo-model":
-        from atlas_lightning.demo.shipped_model import install_shipped_model
+        from atlas_lightning.demo.shipped_model import SUMMARY_FILE, install_shipped_model
 
-        summary = install_shipped_model(args.out)
+        summary = _replacing_nothing(out, install_shipped_model, last=SUMMARY_FILE)
     elif args.data_verb == "tiny-model":
         from atlas_lightning.demo.tiny_model import build_tiny_model
 
-        summary = build_tiny_model(args.out, seed=args.seed)
+        summary = _replacing_nothing(out, lambda folder: build_tiny_model(folder, seed=args.seed))
     else:
         from dataclasses import replace
 
@@ -217,17 +247,19 @@ def main(argv: list[str] | None = None) -> int:
 
             return preflight_main(argv[1:])
         return _run_config_verb(args)
+    # each message masked as the run's files are (a launcher tees stderr into logs/): a value named
+    # in a refusal may be a URL with its password
     except ConfigError as err:
-        print(f"atlas-lightning {args.verb}: config error: {err}", file=sys.stderr)
+        print(f"atlas-lightning {args.verb}: config error: {redacted_text(str(err))}", file=sys.stderr)
         return 2
     except InputError as err:  # a question file, adapter or checkpoint folder that cannot be used
-        print(f"atlas-lightning {args.verb}: {err}", file=sys.stderr)
+        print(f"atlas-lightning {args.verb}: {redacted_text(str(err))}", file=sys.stderr)
         return 2
     except RunStopped as err:  # a fault part-way; the last complete checkpoint resumes (run/faults.py)
-        print(f"atlas-lightning {args.verb}: stopped: {err}", file=sys.stderr)
+        print(f"atlas-lightning {args.verb}: stopped: {redacted_text(str(err))}", file=sys.stderr)
         return err.exit_code
     except NotImplementedError as err:
-        print(f"atlas-lightning {args.verb}: not available yet: {err}", file=sys.stderr)
+        print(f"atlas-lightning {args.verb}: not available yet: {redacted_text(str(err))}", file=sys.stderr)
         return 3
 
 

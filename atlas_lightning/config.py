@@ -407,8 +407,13 @@ def validate(cfg: DictConfig) -> None:
 
     check_values(cfg, ConfigError)
     if cfg.rollout.engine not in ENGINE_ALIASES:
-        _check_target("rollout.engine", cfg.rollout.engine, f"one of {', '.join(ENGINE_ALIASES)}")
+        _check_target("rollout.engine", cfg.rollout.engine, f"one of {', '.join(ENGINE_ALIASES)}",
+                      called_as=ENGINE_CALL)
     _check_target("reward._target_", cfg.reward._target_)
+    if cfg.rollout.engine == "hf" and (cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0):  # it refuses each request
+        raise ConfigError(f"rollout.engine=hf (the transformers reference engine) samples with neither top_p nor top_k: "
+                          f"rollout.top_p={cfg.rollout.top_p} rollout.top_k={cfg.rollout.top_k}; use rollout.engine=vllm "
+                          f"or rollout.top_p=1.0 rollout.top_k=-1")
     if cfg.algorithm.train_batch_size % cfg.algorithm.ppo_mini_batch_size:
         raise ConfigError(
             f"algorithm.ppo_mini_batch_size={cfg.algorithm.ppo_mini_batch_size} must divide "
@@ -423,6 +428,7 @@ def validate(cfg: DictConfig) -> None:
             f"rollout.max_model_len={cfg.rollout.max_model_len}"
         )
     _validate_layout(cfg)
+    _validate_shares(cfg)
     if cfg.rollout.weight_transfer is not None and not (cfg.layout.mode == "separate"
                                                          and cfg.rollout.weight_sync == "merged"):
         raise ConfigError(f"rollout.weight_transfer={cfg.rollout.weight_transfer} carries merged weights to the "
@@ -442,11 +448,18 @@ def validate(cfg: DictConfig) -> None:
             _check_target(f"callbacks.{name}._target_", spec._target_)
 
 
-def _check_target(key: str, path: Any, alternative: str = "") -> None:
+#: How ``rollout/factory.build_engine`` calls an engine of the user's (a class or factory): a
+#: positional config and these keywords.
+ENGINE_CALL = ("cfg", "rank", "local_rank", "world_size")
+
+
+def _check_target(key: str, path: Any, alternative: str = "", called_as: tuple[str, ...] = ()) -> None:
     """``path`` must be a dotted ``package.module.Name`` (or ``module.Class.method``) that
     resolves to an object: its module imports and has that attribute, so that a misspelt name
     is refused here, before anything is written, like a missing module; ``alternative``: what
-    else the key may hold, for the message. Building the object is left to its user."""
+    else the key may hold, for the message. ``called_as``: the call its user makes (a positional
+    argument, then keywords: ``ENGINE_CALL``), which the object's signature must take (one
+    Python cannot read is let through). Building the object is left to its user."""
     import importlib
     import importlib.util
 
@@ -471,9 +484,26 @@ def _check_target(key: str, path: Any, alternative: str = "") -> None:
             target = getattr(target, attribute)
         if not callable(target):
             raise ConfigError(f"{key}={path!r} names a {type(target).__name__}, not a class or factory")
+        if called_as:
+            _check_call(key, path, target, called_as)
         return
     raise ConfigError(f"{key}={path!r}: no module {'.'.join(parts[:-1])} can be found (is its package installed "
                       f"or on PYTHONPATH?)")
+
+
+def _check_call(key: str, path: Any, target: Any, called_as: tuple[str, ...]) -> None:
+    """``target`` takes ``called_as[0]`` positionally and the rest as keywords, or ``ConfigError``."""
+    import inspect
+
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin without a readable signature: its call will tell
+        return
+    try:
+        signature.bind(None, **{name: 0 for name in called_as[1:]})
+    except TypeError as err:
+        call = f"{called_as[0]}, " + ", ".join(f"{name}=" for name in called_as[1:])
+        raise ConfigError(f"{key}={path!r} cannot be called as {path}({call}): {err}") from None
 
 
 def _validate_layout(cfg: DictConfig) -> None:
@@ -497,8 +527,30 @@ def _validate_layout(cfg: DictConfig) -> None:
                               f"must equal layout.gpus ({layout.gpus}) in a separate layout")
         if processes != layout.train_gpus:
             raise ConfigError(f"trainer.devices x trainer.num_nodes = {processes} but layout.train_gpus={layout.train_gpus}")
-        if layout.serve_gpus <= 0 or layout.serve_gpus % tp:
+        if layout.serve_gpus <= 0:
+            raise ConfigError(f"layout.mode=separate with layout.serve_gpus={layout.serve_gpus}: a separate layout "
+                              f"serves on cards of its own (e.g. layout=separate_cpu, or layout.gpus=2 "
+                              f"layout.train_gpus=1 layout.serve_gpus=1); one card: layout.mode=colocated")
+        if layout.serve_gpus % tp:
             raise ConfigError(f"layout.engine_tp={tp} does not divide layout.serve_gpus={layout.serve_gpus}")
+
+
+def _validate_shares(cfg: DictConfig) -> None:
+    """Every training process gets one trajectory of a step at least (``RolloutDataModule``:
+    engine ``g`` samples the ``g``-th share of the questions, ``rollout.n`` each, and the ranks of
+    its TP group split its trajectories; in the separate layout each rank is a client of its
+    own): a rank left without any fails in its update, the others waiting on it. (Validation
+    takes a rank without a trajectory.)"""
+    processes = cfg.trainer.devices * cfg.trainer.num_nodes
+    tp = 1 if cfg.layout.mode == "separate" else cfg.layout.engine_tp
+    engines = processes // tp
+    questions, samples = cfg.algorithm.train_batch_size, cfg.rollout.n
+    if (questions // engines) * samples < tp:
+        raise ConfigError(f"algorithm.train_batch_size={questions} with rollout.n={samples}: the {processes} training "
+                          f"processes ({engines} engine(s) of {tp}) would leave one without a trajectory (each engine "
+                          f"samples its share of the questions, its processes split its trajectories); at least "
+                          f"algorithm.train_batch_size={engines * -(-tp // samples)}, or fewer cards (layout.gpus, "
+                          f"trainer.devices)")
 
 
 def _validate_colocated(cfg: DictConfig) -> None:
@@ -568,7 +620,7 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
     from yaml import YAMLError
 
     overrides = list(overrides or [])
@@ -580,6 +632,7 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
         overrides.append(f"hydra.searchpath=[file://{path}]")
     schema = _schema()  # in hydra's config store too: config.yaml's first default
     GlobalHydra.instance().clear()
+    cfg = None
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="atlas-lightning"):
             raw = hydra_compose(config_name="config", overrides=overrides)
@@ -590,7 +643,8 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
             cfg.paths.root = os.getcwd()
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(_explain(err)) from None
+        where = _unresolved_key(cfg) if isinstance(err, InterpolationResolutionError) and cfg is not None else None
+        raise ConfigError(f"{where}: {_explain(err)}" if where else _explain(err)) from None
     except YAMLError as err:  # a config file (packaged or --config-dir) that is not YAML; names file and line
         raise ConfigError("a config file is not valid YAML: " + " ".join(str(err).split())) from None
     finally:
@@ -632,6 +686,29 @@ def _check_overrides(overrides: list[str]) -> None:
                               f"the report's runs in verl's keys\")")
 
 
+def _unresolved_key(node: Any, prefix: str = "") -> Optional[str]:
+    """``key=${...}`` of the first value under ``node`` whose interpolation does not resolve
+    (OmegaConf's message names the missing reference, not the key that holds it)."""
+    from omegaconf import ListConfig
+
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for key in keys:
+        full = f"{prefix}.{key}" if prefix and isinstance(node, DictConfig) else (
+            f"{prefix}[{key}]" if prefix else str(key))
+        if OmegaConf.is_interpolation(node, key):
+            try:
+                node[key]
+            except Exception:
+                return f"{full}={node._get_node(key)._value()}"
+        else:
+            child = node._get_node(key)
+            if isinstance(child, (DictConfig, ListConfig)):
+                found = _unresolved_key(child, full)
+                if found:
+                    return found
+    return None
+
+
 def _explain(err: Exception) -> str:
     """Hydra's and OmegaConf's message, without their internals; names the full key. Where
     hydra's message wraps OmegaConf's (an override it could not merge), OmegaConf's says why."""
@@ -651,23 +728,46 @@ def _explain(err: Exception) -> str:
 #: What stands in a written config for a credential.
 REDACTED = "***"
 #: The last ``_``-separated words of a key that holds a credential (``hf_token``, ``api_key``,
-#: ``client_secret``, ``password``): a token budget (``max_token_len_per_gpu``) ends otherwise.
+#: ``client_secret``, ``password``, ``key``): a token budget (``max_token_len_per_gpu``) ends otherwise.
 _CREDENTIAL_ENDINGS = ("token", "secret", "password", "passwd", "api_key", "apikey", "access_key", "secret_key",
-                       "credentials", "credential", "auth")
+                       "credentials", "credential", "auth", "key")
+#: Words that mark a credential wherever they stand in a key (``auth_header``, ``Authorization``,
+#: ``client_secret_path``): no setting of the schema holds one.
+_CREDENTIAL_WORDS = frozenset({"auth", "authorization", "bearer", "cookie", "credential", "credentials", "passwd",
+                               "password", "secret"})
 #: A URL's password (``scheme://user:password@host``).
 _URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+(?P<tail>@)")
+#: Credentials recognisable by their form: an HTTP bearer token, a Hugging Face token.
+_CREDENTIAL_TEXT = re.compile(r"(?i)(?<=\bbearer )\S+|\bhf_[A-Za-z0-9]{20,}")
 
 
 def is_credential_key(key: str) -> bool:
-    """Whether config key ``key`` (its last dotted part) names a credential (``_CREDENTIAL_ENDINGS``)."""
-    name = str(key).rsplit(".", 1)[-1].lower()
-    return any(name == end or name.endswith("_" + end) for end in _CREDENTIAL_ENDINGS)
+    """Whether config key ``key`` (its last dotted part; ``camelCase`` read as ``camel_case``)
+    names a credential: its last words are one of ``_CREDENTIAL_ENDINGS``, or one of its words
+    is one of ``_CREDENTIAL_WORDS``. Environment variables are read the same way (``HF_TOKEN``)."""
+    name = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", str(key).rsplit(".", 1)[-1]).lower().replace("-", "_")
+    return (any(name == end or name.endswith("_" + end) for end in _CREDENTIAL_ENDINGS)
+            or not _CREDENTIAL_WORDS.isdisjoint(name.split("_")))
+
+
+def redacted_text(text: str, environ: Optional[Any] = None) -> str:
+    """``text`` with every credential in it masked (``REDACTED``): a URL's password, a bearer
+    token, a Hugging Face token, and the value of any credential the environment holds (a
+    variable whose name ``is_credential_key``: ``HF_TOKEN``, ``WANDB_API_KEY``, ``OPENAI_API_KEY``).
+    What the run's logs (``run/wiring.RunLogHandler``) and the Hub client's messages pass through."""
+    environ = os.environ if environ is None else environ
+    for name, value in environ.items():
+        if len(value) >= 8 and value in text and is_credential_key(name):
+            text = text.replace(value, REDACTED)
+    text = _URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED + m.group("tail"), text)
+    return _CREDENTIAL_TEXT.sub(REDACTED, text)
 
 
 def redacted(cfg: Any) -> Any:
     """``cfg`` resolved to plain data with every credential masked (``REDACTED``): the value of a
-    key that names one (``is_credential_key``: a scorer's ``+reward.api_key``) and the password of
-    any URL (``hub.endpoint=https://user:pw@host``). What every file the run writes holds of its
+    key that names one (``is_credential_key``: a scorer's ``+reward.api_key``, a header
+    ``Authorization``) and, in any text, what ``redacted_text`` masks (a URL's password:
+    ``hub.endpoint=https://user:pw@host``, a bearer or Hub token, a credential of the environment). What every file the run writes holds of its
     config (``config.yaml``, the W&B run config, the run export, ``run.json``): the run itself
     reads the real values from ``cfg``."""
     data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
@@ -678,7 +778,7 @@ def redacted(cfg: Any) -> Any:
         if isinstance(node, list):
             return [mask(item, key) for item in node]
         if isinstance(node, str):
-            return _URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED + m.group("tail"), node)
+            return redacted_text(node)
         return node
 
     return mask(data)
@@ -686,14 +786,14 @@ def redacted(cfg: Any) -> Any:
 
 def redacted_argv(argv: list[str]) -> list[str]:
     """A command line with every credential masked as ``redacted`` masks the config: the value
-    of an override whose key names one (``+reward.api_key=...``) and any URL's password."""
+    of an override whose key names one (``+reward.api_key=...``) and what ``redacted_text`` masks."""
     out = []
     for arg in argv:
         key, sep, _ = str(arg).partition("=")
         if sep and is_credential_key(key.lstrip("+~")):
             out.append(f"{key}={REDACTED}")
         else:
-            out.append(_URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED + m.group("tail"), str(arg)))
+            out.append(redacted_text(str(arg)))
     return out
 
 

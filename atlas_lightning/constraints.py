@@ -288,6 +288,7 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "logger.tags": Items(Text(r"[^\x00-\x1f]{1,64}", "a tag of 1-64 printable characters")),
     "hub.repo_id": Text(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*", "owner/name", optional=True),
     "hub.repo_type": OneOf(("dataset", "model")),
+    "hub.endpoint": Text(r"https?://[^\s/]+(/\S*)?", "null or the Hub's http(s):// URL", optional=True),
     # plan
     "plan.card_gib": Real(0.0, low_open=True),
 }

@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
+from atlas_lightning.config import redacted_text
 from atlas_lightning.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -173,9 +174,13 @@ def is_transient(err: BaseException) -> bool:
     """True for errors worth retrying: 408/425/429/5xx answers, connection errors, timeouts."""
     import httpx2
 
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
     status = _status(err)
     if status is not None:
         return status in TRANSIENT_STATUS or status >= 500
+    if any(isinstance(link, OfflineModeIsEnabled) for link in _error_chain(err)):  # a ConnectionError that stays
+        return False
     return any(isinstance(link, (httpx2.TransportError, ConnectionError, TimeoutError)) for link in _error_chain(err))
 
 
@@ -223,15 +228,17 @@ class HubUploader:
         self._api = HfApi(endpoint=self.endpoint, token=self._token or False)
         self._use_xet = use_xet
 
-    def __repr__(self) -> str:  # never the token
-        return f"HubUploader({self.repo_type} {self.repo_id} at {self.endpoint})"
+    def __repr__(self) -> str:  # never the token, nor the endpoint's password
+        return f"HubUploader({self.repo_type} {self.repo_id} at {redacted_text(self.endpoint)})"
 
     @property
     def where(self) -> str:
-        return f"{self.repo_type} repo {self.repo_id} at {self.endpoint}"
+        return f"{self.repo_type} repo {self.repo_id} at {redacted_text(self.endpoint)}"
 
     def redact(self, text: str) -> str:
-        return text.replace(self._token, "***") if self._token else text
+        """``text`` without the token, nor any credential ``config.redacted_text`` masks (the
+        endpoint's password, which the Hub library's messages repeat in its URLs)."""
+        return redacted_text(text.replace(self._token, "***") if self._token else text)
 
     def ensure_repo(self) -> str:
         """Create the repo if needed; returns its URL."""

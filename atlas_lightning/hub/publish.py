@@ -299,11 +299,8 @@ def _publish(root: Path, uploader: HubUploader, selection: Selection, *, repo_id
     }
 
 
-def publish_from_config(cfg: DictConfig, weights: bool = False) -> int:
-    """The ``publish`` verb: the data root ``paths.root`` to ``hub.repo_id`` (required) on
-    ``hub.endpoint``. Prints the result as JSON; returns 0, or 1 with the error on stderr when
-    the Hub failed (the message names the repo, never the token); refused credentials raise
-    ``HubCredentialsError`` (exit 2), before anything is written into the root."""
+def check_hub_repo(cfg: DictConfig) -> str:
+    """``hub.repo_id``, set and of the Hub's form; ``ConfigError`` naming the key otherwise."""
     repo_id = cfg.hub.repo_id
     if not repo_id:
         raise ConfigError("hub.repo_id is not set: add hub.repo_id=<owner>/<name> to publish the data root")
@@ -311,6 +308,15 @@ def publish_from_config(cfg: DictConfig, weights: bool = False) -> int:
         check_repo_id(repo_id, cfg.hub.repo_type)
     except ValueError as err:
         raise ConfigError(f"hub.{err}") from None
+    return repo_id
+
+
+def publish_from_config(cfg: DictConfig, weights: bool = False) -> int:
+    """The ``publish`` verb: the data root ``paths.root`` to ``hub.repo_id`` (required) on
+    ``hub.endpoint``. Prints the result as JSON; returns 0, or 1 with the error on stderr when
+    the Hub failed (the message names the repo, never the token); refused credentials raise
+    ``HubCredentialsError`` (exit 2), before anything is written into the root."""
+    repo_id = check_hub_repo(cfg)
     try:
         result = publish_data_root(
             Path(cfg.paths.root), repo_id, repo_type=cfg.hub.repo_type, weights=weights,

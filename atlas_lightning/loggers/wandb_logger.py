@@ -47,7 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from omegaconf import DictConfig
 
 from atlas_lightning.loggers.run_export import RunExportLogger
-from atlas_lightning.config import ConfigError, redacted, redacted_argv
+from atlas_lightning.config import ConfigError, is_credential_key, redacted, redacted_argv
 
 WANDB_MODES = ("online", "offline", "disabled")
 _ID_ALPHABET = string.ascii_lowercase + string.digits
@@ -85,6 +85,41 @@ def wandb_credentials(environ: Optional[Mapping[str, str]] = None) -> Optional[s
     except (OSError, netrc.NetrcParseError):
         entry = None
     return f"{path} (wandb login)" if entry and entry[2] else None
+
+
+def check_wandb_settings(cfg: DictConfig, environ: Optional[Mapping[str, str]] = None) -> None:
+    """What W&B reads at its start, checked by W&B's own settings model before anything is
+    written (W&B itself would raise only inside ``wandb.init``, mid-launch): every ``WANDB_*``
+    variable of ``environ`` (``WANDB_MODE=garbage``, ``WANDB_BASE_URL``, ``WANDB_RUN_ID``, ...) and
+    ``logger.project`` / ``logger.tags``. ``ConfigError`` naming the variable or key; a
+    credential's value is never repeated."""
+    from wandb.sdk.wandb_settings import Settings
+
+    environ = os.environ if environ is None else environ
+    for name in sorted(k for k in environ if k.startswith("WANDB_")):
+        try:
+            Settings().update_from_env_vars({name: environ[name]})
+        except Exception as err:  # pydantic's ValidationError, or W&B's UsageError
+            shown = "***" if is_credential_key(name.lower()) else repr(environ[name])
+            raise ConfigError(f"{name}={shown} (environment): W&B refuses it: {_first_reason(err)}; unset it or fix "
+                              f"its value (logger.mode=disabled runs without W&B)") from None
+    for key, setting, value in (("logger.project", "project", cfg.logger.project),
+                                ("logger.tags", "run_tags", tuple(cfg.logger.tags or ()))):
+        try:
+            Settings(**{setting: value})
+        except Exception as err:
+            raise ConfigError(f"{key}={value!r}: W&B refuses it: {_first_reason(err)}") from None
+
+
+def _first_reason(err: Exception) -> str:
+    """pydantic's first error message without the value it quotes (which may be a secret), else the text."""
+    errors = getattr(err, "errors", None)
+    if callable(errors):
+        try:
+            return str(errors()[0]["msg"])
+        except Exception:
+            pass
+    return " ".join(str(err).split())
 
 
 def new_run_id(wandb_enabled: bool) -> str:

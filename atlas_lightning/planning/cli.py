@@ -31,11 +31,18 @@ def run_plan(cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: Optio
     except (ShapeError, ValueError) as err:
         print(f"atlas-lightning plan: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.to_dict(), indent=1) if as_json else format_plan(plan))
+    path = None
     if write:
-        path = write_plan_json(plan, Path(cfg.paths.outputs) / "plan.json")
-        if not as_json:
-            print(f"written: {path}")
+        try:  # before printing: a refused write is the verb's only line
+            path = write_plan_json(plan, Path(cfg.paths.outputs) / "plan.json")
+        except OSError as err:  # an atomic write leaves nothing behind
+            print(f"atlas-lightning plan: the run's outputs folder {cfg.paths.outputs}: plan.json cannot be written "
+                  f"there ({err.strerror or err}); choose another paths.root, fix the folder's permissions, or "
+                  f"pass --no-write", file=sys.stderr)
+            return 2
+    print(json.dumps(plan.to_dict(), indent=1) if as_json else format_plan(plan))
+    if path is not None and not as_json:
+        print(f"written: {path}")
     return 0 if plan.ok else 2
 
 

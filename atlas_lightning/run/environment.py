@@ -1,7 +1,9 @@
 """What the run needs of this machine, checked before anything is written: the cards
-``trainer.accelerator`` asks for, and W&B's key when it logs online.
+``trainer.accelerator`` asks for, W&B's key when it logs online and the settings W&B reads from
+the environment, the running server ``rollout.server_url`` names, and the Hub (online, a token)
+where the run uploads to it.
 
-Who calls it: ``run/wiring.check_inputs`` (fit, validate, memory-check) and the pre-flight's
+Who calls it: ``run/facts.check_inputs`` (fit, validate, memory-check), ``run/verbs.publish`` and the pre-flight's
 ``environment`` check (which may skip the card count on a CPU machine: ``--cpu-preflight``).
 """
 
@@ -17,8 +19,9 @@ def check_machine(cfg, *, count_gpus: bool = True) -> list[str]:
     ``cfg``: ``trainer.accelerator=gpu`` (or ``cuda``) where CUDA has fewer cards than
     ``trainer.devices`` (none at all on a CPU machine), a colocated server engine asked to sleep
     where there are cards (``rollout/factory.server_engine`` refuses it), or ``logger.mode`` resolving to
-    ``online`` with no W&B key (``WANDB_API_KEY``, or ``wandb login``'s)."""
-    from atlas_lightning.loggers.wandb_logger import resolve_wandb_mode, wandb_credentials
+    ``online`` with no W&B key (``WANDB_API_KEY``, or ``wandb login``'s), or W&B's settings (its
+    ``WANDB_*`` environment, ``logger.project``) that W&B would refuse at its start."""
+    from atlas_lightning.loggers.wandb_logger import check_wandb_settings, resolve_wandb_mode, wandb_credentials
 
     notes = []
     t = cfg.trainer
@@ -35,6 +38,13 @@ def check_machine(cfg, *, count_gpus: bool = True) -> list[str]:
         raise ConfigError("rollout.enable_sleep_mode=true with rollout.engine=vllm-server on GPUs: the server cannot "
                           "sleep (its /sleep route is dev-mode only); set rollout.enable_sleep_mode=false or use "
                           "rollout.engine=vllm")
+    if r.server_url:
+        _check_server_answers(r.server_url)
+    if cfg.hub.publish_checkpoints:
+        check_hub_online("hub.publish_checkpoints=true")
+        _check_hub_token()
+    if resolve_wandb_mode(cfg.logger.mode) != "disabled":
+        check_wandb_settings(cfg)
     if resolve_wandb_mode(cfg.logger.mode) == "online":
         source = wandb_credentials()
         if source is None:
@@ -42,6 +52,48 @@ def check_machine(cfg, *, count_gpus: bool = True) -> list[str]:
                               "or log offline (logger.mode=offline; `wandb sync` uploads it later)")
         notes.append(f"W&B key from {source}")
     return notes
+
+
+def check_hub_online(what: str) -> None:
+    """``ConfigError`` when ``HF_HUB_OFFLINE`` switches the Hub off, for ``what`` needs it (every
+    upload would fail, retried as if the network were down)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"{what} uploads to the Hub, but HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '1')} "
+                          f"(environment) switches it off: unset HF_HUB_OFFLINE for this command")
+
+
+def _check_server_answers(url: str) -> None:
+    """The running vLLM server ``rollout.server_url`` names answers ``/health`` (the run would
+    otherwise write its files and stop at its first request)."""
+    from atlas_lightning.config import redacted_text
+    from atlas_lightning.rollout.engines.server_http import HTTP_ERRORS, http_call
+
+    try:
+        status, body = http_call(url, "GET", "/health", timeout=10.0)
+    except HTTP_ERRORS as err:
+        raise ConfigError(f"rollout.server_url={redacted_text(url)}: no server answers there ({type(err).__name__}); "
+                          f"start the vLLM server first, or leave rollout.server_url null for the run to start its own") \
+            from None
+    if status != 200:
+        raise ConfigError(f"rollout.server_url={redacted_text(url)}: /health answered {status}, not 200: the server "
+                          f"is not ready to serve")
+
+
+def _check_hub_token() -> None:
+    """A Hub token is there for the checkpoint uploads (``HF_TOKEN`` or ``hf auth login``'s):
+    without one each upload would fail mid-run, in the background, saying so only in the log."""
+    from huggingface_hub import get_token
+
+    try:
+        token = get_token()
+    except Exception:  # an unreadable saved login is no token
+        token = None
+    if not token:
+        raise ConfigError("hub.publish_checkpoints=true but there is no Hub token here: set HF_TOKEN to a token with "
+                          "write access or run `hf auth login`; or hub.publish_checkpoints=false (publish later with "
+                          "atlas-lightning publish)")
 
 
 def _gpu_count() -> int:

@@ -62,8 +62,9 @@ class RunFacts:
 def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -> RunFacts:
     """Verify what the run reads before anything is written (every verb that loads the model
     calls it first) and return it: the run's folders (``paths.*``: writable, or creatable), what
-    the separate layout's server cannot run (``rollout/layout_checks.py``), ``model.path`` (``planning.model_folder``),
-    the question splits (``data``: every file of the train and validation splits loads,
+    the separate layout's server cannot run (``rollout/layout_checks.py``), what this machine cannot
+    run (``run/environment.check_machine``: cards, W&B, the Hub), ``model.path`` (``planning.model_folder``)
+    and ``model.shape``, the question splits (``data``: ``data.root`` a folder of the benchmarks, every file of the train and validation splits loads,
     ``questions.loader.load_splits``, and is fitted to ``rollout.max_prompt_length`` under
     ``model.path``'s tokenizer, filling a batch: ``rollout/step_questions.fitted_splits``), ``trainer.init_from``
     (a complete checkpoint whose adapters verify against ``checkpoint.json``), the starting
@@ -74,7 +75,7 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     the key or file otherwise (the CLI exits 2)."""
     from atlas_lightning.planning.model_folder import check_model_folder
     from atlas_lightning.store.checkpoints import CheckpointError, verify_checkpoint
-    from atlas_lightning.store.lora_shapes import lora_shapes
+    from atlas_lightning.store.lora_shapes import CONFIG_FILE as ADAPTER_CONFIG, lora_shapes
 
     from atlas_lightning.run.environment import check_machine
 
@@ -84,11 +85,13 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     _check_separate_layout(cfg)
     check_machine(cfg)
     check_model_folder(cfg.model.path)
+    _check_model_shape(cfg.model.shape)
     _check_lora_targets(cfg.model)
     questions, question_notes = None, []
     if data:
         from atlas_lightning.questions.loader import load_splits
 
+        check_data_root(cfg.data)
         questions = load_splits(cfg.data)
     if cfg.trainer.init_from:
         parts = ("actor", "critic") if cfg.trainer.init_critic else ("actor",)
@@ -100,6 +103,10 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
         folder = cfg.model.get(f"{role}_adapter")
         if folder and not Path(folder).is_dir():
             raise ConfigError(f"model.{role}_adapter={folder}: no such folder")
+        if folder and not (Path(folder) / ADAPTER_CONFIG).is_file():
+            raise ConfigError(f"model.{role}_adapter={folder}: no {ADAPTER_CONFIG} there (not a PEFT adapter "
+                              f"folder: give a .../global_step_N/{role}/lora_adapter folder, or leave it null for "
+                              f"a fresh adapter)")
     _check_starting_adapters(cfg)
     from atlas_lightning.models.build import check_base_config, check_base_weights
 
@@ -180,6 +187,29 @@ def _check_separate_layout(cfg: DictConfig) -> None:
     problems = separate_refusals(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def check_data_root(data_cfg) -> None:
+    """``data.root`` is a folder holding a folder for each of ``data.benchmarks`` (the loader
+    would name only the first file it misses, not the key to fix)."""
+    root = Path(data_cfg.root)
+    if not root.is_dir():
+        what = "not a folder" if root.exists() else "no such folder"
+        raise ConfigError(f"data.root={data_cfg.root}: {what} (a folder of <benchmark>/<split>.parquet files; "
+                          f"`atlas-lightning data sample --out DIR` writes one)")
+    missing = [name for name in data_cfg.benchmarks if not (root / name).is_dir()]
+    if missing:
+        raise ConfigError(f"data.root={data_cfg.root}: no {', '.join(missing)} folder there (data.benchmarks="
+                          f"{list(data_cfg.benchmarks)}; each is <data.root>/<benchmark>/<split>.parquet)")
+
+
+def _check_model_shape(shape) -> None:
+    """``model.shape``, when set, names an architecture ``plan`` knows (``planning/named_shapes.py``)."""
+    from atlas_lightning.planning.named_shapes import NAMED_CONFIGS
+
+    if shape is not None and shape not in NAMED_CONFIGS:
+        raise ConfigError(f"model.shape={shape!r} is not one of {', '.join(NAMED_CONFIGS)} (or null: the shape "
+                          f"model.path's config.json gives)")
 
 
 def _check_lora_targets(model_cfg) -> None:

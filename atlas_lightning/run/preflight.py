@@ -92,7 +92,9 @@ def check_callbacks(cfg) -> str:
 
 def check_data(cfg) -> str:
     from atlas_lightning.questions.loader import load_split
+    from atlas_lightning.run.facts import check_data_root
 
+    check_data_root(cfg.data)  # fit's own check of the key
     counts = []
     for split in (cfg.data.train_split, cfg.data.val_split):
         questions = load_split(cfg.data, split)

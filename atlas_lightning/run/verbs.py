@@ -139,6 +139,31 @@ def plan(cfg: DictConfig) -> int:
 
 
 def publish(cfg: DictConfig, weights: bool = False) -> int:
+    """The data root ``paths.root`` to the Hub (``hub/publish.py``), once what it needs here is
+    checked (``check_publish``)."""
     from atlas_lightning.hub.publish import publish_from_config
 
+    check_publish(cfg)
     return publish_from_config(cfg, weights)
+
+
+def check_publish(cfg: DictConfig) -> None:
+    """Before the Hub is asked anything: ``hub.repo_id``, then ``paths.root`` is a folder holding a run's folders
+    (``hub.publish.TOP_LEVEL_FOLDERS``) and can take the ``README.md`` and ``FILES.txt`` written
+    there, and the Hub is not switched off (``HF_HUB_OFFLINE``: ``run/environment.check_hub_online``).
+    ``ConfigError`` naming the key or variable otherwise."""
+    from atlas_lightning.config import ConfigError
+    from atlas_lightning.hub.publish import TOP_LEVEL_FOLDERS, check_hub_repo
+    from atlas_lightning.run.environment import check_hub_online
+    from atlas_lightning.run.facts import check_writable
+
+    check_hub_repo(cfg)  # the keys first, then what they name
+    root = Path(cfg.paths.root)
+    if not root.is_dir():
+        raise ConfigError(f"paths.root={root}: {'not a folder' if root.exists() else 'no such folder'} (publish "
+                          f"sends a data root: the paths.root a fit wrote)")
+    if not any((root / name).is_dir() for name in TOP_LEVEL_FOLDERS):
+        raise ConfigError(f"paths.root={root}: nothing to publish (none of {', '.join(TOP_LEVEL_FOLDERS)} there: "
+                          f"the paths.root a fit wrote)")
+    check_writable({"root": root})
+    check_hub_online("publish")

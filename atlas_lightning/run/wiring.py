@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from atlas_lightning.config import ConfigError, redacted
+from atlas_lightning.config import ConfigError, redacted, redacted_text
 from atlas_lightning.loggers.wandb_logger import build_loggers
 from atlas_lightning.store.atomic import atomic_write_text
 
@@ -88,10 +88,19 @@ class RunLogHandler(logging.FileHandler):
                 pass
 
 
+class RedactingFormatter(logging.Formatter):
+    """The run logs' lines with every credential masked (``config.redacted_text``: a URL's
+    password, a bearer or Hub token, a credential of the environment), whichever library logged it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redacted_text(super().format(record))
+
+
 def _check_run_files(outputs: Path) -> None:
     """The files every launch writes at the same place (``outputs/<name>/config.yaml``, replaced;
     ``main_ppo.log``, appended to): where one exists it is a file, or a link to one (a folder of
-    that name would fail the launch half-way through its first writes, with a traceback)."""
+    that name would fail the launch half-way through its first writes, with a traceback), and
+    ``main_ppo.log`` takes lines."""
     for path in (outputs / "config.yaml", outputs / RUN_LOG):
         if path.exists() and path.is_dir():
             raise ConfigError(f"the run's file {path} is a folder: move it away (each launch writes its "
@@ -99,6 +108,14 @@ def _check_run_files(outputs: Path) -> None:
         if path.exists() and not path.is_file() and not path.is_char_device():
             raise ConfigError(f"the run's file {path} is not a file: move it away (each launch writes its "
                               f"{path.name} there)")
+    log_file = outputs / RUN_LOG
+    if log_file.exists():
+        try:  # appended to, not replaced: the file itself must take lines (opening changes no byte)
+            with open(log_file, "ab"):
+                pass
+        except OSError as err:
+            raise ConfigError(f"the run's log {log_file} cannot be appended to ({err.strerror or err}): fix its "
+                              f"permissions or move it away (each launch appends its lines)") from None
 
 
 def prepare_run(cfg: DictConfig, verb: str, notes: Sequence[str] = ()) -> None:
@@ -117,7 +134,7 @@ def prepare_run(cfg: DictConfig, verb: str, notes: Sequence[str] = ()) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     atomic_write_text(outputs / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(redacted(cfg))))
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    formatter = RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     for path in (outputs / RUN_LOG, logs / f"{cfg.name}-{stamp}-{verb}.log"):
         handler = RunLogHandler(path)
         handler.setFormatter(formatter)
@@ -141,7 +158,7 @@ def build_callbacks(cfg: DictConfig, facts: Optional["RunFacts"] = None) -> list
     resolved config and the LoRA shapes of ``facts``. Lightning runs the step checkpoint (a
     ``Checkpoint``) last."""
     from hydra.utils import get_object, instantiate
-    from lightning.pytorch.callbacks import Checkpoint
+    from lightning.pytorch.callbacks import Callback, Checkpoint
 
     from atlas_lightning.callbacks.artifacts import ArtifactDumpCallback
     from atlas_lightning.run.callback_arguments import check_callback_arguments
@@ -165,6 +182,10 @@ def build_callbacks(cfg: DictConfig, facts: Optional["RunFacts"] = None) -> list
             callbacks.append(build(**record) if records_the_run else build())
         except Exception as err:  # a bad class path or argument, named for the user
             raise ConfigError(f"callbacks.{name}: cannot build {spec.get('_target_')}: {err}") from err
+        if not isinstance(callbacks[-1], Callback):  # Lightning would fail on its first hook, mid-run
+            raise ConfigError(f"callbacks.{name}._target_={spec.get('_target_')} built a "
+                              f"{type(callbacks[-1]).__name__}, not a Lightning callback "
+                              f"(lightning.pytorch.Callback; atlas_lightning.callbacks.base.RLCallback)")
         named[name] = callbacks[-1]
     resumed = checkpoint_step(facts.start.resume) if facts is not None and facts.start.resume is not None else 0
     check_injections(named, cfg, resumed_step=resumed)  # an injected fault must strike in this run

@@ -99,6 +99,21 @@ def test_a_bad_callback_or_layout_exits_2_naming_the_key_before_anything_is_writ
     (["trainer.gpu_hour_usd=inf"], "trainer.gpu_hour_usd=inf: must be a finite number"),
     (["trainer.gpu_hour_usd=cheap"], "trainer.gpu_hour_usd"),
     (["rollout.gdn_prefill_backend=tritn"], "rollout.gdn_prefill_backend='tritn': is not one of auto, triton"),
+    (["layout.mode=separate"], "layout.mode=separate with layout.serve_gpus=0: a separate layout serves on cards of "
+                               "its own"),
+    (["rollout.engine=hf", "rollout.top_p=0.9"], "rollout.engine=hf (the transformers reference engine) samples with "
+                                                 "neither top_p nor top_k"),
+    (["rollout.engine=hf", "rollout.top_k=20"], "rollout.top_p=1.0 rollout.top_k=20"),
+    # a training process left without a trajectory: one TP2 engine, one TP1 engine a card, the separate layout's ranks
+    (["layout=colocated_2gpu", "algorithm.train_batch_size=1", "algorithm.ppo_mini_batch_size=1", "rollout.n=1"],
+     "algorithm.train_batch_size=1 with rollout.n=1: the 2 training processes (1 engine(s) of 2) would leave one "
+     "without a trajectory"),
+    (["layout=colocated_2gpu", "layout.engine_tp=1", "algorithm.train_batch_size=1", "algorithm.ppo_mini_batch_size=1"],
+     "at least algorithm.train_batch_size=2"),
+    (["layout=colocated_8gpu_tp4", "algorithm.train_batch_size=2", "algorithm.ppo_mini_batch_size=1", "rollout.n=1"],
+     "at least algorithm.train_batch_size=8"),
+    (["layout=separate_4_4", "algorithm.train_batch_size=3", "algorithm.ppo_mini_batch_size=1"],
+     "the 4 training processes (4 engine(s) of 1)"),
 ])
 def test_layout_and_algorithm_keys_that_cannot_work_are_refused_at_compose(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -113,6 +128,9 @@ def test_every_shipped_experiment_and_layout_still_composes():
     compose(["experiment=tiny-cpu", "layout=separate_cpu", "rollout=vllm_server_cpu", "layout.partial_rollouts=true",
              "layout.staleness_policy=drop"])
     compose(["experiment=tiny-cpu", "rollout=vllm_server_cpu"])  # one colocated server engine
+    # one question's trajectories split over a TP2 engine's two processes: each gets one
+    compose(["experiment=tiny-cpu", "layout=colocated_2gpu", "algorithm.train_batch_size=1",
+             "algorithm.ppo_mini_batch_size=1", "rollout.n=2"])
     compose(["experiment=tiny-cpu", "layout=separate_cpu", "rollout=vllm_server_cpu", "rollout.weight_sync=merged",
              "rollout.weight_transfer=gloo"])
 
@@ -127,6 +145,31 @@ def test_a_run_file_that_is_a_folder_exits_2_before_anything_is_written(name, tm
     assert code == 2 and f"the run's file {tmp_path / 'outputs' / 'tiny-cpu' / name} is a folder" in err, err
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
         "outputs", "outputs/tiny-cpu", f"outputs/tiny-cpu/{name}"]
+
+
+@pytest.mark.parametrize("unappendable", ["/proc/version", "read-only"])
+def test_a_run_log_that_takes_no_lines_exits_2_before_anything_is_written(unappendable, tmp_path, sample_data_dir,
+                                                                          tiny_model_dir, capsys):
+    """``main_ppo.log`` is appended to by every launch: one that exists and takes no line (a file
+    without write permission; a link to a file nothing can append to, which binds root too) is
+    refused before the config is written, instead of a traceback after it."""
+    import os
+
+    log_file = tmp_path / "outputs" / "tiny-cpu" / "main_ppo.log"
+    log_file.parent.mkdir(parents=True)
+    if unappendable == "read-only":
+        log_file.write_text("the last launch's lines\n")
+        log_file.chmod(0o444)
+        if os.access(log_file, os.W_OK):
+            pytest.skip("this user writes a read-only file (root)")
+    else:
+        log_file.symlink_to(unappendable)
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path}", f"model.path={tiny_model_dir}",
+                 f"data.root={sample_data_dir}", "logger.mode=disabled"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"the run's log {log_file} cannot be appended to" in err and "Traceback" not in err, err
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "outputs", "outputs/tiny-cpu", "outputs/tiny-cpu/main_ppo.log"]
 
 
 def test_a_fault_at_a_step_the_resumed_run_does_not_train_is_refused():

@@ -253,6 +253,11 @@ def test_a_complete_sharded_folder_passes_the_model_folder_check(tmp_path):
     ("reward._target_=atlas_lightning.reward.scorer.CostReward.no_method",
      "atlas_lightning.reward.scorer.CostReward has no 'no_method'"),
     ("reward._target_=atlas_lightning.reward.scorer.REQUIRED_FIELDS", "names a tuple, not a class or factory"),
+    ("rollout.engine=builtins.len", "rollout.engine='builtins.len' cannot be called as builtins.len(cfg, rank=, "
+                                    "local_rank=, world_size=)"),
+    ("rollout.engine=atlas_lightning.rollout.factory.engine_world",
+     "rollout.engine='atlas_lightning.rollout.factory.engine_world' cannot be called as"),
+    ("rollout.engine=collections.OrderedDict.fromkeys", "cannot be called as collections.OrderedDict.fromkeys("),
 ])
 def test_every_target_must_name_an_object_before_anything_is_written(override, message, tmp_path, capsys):
     root = tmp_path / "root"
@@ -335,6 +340,8 @@ def test_cfg_job_prints_the_config_and_version_is_there(capsys):
     (["trainer.accelerator=gpu"], "trainer.accelerator=gpu with trainer.devices=1: this machine has no CUDA GPU"),
     (["experiment=h200-tiny"], "this machine has no CUDA GPU"),
     (["logger.mode=online"], "logger.mode=online but W&B has no API key here: set WANDB_API_KEY or run `wandb login`"),
+    (["rollout=vllm_server_cpu", "rollout.server_url=http://127.0.0.1:9"],
+     "rollout.server_url=http://127.0.0.1:9: no server answers there"),
 ])
 def test_what_this_machine_cannot_run_is_refused_before_anything_is_written(overrides, message, tmp_path, capsys,
                                                                           monkeypatch):
@@ -364,6 +371,51 @@ def test_data_verbs_refuse_bad_folders_by_argument(args, message, tmp_path, caps
     err = capsys.readouterr().err
     assert message.format(**fill) in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("offline, message", [
+    (False, "hub.publish_checkpoints=true but there is no Hub token here: set HF_TOKEN"),
+    (True, "hub.publish_checkpoints=true uploads to the Hub, but HF_HUB_OFFLINE=1 (environment) switches it off"),
+])
+def test_checkpoint_uploads_that_cannot_happen_are_refused_before_anything_is_written(offline, message, tmp_path,
+                                                                                    capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no saved login
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf-home" / "token"))
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read once, at import
+    root = tmp_path / "root"
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}", "hub.publish_checkpoints=true", "hub.repo_id=a/b",
+                 f"model.path={write_fake_model_folder(tmp_path / 'model')}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("verb, replaced", [("sample", "gpqa/train.parquet"), ("demo-model", "config.json"),
+                                           ("demo-model", "model.safetensors")])
+def test_a_data_verb_replaces_no_file_of_other_bytes(verb, replaced, tmp_path, capsys):
+    """A user's own file where the verb writes one (their questions, their model) is never
+    overwritten: refused naming it, the folder as it was; the verb's own output (the same bytes,
+    ``make demo`` run again) is replaced freely."""
+    out = tmp_path / "out"
+    assert main(["data", verb, "--out", str(out)]) == 0
+    assert main(["data", verb, "--out", str(out)]) == 0  # again, the same bytes
+    (out / replaced).write_bytes(b"the user's own file")
+    (out / "theirs.txt").write_text("left alone")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["data", verb, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: {out / replaced} exists and holds other bytes than this verb writes" in err, err
+    assert "Traceback" not in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "nothing left beside it"
 
 
 def test_a_resume_folder_that_does_not_exist_is_named_so(tmp_path, sample_data_dir, capsys):
@@ -430,3 +482,95 @@ def test_a_base_folder_that_lacks_weights_of_its_architecture_is_refused_before_
     assert code == 2, err
     assert f"its weight files lack 1 tensor(s) the model has ({dropped})" in err and "Traceback" not in err
     assert not root.exists()
+
+
+@pytest.mark.parametrize("target", ["collections.OrderedDict", "pathlib.PurePosixPath",
+                                    "atlas_lightning.config.RootConfig"])
+def test_a_callback_target_that_builds_no_lightning_callback_is_refused_before_anything_is_written(target, cfg_of,
+                                                                                                  tmp_path):
+    """It resolves and builds, so only its type tells: Lightning would fail on its first hook,
+    with the run's files written."""
+    from atlas_lightning.run.wiring import build_callbacks
+
+    with pytest.raises(ConfigError, match=rf"callbacks.mine._target_={target} built a \w+, not a Lightning callback"):
+        build_callbacks(cfg_of(f"+callbacks.mine._target_={target}"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override, named", [
+    ("name=${nope}", "name=${nope}: Interpolation key 'nope' not found"),
+    ("paths.logs=${paths.nope}/x", "paths.logs=${paths.nope}/x: Interpolation key 'paths.nope' not found"),
+    ("algorithm.betas=[0.9,${nope}]", "algorithm.betas[1]=${nope}: Interpolation key 'nope' not found"),
+    ("name=${oc.env:ATLAS_TEST_NO_SUCH_VARIABLE}", "name=${oc.env:ATLAS_TEST_NO_SUCH_VARIABLE}: "),
+])
+def test_an_interpolation_that_does_not_resolve_is_named_with_its_key(override, named):
+    with pytest.raises(ConfigError) as refused:
+        compose(["experiment=tiny-cpu", override])
+    assert str(refused.value).startswith(named), str(refused.value)
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("WANDB_MODE", "garbage", "WANDB_MODE='garbage' (environment): W&B refuses it: Input should be 'online'"),
+    ("WANDB_BASE_URL", "notaurl", "WANDB_BASE_URL='notaurl' (environment): W&B refuses it"),
+    ("WANDB_RUN_ID", "a/b", "WANDB_RUN_ID='a/b' (environment): W&B refuses it: Run ID cannot contain"),
+    ("WANDB_INIT_TIMEOUT", "soon", "WANDB_INIT_TIMEOUT='soon' (environment): W&B refuses it"),
+    (None, "logger.project=a/b", "logger.project='a/b': W&B refuses it: Invalid project name"),
+    (None, "logger.tags=[" + "x" * 65 + "]", "logger.tags"),
+])
+@pytest.mark.parametrize("mode", ["auto", "offline"])
+def test_what_wandb_would_refuse_at_its_start_is_refused_before_anything_is_written(variable, value, message, mode,
+                                                                                   tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    if variable:
+        monkeypatch.setenv(variable, value)
+    root = tmp_path / "root"
+    code = main(["fit", "experiment=tiny-cpu", f"logger.mode={mode}", f"paths.root={root}",
+                 f"model.path={write_fake_model_folder(tmp_path / 'model')}", *([] if variable else [value])])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.root={tmp}/nope", "data.root={tmp}/nope: no such folder"),
+    ("data.root={model}/config.json", "data.root={model}/config.json: not a folder"),
+    ("data.root={model}", "data.root={model}: no gpqa, lcb folder there"),
+    ("model.shape=qwen9", "model.shape='qwen9' is not one of dense8b, qwen3_6_27b"),
+    ("layout.mode=separate", "layout.mode=separate with layout.serve_gpus=0: a separate layout serves on cards"),
+    ("hub.endpoint=huggingface.co", "hub.endpoint='huggingface.co': must be null or the Hub's http(s):// URL"),
+])
+def test_keys_that_name_what_the_run_cannot_use_are_refused_by_key_before_anything_is_written(override, message,
+                                                                                             tmp_path, capsys):
+    model = write_fake_model_folder(tmp_path / "model")
+    fill = {"tmp": tmp_path, "model": model}
+    root = tmp_path / "root"
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}", f"model.path={model}", override.format(**fill)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message.format(**fill) in err and "Traceback" not in err
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_a_starting_adapter_that_is_no_peft_folder_is_named_by_its_key(role, tiny_model_dir, sample_data_dir, tmp_path,
+                                                                      capsys):
+    root = tmp_path / "root"
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}", f"model.path={tiny_model_dir}",
+                 f"data.root={sample_data_dir}", f"model.{role}_adapter={tiny_model_dir}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"model.{role}_adapter={tiny_model_dir}: no adapter_config.json there" in err and "Traceback" not in err
+    assert not root.exists()
+
+
+def test_a_plan_json_that_cannot_be_written_exits_2_naming_the_folder(tmp_path, tiny_model_dir, capsys):
+    (tmp_path / "afile").write_text("x")
+    code = main(["plan", "experiment=tiny-cpu", f"paths.root={tmp_path / 'afile'}", "name=run",
+                 f"model.path={tiny_model_dir}"])
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    assert f"the run's outputs folder {tmp_path / 'afile'}/outputs/run: plan.json cannot be written" in captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert (tmp_path / "afile").read_text() == "x"

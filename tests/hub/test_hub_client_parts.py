@@ -32,6 +32,9 @@ def test_connection_errors_are_transient_even_when_wrapped():
     except RuntimeError as outer:
         assert is_transient(outer)
     assert not is_transient(ValueError("LFS batch API returned errors"))
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    assert not is_transient(OfflineModeIsEnabled("offline mode is enabled")), "HF_HUB_OFFLINE stays on: no retry"
 
 
 def test_redacted_logs_hide_the_secret_from_every_logger_and_restore_the_factory(caplog):
@@ -52,6 +55,11 @@ def test_the_uploader_does_not_show_its_token():
     uploader = HubUploader("a/b", endpoint="http://localhost:1", token="hf_shouldNotShow")
     assert "hf_shouldNotShow" not in repr(uploader) and "hf_shouldNotShow" not in uploader.where
     assert uploader.redact("x hf_shouldNotShow y") == "x *** y"
+    # nor the password of its endpoint, which its messages (the run's log) and the Hub library's repeat
+    uploader = HubUploader("a/b", endpoint="http://user:endpointPassw0rd@localhost:1", token="hf_shouldNotShow")
+    assert "endpointPassw0rd" not in repr(uploader) + uploader.where
+    assert uploader.where == "dataset repo a/b at http://user:***@localhost:1"
+    assert "endpointPassw0rd" not in uploader.redact("Cannot reach http://user:endpointPassw0rd@localhost:1/api")
     with pytest.raises(ValueError, match="retries=-1"):
         HubUploader("a/b", retries=-1)
 

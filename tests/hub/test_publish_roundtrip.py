@@ -202,3 +202,34 @@ def test_refused_credentials_exit_2_before_anything_is_written(hub, hf_env, fake
     assert code == 2 and "refused the credentials (401 Unauthorized)" in err and "hf auth login" in err, err
     assert "Traceback" not in err and "hf_notTheRightOne" not in err
     assert {p: p.stat().st_mtime_ns for p in fake_run.root.rglob("*") if p.is_file()} == before  # no README, FILES
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no root", "paths.root={root}: no such folder"),
+    ("root is a file", "paths.root={root}: not a folder"),
+    ("empty root", "paths.root={root}: nothing to publish (none of artifacts, checkpoints"),
+    ("hub offline", "publish uploads to the Hub, but HF_HUB_OFFLINE=1 (environment) switches it off"),
+    ("endpoint", "hub.endpoint='huggingface.co': must be null or the Hub's http(s):// URL"),
+])
+def test_a_publish_that_cannot_work_exits_2_before_the_hub_is_asked(case, message, hub, hf_env, fake_run, tmp_path,
+                                                                   capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    from atlas_lightning.cli import main
+
+    root = {"no root": tmp_path / "nope", "root is a file": tmp_path / "afile", "empty root": tmp_path / "empty"}.get(
+        case, fake_run.root)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "empty").mkdir()
+    if case == "hub offline":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read once, at import
+    endpoint = "huggingface.co" if case == "endpoint" else hub.endpoint
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    code = main(["publish", f"paths.root={root}", f"name={fake_run.name}", f"hub.repo_id={REPO}",
+                 f"hub.endpoint={endpoint}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message.format(root=root) in err and "Traceback" not in err
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+    assert ("dataset", REPO) not in hub.repos, "the Hub was asked nothing"
