@@ -126,16 +126,73 @@ class BaseWeightsError(InputError):
     at their random initialisation."""
 
 
-def check_base_weights(path: str | Path) -> None:
-    """Every tensor the folder's architecture expects is in its weight files, as transformers maps
-    checkpoint names onto the model (tied weights excepted), read on the meta device (no tensor
-    data is read): ``BaseWeightsError`` naming the missing ones otherwise. The engine reads the
-    same folder, so this covers both sides; ``load_base`` checks the real load again."""
+def check_base_weights(path: str | Path) -> Optional[str]:
+    """The folder's weights are exactly the tensors its architecture has, as transformers maps
+    checkpoint names onto the model (tied weights and the names its class ignores excepted), read
+    on the meta device (no tensor data is read): ``BaseWeightsError`` naming ``model.path`` and
+    the tensors otherwise. Refused: a tensor missing (it would train from its random
+    initialisation), one of another shape, and one the architecture has no place for (the
+    ``config.json`` and the weights disagree, e.g. fewer ``num_hidden_layers`` than the weights
+    hold: the engine's loader refuses those, transformers' drops them silently); and a
+    ``config.json`` transformers cannot build the model from, whatever its library raises. The
+    engine reads the same folder, so this covers both sides; ``load_base`` checks the real load
+    again. Returns the base's fingerprint (``identity.folder_fingerprint``; None where it cannot
+    be read without loading), for the starting adapters' ``atlas_base.json`` to be checked against."""
+    import logging
+
+    from .identity import folder_fingerprint
+
     from transformers import AutoModelForCausalLM
 
-    _, info = AutoModelForCausalLM.from_pretrained(str(path), config=causal_lm_config(path), device_map="meta",
-                                                   output_loading_info=True)
+    where = f"model.path={path}"
+    config = check_base_config(path)
+    quiet = logging.getLogger("transformers.modeling_utils")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its load report would print the mismatches this refuses, as a table
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), config=config, device_map="meta",
+                                                           ignore_mismatched_sizes=True, output_loading_info=True)
+    except Exception as err:  # a config it cannot build a model from (a vocabulary too small for its ids, ...)
+        raise BaseWeightsError(f"{where}: transformers cannot build the model its config.json describes from "
+                               f"its weights ({_first_line(err)})") from None
+    finally:
+        quiet.setLevel(level)
     _refuse_missing(str(path), info)
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        shown = ", ".join(f"{name} is {list(theirs)} in the weights, {list(ours)} in the model"
+                          for name, theirs, ours in mismatched[:3])
+        raise BaseWeightsError(f"{where}: {len(mismatched)} tensor(s) of its weight files have another shape than "
+                               f"its config.json gives them ({shown}{', ...' if len(mismatched) > 3 else ''}): "
+                               f"the weights and the config are of different models")
+    unexpected = sorted(name for name in info.get("unexpected_keys") or () if not name.endswith(_IGNORED_BUFFERS))
+    if unexpected:
+        raise BaseWeightsError(f"{where}: its weight files hold {len(unexpected)} tensor(s) the model its config.json "
+                               f"describes has no place for ({', '.join(unexpected[:5])}"
+                               f"{', ...' if len(unexpected) > 5 else ''}): the weights and the config disagree "
+                               f"(e.g. num_hidden_layers, or a model_type of another family)")
+    return folder_fingerprint(model, path)
+
+
+def check_base_config(path: str | Path):
+    """The transformers config of ``path``'s ``config.json`` (``causal_lm_config``), or
+    ``BaseWeightsError`` naming ``model.path`` with what transformers' parse or validation said
+    (a field of the wrong type, ``layer_types`` of another length, an unknown ``model_type``)."""
+    try:
+        return causal_lm_config(path)
+    except Exception as err:  # transformers' parse or validation error, whatever its type: named for the user
+        raise BaseWeightsError(f"model.path={path}: config.json is not a model config transformers can read "
+                               f"({_first_line(err)})") from None
+
+
+#: Buffers older checkpoints saved that both loaders skip (rotary frequencies, recomputed).
+_IGNORED_BUFFERS = ("rotary_emb.inv_freq",)
+
+
+def _first_line(err: BaseException) -> str:
+    """``err``'s message on one line, cut at 300 characters (transformers' validation errors put
+    the field's problem on the lines after the first)."""
+    return " ".join(str(err).split())[:300] or type(err).__name__
 
 
 def _refuse_missing(path: str, info: dict) -> None:

@@ -17,7 +17,10 @@ written beside each saved adapter as ``atlas_base.json``.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -37,12 +40,8 @@ def base_identity(model: nn.Module) -> dict[str, Any]:
     whose parameters are plain (unsharded) tensors. Collective-free; call before sharding."""
     config = model.config
     params = list(model.named_parameters())
-    digest = hashlib.sha256()
-    for name, param in params:
-        digest.update(f"{name}:{tuple(param.shape)};".encode())
-    for index in sorted({0, len(params) // 2, len(params) - 1}):
-        sample = params[index][1].detach().reshape(-1)[:SAMPLE_ELEMENTS].to(device="cpu", dtype=torch.bfloat16)
-        digest.update(sample.view(torch.int16).numpy().tobytes())
+    fingerprint = _fingerprint([(name, tuple(param.shape)) for name, param in params],
+                               lambda index: params[index][1].detach().reshape(-1)[:SAMPLE_ELEMENTS])
     fields = {}
     for field in SHAPE_FIELDS:
         if hasattr(config, field):
@@ -51,8 +50,51 @@ def base_identity(model: nn.Module) -> dict[str, Any]:
     return {
         "architectures": list(getattr(config, "architectures", None) or [type(model).__name__]),
         "config": fields,
-        "fingerprint": digest.hexdigest(),
+        "fingerprint": fingerprint,
     }
+
+
+def _fingerprint(shapes: list[tuple[str, tuple]], sample: Callable[[int], Optional[torch.Tensor]]) -> Optional[str]:
+    """The module doc's ``fingerprint`` of parameters named and shaped as ``shapes``, ``sample(i)``
+    giving the first ``SAMPLE_ELEMENTS`` values of the ``i``-th (None: not to be had)."""
+    digest = hashlib.sha256()
+    for name, shape in shapes:
+        digest.update(f"{name}:{shape};".encode())
+    for index in sorted({0, len(shapes) // 2, len(shapes) - 1}):
+        values = sample(index)
+        if values is None:
+            return None
+        digest.update(values.to(device="cpu", dtype=torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def folder_fingerprint(model: nn.Module, folder: str | Path) -> Optional[str]:
+    """``base_identity``'s fingerprint of the base ``folder`` holds, without loading it: names and
+    shapes from ``model`` (the folder's architecture, built on the meta device), the sampled
+    values read from the folder's safetensors where it stores them under the parameter's own
+    name. None where it does not (a checkpoint layout transformers renames on load, as
+    Qwen3.5's ``model.language_model.*``): the build computes it then."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = json.loads(index.read_text()).get("weight_map", {}) if index.is_file() else {}
+    params = list(model.named_parameters())
+
+    def sample(position: int) -> Optional[torch.Tensor]:
+        name = params[position][0]
+        file = folder / files.get(name, "model.safetensors")
+        if not file.is_file():
+            return None
+        with safe_open(str(file), framework="pt") as handle:
+            if name not in handle.keys():
+                return None
+            part = handle.get_slice(name)
+            shape = part.get_shape()
+            rows = -(-SAMPLE_ELEMENTS // max(1, math.prod(shape[1:]))) if len(shape) > 1 else SAMPLE_ELEMENTS
+            return part[:rows].reshape(-1)[:SAMPLE_ELEMENTS]
+
+    return _fingerprint([(name, tuple(param.shape)) for name, param in params], sample)
 
 
 def identity_mismatch(expected: dict[str, Any], found: dict[str, Any]) -> str | None:

@@ -5,7 +5,7 @@ loading anything. It lives here, low in the house, because ``plan`` reads the sa
 
 It must be a folder holding a ``config.json`` (a JSON object naming its ``model_type``) and,
 for the verbs that load the model, a tokenizer (``tokenizer.json``, ``tokenizer_config.json`` or ``tokenizer.model``), weight
-files (``*.safetensors``, each with a readable header, or ``*.bin``), and every other ``*.json``
+files (``*.safetensors``, each with a readable header and floating-point tensors, or ``*.bin``), and every other ``*.json``
 beside them (tokenizer, generation config) a readable JSON object: the loaders read them all.
 A ``tokenizer.json`` must load as a tokenizer (valid JSON that is no tokenizer fails late, in the
 engine, otherwise). The weight files must supply the weights whole, as both loaders read them:
@@ -30,6 +30,8 @@ from atlas_lightning.store.files import read_json_object
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: A safetensors header larger than this is not one (the 27B's is about 100 KB).
 _MAX_HEADER_BYTES = 100 * 2**20
+#: safetensors dtypes that cannot be a weight of the base (every weight is floating point).
+_INTEGRAL_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"})
 
 
 def check_model_folder(path: str | Path, key: str = "model.path", *, loads: bool = True) -> dict:
@@ -150,4 +152,12 @@ def _check_safetensors_header(file: Path, where: str) -> set[str]:
                if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry), default=0)
     if 8 + length + end > size:
         raise ConfigError(f"{where}: {file.name} is truncated ({size} bytes, its header needs {8 + length + end})")
+    integral = sorted(name for name, entry in header.items()
+                      if name != "__metadata__" and isinstance(entry, dict) and entry.get("dtype") in _INTEGRAL_DTYPES)
+    if integral:
+        # transformers would cast them to the model's dtype without a word: integers as weights
+        shown = ", ".join(f"{name}: {header[name]['dtype']}" for name in integral[:3])
+        raise ConfigError(f"{where}: {file.name} holds {len(integral)} tensor(s) of integer or boolean type "
+                          f"({shown}): a weight of the base is floating point (quantized checkpoints are not "
+                          f"read here)")
     return {name for name in header if name != "__metadata__"}

@@ -27,6 +27,23 @@ class ChatFormat:
         if missing:
             raise ValueError(f"tokenizer lacks the chat tokens {missing}: it cannot serve Hermes tool calls")
 
+    def check_template(self) -> None:
+        """The chat template renders a conversation with ``tools=`` and shows the tools in it;
+        ``ValueError`` saying what it does otherwise (a template that fails to parse or render
+        would stop the first rollout, one that drops the tools would train on prompts that never
+        name them)."""
+        tool = {"type": "function", "function": {"name": "template_check_tool", "description": "a check",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        try:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": "check"}], tools=[tool],
+                                                      add_generation_prompt=True, tokenize=False)
+        except Exception as err:  # jinja's or the tokenizer's error, whatever its type
+            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            raise ValueError(f"its chat template cannot render a conversation ({type(err).__name__}: {first})") from None
+        if "template_check_tool" not in str(text):
+            raise ValueError("its chat template does not render the tools passed as tools=: the prompts would not "
+                             "name explore and submit (a Hermes tool-calling template, as Qwen3's, is needed)")
+
     @cached_property
     def stop_token_ids(self) -> tuple[int, ...]:
         """A turn ends at ``<|im_end|>`` (and at the tokenizer's EOS where that differs)."""

@@ -40,13 +40,21 @@ log = logging.getLogger(__name__)
 
 def chat_format(cfg: DictConfig) -> ChatFormat:
     """The chat format of ``model.path``'s tokenizer (local files); ``ConfigError`` naming the
-    key for a tokenizer without the chat tokens tool calls need."""
+    key for a tokenizer that does not load, lacks the chat tokens tool calls need, or whose chat
+    template cannot render the tools (``ChatFormat.check_template``)."""
     from transformers import AutoTokenizer
 
     try:
-        return ChatFormat(AutoTokenizer.from_pretrained(cfg.model.path))
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    except Exception as err:  # the library's error for a damaged tokenizer, whatever its type
+        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"model.path={cfg.model.path}: its tokenizer cannot be loaded ({first})") from None
+    try:
+        chat = ChatFormat(tokenizer)
+        chat.check_template()
     except ValueError as err:
         raise ConfigError(f"model.path={cfg.model.path}: {err}") from None
+    return chat
 
 
 def runtime(cfg: DictConfig) -> RuntimeConfig:

@@ -68,7 +68,8 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     ``questions.loader.load_splits``, and is fitted to ``rollout.max_prompt_length`` under
     ``model.path``'s tokenizer, filling a batch: ``rollout/step_questions.fitted_splits``), ``trainer.init_from``
     (a complete checkpoint whose adapters verify against ``checkpoint.json``), the starting
-    adapter folders and their LoRA shapes (``store.lora_shapes``), and ``trainer.resume``
+    adapter folders, their tensors and their LoRA shapes (``_check_starting_adapters``,
+    ``store.lora_shapes``), and ``trainer.resume``
     (``resume_path``; ``training``: the run trains on from it, so the trajectories it keeps in
     flight must be continued). ``ConfigError`` / ``DataError`` / ``AdapterConfigError`` naming
     the key or file otherwise (the CLI exits 2)."""
@@ -80,6 +81,7 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
 
     folders = run_dirs(cfg)
     check_writable(folders)
+    _check_checkpoint_entries(folders["checkpoints"])
     _check_separate_layout(cfg)
     check_machine(cfg)
     check_model_folder(cfg.model.path)
@@ -105,6 +107,11 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
             raise ConfigError(f"model.{role}_adapter={folder}: no {ADAPTER_CONFIG} there (not a PEFT adapter "
                               f"folder: give a .../global_step_N/{role}/lora_adapter folder, or leave it null for "
                               f"a fresh adapter)")
+    _check_starting_adapters(cfg)
+    from atlas_lightning.models.build import check_base_config, check_base_weights
+
+    # before the tokenizer loads: that reads config.json too, and fails on a bad one without naming it
+    check_base_config(cfg.model.path)
     fitted = None
     if questions is not None:  # fitted after the files' checks (the tokenizer imports transformers), once
         from atlas_lightning.rollout.step_questions import fitted_splits
@@ -114,11 +121,60 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     start = resume_path(cfg, folders["checkpoints"], training=training, fitted=fitted)
     if fitted is not None:
         questions = fitted()
-    from atlas_lightning.models.build import check_base_weights
-
-    check_base_weights(cfg.model.path)  # last: it imports transformers, and reads every header
+    fingerprint = check_base_weights(cfg.model.path)  # last: it builds the model on the meta device from every header
+    _check_adapter_bases(cfg, fingerprint, start.resume)
     return RunFacts(folders=folders, lora=lora_shapes(cfg), questions=questions, start=start,
                     question_notes=tuple(question_notes))
+
+
+def _check_starting_adapters(cfg: DictConfig) -> None:
+    """Each adapter that starts from a folder (``model.actor_adapter``, ``model.critic_adapter``,
+    ``trainer.init_from``'s) read as the build reads it (``models.adapters.read_adapter_folder``:
+    its files there and readable, every tensor finite, its ``atlas_base.json`` naming this role)
+    and its tensors' shapes checked against its own ``adapter_config.json`` and this base from the
+    safetensors header (``adapter_files.check_adapter``, pre-flight's check): refused here, naming the key and the folder,
+    rather than when the model is built, after the run's config and logs are written."""
+    from atlas_lightning.errors import InputError
+    from atlas_lightning.models.adapters import read_adapter_folder
+    from atlas_lightning.planning.shapes import ShapeError, read_model_shape
+    from atlas_lightning.run.adapter_files import check_adapter
+    from atlas_lightning.store.lora_shapes import read_lora_shape, starting_adapter_source, starting_adapters
+
+    folders = starting_adapters(cfg)
+    shape = read_model_shape(cfg.model.path) if folders else None
+    for role, folder in folders.items():
+        source = starting_adapter_source(cfg, role)
+        read_lora_shape(folder)  # its adapter_config.json first, refused as lora_shapes refuses it
+        try:
+            read_adapter_folder(folder, role)
+            check_adapter(cfg, shape, role, Path(folder))
+        except (InputError, ShapeError, FileNotFoundError) as err:
+            message = str(err).removeprefix(f"{folder}: ")
+            raise ConfigError(message if message.startswith(source) else f"{source}={folder}: {message}") from None
+
+
+def _check_adapter_bases(cfg: DictConfig, fingerprint: Optional[str], resume: Optional[Path]) -> None:
+    """Each adapter the run starts or resumes from was trained on this base's weights: its
+    ``atlas_base.json`` fingerprint against ``model.path``'s (``models/identity.py``; same
+    shapes, other weights is what it catches), where both are known. The build compares them
+    again; here it is refused before anything is written."""
+    from atlas_lightning.store.files import read_json_object
+    from atlas_lightning.store.lora_shapes import starting_adapter_source, starting_adapters
+
+    if fingerprint is None:
+        return
+    folders = [(starting_adapter_source(cfg, role), Path(folder)) for role, folder in starting_adapters(cfg).items()]
+    if resume is not None:
+        folders += [(f"trainer.resume={cfg.trainer.resume}", resume / role / "lora_adapter") for role in ("actor", "critic")]
+    for key, folder in folders:
+        identity = folder / "atlas_base.json"
+        if not identity.is_file():
+            continue  # an adapter from elsewhere: its tensors' shapes were the check
+        theirs = read_json_object(identity, ConfigError, f"{key}: {folder}").get("fingerprint")
+        if isinstance(theirs, str) and theirs != fingerprint:
+            raise ConfigError(f"{key}: {folder} was trained on a different base model: model.path={cfg.model.path}'s "
+                              f"weights hash to {fingerprint}, its base's to {theirs} (same shapes, different "
+                              f"weights); give the base it was trained on")
 
 
 def _check_separate_layout(cfg: DictConfig) -> None:
@@ -197,6 +253,18 @@ def check_writable(dirs: Mapping[str, Path]) -> None:
                               f"choose another paths.root or fix the folder's permissions") from None
 
 
+def _check_checkpoint_entries(checkpoints: Path) -> None:
+    """No entry of the run's checkpoints folder named as a step's checkpoint (``global_step_N``)
+    is anything but a folder: ``trainer.resume=auto`` would pass over it and the run would stop
+    when it saves that step (a file where the checkpoint's folder goes)."""
+    from atlas_lightning.store.checkpoints import checkpoint_step
+
+    for entry in sorted(checkpoints.iterdir()) if checkpoints.is_dir() else []:
+        if checkpoint_step(entry) is not None and not entry.is_dir():
+            raise ConfigError(f"the run's checkpoints folder holds {entry}, which is not a folder (a step's "
+                              f"checkpoint is one): move it away, or choose another name or paths.root")
+
+
 def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
                 fitted: Optional[Callable[[], QuestionSplits]] = None) -> StartingPoint:
     """``trainer.resume``: None (fresh), ``auto`` (this run's newest checkpoint under
@@ -226,7 +294,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
             raise ConfigError("trainer.resume=auto: no checkpoint of this run verifies:\n  " + "\n  ".join(refusals)
                               + "\nmove the damaged folders away, or set trainer.resume=null to start afresh")
         if folder is not None:
-            _check_state(folder, "trainer.resume=auto")
+            _check_state(folder, "trainer.resume=auto", cfg)
             check_resume_adapters(cfg, folder, "trainer.resume=auto")
             if training:
                 _check_kept_rollouts(cfg, folder, "trainer.resume=auto", fitted)
@@ -241,7 +309,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
         verify_checkpoint(folder)
     except CheckpointError as err:
         raise ConfigError(f"trainer.resume={resume}: {err}") from None
-    _check_state(folder, f"trainer.resume={resume}")
+    _check_state(folder, f"trainer.resume={resume}", cfg)
     check_resume_adapters(cfg, folder, f"trainer.resume={resume}")
     if training:
         _check_kept_rollouts(cfg, folder, f"trainer.resume={resume}", fitted)
@@ -317,11 +385,12 @@ def _check_same_steps(cfg: DictConfig, folder: Path, key: str, steps: dict,
         raise ConfigError(f"{key}: {err}") from None
 
 
-def _check_state(folder: Path, key: str) -> None:
-    """The checkpoint's Lightning state is whole (``run/resume_state.py``), or the key is refused."""
+def _check_state(folder: Path, key: str, cfg: DictConfig) -> None:
+    """The checkpoint's Lightning state is whole and of this run's optimizer settings
+    (``run/resume_state.py``), or the key is refused."""
     from atlas_lightning.run.resume_state import ResumeStateError, check_resume_state
 
     try:
-        check_resume_state(folder)
+        check_resume_state(folder, cfg.algorithm)
     except ResumeStateError as err:
         raise ConfigError(f"{key}: {err}") from None

@@ -8,8 +8,9 @@ base of other shapes, cannot be restored into it. ``PPOModule._check_resume`` re
 checkpoint once the model is built, which is after the run's ``config.yaml`` and logs are
 written; this refuses it from the files alone (each adapter's ``adapter_config.json`` and
 ``atlas_base.json``, ``model.path``'s ``config.json``) before anything is written. What needs
-the weights stays with the build: the base's fingerprint (same shapes, other weights) and the
-tensors themselves.
+the weights stays with the build: the base's fingerprint (same shapes, other weights). The
+adapters' files are read here as the build reads them (readable, every tensor finite, each its
+own role's); their shapes against the state Lightning restores: ``run/resume_tensors.py``.
 
 Who calls it: ``run/facts.resume_path`` (fit and validate). ``ConfigError`` naming the key,
 the adapter folder and what differs.
@@ -33,6 +34,9 @@ def check_resume_adapters(cfg: DictConfig, folder: Path, key: str) -> None:
     from atlas_lightning.run.adapter_files import check_adapter_base
     from atlas_lightning.store.lora_shapes import AdapterConfigError, ROLES, lora_shapes, read_lora_shape
 
+    from atlas_lightning.errors import InputError
+    from atlas_lightning.models.adapters import read_adapter_folder
+
     base = read_model_shape(cfg.model.path)
     trained = lora_shapes(cfg)
     for role in ROLES:
@@ -49,6 +53,10 @@ def check_resume_adapters(cfg: DictConfig, folder: Path, key: str) -> None:
                 f"into this run's {role} adapter ({trained[role].describe()}, from {trained[role].source}); resume "
                 f"with the checkpoint's settings, or start a new run from its adapters with trainer.init_from={folder} "
                 f"trainer.resume=null")
+        try:  # its files and tensors as the build reads them: readable, finite, its own role's
+            read_adapter_folder(adapter, role)
+        except (InputError, FileNotFoundError) as err:
+            raise ConfigError(f"{key}: {err}") from None
 
 
 def _differences(saved: LoraShape, mine: LoraShape, base) -> list[str]:

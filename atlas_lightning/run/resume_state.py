@@ -12,7 +12,12 @@ torch.distributed checkpoint is read from its metadata), before the model is bui
   ``algorithm.critic_warmup``) or has ``step``, ``exp_avg`` and ``exp_avg_sq`` for every
   parameter its groups list; the critic has stepped once any RL step was checkpointed;
 * the loops' progress, the callbacks' states, the data cursor (``next_step``) and the module's
-  own ``atlas`` record (the RL step) are there;
+  own ``atlas`` record (the RL step, its folder's ``N``) are there;
+* the trainable tensors and Adam moments match the checkpoint's adapters, by role and shape,
+  and are finite (``run/resume_tensors.py``; the single-file state);
+* each optimizer was set up with this run's ``algorithm.actor_lr`` / ``critic_lr``,
+  ``weight_decay`` and ``betas`` (Lightning restores the saved ones: a changed learning rate
+  would be recorded in the run's config and not used);
 * every rank's random generator states (``ppo/rng_state.py``: torch CPU and CUDA, numpy,
   Python) are there: without them the resumed run's LoRA dropout would draw other masks than
   the uninterrupted run's, a silent divergence like fresh Adam moments. A checkpoint written
@@ -47,8 +52,10 @@ class ResumeStateError(InputError):
     """A checkpoint's Lightning state lacks part of what a resume restores."""
 
 
-def check_resume_state(folder: str | Path) -> None:
-    """Refuse ``folder`` (a verified ``global_step_N``) when its Lightning state is not whole (module doc)."""
+def check_resume_state(folder: str | Path, algorithm: Any = None) -> None:
+    """Refuse ``folder`` (a verified ``global_step_N``) when its Lightning state is not whole
+    (module doc), or, given this run's ``algorithm`` config, when its optimizers were set up
+    with other hyper-parameters (``_check_hyperparameters``)."""
     path = lightning_state_path(folder)
     where = f"checkpoint {folder}"
     if path.is_file():
@@ -59,14 +66,67 @@ def check_resume_state(folder: str | Path) -> None:
         if key not in top:
             raise ResumeStateError(f"{where}: its Lightning state has no {key!r} entry: not a resumable state")
     _check_rng(where, top.get(RNG_KEY))
-    if not any(isinstance(value, dict) and "next_step" in value for value in top.values()):
+    cursors = [value["next_step"] for value in top.values() if isinstance(value, dict) and "next_step" in value]
+    if not cursors:
         raise ResumeStateError(f"{where}: its Lightning state has no data cursor (the datamodule's next_step)")
-    rl_step = int((top.get("atlas") or {}).get("rl_step", 0))
+    rl_step = _check_steps(where, folder, (top.get("atlas") or {}).get("rl_step", 0), cursors[0])
     if len(optimizers) != len(OPTIMIZER_ROLES):
         raise ResumeStateError(f"{where}: its Lightning state holds {len(optimizers)} optimizer state(s), "
                                f"a resume needs {len(OPTIMIZER_ROLES)} ({', '.join(OPTIMIZER_ROLES)})")
-    for role, (params, state) in zip(OPTIMIZER_ROLES, optimizers):
+    for role, (params, state, groups) in zip(OPTIMIZER_ROLES, optimizers):
         _check_optimizer(where, role, params, state, rl_step)
+        if algorithm is not None:
+            _check_hyperparameters(where, role, groups, algorithm)
+    from atlas_lightning.run import resume_tensors
+
+    if path.is_file():
+        resume_tensors.check_state_tensors(where, Path(folder), top, ResumeStateError)
+    else:
+        resume_tensors.check_state_shapes(where, Path(folder), *_distributed_shapes(path, optimizers), ResumeStateError)
+
+
+def _check_steps(where: str, folder: str | Path, rl_step: Any, next_step: Any) -> int:
+    """The RL step the state records is its folder's ``global_step_N`` and the data cursor a
+    step number: otherwise the resumed run would count steps, or draw questions, from elsewhere."""
+    from atlas_lightning.store.checkpoints import checkpoint_step
+
+    if type(rl_step) is not int or type(next_step) is not int or next_step < 1:
+        raise ResumeStateError(f"{where}: its Lightning state records RL step {rl_step!r} and data cursor "
+                               f"{next_step!r}: not step numbers")
+    step = checkpoint_step(folder)
+    if step is not None and rl_step != step:
+        raise ResumeStateError(f"{where}: its Lightning state records RL step {rl_step}, its folder is "
+                               f"{Path(folder).name}: the state is another step's")
+    return rl_step
+
+
+#: ``algorithm`` keys -> the AdamW setting each becomes, per role (``PPOModule.configure_optimizers``).
+_HYPERPARAMETERS = {"lr": {"actor": "actor_lr", "critic": "critic_lr"},
+                    "weight_decay": {"actor": "weight_decay", "critic": "weight_decay"},
+                    "betas": {"actor": "betas", "critic": "betas"}}
+
+
+def _check_hyperparameters(where: str, role: str, groups: list[dict], algorithm: Any) -> None:
+    """The optimizer's saved settings against this run's: Lightning restores them with the
+    moments, so a changed ``algorithm.actor_lr`` (or ``critic_lr``, ``weight_decay``, ``betas``)
+    would be written to the run's config and silently not used."""
+    import math
+
+    for field, keys in _HYPERPARAMETERS.items():
+        mine = algorithm[keys[role]]
+        mine = [float(v) for v in mine] if field == "betas" else float(mine)
+        for group in groups:
+            if field not in group:
+                continue
+            saved = [float(v) for v in group[field]] if field == "betas" else float(group[field])
+            same = (all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(saved, mine)) if field == "betas"
+                    else math.isclose(saved, mine, rel_tol=1e-9))
+            if not same:
+                raise ResumeStateError(
+                    f"{where}: its {role} optimizer was set up with {field}={saved} (this run: algorithm."
+                    f"{keys[role]}={mine}); a resume restores the checkpoint's and would not use this run's: "
+                    f"resume with algorithm.{keys[role]}={saved}, or start a new run from its adapters with "
+                    f"trainer.init_from={where.removeprefix('checkpoint ')} trainer.resume=null")
 
 
 def _check_rng(where: str, entry: Any) -> None:
@@ -103,7 +163,7 @@ def _check_optimizer(where: str, role: str, params: list, state: dict[Any, set[s
             f"restart from zero; resume from an earlier checkpoint")
 
 
-def _single_file(path: Path) -> tuple[dict, list[tuple[list, dict]]]:
+def _single_file(path: Path) -> tuple[dict, list[tuple[list, dict, list[dict]]]]:
     """Lightning's one-file state, memory-mapped (no tensor data is read)."""
     import torch
 
@@ -116,11 +176,11 @@ def _single_file(path: Path) -> tuple[dict, list[tuple[list, dict]]]:
     for entry in checkpoint.get("optimizer_states") or []:
         params = [p for group in entry.get("param_groups", []) for p in group.get("params", [])]
         state = {param: set(values) for param, values in (entry.get("state") or {}).items()}
-        optimizers.append((params, state))
+        optimizers.append((params, state, list(entry.get("param_groups", []))))
     return checkpoint, optimizers
 
 
-def _distributed(path: Path) -> tuple[dict, list[tuple[list, dict]]]:
+def _distributed(path: Path) -> tuple[dict, list[tuple[list, dict, list[dict]]]]:
     """A torch.distributed checkpoint: the non-tensor state beside it (Lightning's ``meta.pt``),
     and each optimizer's parameter names and per-parameter state from the metadata."""
     import torch
@@ -136,15 +196,34 @@ def _distributed(path: Path) -> tuple[dict, list[tuple[list, dict]]]:
     optimizers = []
     for index in range(len({key.split(".", 1)[0] for key in keys if key.startswith("optimizer_")})):
         prefix = f"optimizer_{index}."
-        param_keys = sorted(key for key in keys if key.startswith(prefix + "param_groups.") and key.endswith(".params"))
+        param_keys = sorted(key for key in keys if key.startswith(prefix + "param_groups.")
+                            and key.rpartition(".")[2] in ("params", *_HYPERPARAMETERS))
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             loaded = _load_state_dict_from_keys(keys=set(param_keys), checkpoint_id=str(path)) if param_keys else {}
-        params = [p for group in loaded.get(f"optimizer_{index}", {}).get("param_groups", []) for p in group["params"]]
+        groups = list(loaded.get(f"optimizer_{index}", {}).get("param_groups", []))
+        params = [p for group in groups for p in group.get("params", [])]
         state: dict[str, set[str]] = {}
         for key in keys:
             if key.startswith(prefix + "state."):
                 name, _, kept = key[len(prefix + "state."):].rpartition(".")
                 state.setdefault(name, set()).add(kept)
-        optimizers.append((params, state))
+        optimizers.append((params, state, groups))
     return top, optimizers
+
+
+def _distributed_shapes(path: Path, optimizers: list) -> tuple[dict[str, tuple], list[tuple[int, dict]]]:
+    """A torch.distributed state's trainable tensors (name -> shape) and, for each optimizer,
+    ``(parameters listed, {moment: [shapes]})``, from its metadata alone (``resume_tensors``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from atlas_lightning.run.resume_tensors import MOMENTS
+
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    sizes = {key: tuple(entry.size) for key, entry in metadata.items() if hasattr(entry, "size")}
+    state = {key[len("state_dict."):]: size for key, size in sizes.items() if key.startswith("state_dict.")}
+    moments = [(len(params), {moment: [size for key, size in sizes.items()
+                                       if key.startswith(f"optimizer_{index}.state.") and key.endswith(f".{moment}")]
+                              for moment in MOMENTS})
+               for index, (params, _, _) in enumerate(optimizers)]
+    return state, moments

@@ -160,3 +160,75 @@ def test_the_hybrid_base_loads_after_another_library_registered_its_config(qwen3
     assert type(base).__name__ == "Qwen3_5ForCausalLM" and base.config.vocab_size > 0
     build.check_base_weights(qwen3_5_base)
     assert type(build.causal_lm_config(qwen3_5_base)).__name__ == "Qwen3_5TextConfig"
+
+
+# -- a base folder whose weights, config or chat template are not the model's: refused at the start
+
+
+def _edit_tensors(folder, edit):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _edit_json(path, **fields):
+    import json
+
+    data = json.loads(path.read_text())
+    data.update(fields)
+    path.write_text(json.dumps(data))
+
+
+_DOWN = "model.layers.0.mlp.down_proj.weight"
+_TEMPLATE_WITHOUT_TOOLS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+#: damage -> what the message must say. Each would otherwise train a model other than the folder's
+#: (a weight cast from integers, a layer dropped, another family) or fail late with a traceback.
+_BASE_DAMAGE = {
+    "tensor_of_another_shape": (lambda f: _edit_tensors(f, lambda t: t.__setitem__(_DOWN, t[_DOWN][:, :-1].clone())),
+                                f"have another shape than its config.json gives them ({_DOWN} is [128, 383]"),
+    "integer_tensor": (lambda f: _edit_tensors(f, lambda t: t.__setitem__(_DOWN, t[_DOWN].to(torch.int32))),
+                       f"model.safetensors holds 1 tensor(s) of integer or boolean type ({_DOWN}: I32)"),
+    "tensor_with_no_place": (lambda f: _edit_tensors(f, lambda t: t.__setitem__("model.layers.7.mlp.down_proj.weight",
+                                                                               torch.zeros(4, 4))),
+                             "hold 1 tensor(s) the model its config.json describes has no place for "
+                             "(model.layers.7.mlp.down_proj.weight)"),
+    "config_of_another_family": (lambda f: _edit_json(f / "config.json", model_type="llama",
+                                                      architectures=["LlamaForCausalLM"]),
+                                 "has no place for (model.layers.0.self_attn.k_norm.weight"),
+    "config_fewer_layers": (lambda f: _edit_json(f / "config.json", num_hidden_layers=2),
+                            "config.json is not a model config transformers can read"),
+    "config_field_of_wrong_type": (lambda f: _edit_json(f / "config.json", hidden_size="128"),
+                                   "config.json is not a model config transformers can read"),
+    "config_unknown_model_type": (lambda f: _edit_json(f / "config.json", model_type="nosuchmodel"),
+                                  "config.json is not a model config transformers can read"),
+    "config_vocabulary_too_small": (lambda f: _edit_json(f / "config.json", vocab_size=1000),
+                                    "transformers cannot build the model its config.json describes"),
+    "chat_template_that_does_not_parse": (lambda f: (f / "chat_template.jinja").write_text("{{ unclosed "),
+                                          "its chat template cannot render a conversation (TemplateSyntaxError"),
+    "chat_template_without_tools": (lambda f: (f / "chat_template.jinja").write_text(_TEMPLATE_WITHOUT_TOOLS),
+                                    "its chat template does not render the tools passed as tools="),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(_BASE_DAMAGE))
+def test_a_base_folder_that_is_not_the_model_it_claims_is_refused_before_anything_is_written(
+        damage, tiny_model_dir, sample_data_dir, tmp_path, capsys):
+    """The class: whatever makes the weights, ``config.json`` and chat template disagree is named
+    with ``model.path`` (exit 2, no traceback, the run folder untouched), not loaded as another model."""
+    import shutil
+
+    from atlas_lightning.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    damage_folder, message = _BASE_DAMAGE[damage]
+    damage_folder(model)
+    root = tmp_path / "root"
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}", f"model.path={model}", f"data.root={sample_data_dir}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"model.path={model}: " in err and message in err and "Traceback" not in err, err
+    assert not root.exists()

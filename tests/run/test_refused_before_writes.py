@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import pytest
 
@@ -142,3 +143,38 @@ def test_the_questions_are_fitted_once_at_the_start_and_the_skipped_ones_reach_t
     dm = RolloutDataModule(cfg, engine=object(), questions=facts.questions)
     dm.setup()
     assert dm.train_questions is facts.questions.train and dm.val_questions is facts.questions.val
+
+
+@pytest.mark.parametrize("resume", ["null", "auto"])
+@pytest.mark.parametrize("entry", ["global_step_1", "global_step_12"])
+def test_a_file_where_a_step_checkpoint_goes_is_refused_before_anything_is_written(tmp_path, cfg_of, resume, entry):
+    """A fresh run would stop when it saves that step, and ``auto`` would pass over it."""
+    from atlas_lightning.run.facts import check_inputs
+
+    checkpoints = tmp_path / "checkpoints" / "run"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / entry).write_text("not a checkpoint")
+    with pytest.raises(ConfigError, match=re.escape(f"holds {checkpoints / entry}, which is not a folder")):
+        check_inputs(cfg_of(f"trainer.resume={resume}"))
+    assert sorted(p.name for p in checkpoints.iterdir()) == [entry]
+
+
+@pytest.mark.parametrize("start", ["model.actor_adapter", "model.critic_adapter", "trainer.init_from", "trainer.resume"])
+def test_adapters_of_a_base_of_the_same_shapes_and_other_weights_are_refused_before_anything_is_written(
+        tmp_path, cfg_of, tiny_model_dir, start):
+    """The weights' fingerprint (``models/identity.py``) is read from the base folder at the start,
+    not only once the model is built (after the run's config and logs are written)."""
+    from atlas_lightning.demo.tiny_model import build_tiny_model
+    from atlas_lightning.run.facts import check_inputs
+    from tests.model_builds import actor_critic
+
+    folder = _checkpoint(tmp_path / "elsewhere", 3, adapters=actor_critic(tiny_model_dir, {"rank": 8, "alpha": 16}))
+    other = tmp_path / "other-base"
+    build_tiny_model(other, seed=1)  # the tiny model's shapes, other weights
+    named = {"model.actor_adapter": folder / "actor" / "lora_adapter",
+             "model.critic_adapter": folder / "critic" / "lora_adapter"}.get(start, folder)
+    check_inputs(cfg_of(f"{start}={named}"))  # on its own base: accepted
+    with pytest.raises(ConfigError, match=re.escape("was trained on a different base model: model.path=")) as refused:
+        check_inputs(cfg_of(f"{start}={named}", f"model.path={other}"))
+    assert str(refused.value).startswith(start) and str(named) in str(refused.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "other-base"]

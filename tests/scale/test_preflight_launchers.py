@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from atlas_lightning.demo.tiny_causal_lm import save_tiny_causal_lm
 from atlas_lightning.run.preflight import main as preflight_main
@@ -245,3 +246,36 @@ def test_preflight_main_exit_code_and_gpu_count(tiny8, sample_data_dir, step29, 
     assert "pre-flight FAILED: environment" in out
     assert preflight_main(["--cpu-preflight", *args]) == 0
     assert "pre-flight passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("tensor_with_no_place", "has no place for (model.layers.9.mlp.down_proj.weight)"),
+    ("chat_template_without_tools", "its chat template does not render the tools passed as tools="),
+    ("nan_adapter", "non-finite value(s) of 2048 (NaN or inf)"),
+])
+def test_what_fit_refuses_of_the_model_and_adapters_preflight_refuses(damage, message, tiny8, sample_data_dir,
+                                                                      tmp_path):
+    """Pre-flight's model and adapter checks are ``fit``'s start-up checks: the weights against the
+    architecture, the chat template, the starting adapters' tensors."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny8, model)
+    step = _save_adapters(tiny8, tmp_path / "r25" / "global_step_29", rank=8, alpha=16)
+    if damage == "tensor_with_no_place":
+        tensors = load_file(model / "model.safetensors")
+        tensors["model.layers.9.mlp.down_proj.weight"] = torch.zeros(4, 4)
+        save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    elif damage == "chat_template_without_tools":
+        (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    else:
+        weights = step / "actor" / "lora_adapter" / "adapter_model.safetensors"
+        tensors = load_file(weights)
+        first = sorted(tensors)[0]
+        tensors[first] = torch.full_like(tensors[first], float("nan"))
+        save_file(tensors, weights)
+    details = {c.name: (c.ok, c.detail) for c in run_preflight(
+        _gpu_run(model, sample_data_dir, tmp_path, f"trainer.init_from={step}"), cpu=True, echo=lambda line: None)}
+    failed = {name: detail for name, (ok, detail) in details.items() if not ok}
+    assert list(failed) == (["adapters"] if damage == "nan_adapter" else ["model"]), failed
+    assert message in next(iter(failed.values()))

@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from atlas_lightning.config import ConfigError, compose
 from tests.conftest import write_fake_model_folder
@@ -22,6 +23,10 @@ from atlas_lightning.store.checkpoints import (
 )
 
 
+#: ``experiment=tiny-cpu``'s learning rates: a state's optimizers were set up with them.
+TINY_LR = {"actor": 2.0e-3, "critic": 1.0e-3}
+
+
 def resumable_state(**change) -> dict:
     """A Lightning state of the shape a resume restores (two AdamW optimizers with their moments,
     loops, callbacks, the data cursor, the module's record, every rank's generator states), with
@@ -30,11 +35,13 @@ def resumable_state(**change) -> dict:
 
     from atlas_lightning.ppo.rng_state import RNG_KEY, capture
 
-    def adam(names):
+    def adam(names, lr):
         return {"state": {i: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
-                          for i in range(len(names))}, "param_groups": [{"params": list(range(len(names))), "lr": 1e-6}]}
+                          for i in range(len(names))}, "param_groups": [{"params": list(range(len(names))), "lr": lr}]}
 
-    state = {"state_dict": {"a": torch.zeros(2)}, "optimizer_states": [adam("ab"), adam("cd")],
+    # the tensors of ``_checkpoint``'s adapters (``_FAKE_ADAPTER``): two LoRA factors a role, the critic's value head
+    trained = {f"m.{factor}.{role}.weight": torch.zeros(2) for role in ("actor", "critic") for factor in ("lora_A", "lora_B")}
+    state = {"state_dict": {**trained, "m.value_head.weight": torch.zeros(2)}, "optimizer_states": [adam("ab", TINY_LR["actor"]), adam("cde", TINY_LR["critic"])],
              "loops": {"fit_loop": {}}, "callbacks": {"ValidationCallback": {"validated": [0]}},
              "RolloutDataModule": {"next_step": 4}, "atlas": {"rl_step": 3}, RNG_KEY: capture()}
     state.update(change)
@@ -57,9 +64,38 @@ TINY_LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v
                                                           "up_proj", "down_proj"]}
 
 
+def _fake_adapter(target, role, step) -> None:
+    """An adapter folder that says it is of ``TINY_LORA`` and holds the tensors ``resumable_state``
+    trains (two LoRA factors of shape (2,) with ``step``'s values, the critic's value head)."""
+    import torch
+    from safetensors.torch import save_file
+
+    target.mkdir(parents=True)
+    (target / "adapter_config.json").write_text(json.dumps({**TINY_LORA, "role": role}))
+    save_file({f"m.{factor}.weight": torch.full((2,), float(step)) for factor in ("lora_A", "lora_B")},
+              target / "adapter_model.safetensors")
+    if role == "critic":
+        save_file({"weight": torch.zeros(2)}, target / "value_head.safetensors")
+
+
+def _trained_state(model) -> dict:
+    """The ``state_dict`` and optimizer states a run of ``model`` (an ``ActorCritic``) saves: its
+    trainable tensors, and Adam's moments for each of the actor's and the critic's parameters."""
+    import torch
+
+    def adam(params, lr):
+        return {"state": {i: {"step": torch.tensor(3.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                          for i, p in enumerate(params)}, "param_groups": [{"params": list(range(len(params))), "lr": lr}]}
+
+    trained = {f"model.{name}": p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    return {"state_dict": trained,
+            "optimizer_states": [adam(list(model.actor_parameters()), TINY_LR["actor"]),
+                                 adam(list(model.critic_parameters()), TINY_LR["critic"])]}
+
+
 def _checkpoint(root, step, *, adapters=None, state=None):
     """``root/global_step_<step>`` as the checkpoint callback lays it out, marker last; its
-    adapters are of ``TINY_LORA`` (the bytes of their tensors are not a safetensors file)."""
+    adapters are of ``TINY_LORA`` (``_fake_adapter``: tensors that fit ``resumable_state``, not the tiny model)."""
     folder = root / f"global_step_{step}"
     for role in ("actor", "critic"):
         target = folder / role / "lora_adapter"
@@ -68,11 +104,12 @@ def _checkpoint(root, step, *, adapters=None, state=None):
 
             save_adapter(adapters, role, target)
         else:
-            target.mkdir(parents=True)
-            (target / "adapter_config.json").write_text(json.dumps({**TINY_LORA, "role": role}))
-            (target / "adapter_model.safetensors").write_bytes(bytes(range(256)) * (step + 1))
+            _fake_adapter(target, role, step)
     (folder / "lightning").mkdir(parents=True)
-    (folder / "lightning" / "state.ckpt").write_bytes(_state_bytes() if state is None else state)
+    if state is None:  # the state of this step (its RL step, the cursor at the next)
+        steps = {"atlas": {"rl_step": step}, "RolloutDataModule": {"next_step": step + 1}}
+        state = _state_bytes(**steps, **(_trained_state(adapters) if adapters is not None else {}))
+    (folder / "lightning" / "state.ckpt").write_bytes(state)
     (folder / "val_dumps").mkdir()
     (folder / "val_dumps" / f"{step}.jsonl").write_text("{}\n")  # validation's, not the checkpoint's
     write_marker(folder, step)
@@ -93,7 +130,8 @@ def test_an_intact_checkpoint_verifies(tmp_path):
     assert sorted(marker["files"]) == ["actor/lora_adapter/adapter_config.json",
                                        "actor/lora_adapter/adapter_model.safetensors",
                                        "critic/lora_adapter/adapter_config.json",
-                                       "critic/lora_adapter/adapter_model.safetensors", "lightning/state.ckpt"]
+                                       "critic/lora_adapter/adapter_model.safetensors",
+                                       "critic/lora_adapter/value_head.safetensors", "lightning/state.ckpt"]
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -217,10 +255,13 @@ def test_init_from_needs_a_complete_checkpoint_as_resume_does(tmp_path, cfg_of):
         check_inputs(cfg_of(f"trainer.init_from={folder}"))
 
 
-def test_init_from_with_the_actor_alone_checks_the_actor_alone(tmp_path, cfg_of):
+def test_init_from_with_the_actor_alone_checks_the_actor_alone(tmp_path, cfg_of, tiny_model_dir):
+    """Real adapters (the start-up reads a starting adapter's tensors); the critic's then damaged
+    after the marker was written."""
     from atlas_lightning.run.facts import check_inputs
+    from tests.model_builds import actor_critic
 
-    folder = _checkpoint(tmp_path / "elsewhere", 7)
+    folder = _checkpoint(tmp_path / "elsewhere", 7, adapters=actor_critic(tiny_model_dir, {"rank": 8, "alpha": 16}))
     (folder / "critic" / "lora_adapter" / "adapter_model.safetensors").write_bytes(b"\0")
     with pytest.raises(ConfigError, match="critic/lora_adapter"):
         check_inputs(cfg_of(f"trainer.init_from={folder}"))
@@ -249,7 +290,74 @@ _PARTIAL = [
     ("rng_without_numpy", lambda s: {**s, "rng_states": {"world_size": 1, "ranks": [
         {k: v for k, v in s["rng_states"]["ranks"][0].items() if k != "numpy"}]}},
      "the random generator states of rank(s) [0] lack some of torch, numpy, python"),
+    ("cursor_not_a_step", lambda s: {**s, "RolloutDataModule": {"next_step": "x"}},
+     "records RL step 3 and data cursor 'x': not step numbers"),
+    ("another_steps_state", lambda s: {**s, "atlas": {"rl_step": 7}},
+     "records RL step 7, its folder is global_step_3: the state is another step's"),
 ]
+
+
+def _without(state, key):
+    return {k: v for k, v in state.items() if k != key}
+
+
+def _set(mapping, key, value):
+    return {**mapping, key: value}
+
+
+def _optimizer(state, index, change):
+    optimizers = list(state["optimizer_states"])
+    optimizers[index] = change(optimizers[index])
+    return {**state, "optimizer_states": optimizers}
+
+
+def _moments(entry, moment, value):
+    return {**entry, "state": {i: {**kept, moment: value} for i, kept in entry["state"].items()}}
+
+
+#: The trainable tensors and moments against the checkpoint's adapters (``run/resume_tensors.py``).
+_TENSORS = [
+    ("no_state_dict", lambda s: _without(s, "state_dict"), "has no trainable tensors (state_dict)"),
+    ("an_empty_state_dict", lambda s: {**s, "state_dict": {}}, "has no trainable tensors (state_dict)"),
+    ("a_tensor_left_out", lambda s: {**s, "state_dict": _without(s["state_dict"], "m.lora_B.actor.weight")},
+     "its Lightning state's actor tensors do not match its actor/lora_adapter: 1 missing (shapes [2] x1)"),
+    ("a_tensor_of_another_shape", lambda s: {**s, "state_dict": _set(s["state_dict"], "m.lora_A.critic.weight",
+                                                                     torch.zeros(3))},
+     "its Lightning state's critic tensors do not match its critic/lora_adapter: 1 missing"),
+    ("a_tensor_no_adapter_has", lambda s: {**s, "state_dict": _set(s["state_dict"], "m.other.weight", torch.zeros(2))},
+     "holds 1 tensor(s) neither adapter has (m.other.weight)"),
+    ("a_nan_tensor", lambda s: {**s, "state_dict": _set(s["state_dict"], "m.lora_A.actor.weight",
+                                                        torch.full((2,), float("nan")))},
+     "trainable tensors hold NaN or inf (m.lora_A.actor.weight)"),
+    ("an_optimizer_of_fewer_parameters", lambda s: _optimizer(s, 1, lambda e: {
+        "state": {i: v for i, v in e["state"].items() if i < 2}, "param_groups": [{**e["param_groups"][0], "params": [0, 1]}]}),
+     "the critic optimizer lists 2 parameters, its adapter trains 3"),
+    ("moments_of_another_shape", lambda s: _optimizer(s, 0, lambda e: _moments(e, "exp_avg", torch.zeros(5))),
+     "the actor optimizer's exp_avg tensors have other shapes than the actor adapter's tensors"),
+    ("nan_moments", lambda s: _optimizer(s, 1, lambda e: _moments(e, "exp_avg_sq", torch.full((2,), float("inf")))),
+     "the critic optimizer's exp_avg_sq holds NaN or inf"),
+]
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["one_file", "distributed"])
+@pytest.mark.parametrize("damage, change, message", _TENSORS, ids=[d for d, _, _ in _TENSORS])
+def test_a_resume_whose_tensors_do_not_fit_its_adapters_is_refused_before_anything_is_written(
+        tmp_path, cfg_of, damage, change, message, distributed):
+    """The whole class: whatever the state lacks, holds beside, or holds of another shape or not
+    finite, measured against the checkpoint's own adapters, is named before the run writes (a
+    distributed state from its metadata: shapes, not values)."""
+    from atlas_lightning.run.facts import check_inputs
+
+    if distributed and damage in ("a_nan_tensor", "nan_moments"):
+        pytest.skip("a distributed state's values are read by the load, not at the start (run/resume_tensors.py)")
+    if distributed and damage == "no_state_dict":
+        pytest.skip("Lightning writes a distributed state_dict always (an_empty_state_dict tries it)")
+    folder = _checkpoint(tmp_path / "elsewhere", 3)
+    _write_state(folder, resumable_state(), distributed)
+    check_inputs(cfg_of(f"trainer.resume={folder}"))  # whole: accepted
+    _write_state(folder, change(resumable_state()), distributed)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_inputs(cfg_of(f"trainer.resume={folder}"))
 
 
 def _write_state(folder, state, distributed: bool) -> None:
@@ -303,17 +411,16 @@ def test_an_actor_that_has_not_stepped_yet_resumes(tmp_path, cfg_of):
     assert check_inputs(cfg_of(f"trainer.resume={folder}")).start.resume == folder
 
 
-def test_the_checks_return_what_they_read_once(tmp_path, cfg_of, sample_data_dir):
+def test_the_checks_return_what_they_read_once(tmp_path, cfg_of, sample_data_dir, tiny_model_dir):
     """What the checks load is what the run uses: the splits, the starting adapter's LoRA shape
     (its own config's, the critic's from the config), the folders."""
     from atlas_lightning.questions.loader import load_split
     from atlas_lightning.run.facts import check_inputs
+    from tests.model_builds import actor_critic
 
-    folder = _checkpoint(tmp_path / "elsewhere", 7)
-    (folder / "actor" / "lora_adapter" / "adapter_config.json").write_text(json.dumps(
-        {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "role": "actor"}))  # a shape of its own
-    (folder / MARKER).unlink()
-    write_marker(folder, 7)
+    own = {"rank": 4, "alpha": 8, "target_modules": ["q_proj"]}  # the actor's shape of its own
+    folder = _checkpoint(tmp_path / "elsewhere", 7, adapters=actor_critic(tiny_model_dir, own,
+                                                                           critic_lora={"rank": 8, "alpha": 16}))
     cfg = cfg_of(f"trainer.init_from={folder}", "trainer.init_critic=false", "data.val_max_questions=3")
     facts = check_inputs(cfg)
     assert facts.folders["checkpoints"] == tmp_path / "checkpoints" / "run"
@@ -381,3 +488,58 @@ def test_resume_onto_the_same_base_and_settings_passes(trained_checkpoint, qwen3
     module = _module(tmp_path, qwen3_base, trained_checkpoint)
     module.configure_model()
     assert module.model is not None
+
+
+def _groups_with(state, **fields):
+    """``state`` whose optimizers' groups also say ``fields`` (as AdamW saves them)."""
+    return {**state, "optimizer_states": [{**entry, "param_groups": [{**group, **fields} for group in entry["param_groups"]]}
+                                          for entry in state["optimizer_states"]]}
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["one_file", "distributed"])
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.actor_lr=0.5", "its actor optimizer was set up with lr=0.002 (this run: algorithm.actor_lr=0.5)"),
+    ("algorithm.critic_lr=1e-6", "its critic optimizer was set up with lr=0.001 (this run: algorithm.critic_lr=1e-06)"),
+    ("algorithm.weight_decay=0.3", "its actor optimizer was set up with weight_decay=0.01 (this run: "
+                                   "algorithm.weight_decay=0.3)"),
+    ("algorithm.betas=[0.8,0.99]", "its actor optimizer was set up with betas=[0.9, 0.999] (this run: "
+                                   "algorithm.betas=[0.8, 0.99])"),
+])
+def test_a_resume_under_other_optimizer_settings_is_refused_before_anything_is_written(tmp_path, cfg_of, override,
+                                                                                      message, distributed):
+    """Lightning restores the optimizers' saved settings with their moments: a learning rate (or
+    weight decay, betas) changed for the resume would be recorded in the run's config and not used."""
+    from atlas_lightning.run.facts import check_inputs
+
+    folder = _checkpoint(tmp_path / "elsewhere", 3)
+    _write_state(folder, _groups_with(resumable_state(), weight_decay=0.01, betas=(0.9, 0.999)), distributed)
+    check_inputs(cfg_of(f"trainer.resume={folder}"))  # the same settings: accepted
+    with pytest.raises(ConfigError, match=re.escape(message)) as refused:
+        check_inputs(cfg_of(f"trainer.resume={folder}", override))
+    assert f"trainer.init_from={folder} trainer.resume=null" in str(refused.value)
+
+
+@pytest.mark.parametrize("role, file, message", [
+    ("actor", "adapter_model.safetensors", "adapter_model.safetensors tensor m.lora_A.weight holds 2 non-finite value(s)"),
+    ("critic", "adapter_model.safetensors", "adapter_model.safetensors tensor m.lora_A.weight holds 2 non-finite"),
+    ("critic", "value_head.safetensors", "value_head.safetensors tensor weight holds 2 non-finite value(s)"),
+])
+def test_a_resume_whose_adapter_is_not_finite_is_refused_before_anything_is_written(tmp_path, cfg_of, role, file,
+                                                                                    message):
+    """Its adapters are read as the build reads them, at the start (the marker written after the
+    damage: a checkpoint written so, not one damaged since)."""
+    from safetensors.torch import load_file, save_file
+
+    from atlas_lightning.run.facts import check_inputs
+
+    folder = _checkpoint(tmp_path / "elsewhere", 3)
+    path = folder / role / "lora_adapter" / file
+    tensors = load_file(path)
+    name = sorted(tensors)[0]
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, path)
+    (folder / MARKER).unlink()
+    write_marker(folder, 3)
+    with pytest.raises(ConfigError, match=re.escape(message)) as refused:
+        check_inputs(cfg_of(f"trainer.resume={folder}"))
+    assert str(refused.value).startswith(f"trainer.resume={folder}: ")
