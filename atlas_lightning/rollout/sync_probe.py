@@ -30,6 +30,17 @@ engine is never judged against its own unverified output, and nothing passes for
 but a lag too small to tell from the engine's numerical noise, which is also all it could
 change in a rollout. A failed decision raises ``WeightSyncError``.
 
+Verifiable, at the start. The starting check cannot wait for a movement to grow, and a bf16
+engine's gap grows with the movement itself, so a move of a given size may never reach
+``MEASURABLE`` noises. Measured on the 27B-shaped hybrid (vLLM on an H100, bf16, fla in the
+trainer): the move back from the marked adapter, 51.5 in norm, was 0.12 off (ratio, half the
+limit), but the marked state's own gap (5.92) had become the noise, so the move was 8.7 noises
+and the starting check refused a clean engine. There a move of ``VERIFIABLE`` noises whose ratio
+is within the limit proves the engine applied it: an engine that did not shows ``o`` within
+its own run-to-run change, at most two noises, so a ratio of at least ``1 - 2 / VERIFIABLE``
+(0.5, twice the limit). A refusal still needs ``MEASURABLE`` noises, so no clean engine is
+refused by a small move; later syncs keep the rule above (they can wait).
+
 The starting check (this process's first sync, before anything samples). First, with and
 without the adapter: the engine's log-probs before any load (the base it was built from, when
 they agree with the trainer's base within ``rollout.max_logprob_gap``) are the reference, and
@@ -44,6 +55,13 @@ syncs, merged into the base), then the actor again. Both moves must pass the rul
 that ignores the adapter fails the first, one that keeps what it served fails either, and the
 run stops before any training with ``StartingCheckError``, an ``InputError`` (the CLI exits 2
 with its message). It costs two extra loads, at the start only.
+
+The marked state's gap stays in the noise for the run. It is larger than the actor's (the 27B-
+shaped hybrid: 5.92 against about 1.6), so a stale engine is caught once the movement since the
+last verified state is 16 of those noises; but it is the gap of a state whose adapter acts, which
+a fresh actor's is not (the tiny model in bf16 with the hf engine: about 1e-5 at the actor, 0.3
+at the marked state and 0.17-0.35 once updates act): with a noise set from the actor alone,
+clean updates showed a ratio of 0.22 at 9 noises, 0.9 of the limit.
 
 Why not a version stamp the engine echoes: a stamp written into one tensor (a bias, an unused
 token's row) proves that tensor was read, not that every adapted module acts (an engine that
@@ -75,6 +93,9 @@ from atlas_lightning.errors import InputError
 RESIDUAL_LIMIT = 0.25
 #: A movement decides once its norm is at least this many noises (module doc, "Measurable").
 MEASURABLE = 16.0
+#: At the start, a movement this many noises long with its residual within the limit is verified
+#: (module doc, "Verifiable, at the start").
+VERIFIABLE = 4.0
 #: The marked adapter moves the trainer's probe by about this many noises (accepted within 2x).
 MARK_NOISES = 64.0
 #: Trainer-only tries to size the marked adapter's shift.
@@ -122,6 +143,10 @@ class Movement:
     @property
     def measurable(self) -> bool:
         return self.expected >= MEASURABLE * self.noise
+
+    @property
+    def verifiable(self) -> bool:
+        return self.expected >= VERIFIABLE * self.noise
 
     @property
     def ratio(self) -> float:
@@ -206,13 +231,15 @@ class MovementCheck:
         """Judge the move from the reference to ``reading``; a verified one becomes the reference.
         ``starting``: what the starting check loaded (a failure is then a ``StartingCheckError``);
         ``may_wait``: a move too small to decide is left undecided (default: outside the starting
-        check). Raises ``WeightSyncError`` when the engine does not follow."""
+        check; there a verifiable move within the limit is verified, module doc). Raises
+        ``WeightSyncError`` when the engine does not follow."""
         moved = movement(self.reference, reading, self.noise)
         self.last = moved
-        if not moved.measurable and (starting is None if may_wait is None else may_wait):
+        decided = moved.measurable or (starting is not None and moved.verifiable and moved.applied)
+        if not decided and (starting is None if may_wait is None else may_wait):
             self.unverified_syncs += 1
             return moved
-        if not (moved.measurable and moved.applied):
+        if not (decided and moved.applied):
             raise (StartingCheckError if starting else WeightSyncError)(self._refusal(moved, reading, starting))
         self.last_ratio = moved.ratio
         self._verified(reading)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from atlas_lightning.errors import InputError
-from atlas_lightning.rollout.sync_probe import (MEASURABLE, RESIDUAL_LIMIT, MovementCheck, Reading,
+from atlas_lightning.rollout.sync_probe import (MEASURABLE, RESIDUAL_LIMIT, VERIFIABLE, MovementCheck, Reading,
                                                 StartingCheckError, WeightSyncError, mark_shift, noise_floor)
 
 TOKENS = 99
@@ -116,6 +116,65 @@ def test_at_the_start_a_movement_too_small_to_decide_is_refused_not_waited_on():
     barely = BASE + check.noise * DIRECTION
     with pytest.raises(StartingCheckError):
         check.check(_reading(0, barely, engine.serve(barely)), starting="the marked adapter")
+
+
+class GrowingGapEngine:
+    """A bf16 engine whose gap to the trainer grows with the distance from the actor: a fixed gap
+    of norm ``ACTOR_GAP`` plus ``RELATIVE`` of the movement, as the 27B-shaped hybrid showed on
+    an H100 (vLLM, fla in the trainer): the marked adapter moved the probe by 51.5, its gap was
+    5.92, and the move back was off by 6.2 (a ratio of 0.12)."""
+
+    ACTOR_GAP, RELATIVE = 1.6, 0.115
+
+    def __init__(self, actor: np.ndarray) -> None:
+        self.actor = actor
+        self.bias = np.random.default_rng(3).normal(0.0, 1.0, actor.size)
+        self.bias *= self.ACTOR_GAP / np.linalg.norm(self.bias)
+
+    def serve(self, trainer: np.ndarray) -> np.ndarray:
+        return trainer + self.bias + self.RELATIVE * (trainer - self.actor)
+
+
+def _hybrid_start(keeps_the_mark: bool = False, ignores: bool = False):
+    """The starting check's marked excursion on ``GrowingGapEngine``: the actor, the marked actor
+    (moved by 51.5 in norm), the actor again; returns the check and the return move."""
+    engine = GrowingGapEngine(BASE)
+    check = MovementCheck("lora", "bfloat16")
+    check.start(_reading(0, BASE, engine.serve(BASE)))
+    marked = BASE + 51.5 * DIRECTION / np.linalg.norm(DIRECTION)
+    check.check(_reading(0, marked, engine.serve(BASE if ignores else marked)), starting="the marked adapter")
+    moved = check.check(_reading(0, BASE, engine.serve(marked if keeps_the_mark else BASE)),
+                        starting="the actor served again after the marked adapter")
+    return check, moved
+
+
+def test_at_the_start_a_verifiable_move_within_the_limit_passes_where_the_gap_grows_with_the_movement():
+    check, back = _hybrid_start()
+    assert not back.measurable  # the marked gap became the noise: 8.7 noises, under MEASURABLE
+    assert back.verifiable and back.applied and back.ratio == pytest.approx(0.115, rel=0.05)
+    assert VERIFIABLE * back.noise <= back.expected < MEASURABLE * back.noise
+    assert back.noise > 3 * GrowingGapEngine.ACTOR_GAP  # the marked state's gap
+    assert check.reference.trainer is not None and check.unverified_syncs == 0 and check.last_ratio == back.ratio
+
+
+def test_at_the_start_an_engine_that_keeps_the_marked_adapter_is_refused_on_the_way_back():
+    with pytest.raises(StartingCheckError, match=r"the actor served again after the marked adapter .* "
+                                                 r"(0\.9\d|1\.0\d) of the expected movement"):
+        _hybrid_start(keeps_the_mark=True)
+
+
+def test_at_the_start_an_engine_that_ignores_the_adapter_is_refused_where_the_gap_grows():
+    with pytest.raises(StartingCheckError, match=r"with the marked adapter .* 1\.0\d of the expected movement"):
+        _hybrid_start(ignores=True)
+
+
+def test_after_the_start_a_verifiable_but_unmeasurable_move_still_waits():
+    engine = Engine()
+    check = _started(engine)
+    after = BASE + (VERIFIABLE + MEASURABLE) / 2 * check.noise * DIRECTION / np.linalg.norm(DIRECTION)
+    moved = check.check(_reading(1, after, engine.serve(after)))
+    assert moved.verifiable and not moved.measurable and check.unverified_syncs == 1
+    assert check.reference.version == 0
 
 
 def test_an_engine_that_applies_the_change_twice_is_refused():
