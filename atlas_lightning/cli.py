@@ -25,8 +25,9 @@ import os
 import sys
 from pathlib import Path
 
-from atlas_lightning.config import ConfigError, redacted_text
-from atlas_lightning.errors import InputError, RunStopped
+from atlas_lightning.config import ConfigError
+from atlas_lightning.errors import InputError
+from atlas_lightning.run.exit_codes import exit_code
 
 CONFIG_VERBS = {
     "fit": "train: rollouts, PPO updates, validation, checkpoints",
@@ -239,28 +240,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
-    try:
-        if args.verb == "data":
-            return _run_data(args)
-        if args.verb == "preflight":
-            from atlas_lightning.run.preflight import main as preflight_main
+    return exit_code(f"atlas-lightning {args.verb}", lambda: _run_verb(args, argv))
 
-            return preflight_main(argv[1:])
-        return _run_config_verb(args)
-    # each message masked as the run's files are (a launcher tees stderr into logs/): a value named
-    # in a refusal may be a URL with its password
-    except ConfigError as err:
-        print(f"atlas-lightning {args.verb}: config error: {redacted_text(str(err))}", file=sys.stderr)
-        return 2
-    except InputError as err:  # a question file, adapter or checkpoint folder that cannot be used
-        print(f"atlas-lightning {args.verb}: {redacted_text(str(err))}", file=sys.stderr)
-        return 2
-    except RunStopped as err:  # a fault part-way; the last complete checkpoint resumes (run/faults.py)
-        print(f"atlas-lightning {args.verb}: stopped: {redacted_text(str(err))}", file=sys.stderr)
-        return err.exit_code
-    except NotImplementedError as err:
-        print(f"atlas-lightning {args.verb}: not available yet: {redacted_text(str(err))}", file=sys.stderr)
-        return 3
+
+def _run_verb(args: argparse.Namespace, argv: list[str]) -> int:
+    """The parsed verb, run; a refusal or a stop part-way propagates to ``main``'s ``exit_code``."""
+    if args.verb == "data":
+        return _run_data(args)
+    if args.verb == "preflight":
+        from atlas_lightning.run.preflight import main as preflight_main
+
+        return preflight_main(argv[1:])
+    return _run_config_verb(args)
 
 
 if __name__ == "__main__":

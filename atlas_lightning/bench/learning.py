@@ -9,7 +9,9 @@ Each seed runs ``atlas-lightning fit experiment=tiny-cpu seed=S data.seed=S name
 paths.root=ROOT`` in a subprocess (a run already finished under ROOT is reused), then the
 validation records it wrote (``artifacts/<name>/val/step_N/*.json``: tiny-cpu samples 6
 trajectories a question at temperature 1, with the same request seeds at every validation) are
-read back. Figures, per seed and validation step: the objective ``acc - lambda *
+read back. The overrides are composed first, as each seed's ``fit`` will: a bad one is refused
+(exit 2, one line naming the key) before anything is written; a ``fit`` that fails ends this with
+its exit code. Figures, per seed and validation step: the objective ``acc - lambda *
 dollars`` (the reward breakdown's ``objective``), accuracy, dollars, explores per episode. The
 test of learning is paired: for every validation question, the objective at the last step minus
 the objective at step 0; the mean difference and its standard error (sample standard deviation
@@ -17,7 +19,7 @@ of the differences / sqrt(questions)); ``z`` = mean / SE. Learning is shown when
 
 Output: a markdown table on stdout and ``ROOT/learning.json``. Who calls it: people, and the
 README's figures come from it. The reading and the test are ``store/learning_curve.py``'s, which
-``fit``'s closing summary prints for any run. Needs no torch (only the CLI it launches).
+``fit``'s closing summary prints for any run. Needs no torch (hydra to compose; the CLI it launches).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from atlas_lightning.run.exit_codes import exit_code
 from atlas_lightning.store.learning_curve import read_step, summarize, val_steps
 
 EXPERIMENT = "tiny-cpu"
@@ -39,13 +42,33 @@ def run_name(seed: int) -> str:
     return f"{EXPERIMENT}-seed{seed}"
 
 
+def fit_command(root: Path, seed: int, overrides: list[str]) -> list[str]:
+    """The ``atlas-lightning fit`` command line of one seed's run under ``root``."""
+    return [sys.executable, "-m", "atlas_lightning.cli", "fit", *fit_overrides(root, seed, overrides)]
+
+
+def fit_overrides(root: Path, seed: int, overrides: list[str]) -> list[str]:
+    """One seed's overrides: the experiment, the seed, the run's name and root, then the user's."""
+    return [f"experiment={EXPERIMENT}", f"seed={seed}", f"data.seed={seed}", f"name={run_name(seed)}",
+            f"paths.root={root}", *overrides]
+
+
+def check_overrides(root: Path, seeds: list[int], overrides: list[str]) -> None:
+    """Every seed's config composed as its ``fit`` will compose it: a ``ConfigError`` naming the
+    key before anything is written or started."""
+    from atlas_lightning.config import compose
+
+    for seed in seeds:
+        compose(fit_overrides(root, seed, overrides))
+
+
 def train(root: Path, seed: int, overrides: list[str]) -> float:
-    """Run one seed's ``fit`` unless ROOT already holds its finished run; seconds it took (0 if reused)."""
+    """Run one seed's ``fit`` unless ROOT already holds its finished run; seconds it took (0 if reused).
+    A ``fit`` that fails raises ``CalledProcessError`` (its own line is on stderr already)."""
     name = run_name(seed)
     if (root / "checkpoints" / name / "latest_checkpointed_iteration.txt").is_file() and _finished(root, name):
         return 0.0
-    command = [sys.executable, "-m", "atlas_lightning.cli", "fit", f"experiment={EXPERIMENT}", f"seed={seed}",
-               f"data.seed={seed}", f"name={name}", f"paths.root={root}", *overrides]
+    command = fit_command(root, seed, overrides)
     print("$ " + " ".join(command), file=sys.stderr, flush=True)
     started = time.monotonic()
     subprocess.run(command, check=True, env=dict(os.environ, WANDB_MODE=os.environ.get("WANDB_MODE", "offline")))
@@ -78,6 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="read finished runs, train nothing")
     parser.add_argument("overrides", nargs="*", help="hydra overrides for every seed's fit (after --)")
     args = parser.parse_args(argv)
+    try:
+        return exit_code(parser.prog, lambda: learn(args))
+    except subprocess.CalledProcessError as err:  # a seed's fit refused or stopped: its line is above
+        run = next(arg.removeprefix("name=") for arg in err.cmd if arg.startswith("name="))
+        print(f"{parser.prog}: the fit of {run} exited {err.returncode} (its own line is above)", file=sys.stderr)
+        return err.returncode if err.returncode > 0 else 1
+
+
+def learn(args: argparse.Namespace) -> int:
+    """Train each seed (unless ``--report-only``), then the table and ``ROOT/learning.json``."""
+    if not args.report_only:
+        check_overrides(args.root, args.seeds, args.overrides)
     args.root.mkdir(parents=True, exist_ok=True)
     results: dict = {"experiment": EXPERIMENT, "overrides": args.overrides, "seeds": {}}
     for seed in args.seeds:
@@ -99,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     (args.root / "learning.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     print(markdown(results))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -61,6 +61,8 @@ from typing import Any, Optional
 
 import lightning as L
 
+from atlas_lightning.run.exit_codes import exit_code, report
+
 from .step_names import CHECKPOINT_CALLBACKS, VALIDATION_CALLBACK
 
 GIB = 2**30
@@ -540,33 +542,36 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--replay-step", type=int, default=1)
     parser.add_argument("overrides", nargs="*", help="the fit's overrides (after --)")
     args = parser.parse_args(argv)
-    if args.build:
-        if args.model_dir is None or args.tokenizer_from is None:
-            parser.error("--build needs --model-dir and --tokenizer-from")
-        from atlas_lightning.errors import InputError
+    if args.build and (args.model_dir is None or args.tokenizer_from is None):
+        parser.error("--build needs --model-dir and --tokenizer-from")
+    return exit_code(parser.prog, lambda: _build_and_fit(args, parser.prog))
 
-        started = time.monotonic()
-        try:
-            check_build(args.build, args.layers, args.tokenizer_from)
-        except InputError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        build_model_folder(args.build, args.model_dir, args.tokenizer_from, args.layers)
-        print(f"model folder {args.model_dir} ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
+
+def _build_and_fit(args: argparse.Namespace, program: str) -> int:
+    """``--build``'s model folder, then ``fit`` on the overrides with the benchmark's callback; a
+    clean stop part-way prints its line, then the steps measured (``step_bench.md``). A bad option
+    or override raises (``InputError``, ``ConfigError``) before anything is built or written."""
     from atlas_lightning.config import compose
     from atlas_lightning.errors import RunStopped
-    from atlas_lightning.run.verbs import fit
 
+    started = time.monotonic()
+    if args.build:
+        check_build(args.build, args.layers, args.tokenizer_from)
     out = args.out.resolve()
+    cfg = compose([*args.overrides, "+callbacks.step_bench._target_=atlas_lightning.bench.step.StepBenchCallback",
+                   f"+callbacks.step_bench.out={out}", f"+callbacks.step_bench.replay_step={args.replay_step}"])
+    if args.build:
+        build_model_folder(args.build, args.model_dir, args.tokenizer_from, args.layers)
+        print(f"model folder {args.model_dir} ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    from atlas_lightning.run.verbs import fit  # after compose: a bad override is refused before fit's imports load
+
     try:
-        code = fit(compose([*args.overrides, "+callbacks.step_bench._target_=atlas_lightning.bench.step.StepBenchCallback",
-                            f"+callbacks.step_bench.out={out}", f"+callbacks.step_bench.replay_step={args.replay_step}"]))
+        code = fit(cfg)
     except RunStopped as err:  # a clean stop part-way (``run/faults.py``): its line, then the steps measured
-        print(f"stopped: {err}", file=sys.stderr)
-        code = err.exit_code
-    report = out / "step_bench.md"
-    if report.is_file():
-        print(report.read_text())
+        code = report(program, err)
+    report_file = out / "step_bench.md"
+    if report_file.is_file():
+        print(report_file.read_text())
     return int(code or 0)
 
 

@@ -48,10 +48,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from atlas_lightning.errors import InputError
+from atlas_lightning.run.exit_codes import exit_code
 from atlas_lightning.store.learning_curve import read_step, summarize, val_steps
 from atlas_lightning.store.checkpoints import MARKER, checkpoint_step, is_complete, step_dir
 
+PROGRAM = "atlas-lightning bench step-suite"
 STAGES = ("a", "kr", "merged", "b", "h", "hm")
+#: the experiment each stage's fit composes on
+STAGE_EXPERIMENTS = {"a": "h200-tiny", "kr": "h200-tiny", "merged": "h200-tiny", "b": "h200-8b", "h": "h200-8b",
+                     "hm": "h200-8b"}
 #: the history columns a stage's JSON keeps (the phases' seconds and peaks, rollout, validation)
 HISTORY_PREFIXES = ("timing_s/", "memory/", "rollout/", "perf/", "val/", "critic/score", "actor/", "response_length")
 #: a log longer than this keeps its end only (vLLM is verbose)
@@ -181,13 +187,14 @@ def run_summary(root: Path, name: str) -> dict:
 
 
 def stage_a(suite: Suite, opts: argparse.Namespace) -> None:
-    kill_resume(suite, "a", "h200-tiny", opts.a_kill_at, opts.a_s, ["experiment=h200-tiny", *suite.common])
+    kill_resume(suite, "a", "h200-tiny", opts.a_kill_at, opts.a_s,
+                [f"experiment={STAGE_EXPERIMENTS['a']}", *suite.common])
 
 
 def stage_kr(suite: Suite, opts: argparse.Namespace) -> None:
     """Merged sync (sleep level 2), SIGKILL after step 1, resume to step 2, at a smaller batch."""
     kill_resume(suite, "kr", "h200-tiny-kr", 1, opts.kr_s, [
-        "experiment=h200-tiny", *suite.common, f"model.path={suite.cache / opts.kr_model}",
+        f"experiment={STAGE_EXPERIMENTS['kr']}", *suite.common, f"model.path={suite.cache / opts.kr_model}",
         "rollout.weight_sync=merged", "trainer.total_steps=2", "trainer.save_every=1", "trainer.val_every=0",
         "trainer.val_before_train=false", "callbacks.validation.val_on_last_step=false", f"rollout.n={opts.kr_n}"])
 
@@ -206,8 +213,8 @@ def _step_bench(suite: Suite, label: str, cap_s: float, bench_args: list[str], o
 def stage_merged(suite: Suite, opts: argparse.Namespace) -> None:
     suite.note("merged: fit h200-tiny with rollout.weight_sync=merged, 2 steps, step benchmark")
     _step_bench(suite, "merged", opts.merged_s, [], [
-        "experiment=h200-tiny", "name=h200-tiny-merged", f"paths.root={suite.runs / 'merged'}", *suite.common,
-        "rollout.weight_sync=merged", "trainer.total_steps=2", "trainer.val_every=0",
+        f"experiment={STAGE_EXPERIMENTS['merged']}", "name=h200-tiny-merged", f"paths.root={suite.runs / 'merged'}",
+        *suite.common, "rollout.weight_sync=merged", "trainer.total_steps=2", "trainer.val_every=0",
         "trainer.val_before_train=false", "trainer.save_every=0"])
 
 
@@ -216,8 +223,8 @@ def stage_b(suite: Suite, opts: argparse.Namespace) -> None:
     _step_bench(suite, "b", opts.b_s,
                 ["--build", "dense8b", "--model-dir", str(opts.model_dir), "--tokenizer-from",
                  str(suite.cache / "tiny-model")],
-                ["experiment=h200-8b", f"model.path={opts.model_dir}", f"paths.root={suite.runs / 'b'}",
-                 *suite.common, *shlex.split(opts.b_extra)])
+                [f"experiment={STAGE_EXPERIMENTS['b']}", f"model.path={opts.model_dir}",
+                 f"paths.root={suite.runs / 'b'}", *suite.common, *shlex.split(opts.b_extra)])
 
 
 def _stage_hybrid(suite: Suite, opts: argparse.Namespace, sync: str, cap_s: float) -> None:
@@ -226,7 +233,7 @@ def _stage_hybrid(suite: Suite, opts: argparse.Namespace, sync: str, cap_s: floa
     _step_bench(suite, label, cap_s,
                 ["--build", "qwen3_6_27b", "--layers", str(opts.h_layers), "--model-dir", str(opts.h_model_dir),
                  "--tokenizer-from", str(suite.cache / "tiny-model")],
-                ["experiment=h200-8b", f"name=h200-27b-{sync}", f"model.path={opts.h_model_dir}",
+                [f"experiment={STAGE_EXPERIMENTS['h']}", f"name=h200-27b-{sync}", f"model.path={opts.h_model_dir}",
                  "model.linear_attention_kernel=fla", f"rollout.weight_sync={sync}", f"paths.root={suite.runs / label}",
                  *suite.common, *shlex.split(opts.h_extra)])
 
@@ -241,10 +248,14 @@ def stage_hm(suite: Suite, opts: argparse.Namespace) -> None:
 
 def link_checkout_packages() -> None:
     """Uninstalled, the package's ``callbacks/`` and ``conf/`` are the checkout's top-level folders
-    (pyproject's package-dir): link them into the package so that ``fit`` imports them."""
+    (pyproject's package-dir): link them into the package so that ``fit`` imports them. Installed
+    (editable too), they import already and nothing is linked."""
+    from importlib.util import find_spec
+
     package = Path(__file__).resolve().parents[1]
     for name in ("callbacks", "conf"):
-        if not (package / name).exists() and (package.parent / name).is_dir():
+        linkable = not (package / name).exists() and (package.parent / name).is_dir()
+        if linkable and find_spec(f"atlas_lightning.{name}") is None:
             (package / name).symlink_to(Path("..") / name)
 
 
@@ -267,7 +278,7 @@ def environment() -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="atlas-lightning bench step-suite", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.splitlines()[0])
     p.add_argument("stages", nargs="+", choices=STAGES, metavar="STAGE", help=f"of {', '.join(STAGES)}, in order")
     p.add_argument("--out", type=Path, default=Path("/tmp/out"), help="what each stage measured, summary.txt")
     p.add_argument("--cache", type=Path, default=Path(os.environ.get(
@@ -288,12 +299,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def split_overrides(option: str, text: str) -> list[str]:
+    """``text`` (the value of ``option``) split as a shell would; ``InputError`` naming the option otherwise."""
+    try:
+        return shlex.split(text)
+    except ValueError as err:  # an unclosed quote
+        raise InputError(f"{option} {text!r}: {err}") from None
+
+
+def check_overrides(suite: Suite, opts: argparse.Namespace) -> None:
+    """The user's overrides (``--extra``, ``--b-extra``, ``--h-extra``) composed on each chosen
+    stage's experiment with the suite's common overrides: a ``ConfigError`` naming the options and the key
+    before anything is written or started (each stage's ``fit`` would refuse them, one by one)."""
+    from atlas_lightning.config import ConfigError, compose
+
+    own = {"b": ("--b-extra", opts.b_extra), "h": ("--h-extra", opts.h_extra), "hm": ("--h-extra", opts.h_extra)}
+    for stage in opts.stages:
+        option, text = own.get(stage, (None, ""))
+        more = split_overrides(option, text) if option else []
+        try:
+            compose([f"experiment={STAGE_EXPERIMENTS[stage]}", *suite.common, *more])
+        except ConfigError as err:
+            named = "--extra" + (f", {option}" if option else "")
+            raise ConfigError(f"stage {stage} ({named}): {err}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    suite = Suite(out=opts.out, cache=opts.cache, runs=opts.runs, extra=shlex.split(opts.extra))
+    return exit_code(PROGRAM, lambda: run_stages(opts))
+
+
+def run_stages(opts: argparse.Namespace) -> int:
+    """The overrides checked, then each stage in order; ``summary.txt`` and the step reports printed."""
+    suite = Suite(out=opts.out, cache=opts.cache, runs=opts.runs, extra=split_overrides("--extra", opts.extra))
+    link_checkout_packages()  # before the check: compose reads the package's conf/
+    check_overrides(suite, opts)
     suite.out.mkdir(parents=True, exist_ok=True)
     suite.runs.mkdir(parents=True, exist_ok=True)
-    link_checkout_packages()
     for line in environment():
         suite.note(line)
     for stage in opts.stages:

@@ -5,7 +5,7 @@
 Synthetic steps (the memory check's, ``run/memory_check.py``) through ``PPOModule`` under
 ``ModelParallelStrategy``, ``FaultInjection(FAULT, step=2, rank=RANK)``, inside
 ``run/faults.py``'s ``stops_cleanly``; a ``RunStopped`` prints the CLI's stop line and exits
-with its code, as ``atlas-lightning fit`` does.
+with its code (``run/exit_codes.report``), as ``atlas-lightning fit`` does.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from atlas_lightning.callbacks.faults import FaultInjection
 from atlas_lightning.config import compose
 from atlas_lightning.errors import RunStopped
 from atlas_lightning.ppo.module import PPOModule
+from atlas_lightning.run.exit_codes import report
 from atlas_lightning.run.faults import stops_cleanly
 from atlas_lightning.run.memory_check import SyntheticData, vocab_size_of
 from atlas_lightning.run.wiring import build_strategy
@@ -42,8 +43,7 @@ def main() -> int:
         with stops_cleanly(root / "checkpoints", last_step=lambda: module.finished_step, trainer=trainer):
             trainer.fit(module, datamodule=SyntheticData(cfg, steps=3, vocab_size=vocab_size_of(cfg)))
     except RunStopped as err:
-        print(f"atlas-lightning fit: stopped: {err}", file=sys.stderr)
-        return err.exit_code
+        return report("atlas-lightning fit", err)
     return 0
 
 

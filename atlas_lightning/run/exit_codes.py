@@ -1,0 +1,56 @@
+"""How a command ends when a verb refuses its input or stops part-way: one line on stderr naming
+what is wrong, and an exit code (``errors.py`` lists them). No traceback: the line is the message.
+
+    ConfigError          -> 2, "PROGRAM: config error: MESSAGE"  (a key or value of the config)
+    InputError           -> 2, "PROGRAM: MESSAGE"                (a file, folder or option that cannot be used)
+    RunStopped           -> its exit_code (4 to 7), "PROGRAM: stopped: MESSAGE"  (a fault part-way)
+    NotImplementedError  -> 3, "PROGRAM: not available yet: MESSAGE"
+
+Every command that composes a config or runs a verb ends through here: ``atlas-lightning``
+(``cli.py``, PROGRAM ``atlas-lightning fit``, ...) and the benchmarks that run ``fit``
+(``bench/step.py``, ``bench/learning.py``, ``bench/step_suite.py``, PROGRAM their
+``python -m ...`` name), so a bad override reads the same from each. Each message is masked as
+the run's files are (``config.redacted_text``): a launcher tees stderr into logs, and a value
+named in a refusal may be a URL with its password.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+from atlas_lightning.config import ConfigError, redacted_text
+from atlas_lightning.errors import InputError, RunStopped
+
+#: the exceptions a command answers with one line and an exit code; anything else is a bug (a traceback)
+ANSWERED = (ConfigError, InputError, RunStopped, NotImplementedError)
+
+
+def exit_code_and_line(program: str, err: BaseException) -> tuple[int, str]:
+    """The exit code and the stderr line for ``err`` (one of ``ANSWERED``), raised under ``program``."""
+    message = redacted_text(str(err))
+    if isinstance(err, ConfigError):  # before InputError: a ConfigError is one
+        return 2, f"{program}: config error: {message}"
+    if isinstance(err, InputError):  # a question file, adapter, checkpoint folder or option that cannot be used
+        return 2, f"{program}: {message}"
+    if isinstance(err, RunStopped):  # a fault part-way; the last complete checkpoint resumes (run/faults.py)
+        return err.exit_code, f"{program}: stopped: {message}"
+    if isinstance(err, NotImplementedError):
+        return 3, f"{program}: not available yet: {message}"
+    raise TypeError(f"exit_code_and_line: {type(err).__name__} is not one of {[e.__name__ for e in ANSWERED]}")
+
+
+def report(program: str, err: BaseException) -> int:
+    """Print ``err``'s line (``exit_code_and_line``) on stderr; its exit code."""
+    code, line = exit_code_and_line(program, err)
+    print(line, file=sys.stderr)
+    return code
+
+
+def exit_code(program: str, action: Callable[[], Optional[int]]) -> int:
+    """``action()``'s exit code (None: 0), or, when it raises one of ``ANSWERED``, the code
+    ``report`` prints the line for. Other exceptions propagate (a bug keeps its traceback)."""
+    try:
+        return int(action() or 0)
+    except ANSWERED as err:
+        return report(program, err)
