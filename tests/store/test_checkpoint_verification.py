@@ -346,12 +346,18 @@ def test_a_resume_whose_tensors_do_not_fit_its_adapters_is_refused_before_anythi
     """The whole class: whatever the state lacks, holds beside, or holds of another shape or not
     finite, measured against the checkpoint's own adapters, is named before the run writes (a
     distributed state from its metadata: shapes, not values)."""
-    from atlas_lightning.run.facts import check_inputs
 
     if distributed and damage in ("a_nan_tensor", "nan_moments"):
         pytest.skip("a distributed state's values are read by the load, not at the start (run/resume_tensors.py)")
     if distributed and damage == "no_state_dict":
         pytest.skip("Lightning writes a distributed state_dict always (an_empty_state_dict tries it)")
+    _refused_once_changed(tmp_path, cfg_of, change, message, distributed)
+
+
+def _refused_once_changed(tmp_path, cfg_of, change, message: str, distributed: bool) -> None:
+    """A resumable state is accepted at start-up; ``change`` of it is refused with ``message``."""
+    from atlas_lightning.run.facts import check_inputs
+
     folder = _checkpoint(tmp_path / "elsewhere", 3)
     _write_state(folder, resumable_state(), distributed)
     check_inputs(cfg_of(f"trainer.resume={folder}"))  # whole: accepted
@@ -391,14 +397,8 @@ def _write_state(folder, state, distributed: bool) -> None:
 @pytest.mark.parametrize("damage, change, message", _PARTIAL, ids=[d for d, _, _ in _PARTIAL])
 def test_a_resume_from_a_partial_state_is_refused_before_anything_is_written(tmp_path, cfg_of, damage, change, message,
                                                                            distributed):
-    from atlas_lightning.run.facts import check_inputs
 
-    folder = _checkpoint(tmp_path / "elsewhere", 3)
-    _write_state(folder, resumable_state(), distributed)
-    check_inputs(cfg_of(f"trainer.resume={folder}"))  # whole: accepted
-    _write_state(folder, change(resumable_state()), distributed)
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        check_inputs(cfg_of(f"trainer.resume={folder}"))
+    _refused_once_changed(tmp_path, cfg_of, change, message, distributed)
 
 
 def test_an_actor_that_has_not_stepped_yet_resumes(tmp_path, cfg_of):
