@@ -97,10 +97,33 @@ class Measured:
     step: Optional[int] = None
 
 
+def read_bench(path: Path, step: Optional[int] = None) -> Measured:
+    """``inputs_from_bench`` of the ``step_bench.json`` at ``path``; ``InputError`` naming the
+    file and what it lacks (not JSON, no such step, a missing field) instead of a traceback."""
+    from atlas_lightning.errors import InputError
+
+    try:
+        bench = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"--bench {path}: not a readable step_bench.json ({err})") from None
+    try:
+        return inputs_from_bench(bench, step)
+    except ValueError as err:
+        raise InputError(f"--bench {path}: {err}") from None
+    except KeyError as err:
+        raise InputError(f"--bench {path}: not a step_bench.json of bench/step.py (no field {err})") from None
+    except (TypeError, AttributeError) as err:  # a field of another kind (a list where a table goes)
+        raise InputError(f"--bench {path}: not a step_bench.json of bench/step.py ({err})") from None
+
+
 def inputs_from_bench(bench: dict, step: Optional[int] = None) -> Measured:
-    """``Measured`` from a ``bench/step.py`` report (its ``step`` row, default the last)."""
+    """``Measured`` from a ``bench/step.py`` report (its ``step`` row, default the last);
+    ``ValueError`` when it has no such step."""
     rows = bench["steps"]
-    row = next((r for r in rows if r["step"] == step), rows[-1]) if step else rows[-1]
+    steps = [r["step"] for r in rows]
+    if not rows or (step is not None and step not in steps):
+        raise ValueError(f"no measured step {step} (it has steps {steps})" if rows else "no measured step")
+    row = next(r for r in rows if r["step"] == step) if step is not None else rows[-1]
     mfu = row.get("useful_mfu") or {}
     plain = bench.get("plain_generate", {})
     phases, callbacks = row["phases_s"], row.get("callbacks_s", {})
@@ -184,9 +207,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.add_argument(f"--{name}", type=float, default=None, help="replaces the benchmark's figure")
     parser.add_argument("--json", type=Path, default=None, help="also write the projection here")
     args = parser.parse_args(argv)
+    from atlas_lightning.run.exit_codes import exit_code
+
+    return exit_code(parser.prog, lambda: _project(parser, args))
+
+
+def _project(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``main`` after parsing: the measured inputs, the projection, its table (and ``--json``)."""
     given = {k: v for k, v in vars(args).items() if k in Measured.__dataclass_fields__ and v is not None}
     if args.bench:
-        measured = inputs_from_bench(json.loads(args.bench.read_text()), step=args.step)
+        measured = read_bench(args.bench, step=args.step)
         measured = Measured(**{**asdict(measured), **given})
     else:
         missing = [f for f in ("peak_tflops", "update_mfu", "forward_mfu", "decode_tokens_per_s") if f not in given]

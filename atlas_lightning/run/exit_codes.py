@@ -9,7 +9,8 @@ what is wrong, and an exit code (``errors.py`` lists them). No traceback: the li
 Every command that composes a config or runs a verb ends through here: ``atlas-lightning``
 (``cli.py``, PROGRAM ``atlas-lightning fit``, ...) and the benchmarks that run ``fit``
 (``bench/step.py``, ``bench/learning.py``, ``bench/step_suite.py``, PROGRAM their
-``python -m ...`` name), so a bad override reads the same from each. Each message is masked as
+``python -m ...`` name), so a bad override reads the same from each; ``bench/projection.py``
+too, for a step report it cannot read. Each message is masked as
 the run's files are (``config.redacted_text``): a launcher tees stderr into logs, and a value
 named in a refusal may be a URL with its password.
 """

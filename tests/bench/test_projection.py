@@ -3,9 +3,12 @@ stated rule (the inputs here are made up; the module's figures come from a real 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from atlas_lightning.bench.projection import A100_TFLOPS, REPORT_STEP_S, Measured, inputs_from_bench, markdown, project
+from atlas_lightning.bench.projection import (A100_TFLOPS, REPORT_STEP_S, Measured, inputs_from_bench, main, markdown,
+                                              project)
 
 BENCH = {"peak_bf16_tflops": 780.0, "plain_generate": {"tokens_per_s": 3000.0, "gen_vs_plain": 0.9},
          "steps": [{"step": 1, "trajectories": 64, "other_s": 1.0,
@@ -44,3 +47,29 @@ def test_every_checkpoint_callback_is_the_checkpoint_not_the_rest():
     without = inputs_from_bench(BENCH)
     assert with_hub.checkpoint_s == pytest.approx(5.0 + 2.5) and without.checkpoint_s == pytest.approx(5.0)
     assert with_hub.rest_s == pytest.approx(without.rest_s) == pytest.approx(1.0 + 0.5 + 0.1 + 1.0)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "not a readable step_bench.json"),
+    ("{not json", "not a readable step_bench.json"),
+    ('{"steps": []}', "no measured step"),
+    ('{"rows": []}', "not a step_bench.json of bench/step.py (no field 'steps')"),
+    ('{"steps": [{"step": 2}]}', "not a step_bench.json of bench/step.py (no field 'phases_s')"),
+    (json.dumps(BENCH), "no measured step 7 (it has steps [1])"),
+], ids=["missing", "not_json", "no_steps", "other_json", "row_without_phases", "step_not_measured"])
+def test_a_bench_file_that_cannot_serve_exits_2_with_one_line(tmp_path, capsys, content, message):
+    """The file and what it lacks, exit 2, no traceback; a --step the report did not measure is
+    refused, not replaced by its last step."""
+    path = tmp_path / "step_bench.json"
+    if content is not None:
+        path.write_text(content)
+    code = main(["--bench", str(path), "--step", "7"] if "it has steps" in message else ["--bench", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"python -m atlas_lightning.bench.projection: --bench {path}: ") and message in err
+
+
+def test_the_measured_step_named_is_the_one_read():
+    rows = [BENCH["steps"][0], {**BENCH["steps"][0], "step": 2, "trajectories": 8}]
+    assert inputs_from_bench({**BENCH, "steps": rows}, step=1).rest_trajectories == 64
+    assert inputs_from_bench({**BENCH, "steps": rows}).step == 2
