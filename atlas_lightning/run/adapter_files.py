@@ -101,8 +101,8 @@ def check_adapter(cfg, shape, role: str, folder: Path) -> str:
         expect = [rank, linear.in_features] if which == "A" else [linear.out_features, rank]
         if list(info.get("shape", [])) != expect:
             raise ConfigError(f"{source}: {weights} {key} has shape {info.get('shape')}, this base and the "
-                                 f"folder's r={rank} imply {expect} (a different base model, or tensors that do "
-                                 f"not match their own adapter_config.json)")
+                              f"folder's r={rank} imply {expect} (a different base model, or tensors that do "
+                              f"not match their own adapter_config.json)")
         seen += 1
         found_modules.add(module)
     expected_modules = {lin.name for t in set(shape.layer_types) for lin in shape.adapted_linears(t, lora.target_modules)}
@@ -110,7 +110,7 @@ def check_adapter(cfg, shape, role: str, folder: Path) -> str:
         expected_modules = found_modules  # a regex: peft matches it on full names; the tensors say what it matched
     if found_modules != expected_modules:
         raise ConfigError(f"{source}: {weights} adapts {sorted(found_modules)}, its adapter_config.json's "
-                             f"target_modules={saved.get('target_modules')!r} mean {sorted(expected_modules)} on this base")
+                          f"target_modules={saved.get('target_modules')!r} mean {sorted(expected_modules)} on this base")
     count = 2 * sum(len(shape.adapted_linears(t, sorted(found_modules))) for t in shape.layer_types)
     if seen != count and not saved.get("layers_to_transform"):
         raise ConfigError(f"{source}: {weights} holds {seen} LoRA tensors, this base and target modules need {count}")
@@ -143,7 +143,7 @@ def _check_value_head(shape, folder: Path, saved: dict, header: dict, source: st
         shapes = {k: v.get("shape") for k, v in safetensors_header(head).items()}
         if shapes.get("weight") != [1, shape.hidden_size]:
             raise ConfigError(f"{source}: {head} weight has shape {shapes.get('weight')}, expected "
-                                 f"[1, {shape.hidden_size}]")
+                              f"[1, {shape.hidden_size}]")
         return ""
     names = saved.get("modules_to_save") or []
     names = {str(n).split(".")[-1] for n in ([names] if isinstance(names, str) else names)}
@@ -151,8 +151,8 @@ def _check_value_head(shape, folder: Path, saved: dict, header: dict, source: st
                if ".lora_" not in k and k.rpartition(".")[0].split(".")[-1] in names and k.endswith(".weight")}
     if not weights:
         raise ConfigError(f"{source}: {folder} has no value_head.safetensors and no value head among "
-                             f"adapter_config.json's modules_to_save (the critic's value head)")
+                          f"adapter_config.json's modules_to_save (the critic's value head)")
     if len(weights) != 1 or next(iter(weights.values())) != [1, shape.hidden_size]:
         raise ConfigError(f"{source}: {folder}'s modules_to_save hold {weights}; a value head is a weight "
-                             f"[1, {shape.hidden_size}]")
+                          f"[1, {shape.hidden_size}]")
     return f", value head {next(iter(weights))} (modules_to_save)"
