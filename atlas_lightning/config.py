@@ -465,7 +465,7 @@ def _check_gap_resolvable(cfg: DictConfig) -> None:
     move by less than about 0.15 (over 299 tokens; a lora_B shift of 1e-6 already moves it that
     much, and 3e-7 not at all), so the starting check's mark, aimed from a float32-sized gap, is
     out of reach, and once the adapter acts the gap reaches 0.03-0.08 a token. The measured numbers
-    decide, not the device: the GPU configs' bf16 runs set 0.3."""
+    decide, not the device: the GPU configs' bf16 runs set 1.0 (``conf/rollout/vllm_gpu.yaml`` says why)."""
     dtype, ceiling = cfg.model.dtype, cfg.rollout.max_logprob_gap
     floor = CLEAN_GAP_ROUNDINGS * DTYPE_EPS.get(dtype, 0.0)
     if ceiling < floor:
@@ -473,7 +473,7 @@ def _check_gap_resolvable(cfg: DictConfig) -> None:
             f"model.dtype={dtype} with rollout.max_logprob_gap={ceiling}: {dtype} rounding alone makes a clean "
             f"engine's probe log-probs differ from the trainer's by up to {floor:.3g} a token ({CLEAN_GAP_ROUNDINGS} "
             f"x its eps), so the weight sync would refuse every engine; use model.dtype=float32 (CPU runs) or set "
-            f"rollout.max_logprob_gap to {floor:.3g} or more (the GPU configs' bf16 runs use 0.3)")
+            f"rollout.max_logprob_gap to {floor:.3g} or more (the GPU configs' bf16 runs use 1.0)")
 
 
 #: How ``rollout/factory.build_engine`` calls an engine of the user's (a class or factory): a
