@@ -7,6 +7,7 @@ for f in /tmp/dwf/*.part00; do w=${f%.part00}; [ -e "$w" ] || cat "$w".part* > "
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-extra .whl/*.whl >> $OUT/install.log 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla /tmp/dwf/*.whl >> $OUT/install.log 2>&1
 source atlas_lightning/bench/card/env.sh
+bash atlas_lightning/bench/card/cache.sh unpack
 t installed
 python3 -c "import triton, fla, vllm, torch, hydra, liger_kernel; print('triton', triton.__version__, 'fla', fla.__version__, 'vllm', vllm.__version__, 'torch', torch.__version__)"
 python3 -c "from atlas_lightning.models.linear_kernels import fla_problem as p; print('fla:', p() or 'usable')"
