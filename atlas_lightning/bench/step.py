@@ -412,6 +412,20 @@ def _environment() -> dict[str, Any]:
     return out
 
 
+def _card_split(memory: dict) -> str:
+    """The card's use at generation and asleep, each with this process's PyTorch allocator then,
+    less the engine's pool (``rollout/datamodule._card_used``): reserved beyond allocated is
+    cached blocks."""
+    parts = []
+    for key, when in (("gen", "at generation"), ("asleep", "asleep")):
+        line = f"{when} the card held {_fmt(memory.get(f'card_used_gib/{key}'), '.2f')} GiB"
+        if f"torch_reserved_gib/{key}" in memory:
+            line += (f" (PyTorch here: {_fmt(memory[f'torch_reserved_gib/{key}'], '.2f')} reserved, "
+                     f"{_fmt(memory.get(f'torch_allocated_gib/{key}'), '.2f')} allocated)")
+        parts.append(line)
+    return "; ".join(parts)
+
+
 def _fmt(value: Optional[float], spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -453,7 +467,7 @@ def markdown(report: dict) -> str:
                           f"the rest {shares['overhead']:.1%} (validation {shares['validation']:.1%} and checkpoint "
                           f"{shares['checkpoint']:.1%} apart; with both amortised over their periods: "
                           f"{shares['overhead_with_periodic_amortised']:.1%}); "
-                          f"asleep the card held {_fmt(row['memory_gib'].get('card_used_gib/asleep'), '.2f')} GiB", ""]
+                          f"{_card_split(row['memory_gib'])}", ""]
         rate = row.get("tokens_per_s_per_gpu")
         if rate:
             lines += [f"tokens/s/GPU as NeMo-RL counts them (all {row['tokens']:,} tokens / (step s x {rate['gpus']} "

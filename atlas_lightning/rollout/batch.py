@@ -42,8 +42,10 @@ class RolloutBatch:
     #: (set at hand-over: 0 in synchronous layouts, at most ``layout.max_staleness`` otherwise).
     staleness: Optional[int] = None
     #: GiB figures of the rollout on this rank's card (GPUs only; logged as ``memory/<key>``):
-    #: ``card_used_gib/gen`` at the end of generation, ``card_used_gib/asleep`` after the sleep,
-    #: ``engine_allocated_gib`` what PyTorch counts as allocated for the engine (asleep or not).
+    #: ``card_used_gib/gen`` at the end of generation, ``card_used_gib/asleep`` after the sleep
+    #: (each beside ``torch_reserved_gib/*`` and ``torch_allocated_gib/*``, this process's
+    #: PyTorch allocator then, less the engine's pool), ``engine_allocated_gib`` what PyTorch
+    #: counts as allocated for the engine (asleep or not).
     memory: dict = field(default_factory=dict)
     #: Asynchronous layout, set at hand-over: trajectories by how many versions their oldest
     #: generated token lags the trainer's weights (``{k: count}``, k = 0 .. ``layout.max_staleness``),

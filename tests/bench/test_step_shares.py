@@ -44,3 +44,12 @@ def test_tokens_per_gpu_second_counts_every_token_once_over_the_runs_gpus():
     assert rate["step"] == pytest.approx(4000 / (100.0 * gpus))
     assert rate["without_periodic"] == pytest.approx(4000 / (86.0 * gpus))
     assert rate["amortised"] == pytest.approx(4000 / ((86.0 + 8.0 / 5 + 6.0 / 2) * gpus))
+
+
+def test_the_card_line_splits_what_pytorch_holds_from_the_rest_of_the_card():
+    from atlas_lightning.bench.step import _card_split
+
+    memory = {"card_used_gib/gen": 78.67, "torch_reserved_gib/gen": 35.0, "torch_allocated_gib/gen": 25.5,
+              "card_used_gib/asleep": 35.06}  # asleep from a run before the split: the card alone
+    assert _card_split(memory) == ("at generation the card held 78.67 GiB (PyTorch here: 35.00 reserved, 25.50 "
+                                   "allocated); asleep the card held 35.06 GiB")
