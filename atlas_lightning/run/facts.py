@@ -63,8 +63,8 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     """Verify what the run reads before anything is written (every verb that loads the model
     calls it first) and return it: the run's folders (``paths.*``: writable, or creatable), what
     the separate layout's server cannot run (``rollout/layout_checks.py``), what this machine cannot
-    run (``run/environment.check_machine``: cards, W&B, the Hub), ``model.path`` (``planning.model_folder``)
-    and ``model.shape``, the question splits (``data``: ``data.root`` a folder of the benchmarks, every file of the train and validation splits loads,
+    run (``run/environment.check_machine``: cards, W&B, the Hub), ``model.path`` (``planning.model_folder``; its weights
+    every architecture tensor and every value finite: ``run/base_values.py``) and ``model.shape``, the question splits (``data``: ``data.root`` a folder of the benchmarks, every file of the train and validation splits loads,
     ``questions.loader.load_splits``, and is fitted to ``rollout.max_prompt_length`` under
     ``model.path``'s tokenizer, filling a batch: ``rollout/step_questions.fitted_splits``), ``trainer.init_from``
     (a complete checkpoint whose adapters verify against ``checkpoint.json``), the starting
@@ -109,6 +109,7 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
                               f"a fresh adapter)")
     _check_starting_adapters(cfg)
     from atlas_lightning.models.build import check_base_config, check_base_weights
+    from atlas_lightning.run.base_values import check_finite_base
 
     # before the tokenizer loads: that reads config.json too, and fails on a bad one without naming it
     check_base_config(cfg.model.path)
@@ -122,6 +123,7 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     if fitted is not None:
         questions = fitted()
     fingerprint = check_base_weights(cfg.model.path)  # last: it builds the model on the meta device from every header
+    check_finite_base(cfg.model.path)  # and every value of the base, read once (run/base_values.py)
     _check_adapter_bases(cfg, fingerprint, start.resume)
     return RunFacts(folders=folders, lora=lora_shapes(cfg), questions=questions, start=start,
                     question_notes=tuple(question_notes))

@@ -70,11 +70,13 @@ def check_model(cfg) -> str:
     from atlas_lightning.planning.shapes import model_weight_files, read_model_shape
 
     from atlas_lightning.models.build import check_base_weights
+    from atlas_lightning.run.base_values import check_finite_base
     from atlas_lightning.rollout.step_questions import chat_format
 
     folder = Path(cfg.model.path)
     check_model_folder(folder)  # the one check fit, validate, memory-check and plan make
     check_base_weights(folder)  # fit's: the weights are the architecture's, on the meta device
+    check_finite_base(folder)  # fit's: every value of the base finite
     chat_format(cfg)  # fit's: the tokenizer loads, its chat template renders the tools
     shape = read_model_shape(folder)
     files = model_weight_files(folder)
