@@ -57,10 +57,12 @@ def rl_callbacks(trainer: Any, *, besides: Any = None) -> list[RLCallback]:
 class Checkpointable(Protocol):
     """What the step checkpoint and the NaN guard's rollback ask of the LightningModule."""
 
-    def snapshot_adapters(self) -> Callable[[Path], None]:
+    def snapshot_adapters(self, into: Any = None) -> Callable[[Path], None]:
         """Both adapters copied to the host now (collective), and a function that writes those
         copies as ``step_dir/{actor,critic}/lora_adapter/`` later, from any thread, with no
-        collective (rank 0 writes; elsewhere it does nothing): the step checkpoint's adapters."""
+        collective (rank 0 writes; elsewhere it does nothing): the step checkpoint's adapters.
+        ``into``: host buffers the step checkpoint keeps for the run (``models/adapters.HostBuffers``),
+        for the copies to reuse (what they held is no longer read); copying anew is also right."""
 
     def restore_checkpoint(self, step_dir: Path) -> None:
         """The trainable tensors and optimizer states of checkpoint folder ``step_dir``, in

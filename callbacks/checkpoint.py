@@ -23,6 +23,12 @@ rank, naming the step, the folder and the error. ``background=False`` writes inl
 the same code, before the step ends. No checkpoint is ever deleted here (there is no pruning):
 the last complete one stays whatever happens to the one being written.
 
+The host copies go into memory the callback keeps from its first save to the run's end
+(``HostStaging``: pinned on CUDA, the size of what each rank stages), released at fit's end
+(``on_train_end``), after an exception (``on_exception``) or at ``teardown``. Each save
+overwrites the previous save's copies, which is why a save waits for the previous write first
+(``save`` calls ``finish_pending`` before it stages; the staging refuses otherwise).
+
 Non-finite steps are never saved. The module must be ``Checkpointable`` (``snapshot_adapters``),
 as ``PPOModule`` is.
 """
@@ -40,8 +46,8 @@ from atlas_lightning import distributed as dist_utils
 from atlas_lightning.errors import CheckpointWriteError  # raised here; defined below every floor
 from atlas_lightning.store.checkpoints import MARKER, latest_complete
 from atlas_lightning.callbacks.base import rl_callbacks
-from atlas_lightning.callbacks.checkpoint_write import (BackgroundWrite, new_checkpoint_group, stage_checkpoint,
-                                                        writes_sharded_state)
+from atlas_lightning.callbacks.checkpoint_write import (BackgroundWrite, HostStaging, new_checkpoint_group,
+                                                        stage_checkpoint, writes_sharded_state)
 from atlas_lightning.ppo.step_output import read_step_output
 
 log = logging.getLogger(__name__)
@@ -68,6 +74,8 @@ class StepCheckpoint(Checkpoint):
         self.last_saved: Optional[int] = None
         self._pending: Optional[BackgroundWrite] = None
         self._group: Any = None
+        #: the host memory the saves are staged in, from the first save to the run's end
+        self._staging: Optional[HostStaging] = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = batch.step
@@ -91,11 +99,17 @@ class StepCheckpoint(Checkpoint):
 
     def save(self, trainer, pl_module, step: int) -> Path:
         """Stage step ``step``'s checkpoint and write it (in the background with ``background``);
-        returns its folder, complete once ``finish_pending`` has returned. Collective."""
+        returns its folder, complete once ``finish_pending`` has returned. Collective.
+
+        The previous save's write ends first (``finish_pending``): this save's copies overwrite
+        its host copies (``HostStaging``, which refuses otherwise)."""
         self.finish_pending(trainer, pl_module, log_step=step)
         if self._group is None and writes_sharded_state(trainer.strategy):
             self._group = new_checkpoint_group()
-        write = BackgroundWrite(stage_checkpoint(trainer, pl_module, step, self.checkpoints, self._group))
+        if self._staging is None:
+            self._staging = HostStaging(on_cuda=trainer.strategy.root_device.type == "cuda")
+        write = BackgroundWrite(stage_checkpoint(trainer, pl_module, step, self.checkpoints, self._staging,
+                                                 self._group))
         self._pending = write
         if self.background:
             write.start()
@@ -127,22 +141,29 @@ class StepCheckpoint(Checkpoint):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.finish_pending(trainer, pl_module)
+        self._release_staging()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         """The run failed: let a write in flight finish (it is a good checkpoint of an earlier
         step), without collectives (other ranks may be gone), up to ``EXIT_WAIT_S``."""
         write, self._pending = self._pending, None
-        if write is None:
-            return
-        if not write.join(EXIT_WAIT_S):
+        if write is not None and not write.join(EXIT_WAIT_S):
             log.warning("checkpoint of step %d still being written after %.0f s; left without its %s",
                         write.staged.step, EXIT_WAIT_S, MARKER)
-        elif write.error is not None:
+        elif write is not None and write.error is not None:
             log.warning("checkpoint of step %d could not be written: %s", write.staged.step, write.error)
+        self._release_staging()  # Lightning calls no teardown after an exception
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         if self._pending is not None:  # not finished by on_train_end or on_exception: let it end, as there
             self._pending.join(EXIT_WAIT_S)
+        self._release_staging()
+
+    def _release_staging(self) -> None:
+        """The staging memory goes (a write still under way keeps its copies); a later save makes it anew."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.close()
 
     def state_dict(self) -> dict:
         return {"last_saved": self.last_saved}

@@ -15,11 +15,35 @@ process group the step uses, so it may run on a background thread while the next
 process killed at any moment leaves ``global_step_N/`` without its marker: not a checkpoint
 (``store/checkpoints.py``), and the previous complete one is what a resume finds.
 
+The host copies go into memory kept for the run (``HostStaging``, one per ``StepCheckpoint``),
+not memory allocated at every save: the staging is the part of a checkpoint the step waits for,
+and fresh pageable memory, faulted in page by page and copied one tensor at a time, ran at
+~0.8 GB/s on an H100. Lightning's state goes through one torch ``DefaultStager`` for the run: its
+``StateDictStager`` keeps a host copy per source storage, and the LoRA factors and AdamW moments
+keep their storages from step to step, so from the second save on each is copied into the same
+host memory. The adapters are gathered whole into new tensors at every save (under FSDP2 by
+``full_tensor``), which a cache keyed by storage would miss every time (a second stager would
+allocate, and pin, afresh at every save): they go into ``models/adapters.HostBuffers``, keyed by
+name. On CUDA both are pinned (page-locked) and copied without waiting on each tensor, then
+synchronized once per call; on CPU they are plain host memory, reused all the same. The cost:
+that host memory stays allocated for the run, the size of what is staged on each rank (under
+FSDP2 its shards of the trainable tensors and of both optimizers' moments; on rank 0 also both
+adapters whole and the rest of Lightning's state); pinned on CUDA.
+
+Reusing it is safe because of one order: each save's copies overwrite the previous save's, so
+nothing may stage while the previous write still reads them. ``StepCheckpoint.save`` waits for
+that write (``finish_pending``) before it stages, and ``HostStaging.begin`` refuses to stage
+until the checkpoint staged last has ``finished`` (its write ended, well or not, torch's writer
+of the shards included). Nothing else stages into this memory: the weight sync's adapter export
+(``models/adapters.save_adapter``), which runs during the next step while a write may be under
+way, makes new host copies of its own.
+
 The Lightning state keeps its two formats (``store/checkpoints.py``):
 
 * under FSDP2 (``ModelParallelStrategy``) a torch.distributed checkpoint folder, written by
-  torch's own ``async_save``: it stages the state in host memory (``DefaultStager``: a copy,
-  made before it returns) and writes it on a thread of its own, each rank its shards. That is
+  torch's own ``async_save``: it stages the state with the stager it is given
+  (``async_stager=``, the run's ``DefaultStager``: a copy, made before it returns; torch does not
+  close a stager it is given) and writes it on a thread of its own, each rank its shards. That is
   the state's one host copy: ``TrainableStateStrategy`` hands the shards over where they live
   (on the card), where Lightning's own strategy would offload them to the host first
   (``cpu_offload``), a second copy of the same bytes (``run/strategy.py``). Its
@@ -42,7 +66,8 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import wait
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -52,6 +77,7 @@ from torch.distributed.checkpoint import async_save
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from atlas_lightning import distributed as dist_utils
+from atlas_lightning.models.adapters import HostBuffers
 from atlas_lightning.store.atomic import atomic_write_text
 from atlas_lightning.rollout import inflight
 from atlas_lightning.store.checkpoints import LATEST, MARKER, OPTIONAL_PARTS, PARTS, STATE_DIR, step_dir, write_marker
@@ -77,15 +103,50 @@ def new_checkpoint_group() -> Any:
     return dist.new_group(backend="gloo")
 
 
-def host_copy(obj: Any) -> Any:
-    """``obj`` with every tensor copied to host memory (torch's ``DefaultStager``, what
-    ``async_save`` stages with): a copy even of a tensor already on the host."""
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                          use_async_staging=False, use_non_blocking_copy=False))
-    try:
-        return stager.stage(obj)
-    finally:
-        stager.close()
+class HostStaging:
+    """The host memory a ``StepCheckpoint``'s saves are staged in, kept for the run (module doc):
+    torch's ``DefaultStager`` for Lightning's state (``stage``; also what ``async_save`` stages
+    with, ``async_stager=stager``) and name-keyed ``HostBuffers`` for the adapters (``adapters``).
+    On CUDA (``on_cuda``) both are pinned and copied without waiting on each tensor, then
+    synchronized once per call; elsewhere plain host memory, still reused.
+
+    Each save overwrites the previous save's copies, so nothing may stage here while a write from
+    them is under way: ``begin`` refuses to unless the write of the checkpoint staged last has
+    ended (``StagedCheckpoint.finished``); ``StepCheckpoint.save`` waits for it first. Not
+    thread-safe: the main thread stages."""
+
+    def __init__(self, on_cuda: bool) -> None:
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=on_cuda))
+        self.adapters = HostBuffers(pinned=on_cuda)
+        self._staging_step: Optional[int] = None
+        #: the step staged here last and its ``finished`` (not the checkpoint: its copies may go)
+        self._last: Optional[tuple[int, threading.Event]] = None
+
+    def begin(self, step: int) -> None:
+        """Step ``step``'s copies are about to overwrite the buffers: refuse while anything reads them."""
+        if self._staging_step is not None:
+            raise RuntimeError(f"step {step}'s checkpoint cannot be staged: the staging of step "
+                               f"{self._staging_step}'s failed midway, and its write may still read the host copies")
+        if self._last is not None and not self._last[1].is_set():
+            raise RuntimeError(f"step {step}'s checkpoint cannot be staged: the write of step {self._last[0]}'s "
+                               f"still reads the host copies it would overwrite (wait for it first)")
+        self._staging_step = step
+
+    def stage(self, obj: Any) -> Any:
+        """``obj`` with every tensor copied to host memory (a copy even of a tensor already there),
+        into the copies the previous save was staged in where the source's storage is the same."""
+        return self.stager.stage(obj)
+
+    def lend(self, staged: "StagedCheckpoint") -> "StagedCheckpoint":
+        """``staged`` (begun with ``begin``) reads the buffers until its write has ended."""
+        self._staging_step, self._last = None, (staged.step, staged.finished)
+        return staged
+
+    def close(self) -> None:
+        """Let the memory go (a write still under way keeps the copies it holds)."""
+        self.stager.close()
+        self.adapters.clear()
 
 
 @dataclass
@@ -105,6 +166,9 @@ class StagedCheckpoint:
     checkpoint_io: Any = None
     #: Rank 0: the trajectories in flight at the cut, ``{file name: bytes}`` (``rollout/inflight.py``).
     inflight: Optional[dict] = None
+    #: Set once ``write`` has ended, well or not, torch's writer of the shards included: nothing
+    #: reads the host copies any more (``HostStaging.begin``).
+    finished: threading.Event = field(default_factory=threading.Event)
 
     @property
     def folder(self) -> Path:
@@ -113,6 +177,14 @@ class StagedCheckpoint:
     def write(self) -> None:
         """Write every file, then (rank 0) move them into place and write the marker last. No
         collective on the step's process group: safe on a background thread."""
+        try:
+            self._write()
+        finally:
+            if self.sharded is not None:  # an error above may have come before the shards were written
+                wait([self.sharded])
+            self.finished.set()
+
+    def _write(self) -> None:
         tmp, rank_zero = staging_dir(self.checkpoints, self.step), dist_utils.is_rank_zero()
         if rank_zero:
             self.write_adapters(tmp)
@@ -147,10 +219,12 @@ def publish(tmp: Path, final: Path, step: int, checkpoints: Path) -> None:
     atomic_write_text(checkpoints / LATEST, f"{step}\n")
 
 
-def stage_checkpoint(trainer: Any, pl_module: Any, step: int, checkpoints: Path,
+def stage_checkpoint(trainer: Any, pl_module: Any, step: int, checkpoints: Path, staging: HostStaging,
                      group: Any = None) -> StagedCheckpoint:
-    """Host copies of step ``step``'s checkpoint (module doc); under FSDP2 the sharded state's
-    write has already started on ``group`` (``new_checkpoint_group``). Collective."""
+    """Host copies of step ``step``'s checkpoint in ``staging`` (module doc; refused while the
+    previous one's write reads them); under FSDP2 the sharded state's write has already started on
+    ``group`` (``new_checkpoint_group``). Collective."""
+    staging.begin(step)
     tmp = staging_dir(checkpoints, step)
     rank_zero = dist_utils.is_rank_zero()
     if rank_zero:
@@ -159,18 +233,22 @@ def stage_checkpoint(trainer: Any, pl_module: Any, step: int, checkpoints: Path,
     dist_utils.barrier()
     # the trajectories in flight, at a cut (partial rollouts; None otherwise). Collective.
     kept = inflight.capture(trainer.datamodule) if trainer.datamodule is not None else None
-    write_adapters = pl_module.snapshot_adapters()
+    write_adapters = pl_module.snapshot_adapters(into=staging.adapters)
     # what trainer.save_checkpoint saves (it dumps, then writes at once)
     checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     if not writes_sharded_state(trainer.strategy):
-        return StagedCheckpoint(step, checkpoints, write_adapters, host_copy(checkpoint) if rank_zero else None,
-                                checkpoint_io=trainer.strategy.checkpoint_io, inflight=kept)
+        return staging.lend(StagedCheckpoint(step, checkpoints, write_adapters,
+                                             staging.stage(checkpoint) if rank_zero else None,
+                                             checkpoint_io=trainer.strategy.checkpoint_io, inflight=kept))
     # ModelParallelStrategy.save_checkpoint's layout: the tensors as a distributed checkpoint, the rest in meta.pt
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     tensors.update({f"optimizer_{index}": state for index, state in enumerate(checkpoint.pop("optimizer_states", []))})
-    future = async_save(tensors, checkpoint_id=tmp / STATE_DIR, process_group=group)
-    return StagedCheckpoint(step, checkpoints, write_adapters, host_copy(checkpoint) if rank_zero else None,
-                            sharded=future, inflight=kept)
+    # staged by our stager before it returns (torch neither closes a stager it is given nor
+    # stages it asynchronously: ``use_async_staging=False``)
+    future = async_save(tensors, checkpoint_id=tmp / STATE_DIR, process_group=group, async_stager=staging.stager)
+    return staging.lend(StagedCheckpoint(step, checkpoints, write_adapters,
+                                         staging.stage(checkpoint) if rank_zero else None,
+                                         sharded=future, inflight=kept))
 
 
 class BackgroundWrite:

@@ -123,8 +123,8 @@ class FaultInjection(L.Callback):
         """Step N's checkpoint write finds the disk full once its adapters are written."""
         snapshot = pl_module.snapshot_adapters
 
-        def snapshot_then_fill() -> Any:
-            write_adapters = snapshot()
+        def snapshot_then_fill(into: Any = None) -> Any:
+            write_adapters = snapshot(into=into)
             if pl_module.rl_step != self.step or self.done:
                 return write_adapters
             self.done = True

@@ -36,9 +36,12 @@ warning), whose rank, alpha or other LoRA hyper-parameters differ, or whose set 
 modules differs (``check_adapter_fits``, also what a resume checks before Lightning's state
 is loaded).
 
-Who calls it: checkpointing (save), the weight sync (the actor for the engines), run start
-from another run's step (load), resume (``read_adapter_folder`` + ``check_adapter_fits`` on the
-checkpoint's adapters).
+Who calls it: checkpointing (save; the step checkpoint copies both adapters to the host at the
+step's end, into ``HostBuffers`` it keeps for the run, and writes the copies later:
+``copy_adapters``, ``write_adapter_copies``), the weight sync (the actor for the engines,
+``save_adapter``: new host copies of its own, since it runs while a checkpoint write may still
+read the step checkpoint's), run start from another run's step (load), resume
+(``read_adapter_folder`` + ``check_adapter_fits`` on the checkpoint's adapters).
 """
 
 from __future__ import annotations
@@ -97,11 +100,47 @@ class AdapterCopy:
     identity: dict
 
 
+class HostBuffers:
+    """Host tensors kept by name from one copy to the next, so that a copy made at every step (the
+    step checkpoint's adapters) reuses its host memory instead of allocating it again. Under FSDP2
+    the adapters are gathered into new tensors at every copy, so a cache keyed by the source's
+    storage (torch's ``StateDictStager``) would miss every time: these are keyed by name.
+
+    ``pinned`` (the model on CUDA): page-locked, and the device-to-host copies are queued without
+    waiting (``non_blocking``); they are complete once ``synchronize`` has returned. Copying again
+    overwrites the previous copies: whoever passes the buffers must be done reading them first
+    (``StepCheckpoint`` is: it waits for the previous write before it stages). They stay
+    allocated, the size of what was copied into them, until ``clear``."""
+
+    def __init__(self, pinned: bool = False) -> None:
+        self.pinned = pinned
+        self._buffers: dict[str, Tensor] = {}
+
+    def copy(self, name: str, tensor: Tensor) -> Tensor:
+        """``tensor`` copied into the buffer ``name`` (made, or made again, to its shape and dtype)."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pinned)
+            self._buffers[name] = buffer
+        return buffer.copy_(tensor.detach(), non_blocking=self.pinned)
+
+    def synchronize(self) -> None:
+        """Wait for the copies ``copy`` queued (pinned buffers only: the others were made at once)."""
+        if self.pinned:
+            torch.cuda.synchronize()
+
+    def clear(self) -> None:
+        """Drop the buffers (copies handed out stay valid while referenced)."""
+        self._buffers.clear()
+
+
 def copy_adapter(model: ActorCritic, adapter_name: str, keep: bool = True, *,
-                 checkpoint_names: bool = False) -> Optional[AdapterCopy]:
+                 checkpoint_names: bool = False, into: Optional[HostBuffers] = None) -> Optional[AdapterCopy]:
     """``adapter_name`` (and, for the critic, the value head) copied to the host. Collective
     under FSDP2 (all ranks call: the tensors are gathered whole); None where ``keep`` is False
-    (the ranks that write nothing). ``checkpoint_names``: see ``save_adapter``."""
+    (the ranks that write nothing). ``checkpoint_names``: see ``save_adapter``. ``into``: host
+    buffers reused from an earlier copy (``HostBuffers``; read the copies after its
+    ``synchronize``), else new host tensors, complete on return."""
     from .checkpoint_names import lora_key_in_checkpoint_names
 
     if adapter_name not in ADAPTERS:
@@ -116,16 +155,25 @@ def copy_adapter(model: ActorCritic, adapter_name: str, keep: bool = True, *,
     if not keep:
         return None
     return AdapterCopy(name=adapter_name, config=_saved_config(model, adapter_name),
-                       state={k: v.detach().to("cpu").contiguous() for k, v in state.items()},
-                       value_head=None if value_head is None else {k: v.to("cpu").contiguous()
-                                                                   for k, v in value_head.items()},
+                       state=_on_host(state, f"{adapter_name}/", into),
+                       value_head=None if value_head is None else _on_host(value_head, f"{adapter_name}/head/", into),
                        identity={**model.base_identity, "adapter_name": adapter_name, "base_path": model.base_path})
 
 
-def copy_adapters(model: ActorCritic) -> list[AdapterCopy]:
-    """Both adapters copied to the host (``copy_adapter``) on rank 0, ``[]`` on the other ranks.
-    Collective under FSDP2."""
-    copies = [copy_adapter(model, name, keep=_rank() == 0) for name in ADAPTERS]
+def _on_host(tensors: dict[str, Tensor], prefix: str, into: Optional[HostBuffers]) -> dict[str, Tensor]:
+    """``tensors`` on the host: in ``into``'s buffers ``prefix + name``, or new tensors."""
+    if into is None:
+        return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    return {k: into.copy(prefix + k, v) for k, v in tensors.items()}
+
+
+def copy_adapters(model: ActorCritic, into: Optional[HostBuffers] = None) -> list[AdapterCopy]:
+    """Both adapters copied to the host (``copy_adapter``) on rank 0, ``[]`` on the other ranks,
+    complete on return (``into``: copied into its buffers, then one ``synchronize``). Collective
+    under FSDP2."""
+    copies = [copy_adapter(model, name, keep=_rank() == 0, into=into) for name in ADAPTERS]
+    if into is not None:
+        into.synchronize()
     return [c for c in copies if c is not None]
 
 

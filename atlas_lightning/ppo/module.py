@@ -244,16 +244,18 @@ class PPOModule(L.LightningModule):
 
         save_adapters(self.model, step_dir)
 
-    def snapshot_adapters(self) -> Callable[[Path], None]:
+    def snapshot_adapters(self, into: Any = None) -> Callable[[Path], None]:
         """Both adapters copied to the host now (collective under FSDP2), and the function that
         writes those copies as ``step_dir/{actor,critic}/lora_adapter`` later, from any thread
         (rank 0 writes; elsewhere it does nothing): the step checkpoint's adapters, written while
-        the next step runs."""
+        the next step runs. ``into``: the step checkpoint's host buffers
+        (``models/adapters.HostBuffers``), reused from its previous save, whose write has ended;
+        None: new host tensors."""
         from functools import partial
 
         from atlas_lightning.models.adapters import copy_adapters, write_adapter_copies
 
-        return partial(write_adapter_copies, copy_adapters(self.model))
+        return partial(write_adapter_copies, copy_adapters(self.model, into=into))
 
     def restore_checkpoint(self, step_dir: Path) -> None:
         """Trainable tensors (LoRA factors, value head) and optimizer states from a complete

@@ -307,10 +307,10 @@ class ScriptedModule(L.LightningModule):
         if self.trainer.is_global_zero:
             self.logged.append((step, dict(metrics)))
 
-    def snapshot_adapters(self):
-        """A host copy of the weights now, and its writer for later, as ``PPOModule.snapshot_adapters``
-        (rank 0 writes)."""
-        weight, writes = self.critic.weight.detach().clone(), self.trainer.is_global_zero
+    def snapshot_adapters(self, into=None):
+        """A host copy of the weights now (in ``into``'s reused buffer when given, as
+        ``PPOModule.snapshot_adapters``), and its writer for later (rank 0 writes)."""
+        weight, writes = host_copy(self.critic.weight.detach(), into), self.trainer.is_global_zero
         return lambda step_dir: write_adapters(Path(step_dir), weight) if writes else None
 
     def sync_weights(self, version: int, log_step: Optional[int] = None) -> dict:
@@ -367,8 +367,8 @@ def sharded_module(cfg, resume_from=None):
                 fully_shard(self.base, mesh=self.device_mesh["data_parallel"])
                 fully_shard(self.critic, mesh=self.device_mesh["data_parallel"])
 
-        def snapshot_adapters(self):
-            full = self.critic.weight.full_tensor().detach().clone()  # collective: every rank
+        def snapshot_adapters(self, into=None):
+            full = host_copy(self.critic.weight.full_tensor().detach(), into)  # collective: every rank
             writes = self.trainer.is_global_zero
             return lambda step_dir: write_adapters(step_dir, full) if writes else None
 
@@ -381,8 +381,8 @@ def slow_disk(module, from_step: int, seconds: float, signals: Optional[Path] = 
     follows is the real one)."""
     snapshot = module.snapshot_adapters
 
-    def slow_snapshot():
-        write, step = snapshot(), module.rl_step
+    def slow_snapshot(into=None):
+        write, step = snapshot(into=into), module.rl_step
 
         def slow_write(step_dir) -> None:
             if step >= from_step and module.trainer.is_global_zero:
@@ -395,6 +395,16 @@ def slow_disk(module, from_step: int, seconds: float, signals: Optional[Path] = 
 
     module.snapshot_adapters = slow_snapshot
     return module
+
+
+def host_copy(weight: torch.Tensor, into=None) -> torch.Tensor:
+    """``weight`` copied to the host: into ``into``'s buffer (``HostBuffers``, reused from one
+    save to the next) when given, as ``PPOModule.snapshot_adapters`` copies, else a new tensor."""
+    if into is None:
+        return weight.clone()
+    copied = into.copy("critic.weight", weight)
+    into.synchronize()
+    return copied
 
 
 def write_adapters(folder: Path, weight: torch.Tensor) -> None:

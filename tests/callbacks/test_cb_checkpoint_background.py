@@ -114,7 +114,7 @@ class _FailingDisk(L.Callback):
         if batch.step != self.step:
             return
 
-        def failing_snapshot():
+        def failing_snapshot(into=None):
             def write(step_dir) -> None:
                 raise OSError(28, "No space left on device")
             return write

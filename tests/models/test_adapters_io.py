@@ -163,3 +163,35 @@ def test_saved_config_names_the_base_and_is_inference_mode(trained, qwen3_base, 
     assert config["base_model_name_or_path"] == qwen3_base
     assert (config["r"], config["lora_alpha"], config["inference_mode"]) == (4, 8, True)
     assert adapters_module.BASE_FILE == "atlas_base.json"
+
+
+def test_copies_into_host_buffers_reuse_them_and_write_what_a_fresh_copy_writes(trained, randomize, tmp_path):
+    """The step checkpoint's adapters are copied into host buffers kept from one save to the next
+    (``HostBuffers``): the second copy goes into the first's memory, and what the first wrote
+    before it is what ``save_adapters`` (new host tensors) writes for the same weights."""
+    from atlas_lightning.models.adapters import HostBuffers, copy_adapters, save_adapters, write_adapter_copies
+
+    def pointers(copies) -> dict:
+        return {(c.name, k): v.data_ptr() for c in copies for k, v in {**c.state, **(c.value_head or {})}.items()}
+
+    def written(kind: str, name: str, file: str) -> dict:
+        return load_file(str(tmp_path / kind / name / "lora_adapter" / file))
+
+    buffers = HostBuffers()
+    first = copy_adapters(trained, into=buffers)
+    write_adapter_copies(first, tmp_path / "reused")
+    save_adapters(trained, tmp_path / "fresh")
+
+    randomize(trained, seed=99)  # the next step's update
+    second = copy_adapters(trained, into=buffers)
+    assert pointers(second) == pointers(first)
+    for name, files in (("actor", ["adapter_model.safetensors"]),
+                        ("critic", ["adapter_model.safetensors", "value_head.safetensors"])):
+        for file in files:
+            reused, fresh = written("reused", name, file), written("fresh", name, file)
+            assert reused.keys() == fresh.keys() and all(torch.equal(reused[k], fresh[k]) for k in fresh)
+    now = {c.name: c.state for c in copy_adapters(trained)}  # new host tensors: the weights after the update
+    for copied in second:
+        assert all(torch.equal(copied.state[k], now[copied.name][k]) for k in copied.state)
+        before = written("reused", copied.name, "adapter_model.safetensors")
+        assert not all(torch.equal(copied.state[k], before[k]) for k in copied.state)
