@@ -5,7 +5,8 @@ holds nothing: an optimizer whose state is missing, or that keeps Adam's moments
 its parameters, resumes with those tensors' moments at zero and no word of it. The adapters are
 checked against the built model elsewhere (``PPOModule``); this checks the rest of the state
 ``trainer.resume`` restores, from the files alone (the single-file state is memory-mapped, a
-torch.distributed checkpoint is read from its metadata), before the model is built:
+torch.distributed checkpoint from its metadata, its tensor values for the finiteness check
+alone), before the model is built:
 
 * both optimizers (``actor``, ``critic``, in ``configure_optimizers``' order) are there;
 * each either has no per-parameter state (it has not stepped: the actor during
@@ -13,8 +14,9 @@ torch.distributed checkpoint is read from its metadata), before the model is bui
   parameter its groups list; the critic has stepped once any RL step was checkpointed;
 * the loops' progress, the callbacks' states, the data cursor (``next_step``) and the module's
   own ``atlas`` record (the RL step, its folder's ``N``) are there;
-* the trainable tensors and Adam moments match the checkpoint's adapters, by role and shape,
-  and are finite (``run/resume_tensors.py``; the single-file state);
+* the trainable tensors and Adam moments match the checkpoint's adapters, by role and shape
+  (``run/resume_tensors.py``), and every floating tensor of the state is finite (a
+  torch.distributed state's values read in bounded batches: ``run/resume_values.py``);
 * each optimizer was set up with this run's ``algorithm.actor_lr`` / ``critic_lr``,
   ``weight_decay`` and ``betas`` (Lightning restores the saved ones: a changed learning rate
   would be recorded in the run's config and not used);
@@ -83,6 +85,9 @@ def check_resume_state(folder: str | Path, algorithm: Any = None) -> None:
         resume_tensors.check_state_tensors(where, Path(folder), top, ResumeStateError)
     else:
         resume_tensors.check_state_shapes(where, Path(folder), *_distributed_shapes(path, optimizers), ResumeStateError)
+        from atlas_lightning.run.resume_values import check_distributed_values
+
+        check_distributed_values(where, path, ResumeStateError)
 
 
 def _check_steps(where: str, folder: str | Path, rl_step: Any, next_step: Any) -> int:

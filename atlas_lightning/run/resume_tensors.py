@@ -13,14 +13,18 @@ compares the state with them, by role and shape:
   ``value_head.safetensors``, and nothing else;
 * each optimizer (``actor``, ``critic``) lists as many parameters as its role trains, and each
   Adam moment has the shape of one of them (the same multiset of shapes);
-* every trainable tensor and moment is finite (a NaN restored would stop the first update, and
-  a resume from the same checkpoint would stop again).
+* every floating tensor of the state, the trainable tensors and each optimizer's per-parameter
+  state (``exp_avg``, ``exp_avg_sq``, ``step``), is finite (a NaN restored would stop the first
+  update after the run's config and logs are written, and a resume from the same checkpoint
+  would stop again).
 
 Lightning's single-file state is memory-mapped (tensor data is read for the finiteness check
-alone); a torch.distributed state (FSDP2) is checked from its metadata (names and shapes: its
-values' finiteness is left to the first update's NaN guard).
+alone); a torch.distributed state (FSDP2) is compared from its metadata (names and shapes), and
+its values are read through torch.distributed.checkpoint in bounded batches for the finiteness
+check (``run/resume_values.py``).
 
-``ResumeStateError`` naming the checkpoint, the part and what differs.
+``ResumeStateError`` naming the checkpoint, the part and what differs (for a value that is not
+finite: the tensor, and how many of its values).
 """
 
 from __future__ import annotations
@@ -45,15 +49,12 @@ def check_state_tensors(where: str, folder: Path, checkpoint: dict, error: type[
                           if moment in values] for moment in MOMENTS})
                for entry in checkpoint["optimizer_states"]]
     check_state_shapes(where, folder, {key: tuple(tensor.shape) for key, tensor in state.items()}, moments, error)
-    bad = [key for key, tensor in state.items() if not _finite(tensor)]
-    if bad:
-        raise error(f"{where}: its Lightning state's trainable tensors hold NaN or inf ({', '.join(bad[:3])}): "
-                    f"resume from an earlier checkpoint")
-    for role, entry in zip(ROLES, checkpoint["optimizer_states"]):
-        for moment in MOMENTS:
-            if any(not _finite(values[moment]) for values in (entry.get("state") or {}).values() if moment in values):
-                raise error(f"{where}: the {role} optimizer's {moment} holds NaN or inf: resume from an earlier "
-                            f"checkpoint")
+    for key, tensor in state.items():
+        refuse_nonfinite(where, f"state_dict.{key}", tensor, error)
+    for index, entry in enumerate(checkpoint["optimizer_states"]):
+        for param, values in (entry.get("state") or {}).items():
+            for kept, tensor in values.items():
+                refuse_nonfinite(where, f"optimizer_{index}.state.{param}.{kept}", tensor, error)
 
 
 def check_state_shapes(where: str, folder: Path, state: dict[str, tuple], optimizers: list[tuple[int, dict]],
@@ -116,10 +117,25 @@ def _adapter_shapes(folder: Path, role: str, error: type[Exception], where: str)
     return shapes
 
 
-def _finite(tensor: Any) -> bool:
+def refuse_nonfinite(where: str, key: str, tensor: Any, error: type[Exception]) -> None:
+    """Raise ``error`` when ``tensor``, a floating tensor of the state under ``key`` (a
+    torch.distributed checkpoint's key: ``state_dict.<name>`` or ``optimizer_<i>.state.<param>.<kept>``,
+    ``<i>`` in ``ROLES`` order), holds NaN or inf: naming the tensor and how many of its values."""
     import torch
 
-    return not torch.is_tensor(tensor) or not tensor.is_floating_point() or bool(torch.isfinite(tensor).all())
+    if not torch.is_tensor(tensor) or not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
+        return
+    count = f"{int((~torch.isfinite(tensor)).sum())} NaN or inf value(s) of {tensor.numel()}"
+    section, _, rest = key.partition(".")
+    index = section.removeprefix("optimizer_")
+    if section == "state_dict":
+        part = f"its Lightning state's trainable tensor {rest} holds {count}"
+    elif index.isdigit() and int(index) < len(ROLES) and rest.startswith("state."):
+        param, _, kept = rest.removeprefix("state.").rpartition(".")
+        part = f"the {ROLES[int(index)]} optimizer's {kept} holds {count} (parameter {param})"
+    else:
+        part = f"its Lightning state's tensor {key} holds {count}"
+    raise error(f"{where}: {part}: resume from an earlier checkpoint")
 
 
 def _shown(shapes: Counter) -> str:

@@ -315,6 +315,11 @@ def _moments(entry, moment, value):
     return {**entry, "state": {i: {**kept, moment: value} for i, kept in entry["state"].items()}}
 
 
+def _kept(entry, param, name, value):
+    """``entry`` (an optimizer's state) with ``name`` of parameter ``param`` alone set to ``value``."""
+    return {**entry, "state": {**entry["state"], param: {**entry["state"][param], name: value}}}
+
+
 #: The trainable tensors and moments against the checkpoint's adapters (``run/resume_tensors.py``).
 _TENSORS = [
     ("no_state_dict", lambda s: _without(s, "state_dict"), "has no trainable tensors (state_dict)"),
@@ -328,14 +333,26 @@ _TENSORS = [
      "holds 1 tensor(s) neither adapter has (m.other.weight)"),
     ("a_nan_tensor", lambda s: {**s, "state_dict": _set(s["state_dict"], "m.lora_A.actor.weight",
                                                         torch.full((2,), float("nan")))},
-     "trainable tensors hold NaN or inf (m.lora_A.actor.weight)"),
+     "its Lightning state's trainable tensor m.lora_A.actor.weight holds 2 NaN or inf value(s) of 2: resume from "
+     "an earlier checkpoint"),
+    ("one_inf_value", lambda s: {**s, "state_dict": _set(s["state_dict"], "m.lora_B.critic.weight",
+                                                         torch.tensor([0.0, float("inf")]))},
+     "its Lightning state's trainable tensor m.lora_B.critic.weight holds 1 NaN or inf value(s) of 2"),
+    ("a_nan_value_head", lambda s: {**s, "state_dict": _set(s["state_dict"], "m.value_head.weight",
+                                                            torch.tensor([float("nan"), 0.0]))},
+     "its Lightning state's trainable tensor m.value_head.weight holds 1 NaN or inf value(s) of 2"),
     ("an_optimizer_of_fewer_parameters", lambda s: _optimizer(s, 1, lambda e: {
         "state": {i: v for i, v in e["state"].items() if i < 2}, "param_groups": [{**e["param_groups"][0], "params": [0, 1]}]}),
      "the critic optimizer lists 2 parameters, its adapter trains 3"),
     ("moments_of_another_shape", lambda s: _optimizer(s, 0, lambda e: _moments(e, "exp_avg", torch.zeros(5))),
      "the actor optimizer's exp_avg tensors have other shapes than the actor adapter's tensors"),
     ("nan_moments", lambda s: _optimizer(s, 1, lambda e: _moments(e, "exp_avg_sq", torch.full((2,), float("inf")))),
-     "the critic optimizer's exp_avg_sq holds NaN or inf"),
+     "the critic optimizer's exp_avg_sq holds 2 NaN or inf value(s) of 2 (parameter "),
+    ("one_actor_moment_not_finite", lambda s: _optimizer(s, 0, lambda e: _kept(e, 1, "exp_avg",
+                                                                              torch.tensor([float("-inf"), 0.0]))),
+     "the actor optimizer's exp_avg holds 1 NaN or inf value(s) of 2 (parameter "),
+    ("a_nan_step", lambda s: _optimizer(s, 1, lambda e: _kept(e, 2, "step", torch.tensor(float("nan")))),
+     "the critic optimizer's step holds 1 NaN or inf value(s) of 1 (parameter "),
 ]
 
 
@@ -344,11 +361,10 @@ _TENSORS = [
 def test_a_resume_whose_tensors_do_not_fit_its_adapters_is_refused_before_anything_is_written(
         tmp_path, cfg_of, damage, change, message, distributed):
     """The whole class: whatever the state lacks, holds beside, or holds of another shape or not
-    finite, measured against the checkpoint's own adapters, is named before the run writes (a
-    distributed state from its metadata: shapes, not values)."""
+    finite (any trainable tensor, any of either optimizer's per-parameter state), measured against
+    the checkpoint's own adapters, is named before the run writes (a distributed state's shapes
+    from its metadata, its values read through torch.distributed.checkpoint)."""
 
-    if distributed and damage in ("a_nan_tensor", "nan_moments"):
-        pytest.skip("a distributed state's values are read by the load, not at the start (run/resume_tensors.py)")
     if distributed and damage == "no_state_dict":
         pytest.skip("Lightning writes a distributed state_dict always (an_empty_state_dict tries it)")
     _refused_once_changed(tmp_path, cfg_of, change, message, distributed)
