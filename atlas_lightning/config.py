@@ -340,6 +340,10 @@ class LayoutConfig:
     #: training rollout in flight, which keeps its tokens and continues under the new weights by
     #: re-prefill; false: a sync waits for the rollout, which is sampled with one version.
     partial_rollouts: bool = False
+    #: Separate mode only: the server runs on the training cards instead of cards of its own,
+    #: taking ``rollout.gpu_memory_utilization`` of each and leaving the trainer the rest
+    #: (``layout=separate_one_card``: partial rollouts measured on one card); ``shared_card_refusals``.
+    share_cards: bool = False
 
 
 @dataclass
@@ -550,7 +554,10 @@ def _validate_layout(cfg: DictConfig) -> None:
             raise ConfigError(f"layout.engine_tp={tp} does not divide layout.gpus={layout.gpus}")
         _validate_colocated(cfg)
     else:
-        if layout.train_gpus + layout.serve_gpus != layout.gpus:
+        problems = shared_card_refusals(cfg) if layout.share_cards else []
+        if problems:
+            raise ConfigError(problems[0])
+        if not layout.share_cards and layout.train_gpus + layout.serve_gpus != layout.gpus:
             raise ConfigError(f"layout.train_gpus ({layout.train_gpus}) + layout.serve_gpus ({layout.serve_gpus}) "
                               f"must equal layout.gpus ({layout.gpus}) in a separate layout")
         if processes != layout.train_gpus:
@@ -558,9 +565,33 @@ def _validate_layout(cfg: DictConfig) -> None:
         if layout.serve_gpus <= 0:
             raise ConfigError(f"layout.mode=separate with layout.serve_gpus={layout.serve_gpus}: a separate layout "
                               f"serves on cards of its own (e.g. layout=separate_cpu, or layout.gpus=2 "
-                              f"layout.train_gpus=1 layout.serve_gpus=1); one card: layout.mode=colocated")
+                              f"layout.train_gpus=1 layout.serve_gpus=1); one card: layout.mode=colocated, or "
+                              f"layout=separate_one_card (the server shares it)")
         if layout.serve_gpus % tp:
             raise ConfigError(f"layout.engine_tp={tp} does not divide layout.serve_gpus={layout.serve_gpus}")
+
+
+def shared_card_refusals(cfg: Any) -> list[str]:
+    """Why a separate layout with ``layout.share_cards=true`` cannot run (empty: it can). The
+    server then runs on the training cards, all of them, on one machine: ``layout.gpus``,
+    ``train_gpus`` and ``serve_gpus`` equal (``engine_tp`` dividing them, as in any separate
+    layout), ``trainer.num_nodes=1``. Merged weights only by ``rollout.weight_transfer=gloo``,
+    which stages each bucket through host memory on both sides (``rollout/engines/gloo_transfer.py``)."""
+    layout, rollout = cfg.layout, cfg.rollout
+    out = []
+    if not layout.gpus == layout.train_gpus == layout.serve_gpus:
+        out.append(f"layout.share_cards=true runs the server on the training cards: layout.gpus ({layout.gpus}), "
+                   f"layout.train_gpus ({layout.train_gpus}) and layout.serve_gpus ({layout.serve_gpus}) must be "
+                   f"equal (layout=separate_one_card: 1, 1, 1)")
+    if int(cfg.trainer.num_nodes) != 1:
+        out.append(f"layout.share_cards=true with trainer.num_nodes={cfg.trainer.num_nodes}: the server shares the "
+                   f"cards of one machine; set trainer.num_nodes=1")
+    if rollout.weight_sync == "merged" and rollout.weight_transfer != "gloo":
+        out.append(f"rollout.weight_sync=merged with layout.share_cards=true and rollout.weight_transfer="
+                   f"{rollout.weight_transfer}: NCCL (the GPU default) refuses two ranks on one card, and vLLM's "
+                   f"ipc backend, the one for a shared card, is not wired here; set rollout.weight_sync=lora, or "
+                   f"rollout.weight_transfer=gloo (each bucket through host memory)")
+    return out
 
 
 def _validate_shares(cfg: DictConfig) -> None:
@@ -585,6 +616,10 @@ def _validate_colocated(cfg: DictConfig) -> None:
     """Keys of the separate layout set in a colocated one, where they would do nothing, and the
     server engine's settings a colocated layout cannot run (``rollout/factory.server_engine``)."""
     layout, rollout = cfg.layout, cfg.rollout
+    if layout.share_cards:
+        raise ConfigError("layout.share_cards=true puts the separate layout's server on the training cards; a "
+                          "colocated layout's engines are there already: set layout.share_cards=false or "
+                          "layout.mode=separate")
     if layout.serve_gpus:
         raise ConfigError(f"layout.serve_gpus={layout.serve_gpus}: a colocated layout serves from its training cards; "
                           f"set layout.serve_gpus=0, or layout.mode=separate for cards that only serve")

@@ -283,6 +283,7 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "layout.max_staleness": Int(0),
     "layout.staleness_policy": OneOf(("wait", "drop")),
     "layout.partial_rollouts": OneOf((True, False)),
+    "layout.share_cards": OneOf((True, False)),
     # logger, hub
     "logger.mode": OneOf(("auto", "online", "offline", "disabled")),
     "logger.tags": Items(Text(r"[^\x00-\x1f]{1,64}", "a tag of 1-64 printable characters")),

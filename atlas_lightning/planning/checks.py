@@ -35,7 +35,7 @@ def layout_refusals(cfg: Any, shape: ModelShape) -> list[str]:
         out.extend(separate_refusals(cfg))
         if processes != train:
             out.append(f"trainer.devices x trainer.num_nodes = {processes} but layout.train_gpus={train}")
-        if train + serve != gpus:
+        if train + serve != gpus and not layout.get("share_cards", False):
             out.append(f"layout.train_gpus ({train}) + layout.serve_gpus ({serve}) != layout.gpus ({gpus})")
         engine_cards = serve
     else:

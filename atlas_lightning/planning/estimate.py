@@ -52,7 +52,10 @@ Engine (vLLM): its budget is ``rollout.gpu_memory_utilization x card``; inside i
 ``P 2 / TP``, a reserve for activations and sampler logits (``ENGINE_RESERVE_GIB`` +
 ``max_num_seqs x V x 4``), and the KV cache: ``full-attention layers x 2 x kv_heads/TP x
 head_dim x 2`` bytes a token, plus the linear-attention state of each sequence. Generation on
-a colocated card = trainer resident (weights, LoRA states) + the engine budget.
+a colocated card = trainer resident (weights, LoRA states) + the engine budget. A separate
+layout with ``layout.share_cards``: the server's budget sits on every training card through every
+phase (it is started before the model is built), so the trainer's phases have card x (1 -
+utilization) less the runtime.
 
 Model build (``model_build``, before the first step): every rank reads the whole base onto its
 card before FSDP2 keeps its share (``models/build.py``): ``P b`` and both adapters' fp32
@@ -95,6 +98,8 @@ ENGINE_RESERVE_GIB = 2.0
 GRADIENT_STREAMS = 4
 LOGPROB_BYTES_PER_ENTRY = 12
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+#: The overhead term of a training card that a separate layout's server shares (``layout.share_cards``).
+SHARED_SERVER = "vLLM server on this card (gpu_memory_utilization x card)"
 #: Packed buffers each side of vLLM's nccl weight transfer keeps (``rollout.engines.weight_transfer.NCCL_NUM_BUFFERS``).
 NCCL_NUM_BUFFERS = 2
 
@@ -196,6 +201,8 @@ class Inputs:
     max_sequence: int
     use_ref: bool
     serve_cards: int
+    #: Separate layout with ``layout.share_cards``: the server keeps its budget on the training cards.
+    shares_cards: bool
     weight_sync: str
     bucket_bytes: int
     #: The engines' arguments, as ``rollout.factory`` and ``rollout.separate`` start them.
@@ -251,6 +258,7 @@ class Inputs:
             max_sequence=int(rollout.max_prompt_length) + int(rollout.max_response_length),
             use_ref=bool(algorithm.use_kl_loss or algorithm.use_kl_in_reward),
             serve_cards=int(cfg.layout.serve_gpus),
+            shares_cards=cfg.layout.mode == "separate" and bool(cfg.layout.share_cards),
             weight_sync=str(rollout.weight_sync),
             bucket_bytes=int(rollout.bucket_mb) * 2**20,
             engine=EngineArgs.from_config(cfg, actor_lora=lora["actor"]),
@@ -399,6 +407,8 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = N
         if inputs.colocated:
             asleep = ENGINE_ASLEEP_GIB * GIB if inputs.sleep_mode else inputs.gpu_memory_utilization * card
             overhead["engine asleep" if inputs.sleep_mode else "engine awake (no sleep mode)"] = asleep
+        elif inputs.shares_cards:  # the server was started first and keeps its share throughout
+            overhead[SHARED_SERVER] = inputs.gpu_memory_utilization * card
 
     # the model build (models/build.py): each rank reads the whole base onto its card, then FSDP2
     # keeps its share; a colocated engine sleeps meanwhile where it sleeps for updates
@@ -407,7 +417,7 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = N
     plan.phases.append(Phase("model_build", train_cards, build, overhead, slack=slack))
     engine = _engine(s, inputs, card)
     plan.engine = engine
-    if inputs.colocated or inputs.device == "cpu":
+    if inputs.colocated or inputs.shares_cards or inputs.device == "cpu":
         resident = model.resident()
         gen_terms = dict(resident)
         gen_overhead = {"engine (gpu_memory_utilization x card)": engine["budget_gib"] * GIB} if inputs.device == "gpu" else {}

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from atlas_lightning.config import shared_card_refusals
+
 
 def separate_refusals(cfg: Any) -> list[str]:
     """Every reason ``cfg`` (a composed config in the separate layout) cannot run its one vLLM
-    server on the serving cards, fed by every training rank (empty: none). Merged weights reach
+    server on the serving cards (the training cards with ``layout.share_cards``), fed by every
+    training rank (empty: none). Merged weights reach
     it through vLLM's weight-transfer API, exact at any FSDP2 world size, uneven shards included
     (``planning.checks.MERGED_WEIGHTS_TEST``)."""
     out = []
@@ -26,6 +29,8 @@ def separate_refusals(cfg: Any) -> list[str]:
     if bool(cfg.rollout.enable_sleep_mode):
         out.append("layout.mode=separate: the serving cards never train, nothing needs to sleep: "
                    "set rollout.enable_sleep_mode=false")
+    if cfg.layout.get("share_cards", False):
+        out.extend(shared_card_refusals(cfg))
     if int(cfg.layout.max_staleness) < 0:
         out.append("layout.max_staleness must be >= 0")
     if cfg.layout.get("staleness_policy", "wait") == "drop" and int(cfg.layout.max_staleness) < 1:

@@ -20,6 +20,11 @@ every training process.
 The weight sync holds every rank's ``engine_lock`` and passes a barrier before calling these,
 so no rank's producer has requests in flight while the server's weights change.
 
+With ``layout.share_cards`` the server runs on the training cards (``serving_cards``), started
+in the data module's setup, which Lightning runs before ``configure_model``: vLLM checks that
+``rollout.gpu_memory_utilization`` of the card is free and profiles its own use before the
+trainer allocates anything (its CUDA context only), and the trainer lives in the rest.
+
 Refused, with the reason: several servers (``layout.serve_gpus / layout.engine_tp > 1``), an
 in-process engine (``rollout.engine`` other than ``vllm-server``) and sleep mode.
 """
@@ -93,12 +98,14 @@ class SharedServerEngine(ServerEngine):
 
 
 def serving_cards(cfg: DictConfig) -> Optional[str]:
-    """``CUDA_VISIBLE_DEVICES`` for the server: the cards after the training ones."""
+    """``CUDA_VISIBLE_DEVICES`` for the server: the cards after the training ones, or the training
+    cards themselves with ``layout.share_cards`` (None on CPU)."""
     if not torch.cuda.is_available():
         return None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     cards = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    wanted = range(cfg.layout.train_gpus, cfg.layout.gpus)
+    shared = bool(cfg.layout.get("share_cards", False))
+    wanted = range(0, cfg.layout.train_gpus) if shared else range(cfg.layout.train_gpus, cfg.layout.gpus)
     if len(cards) < cfg.layout.gpus:
         raise RuntimeError(f"layout.gpus={cfg.layout.gpus} but this node shows {len(cards)} cards "
                            f"(CUDA_VISIBLE_DEVICES={visible!r})")

@@ -336,3 +336,31 @@ def test_model_build_reads_the_whole_base_onto_each_card(qwen27b_dir, tmp_path):
     awake = make_plan(_cfg("r28-continued-cost-8gpu-t49152-memory", qwen27b_dir, tmp_path,
                            "rollout.enable_sleep_mode=false"), card_gib=80, linear_kernel="fla")
     assert any(r.startswith("model_build on every card: each rank reads the whole base") for r in awake.refusals)
+
+
+def test_a_shared_card_counts_the_servers_share_in_every_training_phase(dense8b_dir, tmp_path):
+    """``layout.share_cards``: the server keeps rollout.gpu_memory_utilization x card on the
+    training card through every phase, so each trainer phase needs exactly that much more than
+    with the server on a card of its own, and generation is the trainer's resident tensors beside
+    the server's budget."""
+    from atlas_lightning.planning.estimate import ALLOCATOR_SLACK, RUNTIME_GIB, SHARED_SERVER
+
+    args = ("rollout=vllm_server_gpu", "rollout.gpu_memory_utilization=0.4")
+    shared = make_plan(_cfg("h200-8b", dense8b_dir, tmp_path, "layout=separate_one_card", *args), card_gib=140)
+    split = make_plan(_cfg("h200-8b", dense8b_dir, tmp_path, "layout=separate_cpu", *args), card_gib=140)
+    server = 0.4 * 140 * GIB
+    for name in ("model_build", "old_log_prob", "values", "update_critic", "update_actor", "update_weights"):
+        mine, apart = shared.phase(name), split.phase(name)
+        assert mine.overhead == {"runtime (CUDA context, NCCL)": RUNTIME_GIB * GIB, SHARED_SERVER: server}
+        assert mine.terms == apart.terms
+        assert mine.card == pytest.approx(apart.card + server)
+    generation = shared.phase("generation")
+    assert generation.cards == "training cards"
+    assert generation.card == pytest.approx(sum(generation.terms.values()) * ALLOCATOR_SLACK + server
+                                            + RUNTIME_GIB * GIB)
+    # the room the trainer has: card x (1 - utilization) less the runtime
+    room = 140 * GIB * (1 - 0.4) - RUNTIME_GIB * GIB
+    update = shared.phase("update_actor")
+    assert update.card - server - RUNTIME_GIB * GIB == pytest.approx(update.tensors * ALLOCATOR_SLACK)
+    assert (update.card <= 140 * GIB) == (update.tensors * ALLOCATOR_SLACK <= room)
+    assert shared.max_update_tokens < split.max_update_tokens

