@@ -301,6 +301,8 @@ def _safetensors(folder: Path, name: str) -> dict[str, Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from .finite_values import nonfinite_counts
+
     path = folder / name
     try:
         tensors = load_file(str(path))
@@ -313,8 +315,8 @@ def _safetensors(folder: Path, name: str) -> dict[str, Tensor]:
     for key, tensor in tensors.items():
         if not tensor.is_floating_point():
             raise AdapterError(f"{folder}: {name} tensor {key} is {tensor.dtype}, not a floating-point weight")
-        if not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
+        bad = sum(nonfinite_counts(tensor))
+        if bad:
             raise AdapterError(f"{folder}: {name} tensor {key} holds {bad} non-finite value(s) of "
                                f"{tensor.numel()} (NaN or inf); refusing to start from it")
     return tensors

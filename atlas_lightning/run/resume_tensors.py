@@ -121,11 +121,12 @@ def refuse_nonfinite(where: str, key: str, tensor: Any, error: type[Exception]) 
     """Raise ``error`` when ``tensor``, a floating tensor of the state under ``key`` (a
     torch.distributed checkpoint's key: ``state_dict.<name>`` or ``optimizer_<i>.state.<param>.<kept>``,
     ``<i>`` in ``ROLES`` order), holds NaN or inf: naming the tensor and how many of its values."""
-    import torch
+    from atlas_lightning.models.finite_values import nonfinite_counts
 
-    if not torch.is_tensor(tensor) or not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
+    bad = sum(nonfinite_counts(tensor))
+    if not bad:
         return
-    count = f"{int((~torch.isfinite(tensor)).sum())} NaN or inf value(s) of {tensor.numel()}"
+    count = f"{bad} NaN or inf value(s) of {tensor.numel()}"
     section, _, rest = key.partition(".")
     index = section.removeprefix("optimizer_")
     if section == "state_dict":
