@@ -126,7 +126,7 @@ class BaseWeightsError(InputError):
     at their random initialisation."""
 
 
-def check_base_weights(path: str | Path) -> Optional[str]:
+def check_base_weights(path: str | Path, config: Any = None) -> Optional[str]:
     """The folder's weights are exactly the tensors its architecture has, as transformers maps
     checkpoint names onto the model (tied weights and the names its class ignores excepted), read
     on the meta device (no tensor data is read): ``BaseWeightsError`` naming ``model.path`` and
@@ -137,7 +137,8 @@ def check_base_weights(path: str | Path) -> Optional[str]:
     ``config.json`` transformers cannot build the model from, whatever its library raises. The
     engine reads the same folder, so this covers both sides; ``load_base`` checks the real load
     again. Returns the base's fingerprint (``identity.folder_fingerprint``; None where it cannot
-    be read without loading), for the starting adapters' ``atlas_base.json`` to be checked against."""
+    be read without loading), for the starting adapters' ``atlas_base.json`` to be checked against.
+    ``config``: what ``check_base_config(path)`` returned, where the caller has it (read otherwise)."""
     import logging
 
     from .identity import folder_fingerprint
@@ -145,7 +146,7 @@ def check_base_weights(path: str | Path) -> Optional[str]:
     from transformers import AutoModelForCausalLM
 
     where = f"model.path={path}"
-    config = check_base_config(path)
+    config = check_base_config(path) if config is None else config
     quiet = logging.getLogger("transformers.modeling_utils")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # its load report would print the mismatches this refuses, as a table

@@ -112,7 +112,7 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     from atlas_lightning.run.base_values import check_finite_base
 
     # before the tokenizer loads: that reads config.json too, and fails on a bad one without naming it
-    check_base_config(cfg.model.path)
+    base_config = check_base_config(cfg.model.path)
     fitted = None
     if questions is not None:  # fitted after the files' checks (the tokenizer imports transformers), once
         from atlas_lightning.rollout.step_questions import fitted_splits
@@ -122,7 +122,7 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     start = resume_path(cfg, folders["checkpoints"], training=training, fitted=fitted)
     if fitted is not None:
         questions = fitted()
-    fingerprint = check_base_weights(cfg.model.path)  # last: it builds the model on the meta device from every header
+    fingerprint = check_base_weights(cfg.model.path, base_config)  # last: it builds the model on the meta device from every header
     check_finite_base(cfg.model.path)  # and every value of the base, read once (run/base_values.py)
     _check_adapter_bases(cfg, fingerprint, start.resume)
     return RunFacts(folders=folders, lora=lora_shapes(cfg), questions=questions, start=start,
