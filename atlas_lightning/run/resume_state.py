@@ -63,7 +63,8 @@ def check_resume_state(folder: str | Path, algorithm: Any = None) -> None:
     if path.is_file():
         top, optimizers = _single_file(path)
     else:
-        top, optimizers = _distributed(path)
+        top, metadata = _distributed_files(path)
+        optimizers = _distributed_optimizers(path, metadata)
     for key in REQUIRED:
         if key not in top:
             raise ResumeStateError(f"{where}: its Lightning state has no {key!r} entry: not a resumable state")
@@ -84,10 +85,11 @@ def check_resume_state(folder: str | Path, algorithm: Any = None) -> None:
     if path.is_file():
         resume_tensors.check_state_tensors(where, Path(folder), top, ResumeStateError)
     else:
-        resume_tensors.check_state_shapes(where, Path(folder), *_distributed_shapes(path, optimizers), ResumeStateError)
+        resume_tensors.check_state_shapes(where, Path(folder), *_distributed_shapes(metadata, optimizers),
+                                          ResumeStateError)
         from atlas_lightning.run.resume_values import check_distributed_values
 
-        check_distributed_values(where, path, ResumeStateError)
+        check_distributed_values(where, path, metadata, ResumeStateError)
 
 
 def _check_steps(where: str, folder: str | Path, rl_step: Any, next_step: Any) -> int:
@@ -185,19 +187,27 @@ def _single_file(path: Path) -> tuple[dict, list[tuple[list, dict, list[dict]]]]
     return checkpoint, optimizers
 
 
-def _distributed(path: Path) -> tuple[dict, list[tuple[list, dict, list[dict]]]]:
-    """A torch.distributed checkpoint: the non-tensor state beside it (Lightning's ``meta.pt``),
-    and each optimizer's parameter names and per-parameter state from the metadata."""
+def _distributed_files(path: Path) -> tuple[dict, dict]:
+    """A torch.distributed checkpoint's non-tensor state (Lightning's ``meta.pt``) and its
+    metadata (``state_dict_metadata``: each key's size and dtype), each read once."""
     import torch
     from lightning.fabric.strategies.fsdp import _METADATA_FILENAME
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     try:
         top = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=True)
-        keys = list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as err:  # a damaged folder, whatever the library raises
         raise ResumeStateError(f"checkpoint {path.parent}: its Lightning state cannot be read: {err}") from None
+    return top, metadata
+
+
+def _distributed_optimizers(path: Path, metadata: dict) -> list[tuple[list, dict, list[dict]]]:
+    """Each optimizer's parameter names, per-parameter state and param groups, from the metadata
+    and the groups' entries read from ``path``."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    keys = list(metadata)
     optimizers = []
     for index in range(len({key.split(".", 1)[0] for key in keys if key.startswith("optimizer_")})):
         prefix = f"optimizer_{index}."
@@ -214,17 +224,14 @@ def _distributed(path: Path) -> tuple[dict, list[tuple[list, dict, list[dict]]]]
                 name, _, kept = key[len(prefix + "state."):].rpartition(".")
                 state.setdefault(name, set()).add(kept)
         optimizers.append((params, state, groups))
-    return top, optimizers
+    return optimizers
 
 
-def _distributed_shapes(path: Path, optimizers: list) -> tuple[dict[str, tuple], list[tuple[int, dict]]]:
+def _distributed_shapes(metadata: dict, optimizers: list) -> tuple[dict[str, tuple], list[tuple[int, dict]]]:
     """A torch.distributed state's trainable tensors (name -> shape) and, for each optimizer,
     ``(parameters listed, {moment: [shapes]})``, from its metadata alone (``resume_tensors``)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     from atlas_lightning.run.resume_tensors import MOMENTS
 
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     sizes = {key: tuple(entry.size) for key, entry in metadata.items() if hasattr(entry, "size")}
     state = {key[len("state_dict."):]: size for key, size in sizes.items() if key.startswith("state_dict.")}
     moments = [(len(params), {moment: [size for key, size in sizes.items()

@@ -34,10 +34,11 @@ from pathlib import Path
 BATCH_BYTES = 256 * 2**20
 
 
-def check_distributed_values(where: str, path: Path, error: type[Exception]) -> None:
+def check_distributed_values(where: str, path: Path, metadata: dict, error: type[Exception]) -> None:
     """Refuse the torch.distributed state at ``path`` (a ``global_step_N/lightning`` folder whose
-    names and shapes were checked) when one of its floating tensors holds NaN or inf."""
-    for batch in _batches(path, error, where):
+    names and shapes were checked; ``metadata``: its ``state_dict_metadata``, read by the caller)
+    when one of its floating tensors holds NaN or inf."""
+    for batch in _batches(metadata):
         _check_batch(where, path, batch, error)  # its tensors freed on return, before the next batch's
 
 
@@ -58,16 +59,11 @@ def _check_batch(where: str, path: Path, batch: list[tuple[str, tuple, object]],
         refuse_nonfinite(where, key, tensor, error)
 
 
-def _batches(path: Path, error: type[Exception], where: str) -> Iterator[list[tuple[str, tuple, object]]]:
+def _batches(metadata: dict) -> Iterator[list[tuple[str, tuple, object]]]:
     """The state's floating tensors as ``(key, size, dtype)``, in batches of at most
     ``BATCH_BYTES`` (a larger tensor alone), from the metadata."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as err:  # a damaged folder, whatever the library raises
-        raise error(f"{where}: its Lightning state cannot be read: {err}") from None
     batch: list[tuple[str, tuple, object]] = []
     held = 0
     for key, entry in sorted(metadata.items()):
