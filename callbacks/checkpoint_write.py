@@ -18,8 +18,8 @@ process killed at any moment leaves ``global_step_N/`` without its marker: not a
 The host copies go into memory kept for the run (``HostStaging``, one per ``StepCheckpoint``),
 not memory allocated at every save: the staging is the part of a checkpoint the step waits for,
 and fresh pageable memory, faulted in page by page and copied one tensor at a time, ran at
-~0.8 GB/s on an H100. Lightning's state goes through one torch ``DefaultStager`` for the run: its
-``StateDictStager`` keeps a host copy per source storage, and the LoRA factors and AdamW moments
+~0.8 GB/s on an H100. Lightning's state goes through one torch ``StateDictStager`` for the run
+(``ReusedHostStager``), which keeps a host copy per source storage, and the LoRA factors and AdamW moments
 keep their storages from step to step, so from the second save on each is copied into the same
 host memory. The adapters are gathered whole into new tensors at every save (under FSDP2 by
 ``full_tensor``), which a cache keyed by storage would miss every time (a second stager would
@@ -42,7 +42,7 @@ The Lightning state keeps its two formats (``store/checkpoints.py``):
 
 * under FSDP2 (``ModelParallelStrategy``) a torch.distributed checkpoint folder, written by
   torch's own ``async_save``: it stages the state with the stager it is given
-  (``async_stager=``, the run's ``DefaultStager``: a copy, made before it returns; torch does not
+  (``async_stager=``, the run's ``ReusedHostStager``: a copy, made before it returns; torch does not
   close a stager it is given) and writes it on a thread of its own, each rank its shards. That is
   the state's one host copy: ``TrainableStateStrategy`` hands the shards over where they live
   (on the card), where Lightning's own strategy would offload them to the host first
@@ -71,10 +71,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 # imported with the callback, not at the first save (a fifth of a second, once, inside a step)
 from torch.distributed.checkpoint import async_save
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+# torch's own stager, private: DefaultStager, its public wrapper, cannot be kept (ReusedHostStager)
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.models.adapters import HostBuffers
@@ -103,9 +106,40 @@ def new_checkpoint_group() -> Any:
     return dist.new_group(backend="gloo")
 
 
+class ReusedHostStager(AsyncStager):
+    """torch's ``StateDictStager`` kept for the run, as ``async_save``'s stager and for
+    ``state.ckpt``: ``stage`` returns a host copy of a state (every tensor copied, other values
+    deep-copied), each tensor into the copy made for the same source storage at an earlier
+    stage; on CUDA pinned and copied without waiting on each tensor, then synchronized once.
+
+    Why not torch's ``DefaultStager``: in some torch releases (2.11, the card's) its ``stage``
+    closes the ``StateDictStager`` after every call. That drops the copies (the next save
+    allocates and pins them all again) and clears its deep-copy table, so the second stage of a
+    state holding a class object fails with ``KeyError: <class 'type'>`` (a fit's second
+    checkpoint on the card). This stager is closed once, by ``HostStaging.close``."""
+
+    _synchronize_after_execute = False  # ``stage`` returns a finished copy: nothing to wait for
+
+    def __init__(self, on_cuda: bool) -> None:
+        self.on_cuda = on_cuda
+        self._stager = StateDictStager(pin_memory=on_cuda, share_memory=False)
+
+    def stage(self, state_dict: Any) -> Any:
+        staged = self._stager.stage(state_dict, non_blocking=self.on_cuda)
+        if self.on_cuda:
+            torch.cuda.synchronize()  # the copies were queued without waiting: done before returning
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing: ``stage`` has finished its copies when it returns."""
+
+    def close(self) -> None:
+        self._stager.close()
+
+
 class HostStaging:
     """The host memory a ``StepCheckpoint``'s saves are staged in, kept for the run (module doc):
-    torch's ``DefaultStager`` for Lightning's state (``stage``; also what ``async_save`` stages
+    a ``ReusedHostStager`` for Lightning's state (``stage``; also what ``async_save`` stages
     with, ``async_stager=stager``) and name-keyed ``HostBuffers`` for the adapters (``adapters``).
     On CUDA (``on_cuda``) both are pinned and copied without waiting on each tensor, then
     synchronized once per call; elsewhere plain host memory, still reused.
@@ -116,8 +150,7 @@ class HostStaging:
     thread-safe: the main thread stages."""
 
     def __init__(self, on_cuda: bool) -> None:
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=on_cuda))
+        self.stager = ReusedHostStager(on_cuda)
         self.adapters = HostBuffers(pinned=on_cuda)
         self._staging_step: Optional[int] = None
         #: the step staged here last and its ``finished`` (not the checkpoint: its copies may go)
