@@ -112,3 +112,30 @@ def test_bucket_info_cuts_a_pack_back_into_its_tensors(qwen3_base, randomize):
         received = buffer.clone()  # what arrives: the same bytes, another buffer
         for (name, want), (got_name, got) in zip(views, unpack(received, info)):
             assert got_name == name and got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_what_the_trainer_sends_parses_as_the_installed_vllm_backend_reads_it(backend):
+    """The init and per-bucket messages are built for the vLLM that is installed (0.32 carries the
+    packing in the init info, 0.26 in each bucket's): the backend's own info classes take them whole,
+    and the packing the trainer broadcasts with is the one the worker is told."""
+    pytest.importorskip("vllm")
+    from atlas_lightning.rollout.engines.weight_transfer import ServerWeightTransfer, api_generation
+
+    if backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
+        init_cls, update_cls = NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
+    else:
+        from atlas_lightning.rollout.engines.gloo_transfer import GlooInitInfo, GlooUpdateInfo
+        init_cls, update_cls = GlooInitInfo, GlooUpdateInfo
+    transfer = ServerWeightTransfer("http://127.0.0.1:9", backend=backend, bucket_bytes=BUCKET, workers=2)
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    views = [("a.weight", buffer[:32].view(torch.bfloat16).view(4, 4)), ("b.bias", buffer[32:].view(torch.float32))]
+    init = init_cls(**transfer.worker_init_info(29555))
+    update = update_cls(**transfer.update_info(buffer, views))
+    assert (init.master_port, init.rank_offset, init.world_size) == (29555, 1, 3)
+    assert update.names == ["a.weight", "b.bias"] and update.shapes == [[4, 4], [8]]
+    assert update.dtype_names == ["bfloat16", "float32"]
+    if backend == "nccl":
+        packing = init if api_generation() >= 32 else update
+        assert (packing.packed, packing.packed_buffer_size_bytes) == (True, BUCKET)

@@ -1,4 +1,4 @@
-"""A CPU backend for vLLM 0.32's own weight-transfer API: ``gloo``, registered with vLLM's
+"""A CPU backend for vLLM's own weight-transfer API (0.32's and 0.26's): ``gloo``, registered with vLLM's
 ``WeightTransferEngineFactory`` (the worker side of ``/init_weight_transfer_engine``,
 ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``).
 
@@ -161,6 +161,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         digest = bucket_digest(tensors)  # of what arrived, before the loader takes it
         self.model.load_weights([(name, t.to(self.device)) for name, t in tensors])
         gather_reports(self.group, report_tensor(len(tensors), digest))
+
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:
+        """vLLM 0.26 declares this abstract (0.32 moved the trainer's side into its own class): the
+        trainer's side here is ``weight_transfer.ServerWeightTransfer``, never this."""
+        raise NotImplementedError("the gloo backend's trainer side is atlas_lightning.rollout.engines."
+                                  "weight_transfer.ServerWeightTransfer")
 
     def shutdown(self) -> None:
         if self.group is not None:

@@ -1,4 +1,4 @@
-"""Merged weights to a vLLM server through vLLM 0.32's own weight-transfer API (the trainer side).
+"""Merged weights to a vLLM server through vLLM's own weight-transfer API (the trainer side).
 
 One ``ServerWeightTransfer`` per server, held by the training process that sends (rank 0).
 The control plane is vLLM's: its ``HTTPVLLMWeightSyncClient`` on the server's RL routes
@@ -19,6 +19,12 @@ The bucket loop is the same for both: for each bucket, ``/update_weights`` (whic
 the server until the bucket has arrived) runs on a side thread while this thread broadcasts.
 After ``finish`` the server's prefix cache is reset (its cached KV was computed with the old
 weights; vLLM's finish does not drop it).
+
+Two vLLM generations are served, told apart by what the installed vLLM has, not its version
+string (``api_generation``): 0.32 (the CPU build) takes nccl's packing in the init info
+(``nccl_common.worker_init_payload``), a weight version in ``finish_weight_update`` and has a
+``shutdown_weight_transfer_engine`` route; 0.26 (the card's wheels) takes the packing in each
+bucket's update info, no version, and has no shutdown route (the group is left with the process).
 
 Memory for buckets (``planning``): the sender holds one packed bucket (``merged_weight_packs``)
 plus, with ``nccl``, ``packed_num_buffers`` packed buffers of ``bucket_mb``; each server
@@ -85,15 +91,22 @@ class ServerWeightTransfer:
 
     # -- set-up ---------------------------------------------------------------------------
 
-    def _worker_init_info(self, port: int) -> dict:
-        if self.backend == "gloo":
-            return {"master_address": self.host, "master_port": port, "rank_offset": 1,
-                    "world_size": self.world_size}
-        from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+    def _packing(self) -> dict:
+        """nccl's packed broadcast settings; both ends must use the same."""
+        return {"packed": True, "packed_buffer_size_bytes": self.bucket_bytes, "packed_num_buffers": NCCL_NUM_BUFFERS}
 
-        return worker_init_payload(NCCLWeightTransferInitInfo(
-            master_address=self.host, master_port=port, rank_offset=1, world_size=self.world_size, packed=True,
-            packed_buffer_size_bytes=self.bucket_bytes, packed_num_buffers=NCCL_NUM_BUFFERS))
+    def worker_init_info(self, port: int) -> dict:
+        """What ``/init_weight_transfer_engine`` carries, as the installed vLLM's backend parses it."""
+        rendezvous = {"master_address": self.host, "master_port": port, "rank_offset": 1,
+                      "world_size": self.world_size}
+        if self.backend == "gloo":
+            return rendezvous
+        from vllm.distributed.weight_transfer import nccl_common
+
+        if not hasattr(nccl_common, "worker_init_payload"):  # 0.26: the packing travels per bucket
+            return rendezvous
+        return nccl_common.worker_init_payload(nccl_common.NCCLWeightTransferInitInfo(**rendezvous,
+                                                                                      **self._packing()))
 
     def _open_endpoint(self, port: int):
         if self.backend == "gloo":
@@ -111,7 +124,7 @@ class ServerWeightTransfer:
 
         port = free_port(self.host)
         with ThreadPoolExecutor(max_workers=1) as pool:
-            pending = pool.submit(self.client.init_weight_transfer_engine, self._worker_init_info(port))
+            pending = pool.submit(self.client.init_weight_transfer_engine, self.worker_init_info(port))
             try:
                 self.group = self._open_endpoint(port)
             finally:
@@ -132,8 +145,7 @@ class ServerWeightTransfer:
             entries[f"bucket{buckets}"] = held_digest
             buckets += 1
             largest = max(largest, int(buffer.numel()))
-        self._call(lambda: self.client.finish_weight_update(None if version is None else str(version)),
-                   "finish_weight_update")
+        self._call(lambda: self._finish(version), "finish_weight_update")
         self._reset_prefix_cache()
         extra = {"buckets": buckets, "largest_bucket_bytes": largest, "backend": self.backend}
         if self.backend == "nccl":  # nothing comes back to compare: the probe checks the server
@@ -142,11 +154,24 @@ class ServerWeightTransfer:
         return SyncReport(tensor_count=count, digest=WeightDigest(entries), form={"kind": "buckets"},
                           held="received by the server's workers", extra=extra)
 
-    def _send_bucket(self, buffer: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> tuple[int, Optional[str]]:
+    def _finish(self, version: Optional[int]) -> None:
+        if version is not None and api_generation() >= 32:
+            self.client.finish_weight_update(str(version))
+        else:  # 0.26's route takes no version; the sync probe is what proves which weights serve
+            self.client.finish_weight_update()
+
+    def update_info(self, buffer: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> dict:
+        """What ``/update_weights`` carries for one bucket, as the installed vLLM's backend parses it."""
         info = bucket_info(views, buffer)
         if self.backend == "nccl":
             for key in ("offsets", "nbytes"):
                 info.pop(key)
+            if api_generation() < 32:
+                info.update(self._packing())
+        return info
+
+    def _send_bucket(self, buffer: torch.Tensor, views: list[tuple[str, torch.Tensor]]) -> tuple[int, Optional[str]]:
+        info = self.update_info(buffer, views)
         with ThreadPoolExecutor(max_workers=1) as pool:
             pending = pool.submit(self.client.update_weights, info)
             try:
@@ -210,7 +235,8 @@ class ServerWeightTransfer:
         if group is None:
             return
         try:
-            self.client.shutdown_weight_transfer_engine()
+            if api_generation() >= 32:  # 0.26 has no shutdown route: its workers keep the group to the end
+                self.client.shutdown_weight_transfer_engine()
         except Exception as err:  # the server may be gone already
             log.warning("weight transfer to %s: shutdown failed: %s", self.url, err)
         if self.backend == "gloo":
@@ -219,6 +245,14 @@ class ServerWeightTransfer:
             stateless_destroy_torch_distributed_process_group(group)
         else:
             group.destroy()
+
+
+def api_generation() -> int:
+    """32 where the installed vLLM has 0.32's weight-transfer API (``finish_weight_update`` with a
+    version, the shutdown route, packing in the init info), else 26 (vLLM 0.26's)."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    return 32 if hasattr(HTTPVLLMWeightSyncClient, "shutdown_weight_transfer_engine") else 26
 
 
 def bucket_bytes_of(bucket_mb: float) -> int:
