@@ -346,6 +346,8 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
             "metrics": {k: v for k, v in logged.items() if k.startswith(("perf/", "rollout/", "response_length/",
                                                                            "critic/score", "actor/", "critic/"))},
         }
+        # known once the generation ended, even in a step that did not
+        row["gen_tokens_per_s"] = (generated.get(step) or 0) / gen if gen else None
         if wall:
             # the weight sync (wake, update_weights) is the step's last phase, not a callback
             inside = sum(phases.get(p, 0.0) for p in ("wake_rollout", "gen", "sleep", "assemble") + UPDATE_COMPUTE
@@ -361,7 +363,6 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
                              "checkpoint": checkpoint / wall,
                              "overhead_with_periodic_amortised": (overhead + periodic)
                              / (wall - validation - checkpoint + periodic)}
-            row["gen_tokens_per_s"] = (generated.get(step) or 0) / gen if gen else None
             row["tokens_per_s_per_gpu"] = tokens_per_gpu_second(row["tokens"], int(cfg.layout.gpus), wall,
                                                                 validation + checkpoint, periodic)
         flops = phase_flops(cfg, lengths[step], responses.get(step, [])) if step in responses else None
@@ -478,7 +479,9 @@ def markdown(report: dict) -> str:
     if plain.get("done"):
         lines.append(f"plain vllm.LLM.generate on step {plain['step']}'s {plain['requests']} requests: "
                      f"{plain['generated_tokens']:,} tokens in {plain['seconds']:.1f} s ({plain['tokens_per_s']:,.0f} "
-                     f"tokens/s); the agent loop reached {_fmt((plain.get('gen_vs_plain') or 0) * 100)}% of it")
+                     f"tokens/s); " + (f"the agent loop reached {plain['gen_vs_plain'] * 100:.1f}% of it"
+                                       if plain.get("gen_vs_plain") else
+                                       f"no comparison: step {plain['step']}'s record has no generation rate"))
     else:
         lines.append(f"plain vllm.LLM.generate: not measured ({plain.get('why')})")
     env = report.get("environment", {})
