@@ -147,11 +147,12 @@ class StepCheckpoint(Checkpoint):
         """The run failed: let a write in flight finish (it is a good checkpoint of an earlier
         step), without collectives (other ranks may be gone), up to ``EXIT_WAIT_S``."""
         write, self._pending = self._pending, None
-        if write is not None and not write.join(EXIT_WAIT_S):
-            log.warning("checkpoint of step %d still being written after %.0f s; left without its %s",
-                        write.staged.step, EXIT_WAIT_S, MARKER)
-        elif write is not None and write.error is not None:
-            log.warning("checkpoint of step %d could not be written: %s", write.staged.step, write.error)
+        if write is not None:
+            if not write.join(EXIT_WAIT_S):
+                log.warning("checkpoint of step %d still being written after %.0f s; left without its %s",
+                            write.staged.step, EXIT_WAIT_S, MARKER)
+            elif write.error is not None:
+                log.warning("checkpoint of step %d could not be written: %s", write.staged.step, write.error)
         self._release_staging()  # Lightning calls no teardown after an exception
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
