@@ -12,7 +12,7 @@ the raw files (in the repository, not in the wheel).
   each peak), ``probes`` (profile, autotuning), ``logprob_memory``, ``sync`` (weight export),
   ``report`` (markdown), ``build_time`` (the model build's start-up).
 * The RL step: ``step`` (``fit`` itself, phase by phase), ``step_names``, ``projection`` (to the
-  training of record), ``step_suite`` (the stages on one card); ``learning`` (does the embedded
+  training of record), ``cards`` (the cards' HBM and bf16 rates), ``step_suite`` (the stages on one card); ``learning`` (does the embedded
   default learn).
 * Kernel probes: ``attention_lengths``, ``elementwise_kernels``, ``merge_packing``, ``digest_cost``.
 

@@ -46,7 +46,9 @@ configured token budgets and at the micro-batch sizes the step really ran (the p
 partition of the step's sequence lengths).
 
 Output: ``DIR/step_bench.json`` (rewritten after every step, so a run cut short keeps what it
-measured) and ``DIR/step_bench.md`` (printed last).
+measured; with the model ``--build`` wrote, ``build``: its shape and ``--layers``, and the card's
+HBM where ``bench/cards.py`` knows it, what ``bench/projection.py`` scales from) and
+``DIR/step_bench.md`` (printed last).
 """
 
 from __future__ import annotations
@@ -106,8 +108,11 @@ class _RecordingEngine:
 class StepBenchCallback(L.Callback):
     """Times every phase of every RL step of a ``fit`` (module doc); writes ``out``."""
 
-    def __init__(self, out: str, replay_step: int = 1, replay: bool = True) -> None:
+    def __init__(self, out: str, replay_step: int = 1, replay: bool = True, build: Optional[str] = None,
+                 layers: Optional[int] = None) -> None:
         self.out = Path(out)
+        # the model the step runs, when ``--build`` wrote it (the projection scales from it)
+        self.build = {"shape": build, "layers": None if layers is None else int(layers)} if build else None
         self.replay_step = int(replay_step)
         self.replay = bool(replay)
         self.recorder: Optional[_RecordingEngine] = None
@@ -224,7 +229,7 @@ class StepBenchCallback(L.Callback):
         report = build_report(pl_module.cfg, _history(trainer), rollout_start=self.rollout_start,
                               ended=self.ended, callback_s=self.callback_s, lengths=self.lengths,
                               generated=self.generated, replayed=self.replayed, responses=self.responses,
-                              peak_tflops=self.peak_tflops)
+                              peak_tflops=self.peak_tflops, build=self.build)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "step_bench.json").write_text(json.dumps(report, indent=1) + "\n")
         (self.out / "step_bench.md").write_text(markdown(report) + "\n")
@@ -320,8 +325,10 @@ def tokens_per_gpu_second(tokens: int, gpus: int, wall: float, periodic_s: float
 def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: dict[int, float],
                  ended: Optional[float], callback_s: dict[int, dict[str, float]], lengths: dict[int, list[int]],
                  generated: dict[int, int], replayed: dict[str, Any], responses: Optional[dict[int, list[int]]] = None,
-                 peak_tflops: Optional[float] = None) -> dict:
-    """The benchmark's figures (module doc) from what the run logged and the callback timed."""
+                 peak_tflops: Optional[float] = None, build: Optional[dict] = None) -> dict:
+    """The benchmark's figures (module doc) from what the run logged and the callback timed;
+    ``build``: the ``bench/shapes.py`` shape and layer count the model was built from (None: a
+    model folder the benchmark did not write)."""
     steps = sorted(s for s in rollout_start if s in lengths)
     responses = responses or {}
     val_every = int(cfg.trainer.val_every) or int(cfg.trainer.total_steps)
@@ -391,7 +398,8 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
                   "ppo_max_token_len_per_gpu": int(cfg.algorithm.ppo_max_token_len_per_gpu),
                   "forward_max_token_len_per_gpu": int(cfg.algorithm.forward_max_token_len_per_gpu),
                   "max_tokens_per_turn": int(cfg.rollout.max_tokens_per_turn)},
-        "environment": _environment(), "peak_bf16_tflops": peak_tflops, "steps": rows, "plain_generate": replayed,
+        "build": build, "environment": _environment(), "peak_bf16_tflops": peak_tflops, "steps": rows,
+        "plain_generate": replayed,
     }
 
 
@@ -399,6 +407,8 @@ def _environment() -> dict[str, Any]:
     import platform
 
     import torch
+
+    from .cards import hbm_tbs
 
     out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("vllm", "transformers", "peft", "lightning"):
@@ -410,6 +420,7 @@ def _environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)
         out["gpu_gib"] = torch.cuda.get_device_properties(0).total_memory / GIB
+        out["card_hbm_tbs"] = hbm_tbs(out["gpu"])  # the vendor's figure (bench/cards.py), None when unknown
     return out
 
 
@@ -564,6 +575,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     return exit_code(parser.prog, lambda: _build_and_fit(args, parser.prog))
 
 
+def bench_overrides(out: Path, replay_step: int, build: Optional[str], layers: Optional[int]) -> list[str]:
+    """The overrides that add ``StepBenchCallback`` to the fit (``+callbacks.step_bench``), with
+    the shape and layer count ``--build`` wrote, for its report."""
+    built = [f"+callbacks.step_bench.build={build}"] if build else []
+    if build and layers is not None:
+        built.append(f"+callbacks.step_bench.layers={layers}")
+    return ["+callbacks.step_bench._target_=atlas_lightning.bench.step.StepBenchCallback",
+            f"+callbacks.step_bench.out={out}", f"+callbacks.step_bench.replay_step={replay_step}", *built]
+
+
 def _build_and_fit(args: argparse.Namespace, program: str) -> int:
     """``--build``'s model folder, then ``fit`` on the overrides with the benchmark's callback; a
     clean stop part-way prints its line, then the steps measured (``step_bench.md``). A bad option
@@ -575,8 +596,7 @@ def _build_and_fit(args: argparse.Namespace, program: str) -> int:
     if args.build:
         check_build(args.build, args.layers, args.tokenizer_from)
     out = args.out.resolve()
-    cfg = compose([*args.overrides, "+callbacks.step_bench._target_=atlas_lightning.bench.step.StepBenchCallback",
-                   f"+callbacks.step_bench.out={out}", f"+callbacks.step_bench.replay_step={args.replay_step}"])
+    cfg = compose([*args.overrides, *bench_overrides(out, args.replay_step, args.build, args.layers)])
     if args.build:
         build_model_folder(args.build, args.model_dir, args.tokenizer_from, args.layers)
         print(f"model folder {args.model_dir} ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
