@@ -203,7 +203,7 @@ def test_the_marks_shift_is_sized_on_the_trainer_alone():
     shift = mark_shift(trainer_probe, BASE, noise)
     moved = float(np.linalg.norm(trainer_probe(shift) - BASE))
     assert 32 * noise <= moved <= 128 * noise and len(calls) <= 6
-    with pytest.raises(WeightSyncError, match="no lora_B shift moves the trainer's probe"):
+    with pytest.raises(WeightSyncError, match="no lora_B perturbation moves the trainer's probe"):
         mark_shift(lambda shift: BASE, BASE, noise)  # an adapter that does not act on the probe
     blowing_up = mark_shift(lambda s: BASE + (np.inf if s > 1e-3 else s * 10) * DIRECTION, BASE, noise)
     assert blowing_up <= 1e-3  # a non-finite probe is a shift too large
@@ -328,7 +328,7 @@ def test_a_probe_that_moves_in_rounding_steps_is_marked_where_it_follows_the_shi
         linear = 270.0 * shift
         return BASE + (0.0 if shift < 1e-6 else max(step * 1.07, linear)) * DIRECTION
 
-    with pytest.raises(WeightSyncError, match="no lora_B shift moves the trainer's probe"):
+    with pytest.raises(WeightSyncError, match="no lora_B perturbation moves the trainer's probe"):
         mark_shift(stepped, BASE, noise_floor(BASE))
     check = MovementCheck("lora", dtype)
     check.start(_reading(0, BASE, BASE))
