@@ -341,7 +341,7 @@ class WeightSync:
             self.sync_id += 1
             self._load(model, engine, version)
             marked = self._reading(model, probe, engine, version, device)
-        self.movement.check(marked, starting=f"the marked adapter (every lora_B entry shifted by {shift:.3g})")
+        self.movement.check(marked, starting=f"the marked adapter (a seeded random lora_B perturbation of scale {shift:.3g})")
         self.sync_id += 1
         report = self._load(model, engine, version)
         again = self._reading(model, probe, engine, version, device)

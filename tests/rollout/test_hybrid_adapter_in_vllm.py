@@ -21,6 +21,8 @@ from tests.conftest import randomize_adapters
 from tests.model_builds import actor_critic
 
 PROBE = list(range(5, 40))
+#: A probe across the vocabulary (``sync_probe``'s module doc quotes the starting check's figures on it).
+WIDE_PROBE = [(37 * i) % 1900 + 20 for i in range(100)]
 #: The trainer's side on the card where there is one, as ``fit`` places it: transformers 5.17 with
 #: fla importable runs its Gated DeltaNet through fla's Triton kernels, which a CPU tensor fails.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -139,3 +141,49 @@ def test_the_starting_check_refuses_an_engine_that_ignores_the_adapter(tmp_path,
     print(f"hybrid, loaded names: {info.value}")
     assert "refusing to train" in str(info.value)
     assert ignored.movement.last.ratio > 0.9 > RESIDUAL_LIMIT * 2
+
+
+@pytest.mark.vllm
+def test_the_starting_check_passes_a_clean_bf16_engine_for_both_sync_kinds_and_refuses_a_stale_one(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """The bf16 hybrid with a fresh actor, as ``fit`` starts: the marked adapter once added one
+    value to every ``lora_B`` entry, sized to the probe's saturated movement, and there the clean
+    engine's gap grew 90x and the check refused it (ratios 0.36 LoRA, 0.38 merged); the seeded
+    random mark short of saturation passes both kinds with a stated margin, while an engine that
+    reports the merged weights it was sent and keeps serving what it had is still refused."""
+    from types import SimpleNamespace
+
+    from atlas_lightning.rollout.sync import WeightSync
+    from atlas_lightning.rollout.sync_probe import RESIDUAL_LIMIT, StartingCheckError
+    from tests.rollout.test_sync_applied import _behaving_as, _lying_class
+
+    reason = _vllm_problem()
+    if reason:
+        pytest.skip(reason)
+    folder = _hybrid_folder(tmp_path, tiny_model_dir)
+    model = actor_critic(str(folder), {"rank": 8, "alpha": 16}, dtype="bfloat16", device=DEVICE)  # lora_B = 0
+    engine = _engine(folder, monkeypatch)
+    serving = SimpleNamespace(engine=engine, probe_token_ids=lambda: WIDE_PROBE, weights_version=None)
+
+    def weight_sync(kind: str) -> WeightSync:
+        return WeightSync(kind=kind, bucket_mb=64, logprob_gap_factor=4.0, max_logprob_gap=0.3,
+                          adapter_folder=tmp_path / kind, dtype="bfloat16")
+
+    try:
+        for kind in ("lora", "merged"):
+            sync = weight_sync(kind)
+            sync.sync(model, serving, version=0, device=DEVICE)
+            moved = sync.movement.last
+            print(f"hybrid bf16, {kind}: marked move {moved.expected / moved.noise:.3g} noises, residual ratio "
+                  f"{moved.ratio:.3g} ({RESIDUAL_LIMIT / moved.ratio:.3g}x below the limit)")
+            assert moved.measurable and moved.ratio < RESIDUAL_LIMIT / 4
+            engine.set_adapter(None)
+        stale = weight_sync("merged")
+        with _behaving_as(engine, _lying_class()), pytest.raises(StartingCheckError) as info:
+            stale.sync(model, serving, version=0, device=DEVICE)
+    finally:
+        engine.close()
+    moved = stale.movement.last
+    print(f"hybrid bf16, merged, stale engine: residual ratio {moved.ratio:.3g}")
+    assert "with the marked adapter" in str(info.value) and "does not serve the merged weights" in str(info.value)
+    assert moved.measurable and moved.ratio > 0.9
