@@ -276,8 +276,8 @@ def stage_checkpoint(trainer: Any, pl_module: Any, step: int, checkpoints: Path,
     # ModelParallelStrategy.save_checkpoint's layout: the tensors as a distributed checkpoint, the rest in meta.pt
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     tensors.update({f"optimizer_{index}": state for index, state in enumerate(checkpoint.pop("optimizer_states", []))})
-    # staged by our stager before it returns (torch neither closes a stager it is given nor
-    # stages it asynchronously: ``use_async_staging=False``)
+    # staged by our stager before it returns (torch does not close a stager it is given, and
+    # ours hands back a finished copy: ``ReusedHostStager``)
     future = async_save(tensors, checkpoint_id=tmp / STATE_DIR, process_group=group, async_stager=staging.stager)
     return staging.lend(StagedCheckpoint(step, checkpoints, write_adapters,
                                          staging.stage(checkpoint) if rank_zero else None,

@@ -18,7 +18,7 @@ HBM_TBS: tuple[tuple[str, float], ...] = (
     ("A100 80GB PCIe", 1.94),
 )
 
-H200_HBM_TBS, A100_HBM_TBS = 4.8, 2.04
+H200_HBM_TBS, A100_HBM_TBS = dict(HBM_TBS)["H200"], dict(HBM_TBS)["A100-SXM4-80GB"]
 #: the bf16 matmul rate the step benchmark measured on the H200 (step run 3's LoRA step; its runs
 #: measured 743-761 TFLOP/s), the rate a projection to H200s divides by when it was measured elsewhere
 H200_MEASURED_TFLOPS = 747.0

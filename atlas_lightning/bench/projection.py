@@ -288,16 +288,16 @@ def project(measured: Measured) -> dict[str, Any]:
                        "decode_s": detail["h200"]["decode_s"], "prefill_s": detail["h200"]["prefill_s"],
                        "params_27b": record_params, "params_measured": ran_params, "layers_27b": record_layers,
                        "layers_measured": ran_layers, "targets": detail},
-            "assumptions": assumptions(m, ran_layers)}
+            "assumptions": assumptions(m, ran_layers, record_layers)}
 
 
-def assumptions(m: Measured, ran_layers: int) -> list[str]:
+def assumptions(m: Measured, ran_layers: int, record_layers: int) -> list[str]:
     """Every rule the projection applied to ``m``, one line each (module doc)."""
     made = " (assumed: the report does not say; --measured-shape)" if "measured_shape" in m.assumed else ""
     decode = (f"decode ({m.decode_scaling}): the measured rate x the loop's efficiency ({m.loop_efficiency:.2f}) x "
               + ("the bytes a card reads (measured model on one card / 27B on a TP4 card) x HBM target / measured"
                  if m.decode_scaling == "bytes" else
-                 f"layers ({ran_layers} measured / 64; an eager engine's token step bound by per-layer launches "
+                 f"layers ({ran_layers} measured / {record_layers}; an eager engine's token step bound by per-layer launches "
                  "and host work, the same on every card)")
               + f" x TP efficiency {TP_EFFICIENCY}, at the measured concurrency ({m.concurrency or '?'} requests); "
               "two engines")

@@ -99,14 +99,11 @@ class ServerWeightTransfer:
         """What ``/init_weight_transfer_engine`` carries, as the installed vLLM's backend parses it."""
         rendezvous = {"master_address": self.host, "master_port": port, "rank_offset": 1,
                       "world_size": self.world_size}
-        if self.backend == "gloo":
+        if self.backend == "gloo" or api_generation() < 32:  # 0.26: nccl's packing travels per bucket
             return rendezvous
-        from vllm.distributed.weight_transfer import nccl_common
+        from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
 
-        if not hasattr(nccl_common, "worker_init_payload"):  # 0.26: the packing travels per bucket
-            return rendezvous
-        return nccl_common.worker_init_payload(nccl_common.NCCLWeightTransferInitInfo(**rendezvous,
-                                                                                      **self._packing()))
+        return worker_init_payload(NCCLWeightTransferInitInfo(**rendezvous, **self._packing()))
 
     def _open_endpoint(self, port: int):
         if self.backend == "gloo":
