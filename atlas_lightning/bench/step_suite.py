@@ -117,11 +117,34 @@ class Suite:
             return process.wait()
 
 
+#: How long ``kill_group`` waits for the killed group's processes to be gone.
+GROUP_EXIT_S = 30.0
+
+
 def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL ``process``'s group, then wait (up to ``GROUP_EXIT_S``) until none of its processes
+    runs: the signal is delivered asynchronously, and a process in uninterruptible sleep (loading
+    its code under load, a card's engine releasing memory) dies only when it leaves it, so a
+    resume started at once could run beside the killed run's last processes."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:  # it ended on its own
-        pass
+        return
+    deadline = time.monotonic() + GROUP_EXIT_S
+    while _group_running(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (a zombie, waiting to be reaped, does not)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _parent, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):  # it ended while being read
+            continue
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
 
 
 def kill_resume(suite: Suite, label: str, name: str, at: int, cap_s: float, overrides: list[str]) -> None:
