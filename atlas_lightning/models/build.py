@@ -159,6 +159,7 @@ def check_base_weights(path: str | Path, config: Any = None) -> Optional[str]:
     finally:
         quiet.setLevel(level)
     _refuse_missing(str(path), info)
+    _refuse_untied_copies(str(path), config, model)
     mismatched = sorted(info.get("mismatched_keys") or ())
     if mismatched:
         shown = ", ".join(f"{name} is {list(theirs)} in the weights, {list(ours)} in the model"
@@ -173,6 +174,31 @@ def check_base_weights(path: str | Path, config: Any = None) -> Optional[str]:
                                f"{', ...' if len(unexpected) > 5 else ''}): the weights and the config disagree "
                                f"(e.g. num_hidden_layers, or a model_type of another family)")
     return folder_fingerprint(model, path)
+
+
+def _refuse_untied_copies(path: str, config: Any, model: nn.Module) -> None:
+    """A config that ties the output head to the embeddings, and weights that hold both with
+    other values: transformers then unties them (the head trains from the file's copy), vLLM keeps
+    them tied (the head is the embeddings): the trainer and the engine would score with different
+    heads. Read only where transformers untied them (both stored)."""
+    output, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if not getattr(config, "tie_word_embeddings", False) or output is None or output.weight is embeddings.weight:
+        return
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if name.endswith(("lm_head.weight", "embed_tokens.weight")):
+                    found[name] = handle.get_tensor(name)
+    heads = [name for name in found if name.endswith("lm_head.weight")]
+    tables = [name for name in found if name.endswith("embed_tokens.weight")]
+    if len(heads) == 1 and len(tables) == 1 and not torch.equal(found[heads[0]], found[tables[0]]):
+        raise BaseWeightsError(f"model.path={path}: config.json ties the output head to the embeddings "
+                               f"(tie_word_embeddings), but the weights hold {heads[0]} with other values than "
+                               f"{tables[0]}: the trainer would use the stored head, the engine the embeddings; "
+                               f"set tie_word_embeddings to false, or remove {heads[0]}")
 
 
 def check_base_config(path: str | Path):
