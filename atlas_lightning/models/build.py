@@ -230,6 +230,48 @@ def _refuse_missing(path: str, info: dict) -> None:
                                f"from random values; the folder is incomplete (a shard or tensors left out)")
 
 
+def check_starting_adapters(model_cfg: Any, folders: dict) -> None:
+    """Each starting adapter (``{role: adapters.AdapterFolder}``, read) checked as
+    ``build_actor_critic`` checks it when it loads it (``adapters.check_adapter_tensors``: LoRA
+    fields, adapted modules, every tensor's name and shape, the value head), against the same
+    peft model built on the meta device (no value is read or made), so that what the build would
+    refuse after the run's files are written is refused before. The bases' identities are
+    compared by ``run/facts.py`` from the files. ``AdapterMismatchError`` naming the folder."""
+    import logging
+    from types import SimpleNamespace
+
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from .actor_critic import peft_lora_config
+    from .adapter_switch import tuner_layers
+    from .adapters import check_adapter_tensors
+    from .checkpoint_names import name_map
+
+    if not folders:
+        return
+    path = str(model_cfg.path)
+    quiet = logging.getLogger("transformers.modeling_utils")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        base = AutoModelForCausalLM.from_pretrained(path, config=causal_lm_config(path), device_map="meta")
+    finally:
+        quiet.setLevel(level)
+    names, _ = name_map(base, path)
+    roles = list(folders)
+    peft_model = get_peft_model(base, peft_lora_config(adapter_lora_config(folders[roles[0]].folder)),
+                                adapter_name=roles[0])
+    for role in roles[1:]:
+        peft_model.add_adapter(role, peft_lora_config(adapter_lora_config(folders[role].folder)))
+    hidden = base.get_output_embeddings().weight.shape[1]
+    meta = SimpleNamespace(peft_model=peft_model, checkpoint_names=names, _tuner_layers=tuner_layers(peft_model),
+                           value_head=nn.Linear(hidden, 1, dtype=torch.float32, device="meta"))
+    meta.adapter_parameters = lambda role: ActorCritic.adapter_parameters(meta, role)
+    for role, data in folders.items():
+        check_adapter_tensors(meta, role, data)
+
+
 def build_actor_critic(model_cfg: Any, *, seed: int = 0, actor_adapter: Optional[str] = None,
                        critic_adapter: Optional[str] = None, device: str | torch.device | None = None,
                        random_base: Any = None) -> ActorCritic:
