@@ -328,7 +328,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
             raise ConfigError("trainer.resume=auto: no checkpoint of this run verifies:\n  " + "\n  ".join(refusals)
                               + "\nmove the damaged folders away, or set trainer.resume=null to start afresh")
         if folder is not None:
-            _check_state(folder, "trainer.resume=auto", cfg)
+            _check_state(folder, "trainer.resume=auto", cfg, fitted if training else None)
             check_resume_adapters(cfg, folder, "trainer.resume=auto")
             if training:
                 _check_kept_rollouts(cfg, folder, "trainer.resume=auto", fitted)
@@ -343,7 +343,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
         verify_checkpoint(folder)
     except CheckpointError as err:
         raise ConfigError(f"trainer.resume={resume}: {err}") from None
-    _check_state(folder, f"trainer.resume={resume}", cfg)
+    _check_state(folder, f"trainer.resume={resume}", cfg, fitted if training else None)
     check_resume_adapters(cfg, folder, f"trainer.resume={resume}")
     if training:
         _check_kept_rollouts(cfg, folder, f"trainer.resume={resume}", fitted)
@@ -419,12 +419,19 @@ def _check_same_steps(cfg: DictConfig, folder: Path, key: str, steps: dict,
         raise ConfigError(f"{key}: {err}") from None
 
 
-def _check_state(folder: Path, key: str, cfg: DictConfig) -> None:
+def _check_state(folder: Path, key: str, cfg: DictConfig,
+                 fitted: Optional[Callable[[], QuestionSplits]] = None) -> None:
     """The checkpoint's Lightning state is whole and of this run's optimizer settings
-    (``run/resume_state.py``), or the key is refused."""
+    (``run/resume_state.py``) and, given the run's ``fitted()`` splits (a run that trains on), its
+    data cursor of this run's training questions and sampling, or the key is refused."""
     from atlas_lightning.run.resume_state import ResumeStateError, check_resume_state
 
+    sampling = None
+    if fitted is not None:
+        from atlas_lightning.rollout.step_questions import StepQuestions
+
+        sampling = StepQuestions(fitted().train, cfg).digest
     try:
-        check_resume_state(folder, cfg.algorithm)
+        check_resume_state(folder, cfg.algorithm, sampling)
     except ResumeStateError as err:
         raise ConfigError(f"{key}: {err}") from None
