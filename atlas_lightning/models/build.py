@@ -38,6 +38,7 @@ benchmarks (``bench/update.py``), tests.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -139,25 +140,19 @@ def check_base_weights(path: str | Path, config: Any = None) -> Optional[str]:
     again. Returns the base's fingerprint (``identity.folder_fingerprint``; None where it cannot
     be read without loading), for the starting adapters' ``atlas_base.json`` to be checked against.
     ``config``: what ``check_base_config(path)`` returned, where the caller has it (read otherwise)."""
-    import logging
-
     from .identity import folder_fingerprint
 
     from transformers import AutoModelForCausalLM
 
     where = f"model.path={path}"
     config = check_base_config(path) if config is None else config
-    quiet = logging.getLogger("transformers.modeling_utils")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # its load report would print the mismatches this refuses, as a table
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(str(path), config=config, device_map="meta",
-                                                           ignore_mismatched_sizes=True, output_loading_info=True)
+        with _quiet_meta_load():
+            model, info = AutoModelForCausalLM.from_pretrained(str(path), config=config, device_map="meta",
+                                                               ignore_mismatched_sizes=True, output_loading_info=True)
     except Exception as err:  # a config it cannot build a model from (a vocabulary too small for its ids, ...)
         raise BaseWeightsError(f"{where}: transformers cannot build the model its config.json describes from "
                                f"its weights ({_first_line(err)})") from None
-    finally:
-        quiet.setLevel(level)
     _refuse_missing(str(path), info)
     _refuse_untied_copies(str(path), config, model)
     mismatched = sorted(info.get("mismatched_keys") or ())
@@ -201,6 +196,27 @@ def _refuse_untied_copies(path: str, config: Any, model: nn.Module) -> None:
                                f"set tie_word_embeddings to false, or remove {heads[0]}")
 
 
+@contextmanager
+def _quiet_meta_load():
+    """A start-up check's load on the meta device, silent: transformers' load report would print
+    the mismatches the check refuses (as a table), its progress bar lines before a refusal's one
+    line on stderr."""
+    import logging
+
+    from transformers.utils import logging as transformers_logging
+
+    report = logging.getLogger("transformers.modeling_utils")
+    level, bar = report.level, transformers_logging.is_progress_bar_enabled()
+    report.setLevel(logging.ERROR)
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        report.setLevel(level)
+        if bar:
+            transformers_logging.enable_progress_bar()
+
+
 def check_base_config(path: str | Path):
     """The transformers config of ``path``'s ``config.json`` (``causal_lm_config``), or
     ``BaseWeightsError`` naming ``model.path`` with what transformers' parse or validation said
@@ -237,7 +253,6 @@ def check_starting_adapters(model_cfg: Any, folders: dict) -> None:
     peft model built on the meta device (no value is read or made), so that what the build would
     refuse after the run's files are written is refused before. The bases' identities are
     compared by ``run/facts.py`` from the files. ``AdapterMismatchError`` naming the folder."""
-    import logging
     from types import SimpleNamespace
 
     from peft import get_peft_model
@@ -251,13 +266,8 @@ def check_starting_adapters(model_cfg: Any, folders: dict) -> None:
     if not folders:
         return
     path = str(model_cfg.path)
-    quiet = logging.getLogger("transformers.modeling_utils")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
+    with _quiet_meta_load():
         base = AutoModelForCausalLM.from_pretrained(path, config=causal_lm_config(path), device_map="meta")
-    finally:
-        quiet.setLevel(level)
     names, _ = name_map(base, path)
     roles = list(folders)
     peft_model = get_peft_model(base, peft_lora_config(adapter_lora_config(folders[roles[0]].folder)),
