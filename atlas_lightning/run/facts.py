@@ -180,11 +180,11 @@ def _check_adapters_fit(cfg: DictConfig, read: dict) -> None:
     from atlas_lightning.models.build import check_starting_adapters
     from atlas_lightning.store.lora_shapes import starting_adapter_source
 
-    for role, data in read.items():
-        try:
-            check_starting_adapters(cfg.model, {role: data})
-        except (InputError, FileNotFoundError) as err:
-            raise _named(err, starting_adapter_source(cfg, role), data.folder) from None
+    try:
+        check_starting_adapters(cfg.model, read)  # one meta build for both, as the build makes one model
+    except (InputError, FileNotFoundError) as err:
+        role = next((role for role, data in read.items() if str(data.folder) in str(err)), next(iter(read), "actor"))
+        raise _named(err, starting_adapter_source(cfg, role), read[role].folder if role in read else "") from None
 
 
 def _check_adapter_bases(cfg: DictConfig, fingerprint: Optional[str], resume: Optional[Path]) -> None:
