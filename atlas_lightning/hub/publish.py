@@ -246,6 +246,8 @@ def publish_data_root(
     if not root.is_dir():
         raise ValueError(f"publish: data root {root} is not a folder")
     check_repo_id(repo_id, repo_type)
+    if weights:
+        verify_published_checkpoints(root)
     uploader = HubUploader(repo_id, repo_type=repo_type, endpoint=endpoint, token=token, private=private,
                            retries=retries, backoff_s=backoff_s, use_xet=use_xet)
     with tempfile.TemporaryDirectory(prefix="atlas-reading-copy-") as staging:
@@ -254,6 +256,19 @@ def publish_data_root(
             selection = reading_copy(selection, Path(staging))
         return _publish(root, uploader, selection, repo_id=repo_id, repo_type=repo_type, weights=weights, name=name,
                         question=question)
+
+
+def verify_published_checkpoints(root: Path) -> None:
+    """Every finished checkpoint under ``root/checkpoints`` (a ``global_step_N`` folder with its
+    ``checkpoint.json``) still matches its marker (``store.checkpoints.verify_checkpoint``: files,
+    sizes, sha256) before its weights are published: a damaged one is refused naming the folder
+    (``CheckpointError``, exit 2), before the repo is touched. Folders without a marker are sent as
+    they are, as before (a save that did not finish is named by the README's file list alone)."""
+    from atlas_lightning.store.checkpoints import MARKER, checkpoint_step, verify_checkpoint
+
+    for marker in sorted((root / "checkpoints").glob(f"*/global_step_*/{MARKER}")):
+        if checkpoint_step(marker.parent) is not None and not marker.parent.is_symlink():
+            verify_checkpoint(marker.parent)
 
 
 def _publish(root: Path, uploader: HubUploader, selection: Selection, *, repo_id: str, repo_type: str,

@@ -315,6 +315,9 @@ def _safetensors(folder: Path, name: str) -> dict[str, Tensor]:
     for key, tensor in tensors.items():
         if not tensor.is_floating_point():
             raise AdapterError(f"{folder}: {name} tensor {key} is {tensor.dtype}, not a floating-point weight")
+        if tensor.element_size() < 2:  # 8-bit floats are quantized values, meaningless without their scales
+            raise AdapterError(f"{folder}: {name} tensor {key} is {tensor.dtype}, a quantized type: an adapter's "
+                               f"weights are 16- or 32-bit floating point")
         bad = sum(nonfinite_counts(tensor))
         if bad:
             raise AdapterError(f"{folder}: {name} tensor {key} holds {bad} non-finite value(s) of "
@@ -366,8 +369,18 @@ def check_adapter_fits(model: ActorCritic, role: str, data: AdapterFolder, *, re
     hyper-parameters, adapted modules (named by ``modules_key``), tensor names and shapes, the
     value head. Returns PEFT key -> the live parameter. ``AdapterMismatchError`` naming the
     folder and the field; ``FileNotFoundError`` for a missing value head when it is required."""
+    _check_base(model, data.folder, data.identity, data.config)
+    return check_adapter_tensors(model, role, data, require_value_head=require_value_head, modules_key=modules_key)
+
+
+def check_adapter_tensors(model: Any, role: str, data: AdapterFolder, *, require_value_head: bool = True,
+                          modules_key: str = "model.lora.target_modules") -> dict[str, Tensor]:
+    """``check_adapter_fits`` without the base's identity: LoRA hyper-parameters, adapted
+    modules, tensor names and shapes, the value head (exactly its ``weight`` and ``bias``).
+    ``model``: an ``ActorCritic``, or what the start-up builds on the meta device
+    (``build.check_starting_adapters``: its ``peft_model``, ``checkpoint_names``, ``value_head``
+    and ``adapter_parameters``)."""
     folder = data.folder
-    _check_base(model, folder, data.identity, data.config)
     _check_lora_fields(model, role, folder, data.config)
     targets = _peft_named_parameters(model, role)
     # folders as other trainers wrote them (module doc): checkpoint names, a head in modules_to_save
@@ -392,6 +405,10 @@ def check_adapter_fits(model: ActorCritic, role: str, data: AdapterFolder, *, re
             )
     if role == CRITIC:
         if data.value_head is not None:
+            extra = sorted(set(data.value_head) - {name for name, _ in model.value_head.named_parameters()})
+            if extra:
+                raise AdapterMismatchError(f"{folder}: {VALUE_HEAD_FILE} holds {extra}, which the value head has "
+                                           f"no place for (it is a weight and a bias)")
             for name, param in model.value_head.named_parameters():
                 found = tuple(data.value_head[name].shape) if name in data.value_head else "missing"
                 if found != tuple(param.shape):
@@ -420,6 +437,10 @@ def load_adapter(model: ActorCritic, adapter_name: str, folder: str | Path, *, r
         for key, param in targets.items():
             _copy_full_into(param, data.tensors[key])
         if data.value_head is not None:
+            extra = sorted(set(data.value_head) - {name for name, _ in model.value_head.named_parameters()})
+            if extra:
+                raise AdapterMismatchError(f"{folder}: {VALUE_HEAD_FILE} holds {extra}, which the value head has "
+                                           f"no place for (it is a weight and a bias)")
             for name, param in model.value_head.named_parameters():
                 _copy_full_into(param, data.value_head[name])
 

@@ -38,6 +38,7 @@ benchmarks (``bench/update.py``), tests.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -139,26 +140,21 @@ def check_base_weights(path: str | Path, config: Any = None) -> Optional[str]:
     again. Returns the base's fingerprint (``identity.folder_fingerprint``; None where it cannot
     be read without loading), for the starting adapters' ``atlas_base.json`` to be checked against.
     ``config``: what ``check_base_config(path)`` returned, where the caller has it (read otherwise)."""
-    import logging
-
     from .identity import folder_fingerprint
 
     from transformers import AutoModelForCausalLM
 
     where = f"model.path={path}"
     config = check_base_config(path) if config is None else config
-    quiet = logging.getLogger("transformers.modeling_utils")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # its load report would print the mismatches this refuses, as a table
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(str(path), config=config, device_map="meta",
-                                                           ignore_mismatched_sizes=True, output_loading_info=True)
+        with _quiet_meta_load():
+            model, info = AutoModelForCausalLM.from_pretrained(str(path), config=config, device_map="meta",
+                                                               ignore_mismatched_sizes=True, output_loading_info=True)
     except Exception as err:  # a config it cannot build a model from (a vocabulary too small for its ids, ...)
         raise BaseWeightsError(f"{where}: transformers cannot build the model its config.json describes from "
                                f"its weights ({_first_line(err)})") from None
-    finally:
-        quiet.setLevel(level)
     _refuse_missing(str(path), info)
+    _refuse_untied_copies(str(path), config, model)
     mismatched = sorted(info.get("mismatched_keys") or ())
     if mismatched:
         shown = ", ".join(f"{name} is {list(theirs)} in the weights, {list(ours)} in the model"
@@ -173,6 +169,52 @@ def check_base_weights(path: str | Path, config: Any = None) -> Optional[str]:
                                f"{', ...' if len(unexpected) > 5 else ''}): the weights and the config disagree "
                                f"(e.g. num_hidden_layers, or a model_type of another family)")
     return folder_fingerprint(model, path)
+
+
+def _refuse_untied_copies(path: str, config: Any, model: nn.Module) -> None:
+    """A config that ties the output head to the embeddings, and weights that hold both with
+    other values: transformers then unties them (the head trains from the file's copy), vLLM keeps
+    them tied (the head is the embeddings): the trainer and the engine would score with different
+    heads. Read only where transformers untied them (both stored)."""
+    output, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if not getattr(config, "tie_word_embeddings", False) or output is None or output.weight is embeddings.weight:
+        return
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if name.endswith(("lm_head.weight", "embed_tokens.weight")):
+                    found[name] = handle.get_tensor(name)
+    heads = [name for name in found if name.endswith("lm_head.weight")]
+    tables = [name for name in found if name.endswith("embed_tokens.weight")]
+    if len(heads) == 1 and len(tables) == 1 and not torch.equal(found[heads[0]], found[tables[0]]):
+        raise BaseWeightsError(f"model.path={path}: config.json ties the output head to the embeddings "
+                               f"(tie_word_embeddings), but the weights hold {heads[0]} with other values than "
+                               f"{tables[0]}: the trainer would use the stored head, the engine the embeddings; "
+                               f"set tie_word_embeddings to false, or remove {heads[0]}")
+
+
+@contextmanager
+def _quiet_meta_load():
+    """A start-up check's load on the meta device, silent: transformers' load report would print
+    the mismatches the check refuses (as a table), its progress bar lines before a refusal's one
+    line on stderr."""
+    import logging
+
+    from transformers.utils import logging as transformers_logging
+
+    report = logging.getLogger("transformers.modeling_utils")
+    level, bar = report.level, transformers_logging.is_progress_bar_enabled()
+    report.setLevel(logging.ERROR)
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        report.setLevel(level)
+        if bar:
+            transformers_logging.enable_progress_bar()
 
 
 def check_base_config(path: str | Path):
@@ -202,6 +244,42 @@ def _refuse_missing(path: str, info: dict) -> None:
         raise BaseWeightsError(f"model.path={path}: its weight files lack {len(missing)} tensor(s) the model has "
                                f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): they would train "
                                f"from random values; the folder is incomplete (a shard or tensors left out)")
+
+
+def check_starting_adapters(model_cfg: Any, folders: dict) -> None:
+    """Each starting adapter (``{role: adapters.AdapterFolder}``, read) checked as
+    ``build_actor_critic`` checks it when it loads it (``adapters.check_adapter_tensors``: LoRA
+    fields, adapted modules, every tensor's name and shape, the value head), against the same
+    peft model built on the meta device (no value is read or made), so that what the build would
+    refuse after the run's files are written is refused before. The bases' identities are
+    compared by ``run/facts.py`` from the files. ``AdapterMismatchError`` naming the folder."""
+    from types import SimpleNamespace
+
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from .actor_critic import peft_lora_config
+    from .adapter_switch import tuner_layers
+    from .adapters import check_adapter_tensors
+    from .checkpoint_names import name_map
+
+    if not folders:
+        return
+    path = str(model_cfg.path)
+    with _quiet_meta_load():
+        base = AutoModelForCausalLM.from_pretrained(path, config=causal_lm_config(path), device_map="meta")
+    names, _ = name_map(base, path)
+    roles = list(folders)
+    peft_model = get_peft_model(base, peft_lora_config(adapter_lora_config(folders[roles[0]].folder)),
+                                adapter_name=roles[0])
+    for role in roles[1:]:
+        peft_model.add_adapter(role, peft_lora_config(adapter_lora_config(folders[role].folder)))
+    hidden = base.get_output_embeddings().weight.shape[1]
+    meta = SimpleNamespace(peft_model=peft_model, checkpoint_names=names, _tuner_layers=tuner_layers(peft_model),
+                           value_head=nn.Linear(hidden, 1, dtype=torch.float32, device="meta"))
+    meta.adapter_parameters = lambda role: ActorCritic.adapter_parameters(meta, role)
+    for role, data in folders.items():
+        check_adapter_tensors(meta, role, data)
 
 
 def build_actor_critic(model_cfg: Any, *, seed: int = 0, actor_adapter: Optional[str] = None,

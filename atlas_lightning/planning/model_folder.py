@@ -31,7 +31,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: A safetensors header larger than this is not one (the 27B's is about 100 KB).
 _MAX_HEADER_BYTES = 100 * 2**20
 #: safetensors dtypes that cannot be a weight of the base (every weight is floating point).
-_INTEGRAL_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"})
+_INTEGRAL_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64",
+                              # 8-bit and smaller floats: quantized weights, meaningless without their scales
+                              "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4"})
 
 
 def check_model_folder(path: str | Path, key: str = "model.path", *, loads: bool = True) -> dict:

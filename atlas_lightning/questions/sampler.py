@@ -49,6 +49,19 @@ class QuestionSampler:
         return order[within * self.batch_size:(within + 1) * self.batch_size].tolist()
 
 
+def sampling_digest(questions: list, sampler: QuestionSampler, samples: int) -> str:
+    """sha256 of what decides every step's trajectories: the training questions in order (each
+    row's every field), the sampler's settings and the samples a question. A checkpoint's data
+    cursor keeps it, so that a resume on other data or other sampling settings is refused
+    (``run/resume_state.py``) rather than continued from a cursor into another sequence."""
+    import hashlib
+
+    digest = hashlib.sha256(repr((sampler.batch_size, sampler.seed, sampler.shuffle, samples)).encode())
+    for question in questions:
+        digest.update(repr(question).encode())
+    return digest.hexdigest()
+
+
 def shard(items: list, rank: int, world_size: int) -> list:
     """Contiguous share of ``items`` for ``rank``; sizes differ by at most one."""
     if not 0 <= rank < world_size:

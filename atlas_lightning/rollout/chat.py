@@ -43,6 +43,11 @@ class ChatFormat:
         if "template_check_tool" not in str(text):
             raise ValueError("its chat template does not render the tools passed as tools=: the prompts would not "
                              "name explore and submit (a Hermes tool-calling template, as Qwen3's, is needed)")
+        # the tool responses are appended as ChatML turns (``tool_response_ids``): the prompt must be one too
+        if f"{IM_START}user\n" not in str(text) or not str(text).rpartition(IM_START)[2].startswith("assistant\n"):
+            raise ValueError(f"its chat template does not render ChatML turns ({IM_START}user ... and a last "
+                             f"{IM_START}assistant header): the prompts would not match the tool responses the "
+                             f"runtime appends (a Qwen3-style template is needed)")
 
     @cached_property
     def stop_token_ids(self) -> tuple[int, ...]:

@@ -437,7 +437,8 @@ class RolloutDataModule(L.LightningDataModule):
     # -- resumable state ------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"next_step": self.next_step}
+        steps = getattr(self, "steps", None)  # the sampling's digest: a resume on other data is refused
+        return {"next_step": self.next_step, **({"sampling": steps.digest} if steps is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.next_step = int(state["next_step"])

@@ -38,10 +38,13 @@ def tokens_problem(token_ids: Sequence[int], logprobs: Sequence[float], max_toke
     if not len(token_ids):
         return None
     try:
+        given = np.asarray(token_ids)
         ids = np.asarray(token_ids, dtype=np.int64)
         values = np.asarray(logprobs, dtype=np.float64)
     except (TypeError, ValueError, OverflowError) as err:
         return f"its token ids or log-probs are not numbers ({err})"
+    if given.dtype.kind not in "iu":  # a cast to int64 would truncate 5.7 to 5 without a word
+        return f"its token ids are not integers (they are {given.dtype}: {given.reshape(-1)[:3].tolist()}...)"
     outside = (ids < 0) if vocab_size is None else ((ids < 0) | (ids >= vocab_size))
     if outside.any():
         top = "" if vocab_size is None else f"..{vocab_size - 1}"

@@ -22,6 +22,7 @@ in-flight steps with the steps this run samples, and the data module
 from __future__ import annotations
 
 import logging
+from functools import cached_property
 from typing import Callable, Optional
 
 from omegaconf import DictConfig
@@ -29,7 +30,7 @@ from omegaconf import DictConfig
 from atlas_lightning.config import ConfigError
 from atlas_lightning.env.episode import Episode, RuntimeConfig
 from atlas_lightning.questions.loader import QuestionSplits
-from atlas_lightning.questions.sampler import QuestionSampler
+from atlas_lightning.questions.sampler import QuestionSampler, sampling_digest
 from atlas_lightning.questions.schema import Question
 from atlas_lightning.questions.uid import trajectory_uid
 from atlas_lightning.rollout.batch import session_id
@@ -108,6 +109,11 @@ class StepQuestions:
             raise ConfigError(f"algorithm.train_batch_size={batch}: the {len(train)} training questions whose "
                               f"prompts fit rollout.max_prompt_length cannot fill one batch")
         self.sampler = QuestionSampler(len(train), batch, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+
+    @cached_property
+    def digest(self) -> str:
+        """What decides every step's trajectories, as a checkpoint keeps it (``sampler.sampling_digest``)."""
+        return sampling_digest(self.train, self.sampler, self.samples)
 
     def questions(self, step: int) -> list[Question]:
         """The questions of RL step ``step`` (the sampler's draw)."""

@@ -107,8 +107,9 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
             raise ConfigError(f"model.{role}_adapter={folder}: no {ADAPTER_CONFIG} there (not a PEFT adapter "
                               f"folder: give a .../global_step_N/{role}/lora_adapter folder, or leave it null for "
                               f"a fresh adapter)")
-    _check_starting_adapters(cfg)
+    starting = _check_starting_adapters(cfg)
     from atlas_lightning.models.build import check_base_config, check_base_weights
+    from atlas_lightning.models.serving_files import check_serving_files
     from atlas_lightning.run.base_values import check_finite_base
 
     # before the tokenizer loads: that reads config.json too, and fails on a bad one without naming it
@@ -124,35 +125,66 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
         questions = fitted()
     fingerprint = check_base_weights(cfg.model.path, base_config)  # last: it builds the model on the meta device from every header
     check_finite_base(cfg.model.path)  # and every value of the base, read once (run/base_values.py)
+    check_serving_files(cfg.model.path, base_config, cfg.rollout.max_model_len)  # what the engine reads beside them
     _check_adapter_bases(cfg, fingerprint, start.resume)
+    _check_adapters_fit(cfg, starting)
     return RunFacts(folders=folders, lora=lora_shapes(cfg), questions=questions, start=start,
                     question_notes=tuple(question_notes))
 
 
-def _check_starting_adapters(cfg: DictConfig) -> None:
+def _check_starting_adapters(cfg: DictConfig) -> dict:
     """Each adapter that starts from a folder (``model.actor_adapter``, ``model.critic_adapter``,
     ``trainer.init_from``'s) read as the build reads it (``models.adapters.read_adapter_folder``:
     its files there and readable, every tensor finite, its ``atlas_base.json`` naming this role)
     and its tensors' shapes checked against its own ``adapter_config.json`` and this base from the
     safetensors header (``adapter_files.check_adapter``, pre-flight's check): refused here, naming the key and the folder,
-    rather than when the model is built, after the run's config and logs are written."""
+    rather than when the model is built, after the run's config and logs are written. Returns
+    ``{role: AdapterFolder}`` as read, for ``_check_adapters_fit``."""
     from atlas_lightning.errors import InputError
     from atlas_lightning.models.adapters import read_adapter_folder
     from atlas_lightning.planning.shapes import ShapeError, read_model_shape
     from atlas_lightning.run.adapter_files import check_adapter
     from atlas_lightning.store.lora_shapes import read_lora_shape, starting_adapter_source, starting_adapters
 
-    folders = starting_adapters(cfg)
+    from atlas_lightning.planning.model_folder import linear_module_names, unmatched_lora_targets
+
+    folders, read = starting_adapters(cfg), {}
     shape = read_model_shape(cfg.model.path) if folders else None
     for role, folder in folders.items():
         source = starting_adapter_source(cfg, role)
-        read_lora_shape(folder)  # its adapter_config.json first, refused as lora_shapes refuses it
+        lora = read_lora_shape(folder)  # its adapter_config.json first, refused as lora_shapes refuses it
+        unmatched = unmatched_lora_targets(lora.target_modules if isinstance(lora.target_modules, tuple) else None,
+                                           linear_module_names(cfg.model.path))
+        if unmatched:  # peft skips a target that matches nothing when another matches: the config lies
+            raise ConfigError(f"{source}={folder}: its adapter_config.json's target_modules name "
+                              f"{', '.join(unmatched)}, which is no module of the base {cfg.model.path}")
         try:
-            read_adapter_folder(folder, role)
+            read[role] = read_adapter_folder(folder, role)
             check_adapter(cfg, shape, role, Path(folder))
         except (InputError, ShapeError, FileNotFoundError) as err:
-            message = str(err).removeprefix(f"{folder}: ")
-            raise ConfigError(message if message.startswith(source) else f"{source}={folder}: {message}") from None
+            raise _named(err, source, folder) from None
+    return read
+
+
+def _named(err: Exception, source: str, folder) -> ConfigError:
+    """``err`` about a starting adapter ``folder`` as a ``ConfigError`` naming the key ``source``."""
+    message = str(err).removeprefix(f"{folder}: ")
+    return ConfigError(message if message.startswith(source) else f"{source}={folder}: {message}")
+
+
+def _check_adapters_fit(cfg: DictConfig, read: dict) -> None:
+    """The starting adapters ``_check_starting_adapters`` read, against the model the build makes
+    (``models.build.check_starting_adapters``, on the meta device): every tensor name, shape and
+    LoRA field the build compares when it loads them, refused here, before anything is written."""
+    from atlas_lightning.errors import InputError
+    from atlas_lightning.models.build import check_starting_adapters
+    from atlas_lightning.store.lora_shapes import starting_adapter_source
+
+    try:
+        check_starting_adapters(cfg.model, read)  # one meta build for both, as the build makes one model
+    except (InputError, FileNotFoundError) as err:
+        role = next((role for role, data in read.items() if str(data.folder) in str(err)), next(iter(read), "actor"))
+        raise _named(err, starting_adapter_source(cfg, role), read[role].folder if role in read else "") from None
 
 
 def _check_adapter_bases(cfg: DictConfig, fingerprint: Optional[str], resume: Optional[Path]) -> None:
@@ -296,7 +328,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
             raise ConfigError("trainer.resume=auto: no checkpoint of this run verifies:\n  " + "\n  ".join(refusals)
                               + "\nmove the damaged folders away, or set trainer.resume=null to start afresh")
         if folder is not None:
-            _check_state(folder, "trainer.resume=auto", cfg)
+            _check_state(folder, "trainer.resume=auto", cfg, fitted if training else None)
             check_resume_adapters(cfg, folder, "trainer.resume=auto")
             if training:
                 _check_kept_rollouts(cfg, folder, "trainer.resume=auto", fitted)
@@ -311,7 +343,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
         verify_checkpoint(folder)
     except CheckpointError as err:
         raise ConfigError(f"trainer.resume={resume}: {err}") from None
-    _check_state(folder, f"trainer.resume={resume}", cfg)
+    _check_state(folder, f"trainer.resume={resume}", cfg, fitted if training else None)
     check_resume_adapters(cfg, folder, f"trainer.resume={resume}")
     if training:
         _check_kept_rollouts(cfg, folder, f"trainer.resume={resume}", fitted)
@@ -387,12 +419,19 @@ def _check_same_steps(cfg: DictConfig, folder: Path, key: str, steps: dict,
         raise ConfigError(f"{key}: {err}") from None
 
 
-def _check_state(folder: Path, key: str, cfg: DictConfig) -> None:
+def _check_state(folder: Path, key: str, cfg: DictConfig,
+                 fitted: Optional[Callable[[], QuestionSplits]] = None) -> None:
     """The checkpoint's Lightning state is whole and of this run's optimizer settings
-    (``run/resume_state.py``), or the key is refused."""
+    (``run/resume_state.py``) and, given the run's ``fitted()`` splits (a run that trains on), its
+    data cursor of this run's training questions and sampling, or the key is refused."""
     from atlas_lightning.run.resume_state import ResumeStateError, check_resume_state
 
+    sampling = None
+    if fitted is not None:
+        from atlas_lightning.rollout.step_questions import StepQuestions
+
+        sampling = StepQuestions(fitted().train, cfg).digest
     try:
-        check_resume_state(folder, cfg.algorithm)
+        check_resume_state(folder, cfg.algorithm, sampling)
     except ResumeStateError as err:
         raise ConfigError(f"{key}: {err}") from None

@@ -69,7 +69,8 @@ def check_model(cfg) -> str:
     from atlas_lightning.planning.model_folder import check_model_folder
     from atlas_lightning.planning.shapes import model_weight_files, read_model_shape
 
-    from atlas_lightning.models.build import check_base_weights
+    from atlas_lightning.models.build import check_base_config, check_base_weights
+    from atlas_lightning.models.serving_files import check_serving_files
     from atlas_lightning.run.base_values import check_finite_base
     from atlas_lightning.rollout.step_questions import chat_format
 
@@ -77,6 +78,7 @@ def check_model(cfg) -> str:
     check_model_folder(folder)  # the one check fit, validate, memory-check and plan make
     check_base_weights(folder)  # fit's: the weights are the architecture's, on the meta device
     check_finite_base(folder)  # fit's: every value of the base finite
+    check_serving_files(folder, check_base_config(folder), cfg.rollout.max_model_len)  # fit's: the files beside them
     chat_format(cfg)  # fit's: the tokenizer loads, its chat template renders the tools
     shape = read_model_shape(folder)
     files = model_weight_files(folder)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from atlas_lightning.errors import InputError
 from atlas_lightning.ppo import rng_state
@@ -54,10 +54,12 @@ class ResumeStateError(InputError):
     """A checkpoint's Lightning state lacks part of what a resume restores."""
 
 
-def check_resume_state(folder: str | Path, algorithm: Any = None) -> None:
+def check_resume_state(folder: str | Path, algorithm: Any = None, sampling: Optional[str] = None) -> None:
     """Refuse ``folder`` (a verified ``global_step_N``) when its Lightning state is not whole
     (module doc), or, given this run's ``algorithm`` config, when its optimizers were set up
-    with other hyper-parameters (``_check_hyperparameters``)."""
+    with other hyper-parameters (``_check_hyperparameters``), or, given this run's ``sampling``
+    digest (``questions.sampler.sampling_digest``), when its data cursor counts steps of other
+    training questions or sampling settings (a cursor written before it kept one passes)."""
     path = lightning_state_path(folder)
     where = f"checkpoint {folder}"
     if path.is_file():
@@ -73,6 +75,13 @@ def check_resume_state(folder: str | Path, algorithm: Any = None) -> None:
     if not cursors:
         raise ResumeStateError(f"{where}: its Lightning state has no data cursor (the datamodule's next_step)")
     rl_step = _check_steps(where, folder, (top.get("atlas") or {}).get("rl_step", 0), cursors[0])
+    kept = [value["sampling"] for value in top.values() if isinstance(value, dict) and "sampling" in value]
+    if sampling is not None and kept and kept[0] != sampling:
+        raise ResumeStateError(f"{where}: its data cursor counts steps of other training questions or sampling "
+                               f"settings than this run's (data.root, data.seed, data.shuffle, "
+                               f"algorithm.train_batch_size, rollout.n, rollout.max_prompt_length or the files "
+                               f"changed): resuming would not continue its run; resume with its settings, or "
+                               f"start a new run from its adapters with trainer.init_from={folder}")
     if len(optimizers) != len(OPTIMIZER_ROLES):
         raise ResumeStateError(f"{where}: its Lightning state holds {len(optimizers)} optimizer state(s), "
                                f"a resume needs {len(OPTIMIZER_ROLES)} ({', '.join(OPTIMIZER_ROLES)})")
@@ -93,8 +102,8 @@ def check_resume_state(folder: str | Path, algorithm: Any = None) -> None:
 
 
 def _check_steps(where: str, folder: str | Path, rl_step: Any, next_step: Any) -> int:
-    """The RL step the state records is its folder's ``global_step_N`` and the data cursor a
-    step number: otherwise the resumed run would count steps, or draw questions, from elsewhere."""
+    """The RL step the state records is its folder's ``global_step_N`` and the data cursor the
+    step after it: otherwise the resumed run would count steps, or draw questions, from elsewhere."""
     from atlas_lightning.store.checkpoints import checkpoint_step
 
     if type(rl_step) is not int or type(next_step) is not int or next_step < 1:
@@ -104,6 +113,10 @@ def _check_steps(where: str, folder: str | Path, rl_step: Any, next_step: Any) -
     if step is not None and rl_step != step:
         raise ResumeStateError(f"{where}: its Lightning state records RL step {rl_step}, its folder is "
                                f"{Path(folder).name}: the state is another step's")
+    if next_step != rl_step + 1:  # the cursor holds the next step to train (rollout/datamodule.py)
+        raise ResumeStateError(f"{where}: its Lightning state records RL step {rl_step} and data cursor {next_step} "
+                               f"(the next step to train is {rl_step + 1}): the resumed run would "
+                               f"{'train step(s) again' if next_step <= rl_step else 'skip step(s)'}")
     return rl_step
 
 

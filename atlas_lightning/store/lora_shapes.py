@@ -114,6 +114,7 @@ def shape_from_adapter_config(saved: dict, where: str) -> LoraShape:
     """The ``LoraShape`` a PEFT ``adapter_config.json`` (as a dict) describes; ``where`` names it."""
     if saved.get("peft_type", "LORA") != "LORA":
         raise AdapterConfigError(f"{where}: peft_type={saved.get('peft_type')!r}, expected 'LORA'")
+    _check_plain_lora(saved, where)
     rank, alpha = saved.get("r"), saved.get("lora_alpha")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise AdapterConfigError(f"{where}: field r={rank!r} is not a positive integer")
@@ -133,6 +134,31 @@ def shape_from_adapter_config(saved: dict, where: str) -> LoraShape:
         patterns[key] = dict(value)
     return LoraShape(rank=rank, alpha=float(alpha), target_modules=targets, source=where,
                      use_rslora=bool(saved.get("use_rslora", False)), **patterns)
+
+
+#: peft LoRA variants neither side trains or serves as plain LoRA, by ``adapter_config.json`` field
+#: (vLLM's ``PEFTHelper`` refuses each when the adapter reaches the engine; DoRA keeps magnitudes
+#: the build has no place for; a PiSSA/OLoRA/CorDA/LoftQ init rewrites the base when peft builds it).
+UNSUPPORTED_VARIANTS = {
+    "use_dora": "DoRA", "lora_bias": "LoRA bias", "layer_replication": "layer replication",
+    "alora_invocation_tokens": "activated LoRA", "use_qalora": "QALoRA", "use_bdlora": "block-diagonal LoRA",
+}
+#: ``init_lora_weights`` values that only draw the first adapter (any other string rewrites the base).
+PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+
+
+def _check_plain_lora(saved: dict, where: str) -> None:
+    """The folder is a plain LoRA adapter (``UNSUPPORTED_VARIANTS``, ``bias`` "none",
+    ``init_lora_weights`` a boolean or one of ``PLAIN_INITS``)."""
+    used = [name for field, name in UNSUPPORTED_VARIANTS.items() if saved.get(field)]
+    if saved.get("bias", "none") not in (None, "none"):
+        used.append(f"trained biases (bias={saved.get('bias')!r})")
+    init = saved.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower() not in PLAIN_INITS:
+        used.append(f"init_lora_weights={init!r}, which rewrites the base weights when peft builds it")
+    if used:
+        raise AdapterConfigError(f"{where}: the adapter uses {', '.join(used)}; the trainer and the engines take "
+                                 f"plain LoRA only (convert it, or start a fresh adapter)")
 
 
 def read_lora_shape(folder: str | Path) -> LoraShape:

@@ -233,3 +233,27 @@ def test_a_publish_that_cannot_work_exits_2_before_the_hub_is_asked(case, messag
     assert message.format(root=root) in err and "Traceback" not in err
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
     assert ("dataset", REPO) not in hub.repos, "the Hub was asked nothing"
+
+
+@pytest.mark.parametrize("damage", ["flipped_byte", "truncated", "removed"])
+def test_publish_with_weights_refuses_a_checkpoint_that_no_longer_matches_its_marker(hub, hf_env, fake_run, damage):
+    """A finished checkpoint (one with its ``checkpoint.json``) is verified before its weights are
+    sent; a damaged one is refused naming the folder and the file, before the repo is made."""
+    from atlas_lightning.store.checkpoints import CheckpointError, verify_checkpoint, write_marker
+
+    step = fake_run.root / "checkpoints" / fake_run.name / "global_step_2"
+    (step / "lightning").mkdir()
+    (step / "lightning" / "state.ckpt").write_bytes(b"state")
+    write_marker(step, 2)
+    verify_checkpoint(step)  # whole, it would be sent
+    adapter = step / "actor" / "lora_adapter" / "adapter_model.safetensors"
+    data = adapter.read_bytes()
+    if damage == "flipped_byte":
+        adapter.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    elif damage == "truncated":
+        adapter.write_bytes(data[:-100])
+    else:
+        adapter.unlink()
+    with pytest.raises(CheckpointError, match=r"global_step_2: actor/lora_adapter/adapter_model.safetensors"):
+        publish_data_root(fake_run.root, REPO, endpoint=hub.endpoint, weights=True, backoff_s=0.01)
+    assert ("dataset", REPO) not in hub.repos and not (fake_run.root / "FILES.txt").exists()

@@ -52,6 +52,7 @@ class BadReplies(Engine):
 SPOILED = {
     "out_of_vocabulary": (lambda ids, lp, n: ([5, VOCAB, 7], lp), f"token id {VOCAB} is outside the vocabulary"),
     "negative_id": (lambda ids, lp, n: ([5, -3, 7], lp), "token id -3 is outside the vocabulary"),
+    "non_integer_id": (lambda ids, lp, n: ([5, 6.5, 7], lp), "its token ids are not integers"),
     "nan_logprob": (lambda ids, lp, n: (ids, [-0.1, float("nan"), -0.3]), "the log-prob nan"),
     "inf_logprob": (lambda ids, lp, n: (ids, [-0.1, -0.2, float("-inf")]), "the log-prob -inf"),
     "positive_logprob": (lambda ids, lp, n: (ids, [-0.1, 0.5, -0.3]), "the log-prob 0.5"),

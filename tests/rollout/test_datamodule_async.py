@@ -102,7 +102,9 @@ def test_rollouts_overlap_updates_with_bounded_staleness(hf_engine, tiny_model_d
     for k in (1, 2):  # rollout k+1 started once batch k was handed over, before update k ended
         assert starts[k] < starts[k + 1] < module.spans[k][1], (k, starts, module.spans)
     # the cursor counts trained steps, not sampled ones (step k+1 was sampled when k was saved)
-    assert sync.cursors == [{"next_step": k + 1} for k in (1, 2, 3)]
+    assert [cursor["next_step"] for cursor in sync.cursors] == [k + 1 for k in (1, 2, 3)]
+    # and the sampling it counts steps of, which a resume compares with its own
+    assert [cursor["sampling"] for cursor in sync.cursors] == [dm.steps.digest] * 3
     assert dm.producer is None or not dm.producer.alive
 
     # Resume after step 2: the prefetched step 3 is sampled again, the same questions.

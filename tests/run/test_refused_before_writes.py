@@ -178,3 +178,36 @@ def test_adapters_of_a_base_of_the_same_shapes_and_other_weights_are_refused_bef
         check_inputs(cfg_of(f"{start}={named}", f"model.path={other}"))
     assert str(refused.value).startswith(start) and str(named) in str(refused.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "other-base"]
+
+
+@pytest.mark.parametrize("case", ["model_architectures", "adapter_dora", "resume_cursor"])
+def test_inputs_that_parse_but_lie_exit_2_in_one_line_before_anything_is_written(tmp_path, cfg_of, sample_data_dir,
+                                                                                 tiny_model_dir, capsys, case):
+    """One of each class the start-up now refuses (a base folder's file, a starting adapter's
+    LoRA variant, a checkpoint's data cursor), through the CLI: exit 2, one line naming the
+    key and the file, no traceback, the run's folders not made."""
+    import shutil
+
+    from tests.store.test_checkpoint_verification import _state_bytes
+
+    elsewhere = tmp_path / "elsewhere"
+    if case == "model_architectures":
+        model = elsewhere / "model"
+        shutil.copytree(tiny_model_dir, model)
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+        override, named = f"model.path={model}", "config.json's architectures names LlamaForCausalLM"
+    elif case == "adapter_dora":
+        folder = _checkpoint(elsewhere, 3) / "actor" / "lora_adapter"
+        config = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+        override, named = f"model.actor_adapter={folder}", "adapter_config.json: the adapter uses DoRA"
+    else:
+        folder = _checkpoint(elsewhere, 3, state=_state_bytes(atlas={"rl_step": 3},
+                                                               RolloutDataModule={"next_step": 3}))
+        override, named = f"trainer.resume={folder}", "data cursor 3 (the next step to train is 4)"
+    capsys.readouterr()
+    assert main(_launch(cfg_of, tmp_path, sample_data_dir, tiny_model_dir, override)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0] and "Traceback" not in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere"]
