@@ -17,7 +17,9 @@ never fails at all:
   tokens, a special one: an EOS set to a word would end every turn at that word, silently.
 * ``generation_config.json`` loads as transformers' ``GenerationConfig`` (both loaders read it).
 * ``rollout.max_model_len`` fits the positions the folder allows (``max_position_embeddings``,
-  and the tokenizer's ``model_max_length``): vLLM refuses a longer one once it starts.
+  times a rope scaling factor): vLLM refuses a longer one once it starts. The tokenizer's
+  ``model_max_length`` is not a limit: vLLM reads it for pooling models only, and transformers
+  only warns past it (the benchmarks' folders carry the tiny tokenizer's 4,096).
 
 ``ServingFilesError`` naming ``model.path``, the file and the field (the CLI exits 2).
 
@@ -73,7 +75,7 @@ def check_serving_files(path: str | Path, config: Any, max_model_len: Optional[i
         stops = json.loads(generation.read_text()).get("eos_token_id")
         _check_stop_ids(f"{where}: generation_config.json's eos_token_id", stops, vocab, special)
     if max_model_len is not None:
-        _check_length(raw, config, tokenizer, int(max_model_len), where)
+        _check_length(config, int(max_model_len), where)
 
 
 def _check_architectures(raw: dict, where: str) -> None:
@@ -128,23 +130,19 @@ def _check_stop_ids(what: str, value: Any, vocab: int, special: Optional[set[int
                               f"would end where the model writes that token")
 
 
-def _check_length(raw: dict, config: Any, tokenizer: Any, max_model_len: int, where: str) -> None:
+def _check_length(config: Any, max_model_len: int, where: str) -> None:
     """``max_model_len`` within ``max_position_embeddings`` (times a rope scaling ``factor``, as
-    vLLM derives it) and the tokenizer's ``model_max_length``."""
+    vLLM derives it for a generating model)."""
     positions = getattr(config, "max_position_embeddings", None)
+    if not isinstance(positions, int):
+        return
     rope = getattr(config, "rope_parameters", None) or {}
     factor = rope.get("factor") if isinstance(rope, dict) and rope.get("rope_type") not in (None, "default") else None
-    limits = []
-    if isinstance(positions, int):
-        limits.append((int(positions * (factor or 1)), f"config.json's max_position_embeddings={positions}"
-                                                        + (f" x rope factor {factor}" if factor else "")))
-    tokenizer_limit = getattr(tokenizer, "model_max_length", None)
-    if isinstance(tokenizer_limit, int) and tokenizer_limit < 10**9:  # transformers' "no limit" is a huge int
-        limits.append((tokenizer_limit, f"tokenizer_config.json's model_max_length={tokenizer_limit}"))
-    for limit, named in limits:
-        if max_model_len > limit:
-            raise ServingFilesError(f"rollout.max_model_len={max_model_len}: {where} allows {limit} positions ({named}); "
-                              f"the engine refuses a longer context: lower rollout.max_model_len")
+    limit = int(positions * (factor or 1))
+    if max_model_len > limit:
+        named = f"config.json's max_position_embeddings={positions}" + (f" x rope factor {factor}" if factor else "")
+        raise ServingFilesError(f"rollout.max_model_len={max_model_len}: {where} allows {limit} positions ({named}); "
+                                f"the engine refuses a longer context: lower rollout.max_model_len")
 
 
 def _first_line(err: BaseException) -> str:

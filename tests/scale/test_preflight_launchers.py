@@ -37,9 +37,8 @@ def tiny8(tiny_model_dir, tmp_path_factory):
             shutil.copy(Path(tiny_model_dir) / name, folder / name)
     # it stands in for the production models: their context (Qwen3.6-27B's 262,144 positions), so
     # that the runs' rollout.max_model_len fits it as it fits them (models/serving_files.py)
-    for name, key in (("config.json", "max_position_embeddings"), ("tokenizer_config.json", "model_max_length")):
-        fields = json.loads((folder / name).read_text())
-        (folder / name).write_text(json.dumps({**fields, key: 262144}))
+    fields = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**fields, "max_position_embeddings": 262144}))
     return folder
 
 
