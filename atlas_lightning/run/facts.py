@@ -299,6 +299,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
             _check_state(folder, "trainer.resume=auto", cfg)
             check_resume_adapters(cfg, folder, "trainer.resume=auto")
             if training:
+                _check_steps_left(cfg, folder, "trainer.resume=auto")
                 _check_kept_rollouts(cfg, folder, "trainer.resume=auto", fitted)
             notes.append(f"trainer.resume=auto: resuming from {folder} (verified)")
         elif notes:
@@ -314,6 +315,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
     _check_state(folder, f"trainer.resume={resume}", cfg)
     check_resume_adapters(cfg, folder, f"trainer.resume={resume}")
     if training:
+        _check_steps_left(cfg, folder, f"trainer.resume={resume}")
         _check_kept_rollouts(cfg, folder, f"trainer.resume={resume}", fitted)
     return StartingPoint(folder, str(lightning_state_path(folder)), [f"trainer.resume: resuming from {folder} (verified)"])
 
@@ -339,6 +341,18 @@ def unfinished_checkpoints(checkpoints: Path, after: Optional[Path]) -> list[Pat
         if unfinished and entry.is_dir() and step > newer_than:
             found.append(entry)
     return found
+
+
+def _check_steps_left(cfg: DictConfig, folder: Path, key: str) -> None:
+    """A resumed run trains steps N+1 .. ``trainer.total_steps`` after ``folder``'s step N: a
+    ``trainer.total_steps`` below N is refused (it would write a run that trains nothing); N itself
+    is a finished run, which ends at once; above N trains on (``PPOModule.on_load_checkpoint``)."""
+    from atlas_lightning.store.checkpoints import checkpoint_step
+
+    step = checkpoint_step(folder)
+    if step is not None and step > int(cfg.trainer.total_steps):
+        raise ConfigError(f"{key}: {folder} is step {step}, beyond trainer.total_steps={cfg.trainer.total_steps}: "
+                          f"nothing would be trained; set trainer.total_steps above {step} to train on from it")
 
 
 def _check_kept_rollouts(cfg: DictConfig, folder: Path, key: str,
