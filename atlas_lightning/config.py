@@ -350,7 +350,8 @@ class LayoutConfig:
 class LoggerConfig:
     project: str = "atlas-lightning"
     entity: Optional[str] = None
-    #: ``offline`` unless WANDB_API_KEY is set; ``disabled`` turns W&B off.
+    #: ``auto``: online when W&B has a key (``WANDB_API_KEY`` or ``wandb login``'s) and
+    #: ``WANDB_MODE`` does not say otherwise, else offline; ``online``, ``offline``; ``disabled`` turns W&B off.
     mode: str = "auto"
     tags: list[str] = field(default_factory=list)
 
@@ -790,6 +791,11 @@ def _explain(err: Exception) -> str:
     text = " ".join(kept) or type(err).__name__
     if full_key and full_key not in text:
         text = f"{full_key}: {text}"
+    # a group option that is not there: hydra appends its search path, which names no choice of the user's
+    text = text.split(" Config search path:", 1)[0]
+    if "Could not find '" in text:
+        text += (" (your own group files: --config-dir DIR holding DIR/<group>/<option>.yaml, e.g. "
+                 "DIR/experiment/mine.yaml for experiment=mine)")
     return text
 
 
