@@ -233,26 +233,35 @@ def _check_lora_targets(model_cfg) -> None:
                               f"{model_cfg.path} (its linear modules end in: {', '.join(leaves[:20])})")
 
 
-def check_writable(dirs: Mapping[str, Path]) -> None:
-    """Every folder the run writes (``run_dirs``: root, outputs, logs, checkpoints, artifacts,
-    runs, wandb) is a folder, or the nearest existing folder above it is, and a file can be made
-    there. Tried with an unnamed temporary file rather than ``os.access``, which says yes to root
-    on a read-only mount, an immutable folder or ``/proc``."""
+def unwritable(folder: Path) -> Optional[str]:
+    """Why no file can be made in ``folder`` (or, while it does not exist, in the nearest existing
+    folder above it, where it would be made), or None when one can. Tried with an unnamed
+    temporary file rather than ``os.access``, which says yes to root on a read-only mount, an
+    immutable folder or ``/proc``."""
     import tempfile
 
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        return f"{existing} is not writable ({err.strerror or err})"
+    return None
+
+
+def check_writable(dirs: Mapping[str, Path]) -> None:
+    """Every folder the run writes (``run_dirs``: root, outputs, logs, checkpoints, artifacts,
+    runs, wandb) can be written (``unwritable``); ``ConfigError`` naming its key otherwise."""
     for key, folder in dirs.items():
-        existing = folder
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        where = f"paths.root={folder}" if key == "root" else f"the run's {key} folder {folder}"
-        if not existing.is_dir():
-            raise ConfigError(f"{where}: {existing} is not a folder")
-        try:
-            with tempfile.TemporaryFile(dir=existing):
-                pass
-        except OSError as err:
-            raise ConfigError(f"{where}: {existing} is not writable ({err.strerror or err}); "
-                              f"choose another paths.root or fix the folder's permissions") from None
+        reason = unwritable(folder)
+        if reason:
+            where = f"paths.{key}={folder}" + ("" if key == "root" else f" (the run's {key} folder)")
+            other = "paths.root" if key == "root" else f"paths.{key} or paths.root"
+            raise ConfigError(f"{where}: {reason}; choose another {other}")
 
 
 def _check_checkpoint_entries(checkpoints: Path) -> None:
