@@ -187,7 +187,6 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "model.actor_adapter": _OPTIONAL_PATH,
     "model.critic_adapter": _OPTIONAL_PATH,
     "data.root": _PATH,
-    "rollout.engine": Text(r"\S+", "an engine: vllm, vllm-server, hf or a class path"),
     # model
     "model.dtype": OneOf(("bfloat16", "float16", "float32")),
     "model.lora.rank": Int(1, 512),  # vLLM's largest LoRA rank

@@ -77,7 +77,7 @@ from tests.conftest import write_fake_model_folder, write_fake_safetensors
     ("paths.root=''", "paths.root='': must be a path"),
     ("paths.logs=''", "paths.logs='': must be a path"),
     ("model.critic_adapter=''", "model.critic_adapter='': must be null or a path"),
-    ("rollout.engine=''", "rollout.engine='': must be an engine"),
+    ("rollout.engine=''", "rollout.engine='' is neither one of vllm, vllm-server, hf nor a class"),
     # beyond 64 bits: len(), torch and numpy would fail deep inside the run
     ("trainer.total_steps=99999999999999999999", "trainer.total_steps=99999999999999999999: must be an integer >= 1 "
                                                  "that fits in 64 bits"),

@@ -88,6 +88,20 @@ def test_overrides_after_an_option_are_read_as_hydra_reads_them(capsys):
         assert stop.value.code == 2 and named in capsys.readouterr().err
 
 
+def test_column_names_are_mapped_as_the_readme_shows_and_without_the_plus_the_way_is_named():
+    assert dict(compose(["experiment=tiny-cpu", "+data.columns={candidates.cost_usd:price_usd}"]).data.columns) == {
+        "candidates.cost_usd": "price_usd"}
+    with pytest.raises(ConfigError, match=r"is not in struct \(a key the dict does not have yet is added with \+"):
+        compose(["experiment=tiny-cpu", "data.columns={candidates.cost_usd:price_usd}"])
+
+
+def test_a_home_folder_in_a_path_is_expanded_not_made(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = compose(["experiment=tiny-cpu", "paths.root='~/runs'", "model.path='~/models/m'", "trainer.resume=auto"])
+    assert cfg.paths.root == str(tmp_path / "runs") and cfg.paths.outputs == str(tmp_path / "runs/outputs/tiny-cpu")
+    assert cfg.model.path == str(tmp_path / "models/m") and cfg.trainer.resume == "auto"
+
+
 def test_cli_reports_config_errors_with_exit_code_2(capsys):
     assert main(["fit", "experiment=tiny-cpu", "trainer.totl_steps=3"]) == 2
     assert "trainer.totl_steps" in capsys.readouterr().err
