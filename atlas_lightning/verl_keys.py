@@ -78,9 +78,20 @@ VERL_KEYS: dict[str, str] = {
     "trainer.project_name": "logger.project",
     "trainer.experiment_name": "name",
     "trainer.default_local_dir": "paths.root",
+    "trainer.logger": "logger.mode (W&B: auto, online, offline or disabled; the console's line a step is always printed)",
 }
+
+#: verl's top-level groups that have no group of the same name here: any key under them is verl's.
+VERL_GROUPS = (AR, "critic", "reward_model", "custom_reward_function", "ray_init", "ray_kwargs")
 
 
 def ours_for(verl_key: str) -> str | None:
-    """The key here for ``verl_key`` (or why there is none); None when it is not a verl key we map."""
-    return VERL_KEYS.get(verl_key.lstrip("+~"))
+    """The key here for ``verl_key`` (or why there is none); None when it is not a verl key: a
+    key of ``VERL_KEYS``, or any key under one of ``VERL_GROUPS`` (those the table does not map
+    have no counterpart here)."""
+    key = verl_key.lstrip("+~")
+    if key in VERL_KEYS:
+        return VERL_KEYS[key]
+    if key.split(".", 1)[0] in VERL_GROUPS:
+        return "none: this verl setting has no counterpart here"
+    return None

@@ -22,6 +22,7 @@ not yet fetched), the named ``model.shape`` (``named_shapes.py``; ``model=qwen3_
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 from .checks import layout_refusals
@@ -35,10 +36,11 @@ __all__ = ["GIB", "ModelShape", "Phase", "Plan", "ShapeError", "card_gib_of", "e
 
 
 def card_gib_of(cfg: Any, card_gib: Optional[float] = None) -> float:
-    """``card_gib`` if given (``--card-gib``), else ``cfg.plan.card_gib``; ``ValueError`` unless positive."""
+    """``card_gib`` if given (``--card-gib``), else ``cfg.plan.card_gib``; ``ValueError`` unless
+    positive and finite (an infinite card would plan every phase as fitting)."""
     value = float(cfg.plan.card_gib if card_gib is None else card_gib)
-    if not value > 0:
-        raise ValueError(f"card memory {value} GiB must be positive (plan.card_gib / --card-gib)")
+    if not 0 < value < math.inf:
+        raise ValueError(f"card memory {value} GiB must be positive and finite (plan.card_gib / --card-gib)")
     return value
 
 

@@ -237,6 +237,11 @@ class PPOModule(L.LightningModule):
         self.weight_sync.load_state_dict(atlas.get("weight_sync", {}))
         # set as the first step starts (``on_train_start``): the starting weight sync comes between
         self._rng_to_restore = checkpoint.get(rng_state.RNG_KEY)
+        # A checkpoint of its run's last step records the epoch's last batch: Lightning would end
+        # the resumed fit at once. A resume with a larger trainer.total_steps trains on, as verl's.
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+        if isinstance(progress, dict) and self.rl_step < int(self.cfg.trainer.total_steps):
+            progress["is_last_batch"] = False
 
     def save_adapters(self, step_dir: Path) -> None:
         """``step_dir/{actor,critic}/lora_adapter`` as PEFT folders. Collective; rank 0 writes."""

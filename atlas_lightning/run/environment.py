@@ -42,7 +42,8 @@ def check_machine(cfg, *, count_gpus: bool = True) -> list[str]:
         _check_server_answers(r.server_url)
     if cfg.hub.publish_checkpoints:
         check_hub_online("hub.publish_checkpoints=true")
-        _check_hub_token()
+        check_hub_token("hub.publish_checkpoints=true", "or hub.publish_checkpoints=false (publish later with "
+                                                        "atlas-lightning publish)")
     if resolve_wandb_mode(cfg.logger.mode) != "disabled":
         check_wandb_settings(cfg)
     if resolve_wandb_mode(cfg.logger.mode) == "online":
@@ -81,9 +82,11 @@ def _check_server_answers(url: str) -> None:
                           f"is not ready to serve")
 
 
-def _check_hub_token() -> None:
-    """A Hub token is there for the checkpoint uploads (``HF_TOKEN`` or ``hf auth login``'s):
-    without one each upload would fail mid-run, in the background, saying so only in the log."""
+def check_hub_token(what: str, otherwise: str) -> None:
+    """A Hub token is there (``HF_TOKEN`` or ``hf auth login``'s) for ``what`` (the checkpoint
+    uploads: without one each would fail mid-run, in the background, saying so only in the log;
+    ``publish``: it could only be refused after the Hub was asked). ``ConfigError`` naming
+    ``what`` and how to give one, then ``otherwise``, when there is none."""
     from huggingface_hub import get_token
 
     try:
@@ -91,9 +94,8 @@ def _check_hub_token() -> None:
     except Exception:  # an unreadable saved login is no token
         token = None
     if not token:
-        raise ConfigError("hub.publish_checkpoints=true but there is no Hub token here: set HF_TOKEN to a token with "
-                          "write access or run `hf auth login`; or hub.publish_checkpoints=false (publish later with "
-                          "atlas-lightning publish)")
+        raise ConfigError(f"{what} but there is no Hub token here: set HF_TOKEN to a token with write access or run "
+                          f"`hf auth login`; {otherwise}")
 
 
 def _gpu_count() -> int:

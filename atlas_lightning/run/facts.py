@@ -265,26 +265,35 @@ def _check_lora_targets(model_cfg) -> None:
                               f"{model_cfg.path} (its linear modules end in: {', '.join(leaves[:20])})")
 
 
-def check_writable(dirs: Mapping[str, Path]) -> None:
-    """Every folder the run writes (``run_dirs``: root, outputs, logs, checkpoints, artifacts,
-    runs, wandb) is a folder, or the nearest existing folder above it is, and a file can be made
-    there. Tried with an unnamed temporary file rather than ``os.access``, which says yes to root
-    on a read-only mount, an immutable folder or ``/proc``."""
+def unwritable(folder: Path) -> Optional[str]:
+    """Why no file can be made in ``folder`` (or, while it does not exist, in the nearest existing
+    folder above it, where it would be made), or None when one can. Tried with an unnamed
+    temporary file rather than ``os.access``, which says yes to root on a read-only mount, an
+    immutable folder or ``/proc``."""
     import tempfile
 
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        return f"{existing} is not writable ({err.strerror or err})"
+    return None
+
+
+def check_writable(dirs: Mapping[str, Path]) -> None:
+    """Every folder the run writes (``run_dirs``: root, outputs, logs, checkpoints, artifacts,
+    runs, wandb) can be written (``unwritable``); ``ConfigError`` naming its key otherwise."""
     for key, folder in dirs.items():
-        existing = folder
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        where = f"paths.root={folder}" if key == "root" else f"the run's {key} folder {folder}"
-        if not existing.is_dir():
-            raise ConfigError(f"{where}: {existing} is not a folder")
-        try:
-            with tempfile.TemporaryFile(dir=existing):
-                pass
-        except OSError as err:
-            raise ConfigError(f"{where}: {existing} is not writable ({err.strerror or err}); "
-                              f"choose another paths.root or fix the folder's permissions") from None
+        reason = unwritable(folder)
+        if reason:
+            where = f"paths.{key}={folder}" + ("" if key == "root" else f" (the run's {key} folder)")
+            other = "paths.root" if key == "root" else f"paths.{key} or paths.root"
+            raise ConfigError(f"{where}: {reason}; choose another {other}")
 
 
 def _check_checkpoint_entries(checkpoints: Path) -> None:
@@ -331,6 +340,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
             _check_state(folder, "trainer.resume=auto", cfg, fitted if training else None)
             check_resume_adapters(cfg, folder, "trainer.resume=auto")
             if training:
+                _check_steps_left(cfg, folder, "trainer.resume=auto")
                 _check_kept_rollouts(cfg, folder, "trainer.resume=auto", fitted)
             notes.append(f"trainer.resume=auto: resuming from {folder} (verified)")
         elif notes:
@@ -346,6 +356,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
     _check_state(folder, f"trainer.resume={resume}", cfg, fitted if training else None)
     check_resume_adapters(cfg, folder, f"trainer.resume={resume}")
     if training:
+        _check_steps_left(cfg, folder, f"trainer.resume={resume}")
         _check_kept_rollouts(cfg, folder, f"trainer.resume={resume}", fitted)
     return StartingPoint(folder, str(lightning_state_path(folder)), [f"trainer.resume: resuming from {folder} (verified)"])
 
@@ -371,6 +382,18 @@ def unfinished_checkpoints(checkpoints: Path, after: Optional[Path]) -> list[Pat
         if unfinished and entry.is_dir() and step > newer_than:
             found.append(entry)
     return found
+
+
+def _check_steps_left(cfg: DictConfig, folder: Path, key: str) -> None:
+    """A resumed run trains steps N+1 .. ``trainer.total_steps`` after ``folder``'s step N: a
+    ``trainer.total_steps`` below N is refused (it would write a run that trains nothing); N itself
+    is a finished run, which ends at once; above N trains on (``PPOModule.on_load_checkpoint``)."""
+    from atlas_lightning.store.checkpoints import checkpoint_step
+
+    step = checkpoint_step(folder)
+    if step is not None and step > int(cfg.trainer.total_steps):
+        raise ConfigError(f"{key}: {folder} is step {step}, beyond trainer.total_steps={cfg.trainer.total_steps}: "
+                          f"nothing would be trained; set trainer.total_steps above {step} to train on from it")
 
 
 def _check_kept_rollouts(cfg: DictConfig, folder: Path, key: str,

@@ -211,7 +211,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="check a GPU run on a CPU machine: the GPU count is not checked")
     parser.add_argument("--card-gib", type=float, default=None, help="memory of one card in GiB (default: plan.card_gib, 80)")
     parser.add_argument("--config-dir", default=None)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before and after the options, as hydra reads them
     cpu = args.cpu_preflight
     started = time.monotonic()
     results = run_preflight(args.overrides, cpu=cpu, config_dir=args.config_dir, card_gib=args.card_gib)

@@ -154,7 +154,7 @@ def check_publish(cfg: DictConfig) -> None:
     ``ConfigError`` naming the key or variable otherwise."""
     from atlas_lightning.config import ConfigError
     from atlas_lightning.hub.publish import TOP_LEVEL_FOLDERS, check_hub_repo
-    from atlas_lightning.run.environment import check_hub_online
+    from atlas_lightning.run.environment import check_hub_online, check_hub_token
     from atlas_lightning.run.facts import check_writable
 
     check_hub_repo(cfg)  # the keys first, then what they name
@@ -167,3 +167,4 @@ def check_publish(cfg: DictConfig) -> None:
                           f"the paths.root a fit wrote)")
     check_writable({"root": root})
     check_hub_online("publish")
+    check_hub_token("publish", "or publish where one is")

@@ -71,6 +71,18 @@ from tests.conftest import write_fake_model_folder, write_fake_safetensors
     ("trainer.val_every=-1", "trainer.val_every"),
     ("trainer.precision=fp8", "trainer.precision"),
     ("hub.repo_id=noslash", "hub.repo_id"),
+    # an empty path would read as the working directory
+    ("model.path=''", "model.path='': must be a path (not empty)"),
+    ("data.root=", "data.root='': must be a path"),
+    ("paths.root=''", "paths.root='': must be a path"),
+    ("paths.logs=''", "paths.logs='': must be a path"),
+    ("model.critic_adapter=''", "model.critic_adapter='': must be null or a path"),
+    ("rollout.engine=''", "rollout.engine='' is neither one of vllm, vllm-server, hf nor a class"),
+    # beyond 64 bits: len(), torch and numpy would fail deep inside the run
+    ("trainer.total_steps=99999999999999999999", "trainer.total_steps=99999999999999999999: must be an integer >= 1 "
+                                                 "that fits in 64 bits"),
+    ("rollout.max_in_flight=9223372036854775808", "rollout.max_in_flight"),
+    ("seed=18446744073709551616", "seed=18446744073709551616: must be an integer within 0..4294967295"),
     ("+callbacks.timer.duration=nan", "callbacks.timer.duration=nan"),
 ])
 def test_bad_values_are_refused_naming_the_key(override, named):
@@ -282,6 +294,7 @@ def test_a_run_folder_that_cannot_be_written_exits_2_before_anything_is_written(
     err = capsys.readouterr().err
     assert code == 2, err
     assert f"{blocked} is not a folder" in err and "Traceback" not in err
+    assert f"paths.{where}=" in err and f"choose another paths.{where}" in err  # the key to change
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
@@ -306,6 +319,11 @@ def test_an_override_hydra_cannot_parse_is_named_with_its_key(override, key, tmp
     (["fit", "experiment=tiny-cpu", "actor_rollout_ref.actor.optim.lr=1e-6"],
      "actor_rollout_ref.actor.optim.lr is verl's key; here it is algorithm.actor_lr"),
     (["fit", "experiment=tiny-cpu", "data.train_batch_size=8"], "here it is algorithm.train_batch_size"),
+    (["fit", "experiment=tiny-cpu", "trainer.logger=[console,wandb]"], "trainer.logger is verl's key; here it is "
+                                                                        "logger.mode"),
+    (["fit", "experiment=tiny-cpu", "actor_rollout_ref.actor.fsdp_config.param_offload=true"],
+     "actor_rollout_ref.actor.fsdp_config.param_offload is verl's key; here it is none"),
+    (["fit", "experiment=tiny-cpu", "+reward_model.enable=false"], "reward_model.enable is verl's key"),
     (["fit", "experiment=tiny-cpu", "hydra.run.dir=./x"], "hydra's own settings are not used here"),
     (["fit", "-m", "experiment=tiny-cpu"], "-m/--multirun: sweeps are not run here"),
     (["fit", "--cfg", "hydra", "experiment=tiny-cpu"], "there is no hydra runtime config here"),
@@ -333,7 +351,10 @@ def test_cfg_job_prints_the_config_and_version_is_there(capsys):
     assert printed.startswith("name: tiny-cpu\n") and "\nalgorithm:" in printed and "\nrollout:" in printed
     with pytest.raises(SystemExit) as info:
         main(["--version"])
-    assert info.value.code == 0 and capsys.readouterr().out.startswith("atlas-lightning ")
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and out.startswith("atlas-lightning ")
+    for library in ("torch", "vllm", "transformers", "peft", "lightning", "flash-linear-attention", "liger-kernel"):
+        assert f"\n  {library} " in out, out  # what is installed, as the README's Install says
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -358,9 +379,10 @@ def test_what_this_machine_cannot_run_is_refused_before_anything_is_written(over
 
 
 @pytest.mark.parametrize("args, message", [
-    (["data", "sample", "--out", "{file}"], "is a file, not a folder"),
-    (["data", "sample", "--out", "{file}/below"], "is a file, not a folder"),
-    (["data", "tiny-model", "--out", "{file}"], "is a file, not a folder"),
+    (["data", "sample", "--out", "{file}"], "--out {file}: {file} is not a folder"),
+    (["data", "sample", "--out", "{file}/below"], "--out {file}/below: {file} is not a folder"),
+    (["data", "tiny-model", "--out", "{file}"], "--out {file}: {file} is not a folder"),
+    (["data", "demo-model", "--out", "/proc/atlas-model"], "--out /proc/atlas-model: /proc is not writable"),
     (["data", "tiny-orchestrator", "--base", "{tmp}/nope", "--out", "{tmp}/out"], "--base {tmp}/nope: no such folder"),
     (["data", "tiny-orchestrator", "--base", "{tmp}", "--out", "{tmp}/out"], "lacks config.json"),
 ])

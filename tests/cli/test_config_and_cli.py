@@ -61,6 +61,47 @@ def test_bad_input_fails_naming_the_key(override, named):
         compose(["experiment=tiny-cpu", override])
 
 
+@pytest.mark.parametrize("choice", ["experiment=tiny_cpu", "rollout=vllm-cpu", "experiment=./mine.yaml"])
+def test_a_group_option_that_is_not_there_lists_the_options_and_the_way_to_add_one(choice):
+    with pytest.raises(ConfigError) as refused:
+        compose(["experiment=tiny-cpu", choice])
+    message = str(refused.value)
+    assert "Available options in" in message and "--config-dir DIR" in message
+    assert "search path" not in message  # hydra's providers name nothing the user chose
+
+
+def test_overrides_after_an_option_are_read_as_hydra_reads_them(capsys):
+    from atlas_lightning.cli import parse_args
+    from atlas_lightning.run.preflight import main as preflight_main
+
+    assert main(["fit", "experiment=tiny-cpu", "--cfg", "job", "name=after", "seed=3"]) == 0
+    printed = OmegaConf.create(capsys.readouterr().out)
+    assert (printed.name, printed.seed) == ("after", 3)
+    args = parse_args(["preflight", "experiment=a", "--cpu-preflight", "name=b", "--card-gib", "139", "seed=1"])
+    assert args.overrides == ["experiment=a", "name=b", "seed=1"] and args.card_gib == 139
+    assert preflight_main(["experiment=tiny-cpu", "--cpu-preflight", "trainer.totl_steps=3"]) == 2  # reached the config
+    assert "trainer.totl_steps" in capsys.readouterr().out
+    for argv, named in ((["fit", "experiment=tiny-cpu", "--bogus", "name=x"], "unrecognized arguments: --bogus"),
+                        (["data", "sample", "--out", "s", "name=x"], "unrecognized arguments: name=x")):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_column_names_are_mapped_as_the_readme_shows_and_without_the_plus_the_way_is_named():
+    assert dict(compose(["experiment=tiny-cpu", "+data.columns={candidates.cost_usd:price_usd}"]).data.columns) == {
+        "candidates.cost_usd": "price_usd"}
+    with pytest.raises(ConfigError, match=r"is not in struct \(a key the dict does not have yet is added with \+"):
+        compose(["experiment=tiny-cpu", "data.columns={candidates.cost_usd:price_usd}"])
+
+
+def test_a_home_folder_in_a_path_is_expanded_not_made(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = compose(["experiment=tiny-cpu", "paths.root='~/runs'", "model.path='~/models/m'", "trainer.resume=auto"])
+    assert cfg.paths.root == str(tmp_path / "runs") and cfg.paths.outputs == str(tmp_path / "runs/outputs/tiny-cpu")
+    assert cfg.model.path == str(tmp_path / "models/m") and cfg.trainer.resume == "auto"
+
+
 def test_cli_reports_config_errors_with_exit_code_2(capsys):
     assert main(["fit", "experiment=tiny-cpu", "trainer.totl_steps=3"]) == 2
     assert "trainer.totl_steps" in capsys.readouterr().err
@@ -111,10 +152,26 @@ def test_outputs_go_under_paths_root_and_name(tmp_path):
     assert len(list((tmp_path / "logs").glob("demo-*-fit.log"))) == 1
 
 
-@pytest.mark.parametrize("value, named", [("-1", "-1 is negative"), ("eight", "'eight' is not an integer")])
-def test_a_bad_eval_question_count_is_refused_before_any_build(value, named, tmp_path, capsys):
+@pytest.mark.parametrize("verb, option, value, named", [
+    ("tiny-orchestrator", "--eval-questions", "-1", "-1 is negative"),
+    ("tiny-orchestrator", "--eval-questions", "eight", "'eight' is not an integer"),
+    ("sample", "--seed", "-1", "-1 is negative"),
+    ("tiny-model", "--seed", "4294967296", "4294967296 is above 2**32 - 1"),
+    ("sample", "--out", "", "empty: name a folder"),  # would be the working directory
+    ("tiny-orchestrator", "--base", " ", "empty: name a folder"),
+])
+def test_a_bad_data_option_is_refused_before_any_build(verb, option, value, named, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["data", verb, "--out", str(tmp_path / "o"), option, value]
     with pytest.raises(SystemExit) as stop:
-        main(["data", "tiny-orchestrator", "--out", str(tmp_path / "o"), "--eval-questions", value])
+        main(args if option != "--out" else ["data", verb, "--out", value])
     assert stop.value.code == 2
-    assert f"--eval-questions: {named}" in capsys.readouterr().err
-    assert not (tmp_path / "o").exists()
+    assert f"argument {option}: {named}" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("card_gib", ["inf", "nan", "0", "-80"])
+def test_a_card_memory_that_is_not_a_positive_finite_number_is_refused(card_gib, tmp_path, capsys):
+    assert main(["plan", "experiment=r28-continued-cost-8gpu-n32", f"paths.root={tmp_path}", "--card-gib", card_gib]) == 2
+    assert "GiB must be positive and finite (plan.card_gib / --card-gib)" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # an infinite card would plan every phase as fitting, and write it

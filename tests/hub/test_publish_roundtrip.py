@@ -210,6 +210,8 @@ def test_refused_credentials_exit_2_before_anything_is_written(hub, hf_env, fake
     ("empty root", "paths.root={root}: nothing to publish (none of artifacts, checkpoints"),
     ("hub offline", "publish uploads to the Hub, but HF_HUB_OFFLINE=1 (environment) switches it off"),
     ("endpoint", "hub.endpoint='huggingface.co': must be null or the Hub's http(s):// URL"),
+    ("no token", "publish but there is no Hub token here: set HF_TOKEN to a token with write access or run "
+                 "`hf auth login`"),
 ])
 def test_a_publish_that_cannot_work_exits_2_before_the_hub_is_asked(case, message, hub, hf_env, fake_run, tmp_path,
                                                                    capsys, monkeypatch):
@@ -224,6 +226,9 @@ def test_a_publish_that_cannot_work_exits_2_before_the_hub_is_asked(case, messag
     if case == "hub offline":
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read once, at import
+    if case == "no token":  # neither HF_TOKEN nor a saved login
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token"))
     endpoint = "huggingface.co" if case == "endpoint" else hub.endpoint
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
     code = main(["publish", f"paths.root={root}", f"name={fake_run.name}", f"hub.repo_id={REPO}",

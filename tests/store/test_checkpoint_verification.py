@@ -235,6 +235,31 @@ def test_resume_auto_refuses_when_no_checkpoint_verifies(tmp_path, cfg_of):
     assert check_inputs(cfg_of("name=other", "trainer.resume=auto")).start.resume is None  # nothing to resume
 
 
+def test_a_resume_beyond_total_steps_is_refused_and_one_below_it_trains_on(tmp_path, cfg_of):
+    """A checkpoint past ``trainer.total_steps`` would start a run that trains nothing; one of its
+    run's last step resumed with more steps trains on: Lightning's record that the epoch's last
+    batch was seen is cleared when the step is below the new total."""
+    from types import SimpleNamespace
+
+    from atlas_lightning.ppo.module import PPOModule
+    from atlas_lightning.run.facts import check_inputs
+
+    checkpoints = tmp_path / "checkpoints" / "run"
+    folder = _checkpoint(checkpoints, 5)
+    for resume in ("auto", str(folder)):
+        with pytest.raises(ConfigError, match=rf"trainer.resume={resume}: {folder} is step 5, beyond "
+                                              rf"trainer.total_steps=3: nothing would be trained"):
+            check_inputs(cfg_of(f"trainer.resume={resume}", "trainer.total_steps=3"))
+    assert check_inputs(cfg_of("trainer.resume=auto", "trainer.total_steps=5")).start.resume == folder
+
+    for total, last in ((5, True), (6, False)):
+        loops = {"fit_loop": {"epoch_loop.batch_progress": {"is_last_batch": True}}}
+        module = SimpleNamespace(cfg=cfg_of(f"trainer.total_steps={total}"), skipped_optimizer_steps={},
+                                 weight_sync=SimpleNamespace(load_state_dict=lambda state: None))
+        PPOModule.on_load_checkpoint(module, {"atlas": {"rl_step": 5}, "loops": loops})
+        assert loops["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] is last
+
+
 def test_an_explicit_resume_or_init_from_must_verify(tmp_path, cfg_of):
     from atlas_lightning.run.facts import check_inputs
 
