@@ -199,20 +199,22 @@ def _refuse_untied_copies(path: str, config: Any, model: nn.Module) -> None:
 @contextmanager
 def _quiet_meta_load():
     """A start-up check's load on the meta device, silent: transformers' load report would print
-    the mismatches the check refuses (as a table), its progress bar lines before a refusal's one
-    line on stderr."""
+    the mismatches the check refuses (as a table), its progress bar and its warnings (e.g. the
+    tensor-parallel plan's "layers were not sharded") lines before a refusal's one line on stderr."""
     import logging
 
     from transformers.utils import logging as transformers_logging
 
-    report = logging.getLogger("transformers.modeling_utils")
-    level, bar = report.level, transformers_logging.is_progress_bar_enabled()
-    report.setLevel(logging.ERROR)
+    loggers = [logging.getLogger(name) for name in ("transformers", "transformers.modeling_utils")]
+    levels, bar = [one.level for one in loggers], transformers_logging.is_progress_bar_enabled()
+    for one in loggers:
+        one.setLevel(logging.ERROR)
     transformers_logging.disable_progress_bar()
     try:
         yield
     finally:
-        report.setLevel(level)
+        for one, level in zip(loggers, levels):
+            one.setLevel(level)
         if bar:
             transformers_logging.enable_progress_bar()
 
