@@ -75,7 +75,9 @@ class FaultInjection(L.Callback):
             raise ValueError(f"FaultInjection: step must be an RL step (an int >= 1), got {step!r}")
         phases = ENGINE_PHASES if fault == "engine_kill" else SIGNAL_PHASES if fault in SIGNALS else ("rollout",)
         if phase not in phases:
-            raise ValueError(f"FaultInjection: phase must be one of {', '.join(phases)} for {fault}, got {phase!r}")
+            raise ValueError(f"FaultInjection: phase must be one of {', '.join(ENGINE_PHASES)} (other than rollout "
+                             f"only for engine_kill), or for {' and '.join(SIGNALS)} one of {', '.join(SIGNAL_PHASES)}; "
+                             f"got {phase!r} for {fault}")
         if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
             raise ValueError(f"FaultInjection: rank must be a global rank (an int >= 0) or None, got {rank!r}")
         self.fault = fault
