@@ -99,6 +99,8 @@ class FaultInjection(L.Callback):
             self._fill_disk_at_checkpoint(pl_module)
         elif self.phase == "validation":
             self._arm_validation(trainer)
+        elif not getattr(trainer.datamodule, "partial_rollouts", True):
+            self._arm_rollout(trainer)
 
     def _phase_hook(self, inner: Any, trainer: L.Trainer, pl_module: L.LightningModule):
         strikes = "update_weights" if self.phase == "sync" else "update_actor"
@@ -119,6 +121,19 @@ class FaultInjection(L.Callback):
                         _poison_actor(pl_module)
                 yield
         return hook
+
+    def _arm_rollout(self, trainer: L.Trainer) -> None:
+        """Step N's training rollout arms the fault at its first poll, whenever it is sampled (in
+        the separate layout ahead of its step, possibly before step N-1 has ended)."""
+        datamodule = trainer.datamodule
+        rollout = datamodule.rollout
+
+        def armed(step: int, *args, **kwargs):
+            if step == self.step and not self.done:
+                self._arm(datamodule.engine, f"the rollout of RL step {step}")
+            return rollout(step, *args, **kwargs)
+
+        datamodule.rollout = armed
 
     def _arm_validation(self, trainer: L.Trainer) -> None:
         """Step N's validation rollout arms the engine's death at its first poll."""
@@ -165,9 +180,10 @@ class FaultInjection(L.Callback):
         self._arm_if_next(trainer, batch.step)
 
     def _arm_if_next(self, trainer: L.Trainer, finished: int) -> None:
-        """After step ``finished``, the next rollout is step ``finished + 1``'s."""
+        """With partial rollouts (no rollout per step to arm, ``_arm_rollout``): after step
+        ``finished``, the next rollout polled is taken for step ``finished + 1``'s."""
         if self.fault not in ("engine_kill", *SIGNALS) or self.phase != "rollout" or self.done \
-                or finished + 1 != self.step:
+                or finished + 1 != self.step or not getattr(trainer.datamodule, "partial_rollouts", False):
             return
         self._arm(trainer.datamodule.engine, f"the rollout of RL step {self.step}")
 
