@@ -98,9 +98,9 @@ class FaultInjection(L.Callback):
         elif self.fault == "checkpoint_write" or self.phase == "checkpoint":
             self._fill_disk_at_checkpoint(pl_module)
         elif self.phase == "validation":
-            self._arm_validation(trainer)
+            self._arm_on(trainer, "validation_rollout", "the validation rollout")
         elif not getattr(trainer.datamodule, "partial_rollouts", True):
-            self._arm_rollout(trainer)
+            self._arm_on(trainer, "rollout", "the rollout")
 
     def _phase_hook(self, inner: Any, trainer: L.Trainer, pl_module: L.LightningModule):
         strikes = "update_weights" if self.phase == "sync" else "update_actor"
@@ -122,30 +122,19 @@ class FaultInjection(L.Callback):
                 yield
         return hook
 
-    def _arm_rollout(self, trainer: L.Trainer) -> None:
-        """Step N's training rollout arms the fault at its first poll, whenever it is sampled (in
-        the separate layout ahead of its step, possibly before step N-1 has ended)."""
+    def _arm_on(self, trainer: L.Trainer, method: str, what: str) -> None:
+        """The datamodule's ``method`` (``rollout``: a training rollout, whenever it is sampled,
+        in the separate layout ahead of its step, possibly before step N-1 has ended;
+        ``validation_rollout``) for step N arms the fault at the rollout's first poll."""
         datamodule = trainer.datamodule
-        rollout = datamodule.rollout
+        sample = getattr(datamodule, method)
 
         def armed(step: int, *args, **kwargs):
             if step == self.step and not self.done:
-                self._arm(datamodule.engine, f"the rollout of RL step {step}")
-            return rollout(step, *args, **kwargs)
+                self._arm(datamodule.engine, f"{what} of RL step {step}")
+            return sample(step, *args, **kwargs)
 
-        datamodule.rollout = armed
-
-    def _arm_validation(self, trainer: L.Trainer) -> None:
-        """Step N's validation rollout arms the engine's death at its first poll."""
-        datamodule = trainer.datamodule
-        validation_rollout = datamodule.validation_rollout
-
-        def armed(step: int, *args, **kwargs):
-            if step == self.step and not self.done:
-                self._arm(datamodule.engine, f"the validation rollout of RL step {step}")
-            return validation_rollout(step, *args, **kwargs)
-
-        datamodule.validation_rollout = armed
+        setattr(datamodule, method, armed)
 
     def _fill_disk_at_checkpoint(self, pl_module: L.LightningModule) -> None:
         """Step N's checkpoint write finds the disk full once its adapters are written."""
@@ -180,7 +169,7 @@ class FaultInjection(L.Callback):
         self._arm_if_next(trainer, batch.step)
 
     def _arm_if_next(self, trainer: L.Trainer, finished: int) -> None:
-        """With partial rollouts (no rollout per step to arm, ``_arm_rollout``): after step
+        """With partial rollouts (no rollout per step to arm, ``_arm_on``): after step
         ``finished``, the next rollout polled is taken for step ``finished + 1``'s."""
         if self.fault not in ("engine_kill", *SIGNALS) or self.phase != "rollout" or self.done \
                 or finished + 1 != self.step or not getattr(trainer.datamodule, "partial_rollouts", False):
