@@ -3,11 +3,11 @@
 Not in the default callbacks; a run takes it with
 
     +callbacks.fault_injection._target_=atlas_lightning.callbacks.faults.FaultInjection
-    +callbacks.fault_injection.fault=<engine_kill|out_of_memory|non_finite|checkpoint_write> \
-    +callbacks.fault_injection.step=N [+callbacks.fault_injection.phase=<rollout|sync|validation>] \
+    +callbacks.fault_injection.fault=<engine_kill|out_of_memory|non_finite|checkpoint_write|sigint|sigterm> \
+    +callbacks.fault_injection.step=N [+callbacks.fault_injection.phase=<rollout|sync|validation|update|checkpoint>] \
     [+callbacks.fault_injection.rank=R]
 
-The faults (``run/faults.py`` turns each into a clean stop that names it; exit 4, 5, 6, 7):
+The faults (``run/faults.py`` turns each into a clean stop that names it; exit 4, 5, 6, 7, 130, 143):
 
 * ``engine_kill``: the engine is killed (a server engine's process gets SIGKILL; the in-process
   vLLM engine's engine core is shut down: it shares the trainer's process, nothing else of it
@@ -24,6 +24,10 @@ The faults (``run/faults.py`` turns each into a clean stop that names it; exit 4
 * ``non_finite``: as step N's actor update starts, one element of an actor LoRA factor becomes NaN (in
   the precision the update runs in: bf16 under a bf16 base), so the update's forward passes give
   NaN log-probs; the step's own check refuses the optimizer step and the NaN guard stops.
+* ``sigint``, ``sigterm``: the signal (Ctrl-C; a scheduler's or ``kill``'s) reaches the trainer's
+  process at ``phase`` of step N: ``rollout`` (the default, its first requests in flight),
+  ``update`` (as the actor update starts) or ``checkpoint`` (while step N's checkpoint is written
+  in the background, the next step under way). ``run/interrupts.py`` says how each ends.
 * ``checkpoint_write``: step N's checkpoint write (in the background, rank 0) finds the disk
   full (``OSError`` ENOSPC) once the adapters are in its staging folder: the folder never gets
   its marker, and the step that waits for the write (N+1's end, or fit's end) raises
@@ -42,6 +46,7 @@ import errno
 import logging
 import os
 import signal
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -51,9 +56,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-FAULTS = ("engine_kill", "out_of_memory", "non_finite", "checkpoint_write")
+#: The signals a user or a scheduler sends (``run/interrupts.py``).
+SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM}
+FAULTS = ("engine_kill", "out_of_memory", "non_finite", "checkpoint_write", *SIGNALS)
 #: Where ``engine_kill`` strikes (module doc).
 ENGINE_PHASES = ("rollout", "sync", "validation")
+#: Where a signal arrives (module doc).
+SIGNAL_PHASES = ("rollout", "update", "checkpoint")
 
 
 class FaultInjection(L.Callback):
@@ -64,9 +73,11 @@ class FaultInjection(L.Callback):
             raise ValueError(f"FaultInjection: fault must be one of {', '.join(FAULTS)}, got {fault!r}")
         if not isinstance(step, int) or isinstance(step, bool) or step < 1:
             raise ValueError(f"FaultInjection: step must be an RL step (an int >= 1), got {step!r}")
-        if phase not in ENGINE_PHASES or (phase != "rollout" and fault != "engine_kill"):
+        phases = ENGINE_PHASES if fault == "engine_kill" else SIGNAL_PHASES if fault in SIGNALS else ("rollout",)
+        if phase not in phases:
             raise ValueError(f"FaultInjection: phase must be one of {', '.join(ENGINE_PHASES)} (other than rollout "
-                             f"only for engine_kill), got {phase!r} for {fault}")
+                             f"only for engine_kill), or for {' and '.join(SIGNALS)} one of {', '.join(SIGNAL_PHASES)}; "
+                             f"got {phase!r} for {fault}")
         if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
             raise ValueError(f"FaultInjection: rank must be a global rank (an int >= 0) or None, got {rank!r}")
         self.fault = fault
@@ -81,13 +92,15 @@ class FaultInjection(L.Callback):
         if self.rank is not None and trainer.global_rank != self.rank:
             self.done = True  # not this rank's fault
             return
-        if self.fault in ("out_of_memory", "non_finite") or self.phase == "sync":
+        if self.fault in ("out_of_memory", "non_finite") or self.phase in ("sync", "update"):
             hook = getattr(pl_module, "phase_hook", None)
             pl_module.phase_hook = self._phase_hook(hook, trainer, pl_module)
-        elif self.fault == "checkpoint_write":
+        elif self.fault == "checkpoint_write" or self.phase == "checkpoint":
             self._fill_disk_at_checkpoint(pl_module)
         elif self.phase == "validation":
-            self._arm_validation(trainer)
+            self._arm_on(trainer, "validation_rollout", "the validation rollout")
+        elif not getattr(trainer.datamodule, "partial_rollouts", True):
+            self._arm_on(trainer, "rollout", "the rollout")
 
     def _phase_hook(self, inner: Any, trainer: L.Trainer, pl_module: L.LightningModule):
         strikes = "update_weights" if self.phase == "sync" else "update_actor"
@@ -100,6 +113,8 @@ class FaultInjection(L.Callback):
                     log.warning("fault injection: %s in phase %s of RL step %d", self.fault, name, step)
                     if self.fault == "engine_kill":
                         kill_engine(trainer.datamodule.engine)
+                    elif self.fault in SIGNALS:
+                        _send(self.fault)
                     elif self.fault == "out_of_memory":
                         _out_of_memory(pl_module.device)
                     else:
@@ -107,17 +122,19 @@ class FaultInjection(L.Callback):
                 yield
         return hook
 
-    def _arm_validation(self, trainer: L.Trainer) -> None:
-        """Step N's validation rollout arms the engine's death at its first poll."""
+    def _arm_on(self, trainer: L.Trainer, method: str, what: str) -> None:
+        """The datamodule's ``method`` (``rollout``: a training rollout, whenever it is sampled,
+        in the separate layout ahead of its step, possibly before step N-1 has ended;
+        ``validation_rollout``) for step N arms the fault at the rollout's first poll."""
         datamodule = trainer.datamodule
-        validation_rollout = datamodule.validation_rollout
+        sample = getattr(datamodule, method)
 
         def armed(step: int, *args, **kwargs):
             if step == self.step and not self.done:
-                self._arm(datamodule.engine, f"the validation rollout of RL step {step}")
-            return validation_rollout(step, *args, **kwargs)
+                self._arm(datamodule.engine, f"{what} of RL step {step}")
+            return sample(step, *args, **kwargs)
 
-        datamodule.validation_rollout = armed
+        setattr(datamodule, method, armed)
 
     def _fill_disk_at_checkpoint(self, pl_module: L.LightningModule) -> None:
         """Step N's checkpoint write finds the disk full once its adapters are written."""
@@ -131,6 +148,11 @@ class FaultInjection(L.Callback):
 
             def write_then_fill(folder: Path) -> None:
                 write_adapters(folder)
+                if self.fault in SIGNALS:  # the write goes on while the main thread meets the signal
+                    log.warning("fault injection: %s while writing the checkpoint of RL step %d", self.fault, self.step)
+                    _send(self.fault)
+                    time.sleep(1.0)
+                    return
                 log.warning("fault injection: the disk is full while writing the checkpoint of RL step %d", self.step)
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "lightning"))
             return write_then_fill
@@ -147,20 +169,23 @@ class FaultInjection(L.Callback):
         self._arm_if_next(trainer, batch.step)
 
     def _arm_if_next(self, trainer: L.Trainer, finished: int) -> None:
-        """After step ``finished``, the next rollout is step ``finished + 1``'s."""
-        if self.fault != "engine_kill" or self.phase != "rollout" or self.done or finished + 1 != self.step:
+        """With partial rollouts (no rollout per step to arm, ``_arm_on``): after step
+        ``finished``, the next rollout polled is taken for step ``finished + 1``'s."""
+        if self.fault not in ("engine_kill", *SIGNALS) or self.phase != "rollout" or self.done \
+                or finished + 1 != self.step or not getattr(trainer.datamodule, "partial_rollouts", False):
             return
         self._arm(trainer.datamodule.engine, f"the rollout of RL step {self.step}")
 
     def _arm(self, engine: Any, during: str) -> None:
-        """The engine dies at its next ``poll`` (its first requests submitted, in flight)."""
+        """The engine dies (or the signal arrives) at its next ``poll`` (its first requests
+        submitted, in flight)."""
         poll = engine.poll
 
         def kill_then_poll(*args, **kwargs):
             if not self.done:
                 self.done = True
-                log.warning("fault injection: killing the engine during %s", during)
-                kill_engine(engine)
+                log.warning("fault injection: %s during %s", self.fault, during)
+                _send(self.fault) if self.fault in SIGNALS else kill_engine(engine)
             return poll(*args, **kwargs)
 
         engine.poll = kill_then_poll
@@ -179,6 +204,11 @@ def kill_engine(engine: Any) -> None:
         raise ValueError(f"FaultInjection: cannot kill a {type(engine).__name__} engine (neither a server's "
                          f"process nor an in-process vLLM engine core)")
     core.shutdown()
+
+
+def _send(fault: str) -> None:
+    """The signal of ``fault`` to this process, as ``kill`` or Ctrl-C sends it (handled in the main thread)."""
+    os.kill(os.getpid(), SIGNALS[fault])
 
 
 def _out_of_memory(device: torch.device) -> None:

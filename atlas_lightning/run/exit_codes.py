@@ -3,7 +3,9 @@ what is wrong, and an exit code (``errors.py`` lists them). No traceback: the li
 
     ConfigError          -> 2, "PROGRAM: config error: MESSAGE"  (a key or value of the config)
     InputError           -> 2, "PROGRAM: MESSAGE"                (a file, folder or option that cannot be used)
-    RunStopped           -> its exit_code (4 to 7), "PROGRAM: stopped: MESSAGE"  (a fault part-way)
+    RunStopped           -> its exit_code (4 to 7, 130, 143), "PROGRAM: stopped: MESSAGE"  (a fault part-way)
+    SIGINT, SIGTERM      -> 130, 143, "PROGRAM: stopped: interrupted by SIGNAL before ..."  (outside a fit's
+                            loop; inside it ``run/faults.py`` names the step and checkpoint: ``run/interrupts.py``)
     NotImplementedError  -> 3, "PROGRAM: not available yet: MESSAGE"
 
 Every command that composes a config or runs a verb ends through here: ``atlas-lightning``
@@ -22,6 +24,7 @@ from typing import Callable, Optional
 
 from atlas_lightning.config import ConfigError, redacted_text
 from atlas_lightning.errors import InputError, RunStopped
+from atlas_lightning.run import interrupts
 
 #: the exceptions a command answers with one line and an exit code; anything else is a bug (a traceback)
 ANSWERED = (ConfigError, InputError, RunStopped, NotImplementedError)
@@ -49,9 +52,15 @@ def report(program: str, err: BaseException) -> int:
 
 
 def exit_code(program: str, action: Callable[[], Optional[int]]) -> int:
-    """``action()``'s exit code (None: 0), or, when it raises one of ``ANSWERED``, the code
-    ``report`` prints the line for. Other exceptions propagate (a bug keeps its traceback)."""
+    """``action()``'s exit code (None: 0), or, when it raises one of ``ANSWERED`` or is ended by
+    SIGINT or SIGTERM, the code ``report`` prints the line for. Other exceptions propagate (a bug
+    keeps its traceback)."""
     try:
-        return int(action() or 0)
+        with interrupts.terminable():  # SIGTERM as a clean stop, as SIGINT is
+            return int(action() or 0)
     except ANSWERED as err:
         return report(program, err)
+    except (KeyboardInterrupt, interrupts.Terminated) as err:  # before (or after) any fit's loop
+        received = interrupts.signal_of(err)
+        return report(program, RunStopped(f"interrupted by {interrupts.NAMES[received]} while the command started "
+                                          f"or ended: no RL step was under way", cause=interrupts.CAUSES[received]))

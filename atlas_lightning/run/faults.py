@@ -1,6 +1,6 @@
 """Faults that stop a fit part-way, turned into a clean stop that names the cause.
 
-Three faults can end a run after it has started training, whatever the care taken before:
+These faults can end a run after it has started training, whatever the care taken before:
 
 * the rollout engine dies (its process killed, its engine core gone) or stops serving what it
   was sent: ``EngineError`` (the agent loop's, after its retries) or ``WeightSyncError`` (the
@@ -11,7 +11,14 @@ Three faults can end a run after it has started training, whatever the care take
 * a step's values are not finite and the NaN guard stops: ``NonFiniteError``;
 * a file of the run cannot be written: a checkpoint's (``CheckpointWriteError``, on every rank:
   the folder being written never gets its marker, the previous complete checkpoint is untouched)
-  or any other (``OSError``: the disk full, a quota, a read-only file system).
+  or any other (``OSError``: the disk full, a quota, a read-only file system);
+* SIGINT (Ctrl-C) or SIGTERM arrives (``run/interrupts.py``: exit 130, 143; under SIGTERM the
+  step under way finishes first, as Lightning does);
+* the user's own code the config names (a reward scorer, a callback) raises, or the scorer's
+  output breaks its contract (``run/user_code.py``: exit 2, its traceback in the run's log).
+
+Any other error is a bug: it keeps its traceback, to which a last note adds the last step
+trained and the checkpoint to resume from.
 
 Under several ranks a fault may strike one rank while the others wait for it in a collective:
 the rank that stops tells the others (``run/stop_notice.py``), and each of them, its collective
@@ -22,7 +29,8 @@ checkpoint finishes a write in flight, ``callbacks/checkpoint.py``) and raises `
 (``errors.py``) in its place, whose message names the cause, the last RL step trained and the
 newest checkpoint that verifies against its ``checkpoint.json`` (rank 0 verifies it; no
 collective: other ranks may be gone), and is written to the run's log. The CLI prints it, no
-traceback, and exits with its code (4 engine, 5 out of memory, 6 non-finite, 7 a write). Nothing of the
+traceback, and exits with its code (4 engine, 5 out of memory, 6 non-finite, 7 a write, 2 the
+user's code, 130 SIGINT, 143 SIGTERM). Nothing of the
 failed step is checkpointed, so ``trainer.resume=auto`` continues from that checkpoint.
 """
 
@@ -32,38 +40,49 @@ import errno
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.errors import CheckpointWriteError, InputError, NonFiniteError, RunStopped
-from atlas_lightning.run import stop_notice
+from atlas_lightning.run import interrupts, stop_notice
+from atlas_lightning.run.user_code import UserCode, blame
 
 log = logging.getLogger("atlas_lightning")
 
 
 @contextmanager
-def stops_cleanly(checkpoints: Path, last_step: Callable[[], int], trainer: Optional[Any] = None) -> Iterator[None]:
+def stops_cleanly(checkpoints: Path, last_step: Callable[[], int], trainer: Optional[Any] = None,
+                  user: Sequence[UserCode] = ()) -> Iterator[None]:
     """Run the body (``trainer.fit``); a fault of the module doc becomes ``RunStopped``.
     ``last_step()``: the last RL step the module finished (read when the fault is caught).
-    ``trainer``: the one fitting, told when its rank handles a fault (``stop_notice.watching``)."""
+    ``trainer``: the one fitting, told when its rank handles a fault (``stop_notice.watching``).
+    ``user``: the user's own code the run calls (``run/user_code.user_code``): an error of it stops too."""
     try:
         with stop_notice.watching(trainer):  # another rank's stop reaches this one (several ranks)
             yield
     except InputError:  # a starting check: exit 2 as before any work
         raise
     except Exception as err:
-        stop = _as_stop(err, checkpoints, last_step)
-        if stop is None:
+        stop = _as_stop(err, checkpoints, last_step, user)
+        if stop is None:  # a bug: its traceback, then where the run can resume from
+            err.add_note(f"the run stopped after RL step {last_step()} (the last one finished); "
+                         f"{_last_good(checkpoints, before_step=last_step() + 1)[1]}")
             raise
         raise stop from err
+    except (KeyboardInterrupt, SystemExit, interrupts.Terminated) as err:  # SIGINT, SIGTERM (run/interrupts.py)
+        received = interrupts.signal_of(err)
+        if received is None:
+            raise
+        raise _interrupted(received, checkpoints, last_step()) from None
 
 
-def _as_stop(err: Exception, checkpoints: Path, last_step: Callable[[], int]) -> Optional[RunStopped]:
+def _as_stop(err: Exception, checkpoints: Path, last_step: Callable[[], int],
+             user: Sequence[UserCode] = ()) -> Optional[RunStopped]:
     """``err`` as the clean stop of a fault of the module doc, told to the other ranks; or the
     stop of another rank that ``err`` (a collective that failed) followed; else None."""
-    stop = _fault_stop(err, checkpoints, last_step)
+    stop = _fault_stop(err, checkpoints, last_step) or _user_code_stop(err, user, checkpoints, last_step)
     if stop is not None:
         stop_notice.publish(stop)
         return stop
@@ -122,6 +141,27 @@ def _stopped(cause: str, what: str, err: BaseException, checkpoints: Path, step:
     return RunStopped(message, cause=cause, last_good_checkpoint=checkpoint)
 
 
+def _user_code_stop(err: Exception, user: Sequence[UserCode], checkpoints: Path,
+                    last_step: Callable[[], int]) -> Optional[RunStopped]:
+    """The stop of an error raised by the user's own code (``run/user_code.py``), exit 2; else None."""
+    found = blame(err, list(user))
+    if found is None:
+        return None
+    log.error("the user's %s=%s raised:", found.code.key, found.code.target, exc_info=err)
+    what = f"{found.code.key}={found.code.target} (the user's code) raised at {found.line}"
+    return _stopped("user_code", what, found.error, checkpoints, last_step(),
+                    hint="its traceback is in the run's log; fix it, then resume")
+
+
+def _interrupted(received: str, checkpoints: Path, step: int) -> RunStopped:
+    """The stop of a run that ``received`` (``"SIGINT"``, ``"SIGTERM"``) ended after RL step ``step``."""
+    checkpoint, resume = _last_good(checkpoints, before_step=step + 1)
+    message = (f"interrupted by {interrupts.NAMES[received]} after RL step {step} (the last one finished); "
+               f"nothing of a step under way is checkpointed; {resume}")
+    log.error("stopped: %s", message)
+    return RunStopped(message, cause=interrupts.CAUSES[received], last_good_checkpoint=checkpoint)
+
+
 def _last_good(checkpoints: Path, before_step: int) -> tuple[Optional[Path], str]:
     """The newest checkpoint before ``before_step`` that verifies (a resumed run may hold later
     folders of its first attempt), and the sentence that says how to resume from it."""
@@ -159,7 +199,8 @@ def check_injections(callbacks: dict[str, Any], cfg: Any, resumed_step: int) -> 
         step, why = fault.step, None
         if not resumed_step < step <= total:
             why = f"the run trains RL steps {resumed_step + 1}..{total}"
-        elif fault.fault == "checkpoint_write" and not (saver is not None and saver.saves_at(step, total)):
+        elif (fault.fault == "checkpoint_write" or fault.phase == "checkpoint") \
+                and not (saver is not None and saver.saves_at(step, total)):
             why = "no checkpoint is written at that step (trainer.save_every)"
         elif fault.phase == "validation" and not (validation is not None and validation.should_validate(step, total)):
             why = "no validation runs at that step (trainer.val_every)"

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.run.facts import RunFacts, check_inputs
 from atlas_lightning.run.faults import stops_cleanly
+from atlas_lightning.run.user_code import user_code
 from atlas_lightning.run.wiring import RUN_LOG, build_callbacks, build_trainer, prepare_run
 
 log = logging.getLogger("atlas_lightning")
@@ -42,7 +43,8 @@ def fit(cfg: DictConfig) -> int:
     trainer = build_trainer(cfg, callbacks=callbacks)
     started = time.time()
     # a fault part-way (engine, memory, non-finite) stops cleanly, naming the checkpoint to resume from
-    with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: module.finished_step, trainer=trainer):
+    with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: module.finished_step, trainer=trainer,
+                       user=user_code(cfg)):
         trainer.fit(module, datamodule=datamodule, ckpt_path=facts.start.state)
     if trainer.global_rank == 0:
         _closing_summary(cfg, facts, time.time() - started)

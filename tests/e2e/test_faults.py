@@ -1,15 +1,18 @@
 """Faults part-way through a fit, through the CLI: the engine killed in the middle of a rollout,
 at a weight sync and in the middle of a validation, out of memory in the middle of an update, a
-NaN during an update, the disk full while a checkpoint is written, the trainer SIGKILLed. Each
-fault ends in a clean stop that names its cause (exit 4, 5, 6, 7; no traceback;
+NaN during an update, the disk full while a checkpoint is written, the trainer SIGKILLed, SIGTERMed
+and interrupted (SIGINT), the user's reward scorer raising. Each
+fault ends in a clean stop that names its cause (exit 4, 5, 6, 7, 2, 130, 143; no traceback;
 ``run/faults.py``), leaves the last complete checkpoint intact (it verifies against its
 ``checkpoint.json`` and its state is whole) and the next launch resumes from it. The faults are
 injected by ``callbacks/faults.py`` (``FaultInjection``).
 
 One chain per machine, each launch resuming the last. On CPU: out of memory at step 2
 (checkpoint 1 left); SIGKILL once step 2 is checkpointed (step 3 under way: nothing of it looks
-complete); a NaN at step 4 (checkpoint 3); the engine killed in step 4's rollout (checkpoint 3);
-then a clean resume to the end (checkpoint 4). Its step records are those of an uninterrupted
+complete); SIGTERM in step 3's rollout (the step finishes, checkpoint 3; exit 143); a NaN at
+step 4 (checkpoint 3); the engine killed in step 4's rollout (checkpoint 3); the user's reward
+scorer raising in step 4 (exit 2); SIGINT as step 4's update starts (exit 130); then a clean
+resume to the end (checkpoint 4). Its step records are those of an uninterrupted
 run of the same fit (every resume, the one after the SIGKILL included, continues exactly). On
 the card: out of memory at step 2, a NaN at step 3, then launches that each fail step 4 from
 checkpoint 3: the engine killed in its rollout, at its weight sync (the probe meets the dead
@@ -55,8 +58,22 @@ CHAIN = [("out_of_memory", 2, ["out of memory after RL step 1"], "out_of_memory"
 #: complete (step 3 is then under way), before the NaN, which then strikes at step 4: the launch
 #: after the kill trains step 3, whose records are compared with the uninterrupted run's
 SIGKILL = ("sigkill", 3, [], None, [])
-CPU_CHAIN = [CHAIN[0], SIGKILL, ("non_finite", 4, ["non-finite values: step 4: non-finite"], "non_finite", []),
-             CHAIN[2]]
+#: Then SIGTERM in step 3's rollout: the step finishes and is checkpointed (as Lightning stops on
+#: SIGTERM), the stop names checkpoint 3 (``LAST``); the later launches resume from it. After the
+#: engine's death: the user's reward scorer raises in step 4 (``tests/e2e/user_code.py``; no
+#: injection, exit 2), then SIGINT (Ctrl-C) as step 4's actor update starts (exit 130).
+SIGTERM = ("sigterm", 3, ["interrupted by SIGTERM after RL step 3"], "terminated", [])
+USER_REWARD = ("user_reward", 4, ["reward._target_=tests.e2e.user_code.RaisingReward (the user's code) raised at",
+                                  "ValueError: user reward refused an episode"], "user_code",
+               ["reward._target_=tests.e2e.user_code.RaisingReward", "+reward.step=1"])
+SIGINT = ("sigint", 4, ["interrupted by SIGINT (Ctrl-C) after RL step 3"], "interrupted",
+          ["+callbacks.fault_injection.phase=update"])
+CPU_CHAIN = [CHAIN[0], SIGKILL, SIGTERM, ("non_finite", 4, ["non-finite values: step 4: non-finite"], "non_finite", []),
+             CHAIN[2], USER_REWARD, SIGINT]
+#: The faults whose stop names the step they strike at as the last one trained (not the one before)
+LAST = {"sigterm"}
+#: The faults no ``FaultInjection`` makes (the launch's overrides do)
+NOT_INJECTED = {"user_reward"}
 #: The disk full as step 4's checkpoint is written: the card's chain (on CPU a real fit on a full
 #: disk ends in the same stop, ``tests/e2e/test_colocated_merged.py``, and the callback names the last
 #: complete checkpoint, ``tests/callbacks/test_cb_checkpoint_background.py``: a launch less here)
@@ -114,16 +131,18 @@ def _chain(setting: list[str], model: Path, data: Path, root: Path, chain: list)
             _killed(setting, model, data, root, step)
             continue
         resume = ["trainer.resume=auto"] if index else []
-        done = _fit(setting, model, data, root, *resume, INJECT, f"+callbacks.fault_injection.fault={fault}",
-                    f"+callbacks.fault_injection.step={step}", *extra)
+        inject = [] if fault in NOT_INJECTED else [INJECT, f"+callbacks.fault_injection.fault={fault}",
+                                                    f"+callbacks.fault_injection.step={step}"]
+        done = _fit(setting, model, data, root, *resume, *inject, *extra)
         stop = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
         print(f"\n{fault} at step {step} {extra}: exit {done.returncode}: {stop}")
         assert done.returncode == STOP_EXIT_CODES[cause], done.stderr[-4000:]
         assert stop.startswith("atlas-lightning fit: stopped: ") and all(words in stop for words in named), stop
         assert "Traceback" not in done.stderr, done.stderr[-4000:]
-        last = checkpoints / f"global_step_{step - 1}"
+        failed = step + 1 if fault in LAST else step
+        last = checkpoints / f"global_step_{failed - 1}"
         assert str(last) in stop
-        assert not (checkpoints / f"global_step_{step}" / "checkpoint.json").exists()
+        assert not (checkpoints / f"global_step_{failed}" / "checkpoint.json").exists()
         verify_checkpoint(last)  # intact: every file as its marker lists it
         check_resume_state(last)  # whole: optimizers, loops, cursor, generator states
         assert named[0] in (root / "outputs" / NAME / "main_ppo.log").read_text()
