@@ -17,8 +17,9 @@ nothing of the package, so every floor may import it.
 Exit codes of the CLI: 0 done; 2 an input that cannot be used (nothing was written); 3 not
 available yet; 4 the rollout engine died or does not serve what it was sent; 5 out of memory;
 6 a non-finite step; 7 a checkpoint or another file of the run could not be written (the disk
-full); 2 also when the user's own code (a reward scorer, a callback) raised part-way; 130 SIGINT (Ctrl-C), 143 SIGTERM (the shell's 128 + the signal). After 4 to 7, 130 and 143
-the run's last complete checkpoint is intact and ``trainer.resume=auto`` continues from it.
+full); 8 the user's own code (a reward scorer, a callback) raised part-way; 130 SIGINT (Ctrl-C),
+143 SIGTERM (the shell's 128 + the signal). After 4 to 8, 130 and 143 the run's last complete
+checkpoint is intact and ``trainer.resume=auto`` continues from it.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class NonFiniteError(RuntimeError):
 
 
 #: ``RunStopped.cause`` -> the CLI's exit code (module doc).
-STOP_EXIT_CODES = {"engine": 4, "out_of_memory": 5, "non_finite": 6, "write": 7, "user_code": 2,
+STOP_EXIT_CODES = {"engine": 4, "out_of_memory": 5, "non_finite": 6, "write": 7, "user_code": 8,
                    "interrupted": 130, "terminated": 143}
 
 

@@ -15,7 +15,7 @@ These faults can end a run after it has started training, whatever the care take
 * SIGINT (Ctrl-C) or SIGTERM arrives (``run/interrupts.py``: exit 130, 143; under SIGTERM the
   step under way finishes first, as Lightning does);
 * the user's own code the config names (a reward scorer, a callback) raises, or the scorer's
-  output breaks its contract (``run/user_code.py``: exit 2, its traceback in the run's log).
+  output breaks its contract (``run/user_code.py``: exit 8, its traceback in the run's log).
 
 Any other error is a bug: it keeps its traceback, to which a last note adds the last step
 trained and the checkpoint to resume from.
@@ -143,7 +143,7 @@ def _stopped(cause: str, what: str, err: BaseException, checkpoints: Path, step:
 
 def _user_code_stop(err: Exception, user: Sequence[UserCode], checkpoints: Path,
                     last_step: Callable[[], int]) -> Optional[RunStopped]:
-    """The stop of an error raised by the user's own code (``run/user_code.py``), exit 2; else None."""
+    """The stop of an error raised by the user's own code (``run/user_code.py``), exit 8; else None."""
     found = blame(err, list(user))
     if found is None:
         return None

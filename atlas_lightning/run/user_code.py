@@ -3,7 +3,7 @@
 A config may name code of the user's own: a reward scorer (``reward._target_``, the contract in
 ``reward/scorer.py``) and callbacks (``callbacks.<name>._target_``). When one of them raises
 during a fit, or the scorer returns what breaks its contract, the run stops cleanly
-(``run/faults.py``: exit 2, a user's input that cannot be used) naming the key, the object, the
+(``run/faults.py``: exit 8; not 2, which says nothing was written) naming the key, the object, the
 error and the user's line that raised it, with the last complete checkpoint to resume from once
 it is fixed; the traceback goes to the run's log. Code of this package or of Lightning is not
 the user's: an error there is a bug and keeps its traceback.

@@ -2,7 +2,7 @@
 at a weight sync and in the middle of a validation, out of memory in the middle of an update, a
 NaN during an update, the disk full while a checkpoint is written, the trainer SIGKILLed, SIGTERMed
 and interrupted (SIGINT), the user's reward scorer raising. Each
-fault ends in a clean stop that names its cause (exit 4, 5, 6, 7, 2, 130, 143; no traceback;
+fault ends in a clean stop that names its cause (exit 4, 5, 6, 7, 8, 130, 143; no traceback;
 ``run/faults.py``), leaves the last complete checkpoint intact (it verifies against its
 ``checkpoint.json`` and its state is whole) and the next launch resumes from it. The faults are
 injected by ``callbacks/faults.py`` (``FaultInjection``).
@@ -11,7 +11,7 @@ One chain per machine, each launch resuming the last. On CPU: out of memory at s
 (checkpoint 1 left); SIGKILL once step 2 is checkpointed (step 3 under way: nothing of it looks
 complete); SIGTERM in step 3's rollout (the step finishes, checkpoint 3; exit 143); a NaN at
 step 4 (checkpoint 3); the engine killed in step 4's rollout (checkpoint 3); the user's reward
-scorer raising in step 4 (exit 2); SIGINT as step 4's update starts (exit 130); then a clean
+scorer raising in step 4 (exit 8); SIGINT as step 4's update starts (exit 130); then a clean
 resume to the end (checkpoint 4). Its step records are those of an uninterrupted
 run of the same fit (every resume, the one after the SIGKILL included, continues exactly). On
 the card: out of memory at step 2, a NaN at step 3, then launches that each fail step 4 from
@@ -61,7 +61,7 @@ SIGKILL = ("sigkill", 3, [], None, [])
 #: Then SIGTERM in step 3's rollout: the step finishes and is checkpointed (as Lightning stops on
 #: SIGTERM), the stop names checkpoint 3 (``LAST``); the later launches resume from it. After the
 #: engine's death: the user's reward scorer raises in step 4 (``tests/e2e/user_code.py``; no
-#: injection, exit 2), then SIGINT (Ctrl-C) as step 4's actor update starts (exit 130).
+#: injection, exit 8), then SIGINT (Ctrl-C) as step 4's actor update starts (exit 130).
 SIGTERM = ("sigterm", 3, ["interrupted by SIGTERM after RL step 3"], "terminated", [])
 USER_REWARD = ("user_reward", 4, ["reward._target_=tests.e2e.user_code.RaisingReward (the user's code) raised at",
                                   "ValueError: user reward refused an episode"], "user_code",

@@ -1,6 +1,6 @@
 """The user's own code a fit calls (``run/user_code.py``): an error raised in a reward scorer or a
 callback the config names, or a scorer's output that breaks the contract, is a clean stop naming
-the key, the object and the user's line (exit 2, the traceback in the run's log); an error of this
+the key, the object and the user's line (exit 8, the traceback in the run's log); an error of this
 package's code is not blamed on the user. Inside a real fit: ``tests/e2e/test_faults.py``."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_the_stop_names_the_key_the_line_and_the_checkpoint_exit_2(tmp_path):
             stops_cleanly(tmp_path, last_step=lambda: 5, user=user_code(_cfg())):
         score_trajectory(raising, {"terminal_reason": "submit"}, 4)
     stop = stopped.value
-    assert stop.exit_code == 2 and stop.cause == "user_code"
+    assert stop.exit_code == 8 and stop.cause == "user_code"
     assert str(stop).startswith(f"reward._target_={REWARD} (the user's code) raised at ")
     assert "after RL step 5" in str(stop) and "ValueError: user reward refused an episode" in str(stop)
     assert "no complete checkpoint" in str(stop)
