@@ -1,8 +1,7 @@
 """Faults part-way through a fit, through the CLI: the engine killed in the middle of a rollout,
 at a weight sync and in the middle of a validation, out of memory in the middle of an update, a
-NaN during an update, the disk full while a checkpoint is written, the trainer SIGKILLed, SIGTERMed
-and interrupted (SIGINT), the user's reward scorer raising. Each
-fault ends in a clean stop that names its cause (exit 4, 5, 6, 7, 8, 130, 143; no traceback;
+NaN during an update, the disk full while a checkpoint is written, the trainer SIGKILLed and
+SIGTERMed. Each fault ends in a clean stop that names its cause (exit 4, 5, 6, 7, 143; no traceback;
 ``run/faults.py``), leaves the last complete checkpoint intact (it verifies against its
 ``checkpoint.json`` and its state is whole) and the next launch resumes from it. The faults are
 injected by ``callbacks/faults.py`` (``FaultInjection``).
@@ -10,9 +9,10 @@ injected by ``callbacks/faults.py`` (``FaultInjection``).
 One chain per machine, each launch resuming the last. On CPU: out of memory at step 2
 (checkpoint 1 left); SIGKILL once step 2 is checkpointed (step 3 under way: nothing of it looks
 complete); SIGTERM in step 3's rollout (the step finishes, checkpoint 3; exit 143); a NaN at
-step 4 (checkpoint 3); the engine killed in step 4's rollout (checkpoint 3); the user's reward
-scorer raising in step 4 (exit 8); SIGINT as step 4's update starts (exit 130); then a clean
-resume to the end (checkpoint 4). Its step records are those of an uninterrupted
+step 4 (checkpoint 3); the engine killed in step 4's rollout (checkpoint 3); then a clean
+resume to the end (checkpoint 4). SIGINT and the user's own code raising take the same stop
+(``run/faults.py``; exit 130 and 8) and are tried in process, without a launch each, to keep the
+suite's time: ``tests/run/test_interrupts.py``, ``tests/run/test_user_code.py``. Its step records are those of an uninterrupted
 run of the same fit (every resume, the one after the SIGKILL included, continues exactly). On
 the card: out of memory at step 2, a NaN at step 3, then launches that each fail step 4 from
 checkpoint 3: the engine killed in its rollout, at its weight sync (the probe meets the dead
@@ -59,21 +59,12 @@ CHAIN = [("out_of_memory", 2, ["out of memory after RL step 1"], "out_of_memory"
 #: after the kill trains step 3, whose records are compared with the uninterrupted run's
 SIGKILL = ("sigkill", 3, [], None, [])
 #: Then SIGTERM in step 3's rollout: the step finishes and is checkpointed (as Lightning stops on
-#: SIGTERM), the stop names checkpoint 3 (``LAST``); the later launches resume from it. After the
-#: engine's death: the user's reward scorer raises in step 4 (``tests/e2e/user_code.py``; no
-#: injection, exit 8), then SIGINT (Ctrl-C) as step 4's actor update starts (exit 130).
+#: SIGTERM), the stop names checkpoint 3 (``LAST``); the later launches resume from it.
 SIGTERM = ("sigterm", 3, ["interrupted by SIGTERM after RL step 3"], "terminated", [])
-USER_REWARD = ("user_reward", 4, ["reward._target_=tests.e2e.user_code.RaisingReward (the user's code) raised at",
-                                  "ValueError: user reward refused an episode"], "user_code",
-               ["reward._target_=tests.e2e.user_code.RaisingReward", "+reward.step=1"])
-SIGINT = ("sigint", 4, ["interrupted by SIGINT (Ctrl-C) after RL step 3"], "interrupted",
-          ["+callbacks.fault_injection.phase=update"])
 CPU_CHAIN = [CHAIN[0], SIGKILL, SIGTERM, ("non_finite", 4, ["non-finite values: step 4: non-finite"], "non_finite", []),
-             CHAIN[2], USER_REWARD, SIGINT]
+             CHAIN[2]]
 #: The faults whose stop names the step they strike at as the last one trained (not the one before)
 LAST = {"sigterm"}
-#: The faults no ``FaultInjection`` makes (the launch's overrides do)
-NOT_INJECTED = {"user_reward"}
 #: The disk full as step 4's checkpoint is written: the card's chain (on CPU a real fit on a full
 #: disk ends in the same stop, ``tests/e2e/test_colocated_merged.py``, and the callback names the last
 #: complete checkpoint, ``tests/callbacks/test_cb_checkpoint_background.py``: a launch less here)
@@ -131,8 +122,7 @@ def _chain(setting: list[str], model: Path, data: Path, root: Path, chain: list)
             _killed(setting, model, data, root, step)
             continue
         resume = ["trainer.resume=auto"] if index else []
-        inject = [] if fault in NOT_INJECTED else [INJECT, f"+callbacks.fault_injection.fault={fault}",
-                                                    f"+callbacks.fault_injection.step={step}"]
+        inject = [INJECT, f"+callbacks.fault_injection.fault={fault}", f"+callbacks.fault_injection.step={step}"]
         done = _fit(setting, model, data, root, *resume, *inject, *extra)
         stop = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
         print(f"\n{fault} at step {step} {extra}: exit {done.returncode}: {stop}")
