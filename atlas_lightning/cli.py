@@ -301,14 +301,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:]) or 0
     args = parse_args(argv)
-    try:  # the config and its libraries are imported here, so that Ctrl-C while they load is answered too
+    try:  # the config and its libraries load here; from then on exit_code answers Ctrl-C and SIGTERM
         from atlas_lightning.run.exit_codes import exit_code
-
-        return exit_code(f"atlas-lightning {args.verb}", lambda: _run_verb(args, argv))
-    except KeyboardInterrupt:  # Ctrl-C before Lightning's own handler (start-up, a data verb): one line
+    except KeyboardInterrupt:  # Ctrl-C while they load: one line, nothing written yet
         print(f"atlas-lightning {args.verb}: interrupted (Ctrl-C); a fit resumes from its last complete "
               f"checkpoint with trainer.resume=auto", file=sys.stderr)
         return 130
+    return exit_code(f"atlas-lightning {args.verb}", lambda: _run_verb(args, argv))
 
 
 def _run_verb(args: argparse.Namespace, argv: list[str]) -> int:

@@ -28,6 +28,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 
+def first_line(err: BaseException, limit: int = 300) -> str:
+    """A library's error ``err`` as one line of a refusal: its message with its line breaks
+    folded (transformers' validation errors put the field's problem on the lines after the
+    first), cut at ``limit`` characters; its type's name when it has no message."""
+    return " ".join(str(err).split())[:limit] or type(err).__name__
+
+
 class InputError(ValueError):
     """Something the user named that cannot be used (a config value, a question file, an adapter
     or checkpoint folder); the message names it and what is wrong. The CLI exits 2 with it."""

@@ -436,11 +436,7 @@ def load_adapter(model: ActorCritic, adapter_name: str, folder: str | Path, *, r
     with torch.no_grad():
         for key, param in targets.items():
             _copy_full_into(param, data.tensors[key])
-        if data.value_head is not None:
-            extra = sorted(set(data.value_head) - {name for name, _ in model.value_head.named_parameters()})
-            if extra:
-                raise AdapterMismatchError(f"{folder}: {VALUE_HEAD_FILE} holds {extra}, which the value head has "
-                                           f"no place for (it is a weight and a bias)")
+        if data.value_head is not None:  # the critic's, checked whole by check_adapter_fits
             for name, param in model.value_head.named_parameters():
                 _copy_full_into(param, data.value_head[name])
 

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from . import attention  # noqa: F401  (registers sdpa_varlen before a base asks for it)
-from atlas_lightning.errors import InputError
+from atlas_lightning.errors import InputError, first_line
 
 from .actor_critic import ACTOR, CRITIC, ActorCritic
 from .adapters import adapter_lora_config, load_adapter
@@ -152,7 +152,7 @@ def check_base_weights(path: str | Path, config: Any = None) -> Optional[str]:
                                                                ignore_mismatched_sizes=True, output_loading_info=True)
     except Exception as err:  # a config it cannot build a model from (a vocabulary too small for its ids, ...)
         raise BaseWeightsError(f"{where}: transformers cannot build the model its config.json describes from "
-                               f"its weights ({_first_line(err)})") from None
+                               f"its weights ({first_line(err)})") from None
     _refuse_missing(str(path), info)
     _refuse_untied_copies(str(path), config, model)
     mismatched = sorted(info.get("mismatched_keys") or ())
@@ -227,17 +227,11 @@ def check_base_config(path: str | Path):
         return causal_lm_config(path)
     except Exception as err:  # transformers' parse or validation error, whatever its type: named for the user
         raise BaseWeightsError(f"model.path={path}: config.json is not a model config transformers can read "
-                               f"({_first_line(err)})") from None
+                               f"({first_line(err)})") from None
 
 
 #: Buffers older checkpoints saved that both loaders skip (rotary frequencies, recomputed).
 _IGNORED_BUFFERS = ("rotary_emb.inv_freq",)
-
-
-def _first_line(err: BaseException) -> str:
-    """``err``'s message on one line, cut at 300 characters (transformers' validation errors put
-    the field's problem on the lines after the first)."""
-    return " ".join(str(err).split())[:300] or type(err).__name__
 
 
 def _refuse_missing(path: str, info: dict) -> None:

@@ -32,7 +32,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from atlas_lightning.errors import InputError
+from atlas_lightning.errors import InputError, first_line
 
 
 class ServingFilesError(InputError):
@@ -54,7 +54,7 @@ def check_serving_files(path: str | Path, config: Any, max_model_len: Optional[i
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as err:  # the library's error for a damaged tokenizer, whatever its type
-        raise ServingFilesError(f"{where}: its tokenizer cannot be loaded ({_first_line(err)})") from None
+        raise ServingFilesError(f"{where}: its tokenizer cannot be loaded ({first_line(err)})") from None
     ids = {**tokenizer.get_vocab(), **_added_tokens(Path(path))}
     if ids and max(ids.values()) >= vocab:
         token, top = max(ids.items(), key=lambda item: item[1])
@@ -71,7 +71,7 @@ def check_serving_files(path: str | Path, config: Any, max_model_len: Optional[i
             GenerationConfig.from_pretrained(str(path))
         except Exception as err:  # transformers' validation error, whatever its type
             raise ServingFilesError(f"{where}: generation_config.json is not a generation config transformers can "
-                              f"read ({_first_line(err)})") from None
+                              f"read ({first_line(err)})") from None
         stops = json.loads(generation.read_text()).get("eos_token_id")
         _check_stop_ids(f"{where}: generation_config.json's eos_token_id", stops, vocab, special)
     if max_model_len is not None:
@@ -143,7 +143,3 @@ def _check_length(config: Any, max_model_len: int, where: str) -> None:
         named = f"config.json's max_position_embeddings={positions}" + (f" x rope factor {factor}" if factor else "")
         raise ServingFilesError(f"rollout.max_model_len={max_model_len}: {where} allows {limit} positions ({named}); "
                                 f"the engine refuses a longer context: lower rollout.max_model_len")
-
-
-def _first_line(err: BaseException) -> str:
-    return " ".join(str(err).split())[:300] or type(err).__name__

@@ -3,7 +3,7 @@ what is wrong, and an exit code (``errors.py`` lists them). No traceback: the li
 
     ConfigError          -> 2, "PROGRAM: config error: MESSAGE"  (a key or value of the config)
     InputError           -> 2, "PROGRAM: MESSAGE"                (a file, folder or option that cannot be used)
-    RunStopped           -> its exit_code (4 to 7, 130, 143), "PROGRAM: stopped: MESSAGE"  (a fault part-way)
+    RunStopped           -> its exit_code (4 to 8, 130, 143), "PROGRAM: stopped: MESSAGE"  (a fault part-way)
     SIGINT, SIGTERM      -> 130, 143, "PROGRAM: stopped: interrupted by SIGNAL before ..."  (outside a fit's
                             loop; inside it ``run/faults.py`` names the step and checkpoint: ``run/interrupts.py``)
     NotImplementedError  -> 3, "PROGRAM: not available yet: MESSAGE"

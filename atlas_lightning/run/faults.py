@@ -29,7 +29,7 @@ checkpoint finishes a write in flight, ``callbacks/checkpoint.py``) and raises `
 (``errors.py``) in its place, whose message names the cause, the last RL step trained and the
 newest checkpoint that verifies against its ``checkpoint.json`` (rank 0 verifies it; no
 collective: other ranks may be gone), and is written to the run's log. The CLI prints it, no
-traceback, and exits with its code (4 engine, 5 out of memory, 6 non-finite, 7 a write, 2 the
+traceback, and exits with its code (4 engine, 5 out of memory, 6 non-finite, 7 a write, 8 the
 user's code, 130 SIGINT, 143 SIGTERM). Nothing of the
 failed step is checkpointed, so ``trainer.resume=auto`` continues from that checkpoint.
 """

@@ -76,9 +76,10 @@ def check_model(cfg) -> str:
 
     folder = Path(cfg.model.path)
     check_model_folder(folder)  # the one check fit, validate, memory-check and plan make
-    check_base_weights(folder)  # fit's: the weights are the architecture's, on the meta device
+    base_config = check_base_config(folder)
+    check_base_weights(folder, base_config)  # fit's: the weights are the architecture's, on the meta device
     check_finite_base(folder)  # fit's: every value of the base finite
-    check_serving_files(folder, check_base_config(folder), cfg.rollout.max_model_len)  # fit's: the files beside them
+    check_serving_files(folder, base_config, cfg.rollout.max_model_len)  # fit's: the files beside them
     chat_format(cfg)  # fit's: the tokenizer loads, its chat template renders the tools
     shape = read_model_shape(folder)
     files = model_weight_files(folder)

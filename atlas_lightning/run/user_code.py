@@ -61,6 +61,7 @@ def blame(err: BaseException, code: list[UserCode]) -> Optional[Blame]:
     """Which of the user's ``code`` ``err`` came from (``err`` or an error it was raised from or
     during): raised in a frame of its file, or, for the scorer, under ``SCORER_CALL``; else None."""
     seen: set[int] = set()
+    scorer = next((c for c in code if c.key == "reward._target_"), None)
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         frames = traceback.extract_tb(err.__traceback__)
@@ -68,7 +69,6 @@ def blame(err: BaseException, code: list[UserCode]) -> Optional[Blame]:
             for candidate in code:
                 if candidate.raised_in(frame):
                     return Blame(candidate, err, f"{frame.filename}:{frame.lineno} in {frame.name}")
-        scorer = next((c for c in code if c.key == "reward._target_"), None)
         if scorer is not None and any(f.filename.endswith(SCORER_CALL[0]) and f.name == SCORER_CALL[1]
                                       for f in frames):
             where = frames[-1]
