@@ -15,7 +15,7 @@ DEMO_ARGS ?=
 TEST_WORKERS ?= 3
 PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: demo test setup assets clean-venv verify-demo-model
+.PHONY: demo test test-e2e setup assets clean-venv verify-demo-model
 
 # Python writes the byte-code of what it imports, whatever the calling shell asks: the tests start
 # ~100 processes, and with PYTHONDONTWRITEBYTECODE set each would compile torch, vLLM and
@@ -50,8 +50,15 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The whole rebuild of the shipped tiny orchestrator, compared byte for byte (~13 CPU-minutes);
-# `make test` replays its first steps only (tests/demo/test_shipped_model.py).
+# The chains of real launches killed and resumed (the CPU faults chain, the separate layout's and
+# the partial rollouts' kill and resume: about 13 worker-minutes on two cores), left out of
+# `make test` to keep CI's time; run them before landing a change to the loop, the layouts, the
+# checkpoints or the faults.
+test-e2e: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS) --e2e-chains -m e2e_chain
+
+# The whole rebuild of the shipped tiny orchestrator, compared with the shipped losses (~13
+# CPU-minutes); `make test` replays its first steps only (tests/demo/test_shipped_model.py).
 verify-demo-model: setup
 	$(BIN)/python -m pytest --full-build tests/demo/test_shipped_model.py
 

@@ -42,7 +42,10 @@ import orchestrator_build  # noqa: E402
 def pytest_addoption(parser):
     parser.addoption("--full-build", action="store_true", default=False,
                      help="also run the tests marked full_build: the whole ~13 CPU-minute rebuild of the shipped "
-                          "tiny orchestrator, compared byte for byte (make verify-demo-model)")
+                          "tiny orchestrator, compared with its shipped losses (make verify-demo-model)")
+    parser.addoption("--e2e-chains", action="store_true", default=False,
+                     help="also run the tests marked e2e_chain: the chains of real launches killed and resumed "
+                          "(the CPU faults chain, the separate layout, partial rollouts; make test-e2e)")
 
 
 def pytest_configure(config):
@@ -61,11 +64,16 @@ def _file_weight(items) -> dict[str, int]:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    if not config.getoption("full_build"):
-        skipped = [item for item in items if item.get_closest_marker("full_build")]
-        if skipped:
-            config.hook.pytest_deselected(items=skipped)
-            items[:] = [item for item in items if not item.get_closest_marker("full_build")]
+    # Opt-in tests, deselected unless asked for. The chains of launches (about 13 worker-minutes
+    # together on two cores) are left to `make test-e2e` so that `make test`, what CI runs, stays
+    # well inside CI's 15 minutes on a slower machine: each of their stops, resumes and layouts is
+    # also tested in one process or one launch in the default suite.
+    for marker, option in (("full_build", "full_build"), ("e2e_chain", "e2e_chains")):
+        if not config.getoption(option):
+            skipped = [item for item in items if item.get_closest_marker(marker)]
+            if skipped:
+                config.hook.pytest_deselected(items=skipped)
+                items[:] = [item for item in items if not item.get_closest_marker(marker)]
     # The longest files first (a stable sort: a file's tests keep their order): `make test` hands
     # whole files to two workers in this order (pytest-xdist, --dist loadfile
     # --no-loadscope-reorder), and a long file started last would leave the other core idle at

@@ -5,11 +5,12 @@ embedded default starts in seconds instead of a 6-14 minute SFT on two cores.
     atlas-lightning data demo-model --out DIR      # what `make demo` installs
     atlas-lightning data tiny-orchestrator --out DIR --eval-questions 0   # the build, to re-make it
 
-The test suite builds it anew beside the tests and compares the bytes with these
-(``tests/demo/test_shipped_model.py``): a change of code or library that changes the weights
-fails there, so the shipped model is never other than what the build makes (the README's
-learning figures were measured on it). An install whose copy does not hash as the shipped files
-do is refused.
+The test suite replays the build's first steps against the shipped losses, and ``make
+verify-demo-model`` rebuilds it whole and compares its losses and weights within a tolerance
+(``tests/demo/test_shipped_model.py``; the weights' bytes are one CPU's): a change of code or
+library that changes the build's path fails there, so the shipped model is never other than what
+the build makes (the README's learning figures were measured on it). An install whose copy does
+not hash as the shipped files do is refused.
 """
 
 from __future__ import annotations

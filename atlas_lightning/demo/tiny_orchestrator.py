@@ -17,10 +17,11 @@ steps, but copying a revealed candidate's answer into the submit (an induction-l
 answers are otherwise a constant letter, below chance) appears only after ~500-700 steps. About
 4 minutes of training on two idle CPU cores (0.28 s a step); much longer when the cores are shared.
 
-Determinism: the same ``seed``, base, recipe, library versions and torch thread count give a
-byte-identical ``model.safetensors`` (nothing here draws from an RNG during training: the order
+Determinism: the same ``seed``, base, recipe, library versions, CPU and torch thread count give
+a byte-identical ``model.safetensors`` (nothing here draws from an RNG during training: the order
 comes from ``random.Random(seed)`` and the model has no dropout; CPU kernels reduce in a fixed
-order for a fixed thread count). A different thread count may change the last bits.
+order for a fixed instruction set and thread count). Another CPU or thread count changes the last
+bits, and the weights' fingerprints with them, but not the losses beyond ``LOSS_RTOL``.
 
 Output (``out``, the layout of ``tiny_model.build_tiny_model``): ``config.json``,
 ``generation_config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
@@ -67,10 +68,19 @@ TINY_CPU_RUNTIME = RuntimeConfig(max_explores=8, max_turns=9)
 COST_PER_USD = 1.0
 SUMMARY_FILE = "sft_summary.json"
 #: After which training steps the build fingerprints its weights (``weights_sha256``), kept in
-#: the summary under ``TRAJECTORY_KEY``: a replay of the first steps (``replay_build_prefix``)
-#: checks the build against the shipped model's own trajectory in seconds, not minutes.
+#: the summary under ``TRAJECTORY_KEY``: the exact record of one machine's build (another CPU's
+#: kernels round the last bits differently; see ``LOSS_RTOL``).
 TRAJECTORY_STEPS = (1, 10, 40, 100, 200, 400, 800)
 TRAJECTORY_KEY = "weights_sha256_after_step"
+#: The summary's losses of every tenth step (rounded to 5 decimals), machine-independent
+#: within ``LOSS_RTOL``: what a rebuild or a replay of the first steps is compared with.
+LOSSES_KEY = "loss_every_10_steps"
+#: How closely a rebuild's losses must follow the shipped build's, relative. The same code on
+#: another CPU or thread count rounds differently: measured on the first 41 steps (AVX-512 with
+#: AMX against the shipped machine, then forced to AVX2 and SSE4.2, one thread and two), the
+#: losses moved by at most 2e-5 relative. A change of the build's path moves them far more: the
+#: learning rate 1% higher moved step 11's loss by 9e-3 and step 21's by 4e-3.
+LOSS_RTOL = 1e-4
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -365,7 +375,7 @@ def _summary(out: Path, seed: int, sample_seed: int, base: Path | None, base_wei
         "demos_seen": len(losses) * recipe.batch_size,
         "first_loss": losses[0],
         "final_loss": sum(tail) / len(tail),
-        "loss_every_10_steps": [round(v, 5) for v in losses[::10]],
+        LOSSES_KEY: [round(v, 5) for v in losses[::10]],
         "eval": evaluation,
         "seconds": seconds,
         "torch_threads": torch.get_num_threads(),
@@ -428,12 +438,12 @@ def _fresh_model(base_dir: Path):
 
 
 def replay_build_prefix(steps: int, seed: int = 0, *, recipe: SFTRecipe = DEFAULT_RECIPE,
-                        sample_seed: int = 0) -> str:
+                        sample_seed: int = 0) -> list[float]:
     """The first ``steps`` training steps of ``build_tiny_orchestrator(seed=seed, base=None)``,
-    run again in a temporary folder (nothing else written): ``weights_sha256`` of the weights
-    then, which equals the whole build's ``sft_summary.json`` entry ``TRAJECTORY_KEY[steps]`` when
-    the code and libraries still make the shipped model. A cheap check of the build (a few
-    percent of it) that the test suite runs; the whole rebuild is ``make verify-demo-model``."""
+    run again in a temporary folder (nothing else written): each step's loss, to compare with the
+    whole build's ``sft_summary.json`` ``loss_every_10_steps`` within ``LOSS_RTOL``. A cheap
+    check of the build (a few percent of it) that the test suite runs on any CPU; the whole
+    rebuild is ``make verify-demo-model``."""
     import torch
 
     with tempfile.TemporaryDirectory(prefix="tiny-orchestrator-replay-") as staging, _no_progress_bars():
@@ -441,8 +451,7 @@ def replay_build_prefix(steps: int, seed: int = 0, *, recipe: SFTRecipe = DEFAUL
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = _fresh_model(base_dir)
-            train_on_demos(model, demos, recipe, seed, chat.tokenizer.pad_token_id, max_steps=steps)
-        return weights_sha256(model)
+            return train_on_demos(model, demos, recipe, seed, chat.tokenizer.pad_token_id, max_steps=steps)
 
 
 def save_as_loaded(model, base_dir: Path, folder: Path) -> None:

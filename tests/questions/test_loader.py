@@ -192,13 +192,14 @@ def test_subset_columns_some_file_has_and_the_default_pass(tmp_path, gpqa_questi
     assert len(splits.train) == len(gpqa_questions) and splits.val
 
 
-def test_a_subset_column_no_file_has_exits_2_before_anything_is_written(tmp_path, sample_data_dir, capsys):
+def test_a_subset_column_no_file_has_exits_2_before_anything_is_written(tmp_path, sample_data_dir,
+                                                                       orchestrator_dir, capsys):
     from atlas_lightning.cli import main
 
     root = tmp_path / "root"
     for override in ("data.subset_columns=[levle]", "+data.columns={subset:category}"):
         assert main(["fit", "experiment=tiny-cpu", f"paths.root={root}", f"data.root={sample_data_dir}",
-                     override]) == 2
+                     f"model.path={orchestrator_dir}", override]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "data.subset_columns=" in err[0] and "no question file of the run has" in err[0]
         assert not root.exists()
