@@ -50,12 +50,13 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The chains of real launches killed and resumed (the CPU faults chain, the separate layout's and
-# the partial rollouts' kill and resume: about 13 worker-minutes on two cores), left out of
+# The long end-to-end runs (marked e2e: the CPU faults chain, the separate layout's and the partial
+# rollouts' kill and resume, merged weights into a vLLM server, the separate memory check, the
+# second variant of some multi-rank tests: about 19 worker-minutes on two cores), left out of
 # `make test` to keep CI's time; run them before landing a change to the loop, the layouts, the
-# checkpoints or the faults.
+# weight sync, the checkpoints or the faults.
 test-e2e: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS) --e2e-chains -m e2e_chain
+	$(BIN)/python -m pytest $(PYTEST_ARGS) --e2e -m e2e
 
 # The whole rebuild of the shipped tiny orchestrator, compared with the shipped losses (~13
 # CPU-minutes); `make test` replays its first steps only (tests/demo/test_shipped_model.py).

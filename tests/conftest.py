@@ -43,9 +43,9 @@ def pytest_addoption(parser):
     parser.addoption("--full-build", action="store_true", default=False,
                      help="also run the tests marked full_build: the whole ~13 CPU-minute rebuild of the shipped "
                           "tiny orchestrator, compared with its shipped losses (make verify-demo-model)")
-    parser.addoption("--e2e-chains", action="store_true", default=False,
-                     help="also run the tests marked e2e_chain: the chains of real launches killed and resumed "
-                          "(the CPU faults chain, the separate layout, partial rollouts; make test-e2e)")
+    parser.addoption("--e2e", action="store_true", default=False,
+                     help="also run the tests marked e2e: the long end-to-end runs (launches killed and resumed, "
+                          "a vLLM server, several ranks; make test-e2e)")
 
 
 def pytest_configure(config):
@@ -64,11 +64,11 @@ def _file_weight(items) -> dict[str, int]:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    # Opt-in tests, deselected unless asked for. The chains of launches (about 13 worker-minutes
+    # Opt-in tests, deselected unless asked for. The long end-to-end runs (about 19 worker-minutes
     # together on two cores) are left to `make test-e2e` so that `make test`, what CI runs, stays
-    # well inside CI's 15 minutes on a slower machine: each of their stops, resumes and layouts is
-    # also tested in one process or one launch in the default suite.
-    for marker, option in (("full_build", "full_build"), ("e2e_chain", "e2e_chains")):
+    # inside CI's 15 minutes on a slower machine: each of their stops, resumes, layouts and
+    # variants is also tested in one process, one launch or one variant in the default suite.
+    for marker, option in (("full_build", "full_build"), ("e2e", "e2e")):
         if not config.getoption(option):
             skipped = [item for item in items if item.get_closest_marker(marker)]
             if skipped:

@@ -161,7 +161,7 @@ def _kill_while_writing(args: list, root: Path, world: int, step: int) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,world", [("single", 1), ("fsdp", 2)])
+@pytest.mark.parametrize("mode,world", [pytest.param("single", 1, marks=pytest.mark.e2e), ("fsdp", 2)])
 def test_sigkill_while_a_save_is_in_flight_resumes_from_the_previous_checkpoint(tmp_path, mode, world):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     done = _run([mode, "0"], straight, world)

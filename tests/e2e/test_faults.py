@@ -171,7 +171,7 @@ def _assert_same_records(straight: Path, chained: Path) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.e2e_chain
+@pytest.mark.e2e
 def test_cpu_faults_stop_cleanly_and_resume_to_the_uninterrupted_records(tiny_model_dir, sample_data_dir, tmp_path):
     straight, chained = tmp_path / "straight", tmp_path / "chain"
     run_to_end(_command(CPU, tiny_model_dir, sample_data_dir, straight), _env())

@@ -27,7 +27,7 @@ from atlas_lightning.store.checkpoints import verify_checkpoint
 from atlas_lightning.store.records import read_step_tensors, verify_manifest
 from tests.e2e.kill_harness import kill_once_written
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.e2e_chain]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.e2e]
 
 NAME = "krp"
 STEPS = 4

@@ -29,7 +29,7 @@ import pytest
 from atlas_lightning.store.checkpoints import latest_complete
 from atlas_lightning.store.records import read_record, verify_manifest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.e2e_chain]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.e2e]
 
 NAME = "sep"
 STEPS = 4

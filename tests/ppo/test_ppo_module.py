@@ -79,7 +79,7 @@ def test_step_updates_both_adapters_and_reports_verl_metrics(step_inputs, tiny_m
 
 @pytest.mark.vllm
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.e2e)])
 def test_fsdp_world_sizes_match_one_process(step_inputs, world):
     one = _run(step_inputs, 1)
     many = _run(step_inputs, world)

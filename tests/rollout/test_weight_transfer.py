@@ -49,6 +49,7 @@ def _greedy(engine, tag):
     return engine.generate([GenerationRequest(f"{tag}", tuple(PROBE), SamplingSpec(max_tokens=10, temperature=0.0))])[0]
 
 
+@pytest.mark.e2e
 def test_merged_weights_reach_the_server_exactly_in_bounded_buckets(transfer_server, tiny_model_dir, randomize):
     from tests.model_builds import actor_critic
     from atlas_lightning.models.weights import merged_weight_packs, merged_weights

@@ -30,7 +30,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("faulty", [1, 0])
+@pytest.mark.parametrize("faulty", [1, pytest.param(0, marks=pytest.mark.e2e)])
 def test_out_of_memory_on_one_rank_stops_both_with_the_same_code(tiny_model_dir, tmp_path, faulty):
     port, started = _free_port(), time.monotonic()
     ranks = []

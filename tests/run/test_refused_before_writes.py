@@ -159,7 +159,8 @@ def test_a_file_where_a_step_checkpoint_goes_is_refused_before_anything_is_writt
     assert sorted(p.name for p in checkpoints.iterdir()) == [entry]
 
 
-@pytest.mark.parametrize("start", ["model.actor_adapter", "model.critic_adapter", "trainer.init_from", "trainer.resume"])
+@pytest.mark.parametrize("start", ["model.actor_adapter", *(pytest.param(start, marks=pytest.mark.e2e) for start in
+                                                              ("model.critic_adapter", "trainer.init_from", "trainer.resume"))])
 def test_adapters_of_a_base_of_the_same_shapes_and_other_weights_are_refused_before_anything_is_written(
         tmp_path, cfg_of, tiny_model_dir, start):
     """The weights' fingerprint (``models/identity.py``) is read from the base folder at the start,

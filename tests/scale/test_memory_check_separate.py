@@ -110,6 +110,7 @@ def test_without_a_server_or_cards_nothing_is_invented():
 
 
 @pytest.mark.vllm
+@pytest.mark.e2e
 def test_separate_memory_check_moves_the_merged_weights_and_measures_both_sides(tiny_model_dir, sample_data_dir,
                                                                                  tmp_path):
     from atlas_lightning.run.memory_check import run_memory_check
