@@ -51,8 +51,9 @@ test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The long end-to-end runs (marked e2e: the CPU faults chain, the separate layout's and the partial
-# rollouts' kill and resume, merged weights into a vLLM server, the separate memory check, the
-# second variant of some multi-rank tests: about 19 worker-minutes on two cores), left out of
+# rollouts' kill and resume, the vLLM server engine's tests on a real server, merged weights into
+# it, the separate memory check, the further variants of some multi-rank and launch tests: about
+# 24 worker-minutes on two cores), left out of
 # `make test` to keep CI's time; run them before landing a change to the loop, the layouts, the
 # weight sync, the checkpoints or the faults.
 test-e2e: setup

@@ -17,7 +17,8 @@ DIMS = dict(hidden_size=80, intermediate_size=136, vocab_size=131)
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "world_size, arch",
-    [(1, "qwen3"), (2, "qwen3"), (3, "qwen3"), (3, "qwen3_5"), (4, "qwen3_5")],
+    [pytest.param(1, "qwen3", marks=pytest.mark.e2e), (2, "qwen3"), (3, "qwen3"), (3, "qwen3_5"),
+     pytest.param(4, "qwen3_5", marks=pytest.mark.e2e)],
 )
 def test_sharded_equals_one_process(world_size, arch, tmp_path, fsdp_worker):
     report, seconds = fsdp_worker(world_size, arch, DIMS, tmp_path, timeout=180)

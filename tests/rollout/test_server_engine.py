@@ -4,8 +4,9 @@ seeded sampling gives the in-process engine's tokens, adapters replace each othe
 served stale, and failures (bad adapter, dead or absent server) raise ``EngineError``; a weight
 sync that arrives mid-rollout interrupts a streamed rollout of the datamodule (partial rollouts).
 
-One server serves the whole module (a server start costs about 25 CPU-s: three processes, each
-importing vLLM); the last test kills it."""
+The tests on the real server are long runs (marked ``e2e``: ``make test-e2e``); the failures
+without a server stay in ``make test``. One server serves the whole module (a server start costs
+about 25 CPU-s: three processes, each importing vLLM); the last test kills it."""
 
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ def hf_engine(tiny_model_dir):
     return HFEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
 
 
+@pytest.mark.e2e
 def test_greedy_base_matches_in_process_and_reference(server_engine, vllm_engine, hf_engine):
     for engine in (server_engine, vllm_engine, hf_engine):
         engine.set_adapter(None)
@@ -105,6 +107,7 @@ def _scaled_logprobs(model, prompt, tokens, temperature):
     return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
 
+@pytest.mark.e2e
 def test_seeded_sampling_matches_in_process(server_engine, vllm_engine, hf_engine):
     """Same seed, same tokens and log-probs as the in-process engine, plain, tempered, and with
     top-p/top-k; tempered log-probs are of the scaled distribution; a stop token ends 'stop'."""
@@ -133,6 +136,7 @@ def test_seeded_sampling_matches_in_process(server_engine, vllm_engine, hf_engin
     assert stopped.token_ids == served[0].token_ids[:served[0].token_ids.index(stop) + 1]
 
 
+@pytest.mark.e2e
 def test_abort_then_resubmit_returns_only_the_new_call(server_engine):
     request = GenerationRequest("a0", tuple(PROMPTS[1]), SamplingSpec(max_tokens=400, temperature=1.0, seed=3))
     server_engine.submit(request)
@@ -143,6 +147,7 @@ def test_abort_then_resubmit_returns_only_the_new_call(server_engine):
     assert result.error is None and len(result.token_ids) == 4
 
 
+@pytest.mark.e2e
 def test_streamed_completions_equal_whole_ones_and_an_interrupted_one_keeps_its_tokens(server_engine):
     """Streamed (partial rollouts): the same tokens and log-probs as a whole reply, seeded; an
     interrupted request hands back a prefix of its generation with its log-probs, never comes
@@ -207,6 +212,7 @@ def _global_generator_states() -> tuple:
     return torch.get_rng_state().tolist(), np.random.get_state()[1].tolist(), random.getstate()
 
 
+@pytest.mark.e2e
 def test_lora_matches_reference_and_is_never_stale(server_engine, hf_engine, tiny_model_dir, tmp_path):
     expected_1 = _random_adapter(tiny_model_dir, tmp_path / "v1", seed=1)
     expected_2 = _random_adapter(tiny_model_dir, tmp_path / "v2", seed=2)
@@ -237,6 +243,7 @@ def test_lora_matches_reference_and_is_never_stale(server_engine, hf_engine, tin
     _assert_same(_greedy(server_engine, PROMPTS, tag="b2"), base, tol=1e-6)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_the_server_names_each_reply_after_its_request_and_prompt(server_engine, tiny_model_dir, stream):
     """What the engine's reply checks rely on (``server_completion.ReplyCheck``): vLLM names its
@@ -260,6 +267,7 @@ def test_the_server_names_each_reply_after_its_request_and_prompt(server_engine,
     assert server_engine.vocab_size == json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
 
 
+@pytest.mark.e2e
 def test_bad_adapter_folder_is_a_clear_error_and_serves_the_base(server_engine, tiny_model_dir, tmp_path):
     _random_adapter(tiny_model_dir, tmp_path / "good", seed=1)
     server_engine.set_adapter(None)
@@ -295,6 +303,7 @@ def test_absent_server_raises():
         ServerEngine(f"http://127.0.0.1:{free_port()}")
 
 
+@pytest.mark.e2e
 def test_factory_attaches_to_server_url_and_refuses_what_it_cannot_serve(server_engine):
     from atlas_lightning.config import ConfigError, compose
     from atlas_lightning.rollout.factory import build_engine
@@ -360,6 +369,7 @@ def _count_interrupted(engine) -> dict:
     return cut
 
 
+@pytest.mark.e2e
 def test_a_sync_mid_rollout_interrupts_it_and_the_rollout_continues_on_the_new_version(
         server_engine, tiny_model_dir, sample_data_dir, tmp_path):
     """Partial rollouts through the datamodule, streamed from this module's server: a weight sync
@@ -422,6 +432,7 @@ def test_a_sync_mid_rollout_interrupts_it_and_the_rollout_continues_on_the_new_v
     assert straddling >= 1
 
 
+@pytest.mark.e2e
 def test_dead_server_raises_engine_error(server_engine):
     """Last: kills the module's server."""
     server = server_engine.server

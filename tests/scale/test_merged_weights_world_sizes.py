@@ -19,7 +19,8 @@ DIMS = dict(hidden_size=74, intermediate_size=130, vocab_size=131)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world_size, arch", [(4, "qwen3"), (6, "qwen3"), (6, "qwen3_5")])
+@pytest.mark.parametrize("world_size, arch", [pytest.param(4, "qwen3", marks=pytest.mark.e2e),
+                                              pytest.param(6, "qwen3", marks=pytest.mark.e2e), (6, "qwen3_5")])
 def test_merged_weights_exact_at_uneven_world_sizes(world_size, arch, tmp_path, fsdp_worker):
     for dim in DIMS.values():
         assert dim % world_size, f"{dim} divides by {world_size}: shards would be even"
