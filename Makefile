@@ -8,11 +8,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CACHE ?= $(or $(ATLAS_LIGHTNING_CACHE),$(HOME)/.cache/atlas-lightning)
 DEMO_ARGS ?=
-# Three workers on two cores, a test file each at a time (pytest-xdist): the suite is mostly
-# one-threaded and waits on the processes it starts (two workers kept 1.4 of 2 cores busy). Files
+# Four workers on two cores, a test file each at a time (pytest-xdist): the suite is mostly
+# one-threaded and waits on the processes it starts (two workers kept 1.4 of 2 cores busy, three
+# 1.77 on a slower machine, 2026-12-06). Files
 # are handed out in the order tests/conftest.py sorts them (the slow ones first); without
 # --no-loadscope-reorder xdist would reorder them by their number of tests.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: demo test test-e2e setup assets clean-venv verify-demo-model
