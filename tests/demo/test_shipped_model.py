@@ -36,14 +36,10 @@ def _shipped_summary() -> dict:
     return json.loads((SHIPPED / SUMMARY_FILE).read_text(encoding="utf-8"))
 
 
-def _shipped_trajectory() -> dict:
-    return _shipped_summary()[TRAJECTORY_KEY]
-
-
 def test_the_shipped_summary_fingerprints_the_whole_trajectory():
-    trajectory = _shipped_trajectory()
-    assert sorted(trajectory, key=int) == [str(step) for step in TRAJECTORY_STEPS]
     summary = _shipped_summary()
+    trajectory = summary[TRAJECTORY_KEY]
+    assert sorted(trajectory, key=int) == [str(step) for step in TRAJECTORY_STEPS]
     assert len(summary[LOSSES_KEY]) == summary["steps"] // 10 and REPLAYED_STEPS > 10
     assert len(set(trajectory.values())) == len(trajectory), "the weights must change between fingerprints"
 

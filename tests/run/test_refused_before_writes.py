@@ -17,6 +17,7 @@ from atlas_lightning.cli import main
 from atlas_lightning.config import ConfigError
 from atlas_lightning.store.checkpoints import MARKER, write_marker
 from tests.store.test_checkpoint_verification import _checkpoint
+from tests.e2e_variants import first_variant_in_make_test
 
 
 def _tree(root) -> dict[str, str]:
@@ -159,8 +160,8 @@ def test_a_file_where_a_step_checkpoint_goes_is_refused_before_anything_is_writt
     assert sorted(p.name for p in checkpoints.iterdir()) == [entry]
 
 
-@pytest.mark.parametrize("start", ["model.actor_adapter", *(pytest.param(start, marks=pytest.mark.e2e) for start in
-                                                              ("model.critic_adapter", "trainer.init_from", "trainer.resume"))])
+@pytest.mark.parametrize("start", first_variant_in_make_test(
+    ["model.actor_adapter", "model.critic_adapter", "trainer.init_from", "trainer.resume"]))
 def test_adapters_of_a_base_of_the_same_shapes_and_other_weights_are_refused_before_anything_is_written(
         tmp_path, cfg_of, tiny_model_dir, start):
     """The weights' fingerprint (``models/identity.py``) is read from the base folder at the start,

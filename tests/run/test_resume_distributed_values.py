@@ -17,6 +17,7 @@ import pytest
 from atlas_lightning.run.resume_state import ResumeStateError, check_resume_state
 from atlas_lightning.store.checkpoints import MARKER, checkpoint_step, lightning_state_path, write_marker
 from tests.run.test_resume_kept_state import _tree, run_logs_removed  # noqa: F401 (a fixture)
+from tests.e2e_variants import first_variant_in_make_test
 
 pytestmark = pytest.mark.multiprocess
 
@@ -58,12 +59,12 @@ def _damaged(source: Path, folder: Path, prefix: str, part: str, suffix: str, va
 
 
 #: (damage, key prefix, part of the key, key suffix, value, what the refusal says of the key)
-def _with_later_ones_e2e(cases: list) -> list:
-    """The first case in ``make test``, the others long runs (``make test-e2e``): each costs a copy
-    and a rewrite of the distributed checkpoint."""
-    return [pytest.param(*case, id=case[0], marks=() if i == 0 else pytest.mark.e2e) for i, case in enumerate(cases)]
+def _named(case: tuple) -> str:
+    return case[0]
 
 
+#: Each case copies and rewrites the distributed checkpoint: the first in ``make test``, the
+#: others in ``make test-e2e``.
 _CLI = [
     ("nan_in_an_actor_lora_factor", "state_dict.", ".lora_B.actor.", ".weight", "nan",
      lambda key, n: f"its Lightning state's trainable tensor {key.removeprefix('state_dict.')} holds 1 NaN or inf "
@@ -75,7 +76,7 @@ _CLI = [
 
 
 @pytest.mark.usefixtures("run_logs_removed")
-@pytest.mark.parametrize("damage, prefix, part, suffix, value, said", _with_later_ones_e2e(_CLI))
+@pytest.mark.parametrize("damage, prefix, part, suffix, value, said", first_variant_in_make_test(_CLI, _named))
 def test_a_distributed_checkpoint_holding_nan_or_inf_exits_2_and_changes_no_file(
         fsdp_checkpoint, tmp_path, cfg_of, tiny_model_dir, sample_data_dir, damage, prefix, part, suffix, value, said):
     """Through the CLI: a run's folder as its launch left it (``config.yaml``, logs) and its
@@ -112,7 +113,7 @@ _PARTS = [
 ]
 
 
-@pytest.mark.parametrize("damage, prefix, part, suffix, value, said", _with_later_ones_e2e(_PARTS))
+@pytest.mark.parametrize("damage, prefix, part, suffix, value, said", first_variant_in_make_test(_PARTS, _named))
 def test_every_floating_tensor_of_a_distributed_state_is_checked(fsdp_checkpoint, tmp_path, damage, prefix, part,
                                                                  suffix, value, said):
     check_resume_state(fsdp_checkpoint)  # the run's own checkpoint: whole and finite
