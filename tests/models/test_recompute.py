@@ -1,6 +1,10 @@
 """Recomputation finer than a layer (``models/recompute.py``): the SwiGLU functions give
 autograd's gradients, and each per-layer policy keeps the forward and the gradients of the
-plain model while saving fewer bytes."""
+plain model while saving fewer bytes.
+
+The functions are checked in float64: they reorder the sums autograd does, so in float32 an element
+that cancels to near zero differs by float32's rounding of its terms (gradients here reach ~2,000,
+so ~2e-4), not by a mistake. In float64 that noise is ~1e-12, far below the bound."""
 
 from __future__ import annotations
 
@@ -16,16 +20,18 @@ from tests.model_builds import actor_critic
 
 LORA = LoraConfig(rank=4, alpha=8, dropout=0.0, target_modules="all-linear")
 LENGTHS, PROMPTS = (9, 4, 13, 6), (3, 2, 5, 1)
+F64 = torch.float64
+FLOAT64_CLOSE = dict(rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("lora", [True, False])
 def test_swiglu_down_against_autograd(lora):
     g = torch.Generator().manual_seed(0)
-    gate, up = (torch.randn(2, 7, 24, generator=g).requires_grad_(True) for _ in range(2))
-    weight = torch.randn(16, 24, generator=g)
-    a = torch.randn(4, 24, generator=g).requires_grad_(True) if lora else None
-    b = torch.randn(16, 4, generator=g).requires_grad_(True) if lora else None
-    grad_y = torch.randn(2, 7, 16, generator=g)
+    gate, up = (torch.randn(2, 7, 24, generator=g, dtype=F64).requires_grad_(True) for _ in range(2))
+    weight = torch.randn(16, 24, generator=g, dtype=F64)
+    a = torch.randn(4, 24, generator=g, dtype=F64).requires_grad_(True) if lora else None
+    b = torch.randn(16, 4, generator=g, dtype=F64).requires_grad_(True) if lora else None
+    grad_y = torch.randn(2, 7, 16, generator=g, dtype=F64)
 
     h = F.silu(gate) * up  # what transformers' MLP and peft's LoRA linear compute, as separate nodes
     reference = F.linear(h, weight) + (0.5 * F.linear(F.linear(h, a), b) if lora else 0)
@@ -33,18 +39,19 @@ def test_swiglu_down_against_autograd(lora):
     expected = torch.autograd.grad(reference, inputs, grad_y)
     got_y = SwiGLUDownFunction.apply(gate, up, weight, a, b, 0.5)
     got = torch.autograd.grad(got_y, inputs, grad_y)
-    torch.testing.assert_close(got_y, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_y, reference, **FLOAT64_CLOSE)
     for x, y in zip(got, expected):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x, y, **FLOAT64_CLOSE)
 
 
 @pytest.mark.parametrize("lora", [True, False])
 def test_swiglu_mlp_against_autograd(lora):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 5, 16, generator=g).requires_grad_(True)
-    weights = [torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g), torch.randn(16, 24, generator=g)]
-    loras = [(torch.randn(4, w.shape[1], generator=g).requires_grad_(True),
-              torch.randn(w.shape[0], 4, generator=g).requires_grad_(True)) if lora else (None, None) for w in weights]
+    x = torch.randn(3, 5, 16, generator=g, dtype=F64).requires_grad_(True)
+    weights = [torch.randn(*shape, generator=g, dtype=F64) for shape in ((24, 16), (24, 16), (16, 24))]
+    loras = [(torch.randn(4, w.shape[1], generator=g, dtype=F64).requires_grad_(True),
+              torch.randn(w.shape[0], 4, generator=g, dtype=F64).requires_grad_(True)) if lora else (None, None)
+             for w in weights]
     scalings = (0.5, 2.0, 0.25)
 
     def linear(v, i):
@@ -54,14 +61,14 @@ def test_swiglu_mlp_against_autograd(lora):
 
     reference = linear(F.silu(linear(x, 0)) * linear(x, 1), 2)
     inputs = [x] + [t for pair in loras for t in pair if t is not None]
-    grad_y = torch.randn_like(reference)
+    grad_y = torch.randn(reference.shape, generator=g, dtype=F64)
     expected = torch.autograd.grad(reference, inputs, grad_y)
     flat = [t for w, (a, b) in zip(weights, loras) for t in (w, a, b)]
     got_y = SwiGLUMLPFunction.apply(x, *flat, *scalings)
     got = torch.autograd.grad(got_y, inputs, grad_y)
-    torch.testing.assert_close(got_y, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_y, reference, **FLOAT64_CLOSE)
     for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, **FLOAT64_CLOSE)
 
 
 def _run(model, packed):
