@@ -132,6 +132,8 @@ FLOAT32_EPS = DTYPE_EPS["float32"]
 #: 5.7e-6 at |log-prob| 10.7): the noise floor, so that a lucky first sync cannot set the bound
 #: below what later clean syncs show.
 NOISE_ULPS = 4
+#: Consecutive probe tokens whose errors ``along`` treats as one correlated block.
+ALONG_BLOCK = 8
 
 
 class WeightSyncError(RuntimeError):
@@ -158,12 +160,16 @@ class Reading:
 @dataclass(frozen=True)
 class Movement:
     """Norms of the expected and observed movements between two readings, of the residual, and
-    the noise they are judged against (module doc; the maximum over ranks)."""
+    the noise they are judged against (module doc; the maximum over ranks). ``along_error`` and
+    ``along_se``: how far the engine's movement along the trainer's falls from it, and that
+    figure's standard error (``along``; the worst rank's); reported, not judged."""
 
     expected: float
     observed: float
     residual: float
     noise: float
+    along_error: float = math.nan
+    along_se: float = math.nan
 
     @property
     def measurable(self) -> bool:
@@ -221,15 +227,55 @@ def noise_floor(trainer: np.ndarray, dtype: str = "float32") -> float:
     return max(floor, DTYPE_EPS.get(dtype, FLOAT32_EPS) * math.sqrt(max(1, trainer.size)))
 
 
+def along(expected: np.ndarray, observed: np.ndarray, block: int = ALONG_BLOCK) -> tuple[float, float]:
+    """``(|beta - 1|, se)``: ``beta = observed . expected / |expected|^2``, the share of the trainer's
+    movement the engine's shows along it (1: all of it; 0: none, as a stale engine shows), and
+    its standard error from the part of the engine's movement across it, summed over blocks of
+    ``block`` consecutive tokens (neighbouring tokens' errors are correlated). NaNs when nothing
+    was expected.
+
+    Why measured: the norm rule bounds the residual by the gap's whole size, so on a bf16 engine a
+    step's movement is too small to decide (the 27B-shaped hybrid on an H100: steps of 0.4-0.5
+    noises stayed undecided). A clean engine's rounding error mostly lies across a movement of
+    many tokens, a stale one's is the movement itself; but where the trainer's movement is its
+    own rounding (the tiny model in bf16 at lr 1e-6 moved by one bf16 step, 0.16 over 299 tokens),
+    a clean merged engine showed beta 0.0-0.5 with a standard error of 0.03-0.07. So the figure is
+    reported for every sync, to set a rule from the card's clean runs, and decides nothing yet."""
+    squared = float(expected @ expected)
+    if squared == 0.0:
+        return math.nan, math.nan
+    beta = float(observed @ expected) / squared
+    across = (observed - beta * expected) * expected
+    sums = np.add.reduceat(across, np.arange(0, across.size, block))
+    correction = sums.size / max(1, sums.size - 1)
+    return abs(beta - 1.0), math.sqrt(float(sums @ sums) * correction) / squared
+
+
 def movement(before: Reading, after: Reading, noise: float) -> Movement:
     """The movement from ``before`` to ``after`` (module doc). Collective: the residual, the
-    observed movement and the noise are every rank's largest, the expected movement the least."""
+    observed movement, the noise and ``along``'s figures are every rank's largest, the expected
+    movement the least."""
     expected = after.trainer - before.trainer
     observed = after.engine - before.engine
-    residual, observed_norm, noise, neg_expected = dist_utils.all_reduce_max(
+    # NaN (nothing expected) travels as -1: a maximum over ranks is not defined for NaN
+    along_figures = [-1.0 if math.isnan(x) else x for x in along(expected, observed)]
+    residual, observed_norm, noise, neg_expected, along_error, along_se = dist_utils.all_reduce_max(
         [float(np.linalg.norm(observed - expected)), float(np.linalg.norm(observed)), noise,
-         -float(np.linalg.norm(expected))])
-    return Movement(expected=-neg_expected, observed=observed_norm, residual=residual, noise=noise)
+         -float(np.linalg.norm(expected)), *along_figures])
+    along_error, along_se = (math.nan if x < 0 else x for x in (along_error, along_se))
+    return Movement(expected=-neg_expected, observed=observed_norm, residual=residual, noise=noise,
+                    along_error=along_error, along_se=along_se)
+
+
+def engine_unmoved(before: Reading, after: Reading) -> bool:
+    """Whether the engine's probe log-probs are ``before``'s to the bit while the trainer's moved
+    beyond float32 roundings (``rounding_floor``): what an engine still serving the weights it had
+    shows, and a clean one whose change the engine's dtype rounds away everywhere (a tiny learning
+    rate on a small model). Collective: true when it holds on any rank. Reported, not judged."""
+    moved = float(np.linalg.norm(after.trainer - before.trainer))
+    unmoved = bool(np.array_equal(after.engine, before.engine)) and (
+        moved > rounding_floor(probe_scale(after.trainer), after.trainer.size))
+    return dist_utils.all_reduce_max([float(unmoved)])[0] > 0
 
 
 class MovementCheck:
@@ -246,10 +292,17 @@ class MovementCheck:
         self.last: Optional[Movement] = None
         self.last_ratio: Optional[float] = None
         self.unverified_syncs = 0
+        #: The last reading, verified or not, and the move from it to the next: reported only (an
+        #: engine is never judged against its own unverified output).
+        self.previous: Optional[Reading] = None
+        self.last_step: Optional[Movement] = None
+        #: Syncs whose engine probe stayed the previous one to the bit while the trainer's moved.
+        self.engine_unmoved_syncs = 0
 
     def start(self, reading: Reading) -> None:
         """``reading`` is verified otherwise (digest and absolute probe): the first reference."""
         self.noise = 0.0
+        self.previous = None
         self._verified(reading)
 
     def check(self, reading: Reading, starting: Optional[str] = None, may_wait: Optional[bool] = None) -> Movement:
@@ -260,6 +313,7 @@ class MovementCheck:
         ``WeightSyncError`` when the engine does not follow."""
         moved = movement(self.reference, reading, self.noise)
         self.last = moved
+        self._step(reading)
         decided = moved.measurable or (starting is not None and moved.verifiable and moved.applied)
         if not decided and (starting is None if may_wait is None else may_wait):
             self.unverified_syncs += 1
@@ -270,8 +324,15 @@ class MovementCheck:
         self._verified(reading)
         return moved
 
+    def _step(self, reading: Reading) -> None:
+        """The move from the previous reading to ``reading``, for the metrics alone."""
+        before, self.previous = self.previous or self.reference, reading
+        self.last_step = movement(before, reading, self.noise)
+        self.engine_unmoved_syncs += engine_unmoved(before, reading)
+
     def _verified(self, reading: Reading) -> None:
         self.reference = reading
+        self.previous = reading
         self.unverified_syncs = 0
         floor = noise_floor(reading.trainer, self.dtype)
         self.noise = dist_utils.all_reduce_max([max(self.noise, floor, reading.gap_norm())])[0]
@@ -292,12 +353,23 @@ class MovementCheck:
 
     def metrics(self) -> dict[str, float]:
         """``rollout/applied_residual_ratio`` (of the last verified move), ``rollout/applied_movement``
-        (the last move's expected norm in noises) and ``rollout/applied_unverified_syncs``."""
-        out = {"rollout/applied_unverified_syncs": float(self.unverified_syncs)}
+        (the last move's expected norm in noises), ``rollout/applied_unverified_syncs``, and what is
+        reported without being judged: ``rollout/applied_along_error`` and ``_se`` (``along``, of
+        the move since the reference), ``rollout/applied_step_movement``, ``_step_along_error`` and
+        ``_step_along_se`` (the same since the previous sync) and
+        ``rollout/applied_engine_unmoved_syncs`` (``engine_unmoved``, counted over the run)."""
+        out = {"rollout/applied_unverified_syncs": float(self.unverified_syncs),
+               "rollout/applied_engine_unmoved_syncs": float(self.engine_unmoved_syncs)}
         if self.last_ratio is not None:
             out["rollout/applied_residual_ratio"] = self.last_ratio
-        if self.last is not None and self.last.noise > 0:
-            out["rollout/applied_movement"] = self.last.expected / self.last.noise
+        for prefix, moved in (("applied", self.last), ("applied_step", self.last_step)):
+            if moved is None:
+                continue
+            if moved.noise > 0:
+                out[f"rollout/{prefix}_movement"] = moved.expected / moved.noise
+            if not math.isnan(moved.along_error):
+                out[f"rollout/{prefix}_along_error"] = moved.along_error
+                out[f"rollout/{prefix}_along_se"] = moved.along_se
         return out
 
 

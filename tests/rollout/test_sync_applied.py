@@ -136,9 +136,11 @@ def test_clean_syncs_pass_far_below_the_limit(engine, tiny_model_dir, tmp_path, 
     for version in range(1, updates + 1):
         _update(module, optimizer)
         sync.sync(module.model, serving, version=version)
-        moved = sync.movement.last
+        moved, step = sync.movement.last, sync.movement.last_step
         print(f"{kind} lr {lr:g} v{version}: movement {moved.expected / moved.noise:.3g} noises, "
-              f"residual ratio {moved.ratio:.3g}, measurable {moved.measurable}")
+              f"residual ratio {moved.ratio:.3g}, measurable {moved.measurable}; the step's along error "
+              f"{step.along_error:.3g} (se {step.along_se:.3g})")
+        assert sync.movement.engine_unmoved_syncs == 0
         if moved.measurable:
             ratios.append(moved.ratio)
     assert sync.movement.unverified_syncs == 0 and len(ratios) >= 2  # the updates' movement was decided
@@ -176,10 +178,15 @@ def test_a_lying_engine_is_refused_by_the_movement_alone(engine, tiny_model_dir,
             except WeightSyncError as err:
                 refused_at, message = version, str(err)
                 break
-    moved = sync.movement.last
+    moved, step = sync.movement.last, sync.movement.last_step
     print(f"lying {kind} engine at lr {lr:g}: refused at v{refused_at}, residual ratio {moved.ratio:.3g} "
-          f"({moved.ratio / RESIDUAL_LIMIT:.3g}x the limit), movement {moved.expected / moved.noise:.3g} noises")
+          f"({moved.ratio / RESIDUAL_LIMIT:.3g}x the limit), movement {moved.expected / moved.noise:.3g} noises; "
+          f"the step's along error {step.along_error:.3g} (se {step.along_se:.3g}); "
+          f"{sync.movement.engine_unmoved_syncs} syncs with the engine's probe unchanged")
     assert refused_at is not None and moved.ratio > 0.9
+    # the engine serves what it had: its probe is the last one to the bit at every sync, counted
+    # at once even where the norm rule waits for the movement to grow
+    assert sync.movement.engine_unmoved_syncs == refused_at
     assert "since the verified v0 the trainer's probe log-probs moved" in message
     assert ("serves one it held before" if kind == "lora" else "does not serve the merged weights") in message
     if lr == 2e-3:

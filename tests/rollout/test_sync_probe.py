@@ -13,7 +13,7 @@ import pytest
 
 from atlas_lightning.errors import InputError
 from atlas_lightning.rollout.sync_probe import (MEASURABLE, RESIDUAL_LIMIT, VERIFIABLE, MovementCheck, Reading,
-                                                StartingCheckError, WeightSyncError, mark_shift, noise_floor)
+                                                StartingCheckError, WeightSyncError, along, mark_shift, noise_floor)
 
 TOKENS = 99
 RNG = np.random.default_rng(0)
@@ -183,6 +183,48 @@ def test_an_engine_that_applies_the_change_twice_is_refused():
     after = BASE + 0.3 * DIRECTION
     with pytest.raises(WeightSyncError, match=r"1\.0\d of the expected movement"):
         check.check(_reading(1, after, engine.serve(BASE + 0.6 * DIRECTION)))
+
+
+def test_along_gives_the_share_of_the_movement_the_engine_shows_and_its_standard_error():
+    """A stale engine shows none of the movement (error 1, exactly); a clean one all of it, within
+    its standard error, which matches the spread of many draws of the engine's rounding (an
+    independent Monte Carlo) to within a third."""
+    rng = np.random.default_rng(3)
+    expected = 0.05 * DIRECTION * np.sqrt(TOKENS)
+    assert along(expected, np.zeros(TOKENS)) == (1.0, 0.0)
+    rounding = 0.02
+    draws = [expected + rng.normal(0.0, rounding, TOKENS) for _ in range(2000)]
+    betas = [float(o @ expected) / float(expected @ expected) for o in draws]
+    errors, ses = zip(*(along(expected, o, block=1) for o in draws))
+    assert np.mean(betas) == pytest.approx(1.0, abs=0.01)
+    assert np.mean(ses) == pytest.approx(np.std(betas), rel=1 / 3)
+    assert max(errors) < 6 * np.std(betas)
+    assert all(np.isnan(x) for x in along(np.zeros(TOKENS), expected))  # nothing expected: nothing to share
+
+
+def test_each_sync_reports_the_step_s_share_and_counts_an_engine_whose_probe_did_not_change():
+    """Reported, not judged: a lying engine (serves v0 while the trainer moves by a sixth of the
+    measurable movement a step) is counted at every sync while the norm rule waits; a clean one
+    never, and its share of each step's movement stays near 1."""
+    clean, lying = Engine(), Engine(seed=2, rounding=0.0)
+    checks = {name: _started(engine) for name, engine in (("clean", clean), ("lying", lying))}
+    stale = lying.serve(BASE)
+    trainer = BASE.copy()
+    for version in (1, 2, 3):
+        trainer = trainer + MEASURABLE / 6 * checks["clean"].noise * DIRECTION / np.linalg.norm(DIRECTION)
+        checks["clean"].check(_reading(version, trainer, clean.serve(trainer)))
+        checks["lying"].check(_reading(version, trainer, stale))
+        step = checks["clean"].metrics()
+        assert step["rollout/applied_step_along_error"] < 4 * step["rollout/applied_step_along_se"] + 0.05
+        assert step["rollout/applied_engine_unmoved_syncs"] == 0
+        lied = checks["lying"].metrics()
+        assert lied["rollout/applied_engine_unmoved_syncs"] == version and lied["rollout/applied_unverified_syncs"]
+        assert lied["rollout/applied_step_along_error"] == 1.0 and lied["rollout/applied_step_along_se"] == 0.0
+    assert checks["lying"].metrics()["rollout/applied_along_error"] > 0.9  # since v0, as for each step
+    unmoved = MovementCheck("lora")
+    unmoved.start(_reading(0, BASE, stale))
+    unmoved.check(_reading(1, BASE, stale))  # the trainer did not move either: nothing to count
+    assert unmoved.metrics()["rollout/applied_engine_unmoved_syncs"] == 0
 
 
 def test_merged_refusals_name_the_merged_weights():
