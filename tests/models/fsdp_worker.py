@@ -93,6 +93,54 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
 
+def against_unsharded(base: str, vocab: int, world: int, gathered: list, grads: dict, merged: dict, states: dict,
+                      before: dict, after: dict) -> dict:
+    """Rank 0: the sharded run's outputs, gradients, merged weights, adapter states and reload
+    compared with one unsharded model on every rank's batch (the report's entries)."""
+    report = {}
+    reference = build(base)
+    ref_loss = 0.0
+    for r in range(world):
+        loss_r, ref_out = passes(reference, batch_for(r, vocab))
+        ref_loss = ref_loss + loss_r / world
+        for key, value in ref_out.items():
+            report[f"err/{key}/rank{r}"] = max_err(gathered[r][key], value.detach())
+    ref_loss.backward()
+    ref_grads = named_grads(reference)
+    report["grad_names_equal"] = sorted(grads) == sorted(ref_grads)
+    report["grads_none"] = sorted(n for n, g in grads.items() if g is None)
+    report["grad_scale"] = max(float(g.abs().max()) for g in ref_grads.values() if g is not None)
+    report["err/grads"] = max(max_err(grads[n], ref_grads[n]) for n in ref_grads if ref_grads[n] is not None)
+
+    for adapter in ("actor", "critic"):
+        peft_copy = copy.deepcopy(reference.peft_model)
+        peft_copy.set_adapter(adapter)
+        expected = peft_copy.merge_and_unload().state_dict()
+        names = reference.checkpoint_names
+        expected = {names[k]: v for k, v in expected.items() if k in names}
+        got = merged[adapter]
+        report[f"merged/{adapter}/names_equal"] = sorted(got) == sorted(expected)
+        report[f"merged/{adapter}/dtypes_equal"] = all(got[k].dtype == expected[k].dtype for k in expected)
+        report[f"merged/{adapter}/max_err"] = max(max_err(got[k], expected[k]) for k in expected)
+        unsharded = dict(merged_weights(reference, adapter))
+        report[f"merged/{adapter}/equals_unsharded_export"] = sorted(unsharded) == sorted(got) and all(
+            torch.equal(got[k], unsharded[k]) for k in got
+        )
+        base_weights = load_file(str(Path(base) / "model.safetensors"))
+        report[f"merged/{adapter}/changed_tensors"] = sum(
+            not torch.equal(got[k], base_weights[k]) for k in got if k in base_weights
+        )
+        ref_state = adapter_state(reference, adapter)
+        report[f"state/{adapter}/equal"] = sorted(ref_state) == sorted(states[adapter]) and all(
+            torch.equal(ref_state[k], states[adapter][k]) for k in ref_state
+        )
+    report["reload/equal"] = sorted(before) == sorted(after) and all(
+        torch.equal(before[k], after[k]) for k in before
+    )
+    report["checkpoint_name_example"] = sorted(merged["actor"])[:3]
+    return report
+
+
 def main(base: str, out: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -132,47 +180,8 @@ def main(base: str, out: Path) -> None:
     sharded_seconds = time.perf_counter() - started
 
     if rank == 0:
-        report = {"world_size": world, "sharded_seconds": sharded_seconds, **sharding}
-        reference = build(base)
-        ref_loss = 0.0
-        for r in range(world):
-            loss_r, ref_out = passes(reference, batch_for(r, vocab))
-            ref_loss = ref_loss + loss_r / world
-            for key, value in ref_out.items():
-                report[f"err/{key}/rank{r}"] = max_err(gathered[r][key], value.detach())
-        ref_loss.backward()
-        ref_grads = named_grads(reference)
-        report["grad_names_equal"] = sorted(grads) == sorted(ref_grads)
-        report["grads_none"] = sorted(n for n, g in grads.items() if g is None)
-        report["grad_scale"] = max(float(g.abs().max()) for g in ref_grads.values() if g is not None)
-        report["err/grads"] = max(max_err(grads[n], ref_grads[n]) for n in ref_grads if ref_grads[n] is not None)
-
-        for adapter in ("actor", "critic"):
-            peft_copy = copy.deepcopy(reference.peft_model)
-            peft_copy.set_adapter(adapter)
-            expected = peft_copy.merge_and_unload().state_dict()
-            names = reference.checkpoint_names
-            expected = {names[k]: v for k, v in expected.items() if k in names}
-            got = merged[adapter]
-            report[f"merged/{adapter}/names_equal"] = sorted(got) == sorted(expected)
-            report[f"merged/{adapter}/dtypes_equal"] = all(got[k].dtype == expected[k].dtype for k in expected)
-            report[f"merged/{adapter}/max_err"] = max(max_err(got[k], expected[k]) for k in expected)
-            unsharded = dict(merged_weights(reference, adapter))
-            report[f"merged/{adapter}/equals_unsharded_export"] = sorted(unsharded) == sorted(got) and all(
-                torch.equal(got[k], unsharded[k]) for k in got
-            )
-            base_weights = load_file(str(Path(base) / "model.safetensors"))
-            report[f"merged/{adapter}/changed_tensors"] = sum(
-                not torch.equal(got[k], base_weights[k]) for k in got if k in base_weights
-            )
-            ref_state = adapter_state(reference, adapter)
-            report[f"state/{adapter}/equal"] = sorted(ref_state) == sorted(states[adapter]) and all(
-                torch.equal(ref_state[k], states[adapter][k]) for k in ref_state
-            )
-        report["reload/equal"] = sorted(before) == sorted(after) and all(
-            torch.equal(before[k], after[k]) for k in before
-        )
-        report["checkpoint_name_example"] = sorted(merged["actor"])[:3]
+        report = {"world_size": world, "sharded_seconds": sharded_seconds, **sharding,
+                  **against_unsharded(base, vocab, world, gathered, grads, merged, states, before, after)}
         report["total_seconds"] = time.perf_counter() - started
         (out / "report.json").write_text(json.dumps(report, indent=1))
     dist.barrier()
