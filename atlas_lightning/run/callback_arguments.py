@@ -9,19 +9,29 @@ mapping, a ``Literal``, ``Optional`` and unions of these; anything else is left 
 which checks its own ranges and choices when ``build_callbacks`` builds it, also before
 anything is written).
 
+An argument the shipped entry takes from a run key (``repo_type: ${hub.repo_type}``, ``artifacts:
+${paths.artifacts}``, ``total_steps: ${trainer.total_steps}``) is also held to that key's rule
+(``constraints.CONSTRAINTS``) when it is set on the callback itself: the key's rule holds for the
+value whichever way it arrives (``callbacks.hub.repo_type=nonsense``, an empty folder, a
+``run_id`` with a slash, ``total_steps: 0`` had passed every check).
+
 Who calls it: ``run/wiring.build_callbacks``.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from atlas_lightning.config import ConfigError
+from atlas_lightning.constraints import CONSTRAINTS, Violation
 
 
 def check_callback_arguments(name: str, target: Any, arguments: Mapping[str, Any]) -> None:
@@ -36,6 +46,7 @@ def check_callback_arguments(name: str, target: Any, arguments: Mapping[str, Any
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     hints = _hints(target)
     what = getattr(target, "__qualname__", str(target))
+    sources = shipped_sources().get(name, {})
     for key, value in arguments.items():
         if key not in params and not takes_any:
             named = ", ".join(k for k, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL)
@@ -44,6 +55,33 @@ def check_callback_arguments(name: str, target: Any, arguments: Mapping[str, Any
         if hint is not None and not fits(value, hint):
             raise ConfigError(f"callbacks.{name}.{key}={value!r}: {what} takes {describe(hint)} for {key}, "
                               f"got {type(value).__name__}")
+        rule = CONSTRAINTS.get(sources.get(key, ""))
+        try:
+            if rule is not None:
+                rule(value)
+        except Violation as err:
+            raise ConfigError(f"callbacks.{name}.{key}={value!r}: {err} (the rule of {sources[key]}, "
+                              f"which the shipped entry passes here)") from None
+
+
+@functools.lru_cache(maxsize=1)
+def shipped_sources() -> dict[str, dict[str, str]]:
+    """Per shipped callback entry (``conf/callbacks/default.yaml``), the run key each argument is
+    interpolated from (``{"hub": {"repo_type": "hub.repo_type", ...}, ...}``); literal values and
+    anything else are left out."""
+    from omegaconf import OmegaConf
+
+    from atlas_lightning.config import config_dir
+
+    shipped = OmegaConf.to_container(OmegaConf.load(Path(config_dir()) / "callbacks" / "default.yaml"),
+                                     resolve=False)
+    sources: dict[str, dict[str, str]] = {}
+    for entry, spec in shipped.items():
+        for key, value in (spec or {}).items():
+            match = re.fullmatch(r"\$\{([A-Za-z_][A-Za-z0-9_.]*)\}", value) if isinstance(value, str) else None
+            if match:
+                sources.setdefault(entry, {})[key] = match.group(1)
+    return sources
 
 
 def _hints(target: Any) -> dict[str, Any]:

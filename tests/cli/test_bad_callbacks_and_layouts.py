@@ -28,7 +28,8 @@ INJECT = "+callbacks.fault_injection._target_=atlas_lightning.callbacks.faults.F
     (["callbacks.nan_guard.policy=rolback"], "callbacks.nan_guard: cannot build atlas_lightning.callbacks.nan_guard."
                                             "NaNGuardCallback: NaNGuardCallback: policy must be one of"),
     (["callbacks.figures.dpi=2"], "callbacks.figures: cannot build"),
-    (["callbacks.checkpoint.every_n_steps=-1"], "StepCheckpoint: every_n_steps must be an int >= 0"),
+    (["callbacks.checkpoint.every_n_steps=-1"], "callbacks.checkpoint.every_n_steps=-1: must be an integer >= 0 "
+                                                "(the rule of trainer.save_every"),
     ([INJECT, "+callbacks.fault_injection.fault=engine_kil", "+callbacks.fault_injection.step=2"],
      "FaultInjection: fault must be one of engine_kill"),
     ([INJECT, "+callbacks.fault_injection.fault=engine_kill", "+callbacks.fault_injection.step=-1"],
@@ -59,6 +60,9 @@ INJECT = "+callbacks.fault_injection._target_=atlas_lightning.callbacks.faults.F
     (["+callbacks.hub.retries=-1"], "callbacks.hub: cannot build atlas_lightning.callbacks.hub.HubCheckpointCallback: "
                                     "HubCheckpointCallback: retries=-1 must be an int >= 0"),
     (["+callbacks.hub.backoff_s=-2.0"], "HubCheckpointCallback: backoff_s=-2.0 must be a finite number of seconds"),
+    # an argument the shipped entry takes from a run key, set on the callback: that key's rule
+    (["callbacks.hub.repo_type=nonsense"], "callbacks.hub.repo_type='nonsense': is not one of dataset, model (the "
+                                           "rule of hub.repo_type, which the shipped entry passes here)"),
     (["layout=separate_cpu"], "layout.mode=separate serves from a vLLM server on the serving cards: set "
                               "rollout.engine=vllm-server"),
 ])
@@ -170,6 +174,36 @@ def test_a_run_log_that_takes_no_lines_exits_2_before_anything_is_written(unappe
     assert code == 2 and f"the run's log {log_file} cannot be appended to" in err and "Traceback" not in err, err
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
         "outputs", "outputs/tiny-cpu", "outputs/tiny-cpu/main_ppo.log"]
+
+
+#: A value each rule kind refuses (the rules of the run keys the shipped callbacks take).
+_REFUSED_BY = {"paths.artifacts": "", "paths.checkpoints": "", "name": "a/b", "trainer.total_steps": 0,
+               "trainer.val_every": -1, "trainer.save_every": -1, "hub.repo_id": "no-owner",
+               "hub.repo_type": "nonsense", "hub.endpoint": "ftp://hub"}
+
+
+def test_every_argument_the_shipped_callbacks_take_from_a_run_key_keeps_its_rule_when_set_directly():
+    """Set on the callback itself, each such argument is refused as its run key would be, naming
+    the callback's key; every one with a rule is tried (a new one without a refused value here
+    fails this test)."""
+    from atlas_lightning.constraints import CONSTRAINTS
+    from atlas_lightning.run.callback_arguments import shipped_sources
+    from atlas_lightning.run.wiring import build_callbacks
+
+    tried = 0
+    for entry, sources in shipped_sources().items():
+        for key, source in sources.items():
+            if source not in CONSTRAINTS:
+                continue
+            assert source in _REFUSED_BY, f"callbacks.{entry}.{key} takes {source}: add a value its rule refuses"
+            value = _REFUSED_BY[source]
+            cfg = compose(["experiment=tiny-cpu", f"callbacks.{entry}.{key}={value!r}"])
+            with pytest.raises(ConfigError, match=re.escape(f"callbacks.{entry}.{key}={value!r}: ") +
+                               ".*" + re.escape(f"(the rule of {source}, which the shipped entry passes here)")):
+                build_callbacks(cfg)
+            tried += 1
+    assert tried >= 15
+    build_callbacks(compose(["experiment=tiny-cpu"]))  # the shipped values pass
 
 
 def test_a_fault_at_a_step_the_resumed_run_does_not_train_is_refused():
