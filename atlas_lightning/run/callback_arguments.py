@@ -13,7 +13,8 @@ An argument the shipped entry takes from a run key (``repo_type: ${hub.repo_type
 ${paths.artifacts}``, ``total_steps: ${trainer.total_steps}``) is also held to that key's rule
 (``constraints.CONSTRAINTS``) when it is set on the callback itself: the key's rule holds for the
 value whichever way it arrives (``callbacks.hub.repo_type=nonsense``, an empty folder, a
-``run_id`` with a slash, ``total_steps: 0`` had passed every check).
+``run_id`` with a slash, ``total_steps: 0`` had passed every check); a folder (``paths.*``) must
+also be writable.
 
 Who calls it: ``run/wiring.build_callbacks``.
 """
@@ -55,13 +56,25 @@ def check_callback_arguments(name: str, target: Any, arguments: Mapping[str, Any
         if hint is not None and not fits(value, hint):
             raise ConfigError(f"callbacks.{name}.{key}={value!r}: {what} takes {describe(hint)} for {key}, "
                               f"got {type(value).__name__}")
-        rule = CONSTRAINTS.get(sources.get(key, ""))
-        try:
-            if rule is not None:
-                rule(value)
-        except Violation as err:
-            raise ConfigError(f"callbacks.{name}.{key}={value!r}: {err} (the rule of {sources[key]}, "
-                              f"which the shipped entry passes here)") from None
+        if key in sources:
+            _check_as_its_source(f"callbacks.{name}.{key}", value, sources[key])
+
+
+def _check_as_its_source(key: str, value: Any, source: str) -> None:
+    """``value`` of callback argument ``key`` against the rule of run key ``source``, and, for a
+    run folder (``paths.*``), writable as ``run/facts.check_writable`` checks those (a figures
+    folder under ``/proc`` had ended the first step in a traceback)."""
+    from atlas_lightning.run.facts import unwritable
+
+    rule = CONSTRAINTS.get(source)
+    try:
+        if rule is not None:
+            rule(value)
+    except Violation as err:
+        raise ConfigError(f"{key}={value!r}: {err} (the rule of {source}, which the shipped entry passes here)") from None
+    reason = unwritable(Path(value)) if source.startswith("paths.") and isinstance(value, str) else None
+    if reason:
+        raise ConfigError(f"{key}={value}: {reason} (a folder the run writes, as {source})")
 
 
 @functools.lru_cache(maxsize=1)

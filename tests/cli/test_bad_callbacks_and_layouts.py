@@ -63,6 +63,7 @@ INJECT = "+callbacks.fault_injection._target_=atlas_lightning.callbacks.faults.F
     # an argument the shipped entry takes from a run key, set on the callback: that key's rule
     (["callbacks.hub.repo_type=nonsense"], "callbacks.hub.repo_type='nonsense': is not one of dataset, model (the "
                                            "rule of hub.repo_type, which the shipped entry passes here)"),
+    (["callbacks.figures.artifacts=/proc/x"], "callbacks.figures.artifacts=/proc/x: /proc is not writable"),
     (["layout=separate_cpu"], "layout.mode=separate serves from a vLLM server on the serving cards: set "
                               "rollout.engine=vllm-server"),
 ])
