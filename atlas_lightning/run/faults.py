@@ -11,7 +11,8 @@ These faults can end a run after it has started training, whatever the care take
 * a step's values are not finite and the NaN guard stops: ``NonFiniteError``;
 * a file of the run cannot be written: a checkpoint's (``CheckpointWriteError``, on every rank:
   the folder being written never gets its marker, the previous complete checkpoint is untouched)
-  or any other (``OSError``: the disk full, a quota, a read-only file system);
+  or any other (``OSError``: the disk full, a quota, a read-only file system, a permission
+  taken away);
 * SIGINT (Ctrl-C) or SIGTERM arrives (``run/interrupts.py``: exit 130, 143; under SIGTERM the
   step under way finishes first, as Lightning does);
 * the user's own code the config names (a reward scorer, a callback) raises, or the scorer's
@@ -116,8 +117,10 @@ def _fault_stop(err: Exception, checkpoints: Path, last_step: Callable[[], int])
     return None
 
 
-#: ``OSError`` numbers of a write the storage refused (what ``stops_cleanly`` stops on).
-DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG}
+#: ``OSError`` numbers of a write the storage refused (what ``stops_cleanly`` stops on): full,
+#: over quota, read-only, failing, too large, or the permission taken away while the run went on
+#: (every folder's permission is checked before any work: ``run/facts.check_writable``).
+DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.EACCES, errno.EPERM}
 
 
 def _space_hint(err: BaseException, checkpoints: Path) -> Optional[str]:
@@ -125,6 +128,8 @@ def _space_hint(err: BaseException, checkpoints: Path) -> Optional[str]:
     while err is not None:
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return f"free space on the file system of {checkpoints} before resuming"
+        if isinstance(err, OSError) and err.errno in (errno.EACCES, errno.EPERM):
+            return f"give this user write permission on {err.filename or 'the folder named'} before resuming"
         err = err.__cause__
     return None
 

@@ -1,6 +1,7 @@
 """A write the storage refuses part-way through a fit is a clean stop (``run/faults.py``, exit 7):
 a checkpoint that could not be written (``CheckpointWriteError``) and any ``OSError`` of a full
-disk, a quota, a read-only file system or an I/O error, naming the cause and what to free; an
+disk, a quota, a read-only file system, an I/O error or a permission taken away, naming the cause
+and what to free or grant; an
 ``OSError`` of another kind (a missing file) is no such stop and passes on. The stop inside a
 fit (the disk full as a checkpoint is written, the previous checkpoint intact and resumed) is in
 ``tests/e2e/test_faults.py``."""
@@ -29,6 +30,7 @@ def test_a_refused_write_anywhere_is_the_write_stop(tmp_path, number):
     assert str(stop).startswith("a file of the run could not be written after RL step 7 (the last one finished)")
     assert os.strerror(number) in str(stop) and "no complete checkpoint" in str(stop)
     assert ("free space on the file system of" in str(stop)) == (number in (errno.ENOSPC, errno.EDQUOT))
+    assert ("give this user write permission on" in str(stop)) == (number in (errno.EACCES, errno.EPERM))
 
 
 def test_a_checkpoint_that_could_not_be_written_is_the_write_stop(tmp_path):
