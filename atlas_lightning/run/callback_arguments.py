@@ -14,7 +14,7 @@ ${paths.artifacts}``, ``total_steps: ${trainer.total_steps}``) is also held to t
 (``constraints.CONSTRAINTS``) when it is set on the callback itself: the key's rule holds for the
 value whichever way it arrives (``callbacks.hub.repo_type=nonsense``, an empty folder, a
 ``run_id`` with a slash, ``total_steps: 0`` had passed every check); a folder (``paths.*``) must
-also be writable.
+also be writable, and a step count or run name must equal the run's own (``MUST_EQUAL``).
 
 Who calls it: ``run/wiring.build_callbacks``.
 """
@@ -29,16 +29,19 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from atlas_lightning.config import ConfigError
 from atlas_lightning.constraints import CONSTRAINTS, Violation
 
 
-def check_callback_arguments(name: str, target: Any, arguments: Mapping[str, Any]) -> None:
+def check_callback_arguments(name: str, target: Any, arguments: Mapping[str, Any],
+                             run_values: Optional[Mapping[str, Any]] = None) -> None:
     """``ConfigError`` naming ``callbacks.<name>.<key>`` for an argument ``target`` (a class or
-    factory) does not take, or whose value is not of its annotated type (module doc).
-    ``arguments``: the entry's values, resolved, without hydra's own keys (``_target_``, ...)."""
+    factory) does not take, or whose value is not of its annotated type, or breaks the rule of
+    the run key the shipped entry takes it from (module doc). ``arguments``: the entry's values,
+    resolved, without hydra's own keys (``_target_``, ...); ``run_values``: the run's resolved
+    config (``OmegaConf.to_container``), for the keys an argument must equal (``MUST_EQUAL``)."""
     try:
         signature = inspect.signature(target)
     except (TypeError, ValueError):  # a builtin without one: nothing to check against
@@ -58,6 +61,23 @@ def check_callback_arguments(name: str, target: Any, arguments: Mapping[str, Any
                               f"got {type(value).__name__}")
         if key in sources:
             _check_as_its_source(f"callbacks.{name}.{key}", value, sources[key])
+            if sources[key] in MUST_EQUAL and run_values is not None:
+                _check_equal(f"callbacks.{name}.{key}", value, sources[key], run_values)
+
+
+#: Run keys a callback's argument taken from them must equal: a progress bar, a last validation or
+#: a last checkpoint counted to another step than the run trains to, or records filed under
+#: another run's name, would be wrong without a word.
+MUST_EQUAL = ("trainer.total_steps", "name")
+
+
+def _check_equal(key: str, value: Any, source: str, run_values: Mapping[str, Any]) -> None:
+    expected: Any = run_values
+    for part in source.split("."):
+        expected = expected.get(part) if isinstance(expected, Mapping) else None
+    if value != expected:
+        raise ConfigError(f"{key}={value!r} differs from {source}={expected!r}, which the run follows: set "
+                          f"{source} instead")
 
 
 def _check_as_its_source(key: str, value: Any, source: str) -> None:

@@ -64,6 +64,9 @@ INJECT = "+callbacks.fault_injection._target_=atlas_lightning.callbacks.faults.F
     (["callbacks.hub.repo_type=nonsense"], "callbacks.hub.repo_type='nonsense': is not one of dataset, model (the "
                                            "rule of hub.repo_type, which the shipped entry passes here)"),
     (["callbacks.figures.artifacts=/proc/x"], "callbacks.figures.artifacts=/proc/x: /proc is not writable"),
+    (["callbacks.checkpoint.total_steps=5"], "callbacks.checkpoint.total_steps=5 differs from trainer.total_steps=10, "
+                                             "which the run follows: set trainer.total_steps instead"),
+    (["callbacks.artifacts.run_id=other"], "callbacks.artifacts.run_id='other' differs from name='tiny-cpu'"),
     (["layout=separate_cpu"], "layout.mode=separate serves from a vLLM server on the serving cards: set "
                               "rollout.engine=vllm-server"),
 ])
