@@ -75,7 +75,7 @@ def _check_mapping(columns: Mapping[str, str], subset_columns: Sequence[str]) ->
             raise DataError(
                 f"data.columns: unknown column {ours!r}; known: {', '.join(sorted(known))}"
             )
-        if not isinstance(theirs, str) or not theirs:
+        if not isinstance(theirs, str) or not theirs.strip():
             raise DataError(f"data.columns.{ours}: expected the file's column name, got {theirs!r}")
         mapping[str(ours)] = theirs
     return mapping

@@ -91,7 +91,7 @@ def test_bad_values_are_refused_naming_the_key(override, named):
 
 
 @pytest.mark.parametrize("override", ["reward.cost_per_usd=nan", "rollout.top_p=1.5", "name=../../x",
-                                      "algorithm.betas=[0.9]"])
+                                      "algorithm.betas=[0.9]", "logger.project=''", "logger.project='  '"])
 def test_the_cli_exits_2_and_writes_nothing(override, tmp_path, capsys):
     assert main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path}", override]) == 2
     assert override.split("=")[0] in capsys.readouterr().err
@@ -123,6 +123,58 @@ def test_every_numeric_key_of_the_schema_has_a_rule():
     assert numeric, "the walk found no numeric field"
     missing = sorted(numeric - set(CONSTRAINTS))
     assert not missing, f"numeric config keys without a rule in constraints.py: {missing}"
+
+
+def _string_leaves(cls, prefix=""):
+    """``(key, is_list)`` of every field of the schema that holds a string or a list of strings."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind, key = hints[f.name], f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(kind):
+            yield from _string_leaves(kind, key + ".")
+            continue
+        options = set(typing.get_args(kind)) if typing.get_origin(kind) is typing.Union else {kind}
+        if str in options:
+            yield key, False
+        elif any(typing.get_origin(a) is list and typing.get_args(a) == (str,) for a in options):
+            yield key, True
+        elif any(typing.get_origin(a) is dict and typing.get_args(a)[0] is str for a in options):
+            yield key, None  # a mapping: its keys and values are checked where it is read
+
+
+#: String keys whose rule lives in ``config.validate`` (a class path: ``_check_target``; each
+#: callback's ``_target_``) or the loader (``data.columns``: our name -> the file's,
+#: ``questions.loader._check_mapping``).
+_CHECKED_ELSEWHERE = {"rollout.engine", "reward._target_", "data.columns", "callbacks"}
+
+
+def test_every_string_key_of_the_schema_has_a_rule():
+    strings = {key for key, _ in _string_leaves(RootConfig)}
+    assert {"logger.project", "name", "data.subset_columns"} <= strings, "the walk missed string fields"
+    assert not sorted(strings - set(CONSTRAINTS) - _CHECKED_ELSEWHERE)
+
+
+@pytest.mark.parametrize("key, is_list", sorted((k, is_list) for k, is_list in _string_leaves(RootConfig)
+                                                  if is_list is not None))
+@pytest.mark.parametrize("blank", ["", "   "])
+def test_an_empty_or_blank_name_is_refused_naming_its_key(key, is_list, blank):
+    """No key that names something (a W&B project or entity, the run, a path, a column, a tag,
+    a class) takes an empty or a blank string: each is refused by its key before any work (the
+    mappings: ``test_a_blank_column_mapping_is_refused_naming_the_key``, and a callback needs a
+    ``_target_`` naming a class)."""
+    value = f"['{blank}']" if is_list else f"'{blank}'"
+    with pytest.raises(ConfigError, match=f"^{re.escape(key)}="):
+        compose(["experiment=tiny-cpu", f"{key}={value}"])
+
+
+@pytest.mark.parametrize("blank", ["", "   "])
+def test_a_blank_column_mapping_is_refused_naming_the_key(blank, tmp_path, sample_data_dir):
+    from atlas_lightning.questions.loader import DataError, load_splits
+
+    cfg = compose(["experiment=tiny-cpu", f"data.root={sample_data_dir}", f"+data.columns={{problem:'{blank}'}}"])
+    with pytest.raises(DataError, match=re.escape(f"data.columns.problem: expected the file's column name, got "
+                                                  f"{blank!r}")):
+        load_splits(cfg.data)
 
 
 def test_every_rule_names_a_key_of_the_schema():
