@@ -223,6 +223,23 @@ def _replacing_nothing(out: Path, build, last: str) -> dict:
     return {**summary, "out": str(out)}
 
 
+def _check_replaceable(out: Path) -> None:
+    """``data tiny-orchestrator`` replaces ``--out`` whole (its build moves in by one rename,
+    ``store/staging.py``): an ``out`` holding anything its build does not write (a user's own
+    files, another model) is refused before the build, naming them, rather than deleted with
+    it. A folder of a previous build, or of ``demo-model`` (whole or killed part-way), is replaced."""
+    from atlas_lightning.demo.tiny_model import MODEL_FILES
+    from atlas_lightning.demo.tiny_orchestrator import SUMMARY_FILE
+
+    if not out.is_dir():
+        return
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in {*MODEL_FILES, SUMMARY_FILE})
+    if foreign:
+        raise InputError(f"--out {out}: holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, which this "
+                         f"build does not write; it replaces the folder whole, so they would be lost: nothing was "
+                         f"built; choose an empty folder, or one this verb or `data demo-model` wrote")
+
+
 def _run_data(args: argparse.Namespace) -> int:
     import json
 
@@ -248,8 +265,10 @@ def _run_data(args: argparse.Namespace) -> int:
 
         recipe = DEFAULT_RECIPE if args.eval_questions is None else replace(DEFAULT_RECIPE,
                                                                             eval_questions=args.eval_questions)
+        _check_replaceable(out)  # before the minutes of the build
         try:
-            summary = build_tiny_orchestrator(args.out, seed=args.seed, base=args.base, recipe=recipe)
+            summary = build_tiny_orchestrator(out, seed=args.seed, base=args.base and args.base.expanduser(),
+                                              recipe=recipe)
         except FileNotFoundError as err:  # a --base that is not a whole tiny-model folder
             raise InputError(f"--base {args.base}: {err}") from None
     print(json.dumps(summary, indent=2, default=str))

@@ -107,3 +107,20 @@ def test_make_assets_tests_the_file_each_verb_moves_last():
                         makefile)
     assert {verb: marker for marker, verb in tested} == BUILT_MARKERS
 
+
+def test_a_tiny_orchestrator_build_into_a_folder_of_other_files_is_refused_before_it_builds(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """The build replaces ``--out`` whole: a folder holding files it does not write (the user's
+    own model, say) is refused at once, naming them, and left as it was."""
+    monkeypatch.setattr(tiny_orchestrator, "build_tiny_orchestrator", lambda *a, **k: pytest.fail("it built"))
+    out = tmp_path / "models"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "my-notes.txt").write_text("mine")
+    (out / "qwen3-8b").mkdir()
+    assert main(["data", "tiny-orchestrator", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: holds my-notes.txt, qwen3-8b, which this build does not write" in err, err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "my-notes.txt", "qwen3-8b"]
+    assert [p.name for p in tmp_path.iterdir()] == ["models"]
