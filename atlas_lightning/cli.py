@@ -187,33 +187,57 @@ def _check_data_args(args: argparse.Namespace) -> None:
                          f"leave --base out to build one)")
 
 
-def _replacing_nothing(out: Path, build, last: str = "") -> dict:
+#: Per ``data`` verb, the file it moves into ``--out`` last: its presence says the folder is whole,
+#: and it is the file ``make assets`` tests before building again (Makefile).
+BUILT_MARKERS = {"sample": "gpqa/train.parquet", "tiny-model": "config.json", "demo-model": "sft_summary.json"}
+
+
+def _replacing_nothing(out: Path, build, last: str) -> dict:
     """``build(folder)``'s files made aside, then moved into ``out`` only when no file there of
     the same name holds other bytes (a user's own parquet or weights, a sample of another seed):
     ``InputError`` naming it otherwise, ``out`` left as it was. Re-running a verb into its own
-    output (``make demo``) replaces each file with the same bytes. ``last``: the file moved last
-    (the one whose presence says the folder is whole)."""
-    import shutil
-    import tempfile
+    output (``make demo``) replaces each file with the same bytes. ``last``: the file (relative
+    to ``out``) moved last, so that a build killed while moving leaves it absent
+    (``BUILT_MARKERS``). The build's staging folder is one of ``store/staging.py``: a killed
+    build's is removed by the next build into the same place."""
+    from atlas_lightning.store.staging import staging_folder
 
     existing = next(p for p in (out, *out.parents) if p.exists())
-    staging = Path(tempfile.mkdtemp(prefix=".atlas-data-", dir=existing))
-    try:
-        summary = build(staging / "out")
-        made = sorted((p for p in (staging / "out").rglob("*") if p.is_file()), key=lambda p: (p.name == last, p))
+    with staging_folder(existing, out.name) as work:
+        built = work / "out"
+        summary = build(built)
+        made = sorted((p for p in built.rglob("*") if p.is_file()),
+                      key=lambda p: (p.relative_to(built).as_posix() == last, p))
+        if not made or made[-1].relative_to(built).as_posix() != last:
+            raise RuntimeError(f"the build wrote no {last}, the file that says its folder is whole")
         for path in made:
-            target = out / path.relative_to(staging / "out")
+            target = out / path.relative_to(built)
             if target.exists() and (not target.is_file() or target.read_bytes() != path.read_bytes()):
                 raise InputError(f"--out {out}: {target} exists and holds other bytes than this verb writes (your "
                                  f"own file, or one of another --seed): nothing was replaced; choose an empty folder "
                                  f"or move that file away")
         for path in made:
-            target = out / path.relative_to(staging / "out")
+            target = out / path.relative_to(built)
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(path, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return {**summary, "out": str(out)}
+
+
+def _check_replaceable(out: Path) -> None:
+    """``data tiny-orchestrator`` replaces ``--out`` whole (its build moves in by one rename,
+    ``store/staging.py``): an ``out`` holding anything its build does not write (a user's own
+    files, another model) is refused before the build, naming them, rather than deleted with
+    it. A folder of a previous build, or of ``demo-model`` (whole or killed part-way), is replaced."""
+    from atlas_lightning.demo.tiny_model import MODEL_FILES
+    from atlas_lightning.demo.tiny_orchestrator import SUMMARY_FILE
+
+    if not out.is_dir():
+        return
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in {*MODEL_FILES, SUMMARY_FILE})
+    if foreign:
+        raise InputError(f"--out {out}: holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, which this "
+                         f"build does not write; it replaces the folder whole, so they would be lost: nothing was "
+                         f"built; choose an empty folder, or one this verb or `data demo-model` wrote")
 
 
 def _run_data(args: argparse.Namespace) -> int:
@@ -224,15 +248,16 @@ def _run_data(args: argparse.Namespace) -> int:
     if args.data_verb == "sample":
         from atlas_lightning.demo.sample import build_sample
 
-        summary = _replacing_nothing(out, lambda folder: build_sample(folder, seed=args.seed))
+        summary = _replacing_nothing(out, lambda folder: build_sample(folder, seed=args.seed), BUILT_MARKERS["sample"])
     elif args.data_verb == "demo-model":
-        from atlas_lightning.demo.shipped_model import SUMMARY_FILE, install_shipped_model
+        from atlas_lightning.demo.shipped_model import install_shipped_model
 
-        summary = _replacing_nothing(out, install_shipped_model, last=SUMMARY_FILE)
+        summary = _replacing_nothing(out, install_shipped_model, BUILT_MARKERS["demo-model"])
     elif args.data_verb == "tiny-model":
         from atlas_lightning.demo.tiny_model import build_tiny_model
 
-        summary = _replacing_nothing(out, lambda folder: build_tiny_model(folder, seed=args.seed))
+        summary = _replacing_nothing(out, lambda folder: build_tiny_model(folder, seed=args.seed),
+                                     BUILT_MARKERS["tiny-model"])
     else:
         from dataclasses import replace
 
@@ -240,8 +265,10 @@ def _run_data(args: argparse.Namespace) -> int:
 
         recipe = DEFAULT_RECIPE if args.eval_questions is None else replace(DEFAULT_RECIPE,
                                                                             eval_questions=args.eval_questions)
+        _check_replaceable(out)  # before the minutes of the build
         try:
-            summary = build_tiny_orchestrator(args.out, seed=args.seed, base=args.base, recipe=recipe)
+            summary = build_tiny_orchestrator(out, seed=args.seed, base=args.base and args.base.expanduser(),
+                                              recipe=recipe)
         except FileNotFoundError as err:  # a --base that is not a whole tiny-model folder
             raise InputError(f"--base {args.base}: {err}") from None
     print(json.dumps(summary, indent=2, default=str))

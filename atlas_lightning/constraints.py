@@ -164,11 +164,18 @@ SAFE_NAME = Text(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,127}",
                  "a single safe path component: letters, digits and . _ + = - (not starting with . or -), "
                  "at most 128 characters, no / or ..")
 _MODULE_NAME = Text(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*", "a module name such as q_proj")
-_COLUMN = Text(r"[^\x00-\x1f]+", "a non-empty column name")
+#: Not empty and not only spaces (the look-ahead), wherever a value names something: an empty
+#: name is a slip (an unset shell variable in ``logger.project=$PROJECT``) that W&B or the loader
+#: would take as "no name" and fill in silently, or fail on far from the key.
+_SOME_TEXT = r"(?=.*\S)"
+#: A name a service or a reader sees (a W&B project or entity, a tag): printable, not blank.
+_NAME = Text(_SOME_TEXT + r"[^\x00-\x1f\x7f]+", "a name (not empty, not only spaces, no control characters)")
+_COLUMN = Text(_SOME_TEXT + r"[^\x00-\x1f]+", "a column name (not empty, not only spaces)")
 _SEED = Int(0, 2**32 - 1)
-#: A file or folder: an empty value would read as the working directory.
-_PATH = Text(r"[^\x00]+", "a path (not empty)")
-_OPTIONAL_PATH = Text(r"[^\x00]+", "null or a path (not empty)", optional=True)
+#: A file or folder: an empty (or blank) value would read as the working directory (or a folder
+#: named by spaces in it).
+_PATH = Text(r"(?s)" + _SOME_TEXT + r"[^\x00]+", "a path (not empty)")
+_OPTIONAL_PATH = Text(r"(?s)" + _SOME_TEXT + r"[^\x00]+", "null or a path (not empty)", optional=True)
 
 #: Costs reach the reward as ``-cost_per_usd * cost_usd`` per explore (at most 64 explores):
 #: these bounds keep every reward finite in float32, the dtype PPO receives.
@@ -287,8 +294,8 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "trainer.num_nodes": Int(1),
     "trainer.precision": OneOf(("32-true", "32", "64-true", "64", "16-true", "16-mixed", "bf16-true",
                                 "bf16-mixed", "transformer-engine", "transformer-engine-float16")),
-    "trainer.resume": Text(r"[^\x00]+", "null, auto or a checkpoint folder", optional=True),
-    "trainer.init_from": Text(r"[^\x00]+", "null or a checkpoint folder", optional=True),
+    "trainer.resume": Text(r"(?s)" + _SOME_TEXT + r"[^\x00]+", "null, auto or a checkpoint folder", optional=True),
+    "trainer.init_from": Text(r"(?s)" + _SOME_TEXT + r"[^\x00]+", "null or a checkpoint folder", optional=True),
     "trainer.memory_check_steps": Int(1),
     "trainer.memory_check_generation": OneOf((True, False)),
     # layout
@@ -303,10 +310,14 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "layout.share_cards": OneOf((True, False)),
     # logger, hub
     "logger.mode": OneOf(("auto", "online", "offline", "disabled")),
-    "logger.tags": Items(Text(r"[^\x00-\x1f]{1,64}", "a tag of 1-64 printable characters")),
+    "logger.project": _NAME,
+    "logger.entity": Text(_NAME.pattern, f"null or {_NAME.meaning}", optional=True),
+    "logger.tags": Items(Text(_SOME_TEXT + r"[^\x00-\x1f]{1,64}", "a tag of 1-64 printable characters, not only spaces")),
     "hub.repo_id": Text(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*", "owner/name", optional=True),
     "hub.repo_type": OneOf(("dataset", "model")),
     "hub.endpoint": Text(r"https?://[^\s/]+(/\S*)?", "null or the Hub's http(s):// URL", optional=True),
+    # the question paragraph of the data root's published README: null writes none, an empty one a blank one
+    "hub.description": Text(r"(?s)" + _SOME_TEXT + r".+", "null or a text that is not blank", optional=True),
     # plan
     "plan.card_gib": Real(0.0, low_open=True),
 }

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,6 +29,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No test reads the user's built assets (``make demo``'s ~/.cache/atlas-lightning): the config's
+# ``paths.cache`` (``${ATLAS_LIGHTNING_CACHE}``) is an empty folder of this session (each xdist worker
+# its own), so a test that needs the tiny model, the sample or the orchestrator takes its fixture
+# (``tiny_model_dir``, ``sample_data_dir``, ``orchestrator_dir``) rather than passing where
+# ``make demo`` ran and failing where it did not. Set whatever the shell says; every process a test
+# starts inherits it; removed when the session ends (``pytest_unconfigure``).
+TEST_CACHE = tempfile.mkdtemp(prefix="atlas-lightning-test-cache-")
+os.environ["ATLAS_LIGHTNING_CACHE"] = TEST_CACHE
 
 #: What torch.distributed reads to rendezvous, and Lightning and vLLM write into os.environ.
 _RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
@@ -85,6 +95,7 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_unconfigure(config):
     orchestrator_build.stop(config)
+    shutil.rmtree(TEST_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

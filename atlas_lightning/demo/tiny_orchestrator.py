@@ -27,7 +27,9 @@ Output (``out``, the layout of ``tiny_model.build_tiny_model``): ``config.json``
 ``generation_config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
 ``chat_template.jinja`` (the tokenizer files copied byte for byte from the base), plus
 ``sft_summary.json`` (demonstrations, steps, losses, the quick evaluation, timings). Written in a
-temporary folder beside ``out`` and renamed into place.
+staging folder beside ``out`` (``.<out's name>.staging-*``) and renamed into place whole, so ``out``
+is never half-built; the staging folder a killed build left is removed by the next build
+(``store/staging.py``).
 
 Who calls it: the CLI (``atlas-lightning data tiny-orchestrator --out DIR [--seed N]``; ``make
 demo`` builds it into the cache once), tests.
@@ -38,7 +40,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import shutil
 import tempfile
@@ -57,6 +58,7 @@ from atlas_lightning.env.episode import Episode, RuntimeConfig
 from atlas_lightning.env.terminal import TERMINAL_REASONS
 from atlas_lightning.config import LoopLimits
 from atlas_lightning.store.files import sha256_file
+from atlas_lightning.store.staging import replace_folder, staging_folder
 
 log = logging.getLogger(__name__)
 
@@ -325,20 +327,6 @@ def _demo_stats(demos: Sequence[Demo]) -> dict:
     }
 
 
-def _move_into_place(staging: Path, out: Path) -> None:
-    """Rename ``staging`` to ``out``; an existing ``out`` is moved aside first, then removed, so
-    ``out`` is at every moment either the old folder or the complete new one (or briefly absent)."""
-    if not out.exists():
-        os.rename(staging, out)
-        return
-    if not out.is_dir():
-        raise NotADirectoryError(f"build_tiny_orchestrator: {out} exists and is not a folder")
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-    os.rename(out, old / out.name)
-    os.rename(staging, out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _base_folder(staging: Path, base: Path | None, seed: int) -> Path:
     """The tiny model to start from: ``base`` (every model file there, or ``FileNotFoundError``
     naming those missing), else one built with ``build_tiny_model(seed=seed)`` inside ``staging``."""
@@ -476,13 +464,11 @@ def build_tiny_orchestrator(out: Path, seed: int = 0, base: Path | None = None, 
     """
     started = time.monotonic()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        with _no_progress_bars():
-            return _build_in(staging, out, seed, base, recipe, sample_seed, save_model, device, started)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    # what a killed build left beside out goes first; this build's staging goes when it ends
+    with staging_folder(out.parent, out.name) as work, _no_progress_bars():
+        staging = work / "out"
+        staging.mkdir()
+        return _build_in(staging, out, seed, base, recipe, sample_seed, save_model, device, started)
 
 
 def _build_in(staging: Path, out: Path, seed: int, base: Path | None, recipe: SFTRecipe, sample_seed: int,
@@ -532,6 +518,6 @@ def _build_in(staging: Path, out: Path, seed: int, base: Path | None, recipe: SF
     (staging / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     for path in staging.iterdir():
         path.chmod(0o644)  # safetensors' temp file would leave the weights owner-only
-    staging.chmod(0o755)  # mkdtemp makes it owner-only
-    _move_into_place(staging, out)
+    staging.chmod(0o755)
+    replace_folder(staging, out, staging.parent)  # whole, by one rename (store/staging.py)
     return summary

@@ -75,7 +75,7 @@ def _check_mapping(columns: Mapping[str, str], subset_columns: Sequence[str]) ->
             raise DataError(
                 f"data.columns: unknown column {ours!r}; known: {', '.join(sorted(known))}"
             )
-        if not isinstance(theirs, str) or not theirs:
+        if not isinstance(theirs, str) or not theirs.strip():
             raise DataError(f"data.columns.{ours}: expected the file's column name, got {theirs!r}")
         mapping[str(ours)] = theirs
     return mapping
@@ -307,7 +307,33 @@ def load_splits(cfg_data: Any) -> QuestionSplits:
     splits = QuestionSplits(train=load_split(cfg_data, cfg_data.train_split),
                             val=load_split(cfg_data, cfg_data.val_split, cfg_data.val_max_questions))
     check_subset_columns(cfg_data, {cfg_data.train_split: splits.train, cfg_data.val_split: splits.val})
+    check_disjoint_splits(cfg_data, splits.train, splits.val)
     return splits
+
+
+def check_disjoint_splits(cfg_data: Any, train: Sequence[Question], val: Sequence[Question]) -> None:
+    """No validation question is a training question: a question id (ids are unique within a
+    benchmark) in both ``data.train_split`` and the validation questions the run scores ``val``
+    (``load_split``'s questions, in file order, so a question's place in its benchmark's list is
+    its row) would be trained on and then scored as unseen, and the validation figures would
+    overstate what was learnt. ``DataError`` naming the benchmark, the id, both files with their
+    rows and how many more ids are shared; both splits naming one file is refused as such."""
+    if cfg_data.train_split == cfg_data.val_split:
+        raise DataError(f"data.train_split and data.val_split both name {cfg_data.train_split!r}: validation would "
+                        f"score the very questions the run trains on; name two different files")
+    for benchmark in cfg_data.benchmarks:
+        train_rows = {q.question_id: row for row, q in enumerate(q for q in train if q.benchmark == benchmark)}
+        shared = [(row, q.question_id) for row, q in enumerate(q for q in val if q.benchmark == benchmark)
+                  if q.question_id in train_rows]
+        if shared:
+            val_row, question_id = shared[0]
+            more = f" ({len(shared) - 1} more id(s) of {benchmark} are in both)" if len(shared) > 1 else ""
+            raise DataError(
+                f"{benchmark}/{cfg_data.train_split}.parquet row {train_rows[question_id]} and "
+                f"{benchmark}/{cfg_data.val_split}.parquet row {val_row} (question_id={question_id}) field "
+                f"question_id: the same question in the training and the validation split{more}: validation "
+                f"would score questions the run trains on; remove them from one of the two files "
+                f"(under data.root={cfg_data.root})")
 
 
 #: The subset column read when ``data.subset_columns`` is left as it is: optional (the bundled

@@ -11,6 +11,13 @@ Contract:
   ``rollout.n`` samples each (``StepQuestions``).
 - A trajectory is named by ``(uid, session)`` (``trajectory_key``), in records, checkpoints and
   the steps a checkpoint keeps in flight.
+- A step's trajectories (``algorithm.train_batch_size`` x ``rollout.n``) and a validation's (the
+  validation questions x ``rollout.val_n``) are held at once by the node that samples them: a
+  ``rollout.n`` or ``rollout.val_n`` whose prompts alone cannot fit this machine's memory is a
+  ``ConfigError`` naming the key, the largest value that fits and why (``check_step_memory``).
+  No other bound holds ``rollout.n``: the step's time and memory grow with it, and no format,
+  dtype or engine limit caps it (session ids, token offsets and request seeds are unbounded; the
+  engine takes ``rollout.max_in_flight`` requests at a time, whatever their number).
 
 One path for the two that need it: the run's start-up (``run/facts.py``), which fits the
 splits once before anything is written (``fitted_splits``: a bad ``rollout.max_prompt_length``,
@@ -22,7 +29,9 @@ in-flight steps with the steps this run samples, and the data module
 from __future__ import annotations
 
 import logging
+import os
 from functools import cached_property
+from pathlib import Path
 from typing import Callable, Optional
 
 from omegaconf import DictConfig
@@ -69,31 +78,89 @@ def prompt_ids(chat: ChatFormat, episode: Episode) -> list[int]:
 
 
 def fitting(questions: list[Question], split: str, chat: ChatFormat, cfg: DictConfig,
-            say: Callable[[str], None] = log.warning) -> list[Question]:
+            say: Callable[[str], None] = log.warning) -> tuple[list[Question], list[int]]:
     """``questions`` without those whose prompt exceeds ``rollout.max_prompt_length``, telling
-    ``say`` how many were dropped; ``ConfigError`` when none is left."""
+    ``say`` how many were dropped, and the prompt length of each kept; ``ConfigError`` when none
+    is left. (A question's prompt is the same for every sample: its candidates are not in it.)"""
     limit = cfg.rollout.max_prompt_length
     limits = runtime(cfg)
-    kept = [q for q in questions if len(prompt_ids(chat, Episode(q, 0, limits))) <= limit]
+    lengths = [len(prompt_ids(chat, Episode(q, 0, limits))) for q in questions]
+    kept = [(q, length) for q, length in zip(questions, lengths) if length <= limit]
     if len(kept) < len(questions):
         say(f"{len(questions) - len(kept)} of {len(questions)} {split} questions have prompts over "
             f"rollout.max_prompt_length={limit} and are skipped")
     if not kept:
         raise ConfigError(f"rollout.max_prompt_length={limit}: no {split} question's prompt fits it "
                           f"({len(questions)} questions of data.{split}_split)")
-    return kept
+    return [q for q, _ in kept], [length for _, length in kept]
 
 
 def fitted_splits(cfg: DictConfig, splits: QuestionSplits, chat: Optional[ChatFormat] = None,
-                  say: Callable[[str], None] = log.warning) -> QuestionSplits:
+                  say: Callable[[str], None] = log.warning, training: bool = True) -> QuestionSplits:
     """``splits`` without the questions whose prompts do not fit (``fitting``; ``chat``: default
-    ``model.path``'s), the training ones checked to fill a batch (``StepQuestions``):
-    ``ConfigError`` naming the key otherwise."""
+    ``model.path``'s), the training ones checked to fill a batch (``StepQuestions``), and the
+    trajectories of a step (``training``: the run trains) and of a validation checked to fit this
+    machine's memory (``check_step_memory``): ``ConfigError`` naming the key otherwise."""
     chat = chat if chat is not None else chat_format(cfg)
-    fitted = QuestionSplits(train=fitting(splits.train, "train", chat, cfg, say),
-                            val=fitting(splits.val, "val", chat, cfg, say))
-    StepQuestions(fitted.train, cfg)
-    return fitted
+    train, train_lengths = fitting(splits.train, "train", chat, cfg, say)
+    val, val_lengths = fitting(splits.val, "val", chat, cfg, say)
+    StepQuestions(train, cfg)
+    check_step_memory(cfg, train_lengths if training else None, val_lengths)
+    return QuestionSplits(train=train, val=val)
+
+
+#: Bytes each prompt token of a step holds at the least, in the memory of the node that samples
+#: it, once the step's batch is assembled (``batch.assemble_batch``): the agent loop's prompt, a
+#: list (a reference of 8 bytes a token), and the record's ``prompt_ids`` (int64: 8 bytes a token),
+#: both alive until the batch is handed over. A floor: the token objects, the responses, the
+#: episodes and the update's tensors come on top (on the tiny model a trajectory of 576 prompt
+#: tokens held 20 KB before its first generated token: 35 bytes a token).
+PROMPT_TOKEN_BYTES = 16
+_GIB = 2**30
+
+
+def host_memory_bytes() -> int:
+    """This machine's memory and swap in bytes (``/proc/meminfo``'s MemTotal + SwapTotal; the
+    physical pages ``sysconf`` counts where there is no such file). A container's own limit may
+    be lower: the figure is an upper one, so that what it refuses cannot run anywhere on the machine."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        total = sum(int(fields[key].split()[0]) * 1024 for key in ("MemTotal", "SwapTotal") if key in fields)
+    except (OSError, ValueError, IndexError):
+        total = 0
+    return total or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_step_memory(cfg: DictConfig, train_lengths: Optional[list[int]], val_lengths: list[int],
+                      memory: Optional[int] = None) -> None:
+    """A training step's trajectories (``algorithm.train_batch_size`` questions of the training
+    prompts' ``train_lengths`` x ``rollout.n``; None: the run does not train) and a validation's
+    (every validation question, ``val_lengths``, x ``rollout.val_n``) are sampled at once, each
+    node holding its share (one of them a ``trainer.num_nodes``-th at least) until the batch is
+    handed over.
+    Their prompts alone take ``PROMPT_TOKEN_BYTES`` a token there; when that floor exceeds
+    ``memory`` (default ``host_memory_bytes()``) the run cannot hold one step and would be killed
+    by the machine after writing its files: ``ConfigError`` naming the key, the floor and the
+    largest value the floor admits. A floor, never an estimate: a value it passes may still not fit."""
+    memory = host_memory_bytes() if memory is None else memory
+    nodes = max(int(cfg.trainer.num_nodes), 1)
+    checks = [("rollout.val_n", "a validation", int(cfg.rollout.val_n), len(val_lengths), sum(val_lengths), "")]
+    if train_lengths is not None:  # a step can draw the shortest prompts: its floor is theirs
+        batch = int(cfg.algorithm.train_batch_size)
+        checks.insert(0, ("rollout.n", "a training step", int(cfg.rollout.n), batch,
+                          sum(sorted(train_lengths)[:batch]), " shortest"))
+    for key, what, samples, questions, tokens, which in checks:
+        floor = samples * tokens * PROMPT_TOKEN_BYTES / nodes
+        if floor > memory:
+            largest = int(memory * nodes // (tokens * PROMPT_TOKEN_BYTES))
+            raise ConfigError(
+                f"{key}={samples}: {what} samples {questions * samples:,} trajectories ({questions} questions x "
+                f"{samples}) at once; their prompts alone ({tokens:,} tokens for the {questions}{which} questions, "
+                f"x {samples}) hold at least {PROMPT_TOKEN_BYTES} bytes a token until the batch is assembled: "
+                f"{floor / _GIB:,.1f} GiB on each of {nodes} node(s), more than this machine's {memory / _GIB:,.1f} "
+                f"GiB of memory and swap, so the machine would kill the run after it wrote its files; at most "
+                f"{key}={largest:,} fits that floor (fewer in practice: responses, episodes and the update's "
+                f"tensors come on top)")
 
 
 class StepQuestions:

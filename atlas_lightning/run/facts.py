@@ -66,7 +66,8 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     run (``run/environment.check_machine``: cards, W&B, the Hub), ``model.path`` (``planning.model_folder``; its weights
     every architecture tensor and every value finite: ``run/base_values.py``) and ``model.shape``, the question splits (``data``: ``data.root`` a folder of the benchmarks, every file of the train and validation splits loads,
     ``questions.loader.load_splits``, and is fitted to ``rollout.max_prompt_length`` under
-    ``model.path``'s tokenizer, filling a batch: ``rollout/step_questions.fitted_splits``), ``trainer.init_from``
+    ``model.path``'s tokenizer, filling a batch whose trajectories, and a validation's, fit this machine's memory:
+    ``rollout/step_questions.fitted_splits``), ``trainer.init_from``
     (a complete checkpoint whose adapters verify against ``checkpoint.json``), the starting
     adapter folders, their tensors and their LoRA shapes (``_check_starting_adapters``,
     ``store.lora_shapes``), and ``trainer.resume``
@@ -119,7 +120,7 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
         from atlas_lightning.rollout.step_questions import fitted_splits
 
         loaded = questions
-        fitted = functools.cache(lambda: fitted_splits(cfg, loaded, say=question_notes.append))
+        fitted = functools.cache(lambda: fitted_splits(cfg, loaded, say=question_notes.append, training=training))
     start = resume_path(cfg, folders["checkpoints"], training=training, fitted=fitted)
     if fitted is not None:
         questions = fitted()

@@ -12,8 +12,9 @@ Checks, in order (each prints one line; the exit code is 0 when all pass, 2 othe
    family, a tokenizer and weight files, checked as ``fit`` checks them: the weights are
    exactly the tensors of the architecture (built on the meta device: no tensor is read), the
    tokenizer loads and its chat template renders the tools;
-3. ``data``: the train and validation splits of every benchmark load (``data.loader.load_split``:
-   a bad file, row or field is named);
+3. ``data``: the train and validation splits of every benchmark load as ``fit`` loads them
+   (``questions.loader.load_splits``: a bad file, row or field is named, and so is a question of
+   both splits);
 4. ``adapters``: the starting adapters (``trainer.init_from``'s ``actor``/``critic``, or
    ``model.actor_adapter``/``critic_adapter``) are PEFT folders whose base (``atlas_base.json``,
    when present) has this base's config fields, whose tensors are readable and finite (read as
@@ -96,18 +97,15 @@ def check_callbacks(cfg) -> str:
 
 
 def check_data(cfg) -> str:
-    from atlas_lightning.questions.loader import check_subset_columns, load_split
+    """The splits, loaded and checked as ``fit`` loads them (``run/facts.check_inputs``): the key
+    ``data.root``, every row, the subset columns and no question in both splits."""
+    from atlas_lightning.questions.loader import load_splits
     from atlas_lightning.run.facts import check_data_root
 
     check_data_root(cfg.data)  # fit's own check of the key
-    counts, loaded = [], {}
-    for split in (cfg.data.train_split, cfg.data.val_split):
-        questions = loaded[split] = load_split(cfg.data, split)
-        if not questions:
-            raise PreflightError(f"data.root={cfg.data.root}: split {split} has no questions")
-        counts.append(f"{split} {len(questions)}")
-    check_subset_columns(cfg.data, loaded)
-    return f"{cfg.data.root}: {', '.join(counts)} questions ({', '.join(cfg.data.benchmarks)})"
+    splits = load_splits(cfg.data)  # the validation split capped at data.val_max_questions, as fit's
+    counts = f"{cfg.data.train_split} {len(splits.train)}, {cfg.data.val_split} {len(splits.val)}"
+    return f"{cfg.data.root}: {counts} questions ({', '.join(cfg.data.benchmarks)})"
 
 
 def starting_adapters(cfg) -> dict[str, Path]:

@@ -187,9 +187,10 @@ def test_what_the_projection_cannot_scale_from_exits_2_naming_it(tmp_path, capsy
     assert err.startswith(f"python -m atlas_lightning.bench.projection: --bench {path} (step 2): ") and message in err
 
 
-def test_the_step_report_records_its_build_and_its_cards_bandwidth():
+def test_the_step_report_records_its_build_and_its_cards_bandwidth(orchestrator_dir):
     """What ``step.py --build`` ran reaches the report the projection reads: the callback takes the
-    shape and layers as config values, ``build_report`` writes them; the card's HBM by its name."""
+    shape and layers as config values, ``build_report`` writes them; the card's HBM by its name.
+    The report plans the run's model (``_plan_at``): the tiny orchestrator's folder, the fixture's."""
     from pathlib import Path
 
     from omegaconf import OmegaConf
@@ -208,9 +209,11 @@ def test_the_step_report_records_its_build_and_its_cards_bandwidth():
     assert callback.build == {"shape": "qwen3_6_27b", "layers": 16}
     assert StepBenchCallback(out="/tmp/x", build="dense8b").build == {"shape": "dense8b", "layers": None}
     assert StepBenchCallback(out="/tmp/x").build is None
-    cfg = compose(["experiment=tiny-cpu"])
+    cfg = compose(["experiment=tiny-cpu", f"model.path={orchestrator_dir}"])
     report = build_report(cfg, {1: {"timing_s/gen": 1.0}}, rollout_start={1: 0.0}, ended=2.0, callback_s={},
                           lengths={1: [10]}, generated={1: 5}, replayed={}, build=callback.build)
     assert report["build"] == {"shape": "qwen3_6_27b", "layers": 16}
+    planned = report["steps"][0]["plan_tensors_gib"]["configured_budgets"]
+    assert "error" not in planned and all(phase["tensors_gib"] > 0 for phase in planned.values()), planned
     assert inputs_from_bench({**report, "environment": {"gpu": "NVIDIA H200"}}).measured_layers == 16
     assert (hbm_tbs("NVIDIA H100 80GB HBM3"), hbm_tbs("NVIDIA H200"), hbm_tbs("NVIDIA B200")) == (3.35, 4.8, None)

@@ -91,7 +91,7 @@ def test_bad_values_are_refused_naming_the_key(override, named):
 
 
 @pytest.mark.parametrize("override", ["reward.cost_per_usd=nan", "rollout.top_p=1.5", "name=../../x",
-                                      "algorithm.betas=[0.9]"])
+                                      "algorithm.betas=[0.9]", "logger.project=''", "logger.project='  '"])
 def test_the_cli_exits_2_and_writes_nothing(override, tmp_path, capsys):
     assert main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path}", override]) == 2
     assert override.split("=")[0] in capsys.readouterr().err
@@ -123,6 +123,58 @@ def test_every_numeric_key_of_the_schema_has_a_rule():
     assert numeric, "the walk found no numeric field"
     missing = sorted(numeric - set(CONSTRAINTS))
     assert not missing, f"numeric config keys without a rule in constraints.py: {missing}"
+
+
+def _string_leaves(cls, prefix=""):
+    """``(key, is_list)`` of every field of the schema that holds a string or a list of strings."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind, key = hints[f.name], f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(kind):
+            yield from _string_leaves(kind, key + ".")
+            continue
+        options = set(typing.get_args(kind)) if typing.get_origin(kind) is typing.Union else {kind}
+        if str in options:
+            yield key, False
+        elif any(typing.get_origin(a) is list and typing.get_args(a) == (str,) for a in options):
+            yield key, True
+        elif any(typing.get_origin(a) is dict and typing.get_args(a)[0] is str for a in options):
+            yield key, None  # a mapping: its keys and values are checked where it is read
+
+
+#: String keys whose rule lives in ``config.validate`` (a class path: ``_check_target``; each
+#: callback's ``_target_``) or the loader (``data.columns``: our name -> the file's,
+#: ``questions.loader._check_mapping``).
+_CHECKED_ELSEWHERE = {"rollout.engine", "reward._target_", "data.columns", "callbacks"}
+
+
+def test_every_string_key_of_the_schema_has_a_rule():
+    strings = {key for key, _ in _string_leaves(RootConfig)}
+    assert {"logger.project", "name", "data.subset_columns"} <= strings, "the walk missed string fields"
+    assert not sorted(strings - set(CONSTRAINTS) - _CHECKED_ELSEWHERE)
+
+
+@pytest.mark.parametrize("key, is_list", sorted((k, is_list) for k, is_list in _string_leaves(RootConfig)
+                                                  if is_list is not None))
+@pytest.mark.parametrize("blank", ["", "   "])
+def test_an_empty_or_blank_name_is_refused_naming_its_key(key, is_list, blank):
+    """No key that names something (a W&B project or entity, the run, a path, a column, a tag,
+    a class) takes an empty or a blank string: each is refused by its key before any work (the
+    mappings: ``test_a_blank_column_mapping_is_refused_naming_the_key``, and a callback needs a
+    ``_target_`` naming a class)."""
+    value = f"['{blank}']" if is_list else f"'{blank}'"
+    with pytest.raises(ConfigError, match=f"^{re.escape(key)}="):
+        compose(["experiment=tiny-cpu", f"{key}={value}"])
+
+
+@pytest.mark.parametrize("blank", ["", "   "])
+def test_a_blank_column_mapping_is_refused_naming_the_key(blank, tmp_path, sample_data_dir):
+    from atlas_lightning.questions.loader import DataError, load_splits
+
+    cfg = compose(["experiment=tiny-cpu", f"data.root={sample_data_dir}", f"+data.columns={{problem:'{blank}'}}"])
+    with pytest.raises(DataError, match=re.escape(f"data.columns.problem: expected the file's column name, got "
+                                                  f"{blank!r}")):
+        load_splits(cfg.data)
 
 
 def test_every_rule_names_a_key_of_the_schema():
@@ -225,6 +277,95 @@ def test_a_bad_question_file_exits_2_before_anything_is_written(tmp_path, sample
     err = capsys.readouterr().err
     assert code == 2 and "gpqa/val_full.parquet row 5 " in err and "field ground_truth: 'H' is not one of" in err
     assert not root.exists()
+
+
+def _data_with(tmp_path, sample_data_dir, change):
+    """A copy of the sample under ``tmp_path/data`` whose files ``change(benchmark, split, rows)``
+    edits in place (rows as ``pyarrow``'s ``to_pylist`` gives them)."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "data"
+    shutil.copytree(sample_data_dir, data)
+    for path in sorted(data.glob("*/*.parquet")):
+        rows = pq.read_table(path).to_pylist()
+        change(path.parent.name, path.stem, rows)
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return data
+
+
+def _fit_refused(tmp_path, capsys, data, *overrides) -> str:
+    """``fit`` on ``data`` (a model folder the checks before the data pass): exit 2, one line of
+    stderr without a traceback, and nothing under ``paths.root``; returns that line."""
+    root = tmp_path / "root"
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}", f"model.path={_model_folder(tmp_path)}",
+                 f"data.root={data}", *overrides])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert not root.exists()
+    return lines[0]
+
+
+def _shared_ids(count, benchmark):
+    """Give the first ``count`` validation rows of ``benchmark`` the ids of training rows 7, 8, ..."""
+    def change(bench, split, rows):
+        if bench == benchmark and split == "val_full":
+            for k in range(count):
+                rows[3 + k]["question_id"] = f"{benchmark}-train-{7 + k:04d}"
+    return change
+
+
+@pytest.mark.parametrize("count, benchmark", [(1, "gpqa"), (3, "lcb")])
+def test_a_question_in_both_the_train_and_the_val_split_exits_2_before_anything_is_written(
+        count, benchmark, tmp_path, sample_data_dir, capsys):
+    line = _fit_refused(tmp_path, capsys, _data_with(tmp_path, sample_data_dir, _shared_ids(count, benchmark)))
+    assert (f"{benchmark}/train.parquet row 7 and {benchmark}/val_full.parquet row 3 "
+            f"(question_id={benchmark}-train-0007) field question_id: the same question in the training and the "
+            f"validation split") in line
+    assert (f"({count - 1} more id(s) of {benchmark} are in both)" in line) == (count > 1)
+
+
+def test_preflight_names_a_question_in_both_splits(tmp_path, sample_data_dir, capsys):
+    from atlas_lightning.run.preflight import main as preflight_main
+
+    data = _data_with(tmp_path, sample_data_dir, _shared_ids(1, "gpqa"))
+    assert preflight_main(["experiment=tiny-cpu", "--cpu-preflight", f"paths.root={tmp_path / 'root'}",
+                           f"model.path={_model_folder(tmp_path)}", f"data.root={data}"]) == 2
+    line = next(line for line in capsys.readouterr().out.splitlines() if "] data " in line)
+    assert line.startswith("[FAIL] data") and "(question_id=gpqa-train-0007) field question_id: the same question" in line
+
+
+def test_one_file_named_as_both_splits_exits_2_before_anything_is_written(tmp_path, sample_data_dir, capsys):
+    line = _fit_refused(tmp_path, capsys, sample_data_dir, "data.val_split=train")
+    assert "data.train_split and data.val_split both name 'train'" in line
+
+
+def test_a_shared_question_beyond_the_validation_cap_is_not_one_validation_scores(tmp_path, sample_data_dir):
+    """Only the questions validation scores count (``data.val_max_questions``, the first of each file)."""
+    from atlas_lightning.questions.loader import DataError, load_splits
+
+    def change(bench, split, rows):
+        if split == "val_full":
+            rows[-1]["question_id"] = f"{bench}-train-0000"
+    data = _data_with(tmp_path, sample_data_dir, change)
+    assert load_splits(compose(["experiment=tiny-cpu", f"data.root={data}", "data.val_max_questions=8"]).data).val
+    with pytest.raises(DataError, match="row 0 and gpqa/val_full.parquet row 47"):
+        load_splits(compose(["experiment=tiny-cpu", f"data.root={data}"]).data)
+
+
+@pytest.mark.parametrize("split", ["train", "val_full"])
+@pytest.mark.parametrize("truth", ["42", "b", "(B)", "Answer: B", ""])
+def test_a_gpqa_ground_truth_that_is_no_letter_exits_2_before_anything_is_written(split, truth, tmp_path,
+                                                                                   sample_data_dir, capsys):
+    def change(bench, name, rows):
+        if (bench, name) == ("gpqa", split):
+            rows[11]["ground_truth"] = truth
+    line = _fit_refused(tmp_path, capsys, _data_with(tmp_path, sample_data_dir, change))
+    assert (f"gpqa/{split}.parquet row 11 (question_id=gpqa-{split}-0011) field ground_truth: GPQA needs one capital "
+            f"letter A-Z, got {truth!r}") in line
 
 
 def test_a_paths_root_that_is_a_file_exits_2(tmp_path, capsys):

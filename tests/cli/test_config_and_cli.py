@@ -175,3 +175,15 @@ def test_a_card_memory_that_is_not_a_positive_finite_number_is_refused(card_gib,
     assert main(["plan", "experiment=r28-continued-cost-8gpu-n32", f"paths.root={tmp_path}", "--card-gib", card_gib]) == 2
     assert "GiB must be positive and finite (plan.card_gib / --card-gib)" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # an infinite card would plan every phase as fitting, and write it
+
+
+def test_the_tests_read_no_users_cache():
+    """``paths.cache`` (where ``make demo`` installs the tiny model, the sample and the orchestrator)
+    is an empty folder of this test session (``tests/conftest.py``), never the user's: a test that
+    needs them takes the session fixtures."""
+    import os
+    import tempfile
+
+    cache = Path(compose(["experiment=tiny-cpu"]).paths.cache)
+    assert cache == Path(os.environ["ATLAS_LIGHTNING_CACHE"]) and cache.parent == Path(tempfile.gettempdir())
+    assert cache != Path.home() / ".cache" / "atlas-lightning" and not any(cache.iterdir())

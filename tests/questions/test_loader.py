@@ -143,10 +143,12 @@ def test_subset_columns_present_are_read_and_absent_skipped(tmp_path, gpqa_quest
 
 
 def _split_files(root, gpqa_questions, tier_in=(), without_subset=False):
-    """gpqa's train and val_full files; ``tier_in``: the splits whose file has a ``tier`` column."""
+    """gpqa's train and val_full files (the same questions under ids of their split: a question in
+    both is refused); ``tier_in``: the splits whose file has a ``tier`` column."""
     for split in ("train", "val_full"):
         rows = _rows(gpqa_questions)
         for index, row in enumerate(rows):
+            row["question_id"] = f"{split}-{row['question_id']}"
             if split in tier_in:
                 row["tier"] = "hard" if index % 2 else "easy"
             if without_subset:

@@ -129,6 +129,53 @@ def test_questions_that_cannot_make_a_step_exit_2_before_anything_is_written(tmp
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "logs").exists()
 
 
+@pytest.mark.parametrize("override, message", [
+    ("rollout.n=1000000", "rollout.n=1000000: a training step samples 16,000,000 trajectories (16 questions x "
+                          "1000000) at once; their prompts alone ("),
+    ("rollout.val_n=1000000", "rollout.val_n=1000000: a validation samples 96,000,000 trajectories (96 questions x "
+                              "1000000) at once; their prompts alone ("),
+])
+def test_samples_a_step_cannot_hold_exit_2_before_anything_is_written(tmp_path, cfg_of, sample_data_dir,
+                                                                     tiny_model_dir, capsys, monkeypatch, override,
+                                                                     message):
+    """A ``rollout.n`` (or ``rollout.val_n``) whose step's prompts alone exceed this machine's
+    memory (64 GiB here, whatever the machine) is refused naming the key, the floor and the largest
+    value that fits it, before anything is written (the machine would kill the run at its first step)."""
+    from atlas_lightning.rollout import step_questions
+
+    monkeypatch.setattr(step_questions, "host_memory_bytes", lambda: 64 * 2**30)
+    assert main(_launch(cfg_of, tmp_path, sample_data_dir, tiny_model_dir, override)) == 2
+    err = capsys.readouterr().err
+    key = override.split("=")[0]
+    assert message in err and "more than this machine's 64.0 GiB of memory and swap" in err, err
+    assert re.search(rf"at most {re.escape(key)}=[\d,]+ fits that floor", err) and "Traceback" not in err
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_the_step_memory_floor_admits_exactly_what_fits(nodes):
+    """``check_step_memory`` at its bound: a step of 16 questions drawing the 16 shortest prompts
+    (100 tokens each), 16 bytes a token, on ``nodes`` nodes each of 1000 such steps' memory; a run
+    that does not train (``validate``: no training lengths) is held to its validation alone."""
+    from omegaconf import OmegaConf
+
+    from atlas_lightning.rollout.step_questions import PROMPT_TOKEN_BYTES, check_step_memory
+
+    def cfg(n, val_n=1):
+        return OmegaConf.create({"trainer": {"num_nodes": nodes}, "algorithm": {"train_batch_size": 16},
+                                 "rollout": {"n": n, "val_n": val_n}})
+    train = [100] * 16 + [5000] * 4  # a step may draw the 16 shortest: they set the floor
+    memory = 16 * 100 * PROMPT_TOKEN_BYTES * 1000
+    check_step_memory(cfg(1000 * nodes), train, [100], memory)
+    with pytest.raises(ConfigError, match=f"^rollout.n={1000 * nodes + 1}: .* at most rollout.n={1000 * nodes:,} fits"):
+        check_step_memory(cfg(1000 * nodes + 1), train, [100], memory)
+    check_step_memory(cfg(1000 * nodes + 1), None, [100], memory)
+    check_step_memory(cfg(1, val_n=16000 * nodes), None, [100], memory)
+    with pytest.raises(ConfigError, match=f"^rollout.val_n={16000 * nodes + 1}: .* at most rollout.val_n="
+                                          f"{16000 * nodes:,} fits"):
+        check_step_memory(cfg(1, val_n=16000 * nodes + 1), None, [100], memory)
+
+
 def test_the_questions_are_fitted_once_at_the_start_and_the_skipped_ones_reach_the_log(cfg_of):
     """The start-up fits the splits (saying how many it skipped, for the run's log) and the data
     module samples from what it fitted."""
