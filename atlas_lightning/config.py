@@ -157,6 +157,10 @@ class DataConfig:
     #: A GPQA row whose ``ground_truth`` contradicts a candidate's ``is_correct``: ``refuse`` (the
     #: loader names file, row and candidate) or ``keep`` (loaded as it is; README, "Question data").
     label_conflicts: str = "refuse"
+    #: A question id in both the training split and the validation questions scored: ``refuse``
+    #: (the loader names both files and rows) or ``allow`` (validation then scores questions the
+    #: run trains on, as the files say; README, "Question data").
+    split_overlap: str = "refuse"
     shuffle: bool = True
     seed: int = 0
 

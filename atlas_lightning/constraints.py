@@ -225,6 +225,7 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "data.subset_columns": Items(_COLUMN, unique=True),
     "data.val_max_questions": Int(1, optional=True),
     "data.label_conflicts": OneOf(LABEL_CONFLICT_POLICIES),
+    "data.split_overlap": OneOf(("refuse", "allow")),
     "data.seed": _SEED,
     # rollout
     "rollout.n": Int(1),

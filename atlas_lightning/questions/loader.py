@@ -317,10 +317,14 @@ def check_disjoint_splits(cfg_data: Any, train: Sequence[Question], val: Sequenc
     (``load_split``'s questions, in file order, so a question's place in its benchmark's list is
     its row) would be trained on and then scored as unseen, and the validation figures would
     overstate what was learnt. ``DataError`` naming the benchmark, the id, both files with their
-    rows and how many more ids are shared; both splits naming one file is refused as such."""
+    rows and how many more ids are shared, and ``data.split_overlap=allow``, which loads them (a
+    user's data may validate on training questions on purpose); both splits naming one file is
+    refused as such, whatever the switch."""
     if cfg_data.train_split == cfg_data.val_split:
         raise DataError(f"data.train_split and data.val_split both name {cfg_data.train_split!r}: validation would "
                         f"score the very questions the run trains on; name two different files")
+    if getattr(cfg_data, "split_overlap", "refuse") == "allow":
+        return
     for benchmark in cfg_data.benchmarks:
         train_rows = {q.question_id: row for row, q in enumerate(q for q in train if q.benchmark == benchmark)}
         shared = [(row, q.question_id) for row, q in enumerate(q for q in val if q.benchmark == benchmark)
@@ -333,7 +337,7 @@ def check_disjoint_splits(cfg_data: Any, train: Sequence[Question], val: Sequenc
                 f"{benchmark}/{cfg_data.val_split}.parquet row {val_row} (question_id={question_id}) field "
                 f"question_id: the same question in the training and the validation split{more}: validation "
                 f"would score questions the run trains on; remove them from one of the two files "
-                f"(under data.root={cfg_data.root})")
+                f"(under data.root={cfg_data.root}), or load them as they are with data.split_overlap=allow")
 
 
 #: The subset column read when ``data.subset_columns`` is left as it is: optional (the bundled

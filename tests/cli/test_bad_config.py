@@ -352,8 +352,14 @@ def test_a_shared_question_beyond_the_validation_cap_is_not_one_validation_score
             rows[-1]["question_id"] = f"{bench}-train-0000"
     data = _data_with(tmp_path, sample_data_dir, change)
     assert load_splits(compose(["experiment=tiny-cpu", f"data.root={data}", "data.val_max_questions=8"]).data).val
-    with pytest.raises(DataError, match="row 0 and gpqa/val_full.parquet row 47"):
+    with pytest.raises(DataError, match="row 0 and gpqa/val_full.parquet row 47.*or load them as they are with "
+                                        "data.split_overlap=allow"):
         load_splits(compose(["experiment=tiny-cpu", f"data.root={data}"]).data)
+    allowed = load_splits(compose(["experiment=tiny-cpu", f"data.root={data}", "data.split_overlap=allow"]).data)
+    assert allowed.val[47].question_id == allowed.train[0].question_id == "gpqa-train-0000"  # loaded as they are
+    with pytest.raises(DataError, match="both name 'train'"):  # one file as both splits: whatever the switch
+        load_splits(compose(["experiment=tiny-cpu", f"data.root={data}", "data.split_overlap=allow",
+                             "data.val_split=train"]).data)
 
 
 @pytest.mark.parametrize("split", ["train", "val_full"])

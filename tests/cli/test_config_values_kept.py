@@ -21,6 +21,8 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
   paths that leave CPU runs as they were (``models/fused_kernels.py``, ``models/attention.py``).
 * ``data.label_conflicts`` (``refuse``): GPQA rows whose ground truth contradicts a candidate are
   refused (every snapshot's data had none).
+* ``data.split_overlap`` (``refuse``): a question id in both the training and the validation
+  split is refused (``allow`` loads it).
 * the run's folders, ``paths.{artifacts,checkpoints,outputs,logs,wandb,runs}``, derived from
   ``paths.root`` and ``name`` (the README's layout, which ``run_dirs`` computed), and the callbacks'
   arguments interpolated from them, ``name`` and ``trainer.total_steps`` (``derived``);
@@ -67,7 +69,7 @@ ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.de
          "model.linear_attention_kernel": "auto", "model.layer_recompute": None,
          "model.critic_lora.rank": None, "model.critic_lora.alpha": None, "model.critic_lora.dropout": None,
          "model.critic_lora.target_modules": None, "model.elementwise_kernels": "auto",
-         "model.attention_length_bucket": None, "data.label_conflicts": "refuse", "trainer.gpu_hour_usd": 2.5,
+         "model.attention_length_bucket": None, "data.label_conflicts": "refuse", "data.split_overlap": "refuse", "trainer.gpu_hour_usd": 2.5,
          "algorithm.off_policy_loss": "none", "algorithm.behav_imp_weight_cap": 5.0,
          "algorithm.behav_imp_weight_mode": "truncate", "layout.staleness_policy": "wait",
          "layout.partial_rollouts": False, "layout.share_cards": False,
