@@ -53,8 +53,9 @@ test: setup
 
 # The long end-to-end runs (marked e2e: the CPU faults chain, the separate layout's and the partial
 # rollouts' kill and resume, the vLLM server engine's tests on a real server, merged weights into
-# it, the separate memory check, the further variants of some multi-rank and launch tests: about
-# 24 worker-minutes on two cores), left out of
+# it, the separate memory check, the further variants of some multi-rank and launch tests, the
+# PPO module's background checkpoints at two ranks, a validation's ride killed and resumed: about
+# 26 worker-minutes on two cores), left out of
 # `make test` to keep CI's time; run them before landing a change to the loop, the layouts, the
 # weight sync, the checkpoints or the faults.
 test-e2e: setup

@@ -33,6 +33,8 @@ def _run(model: Path, root: Path, *extra: str) -> dict:
     return json.loads((root / "result.json").read_text())
 
 
+@pytest.mark.e2e  # two ranks, three checkpointed steps and a resume (~65 s on two cores): make test-e2e; make
+# test keeps the background save killed in flight under FSDP2 (test_cb_checkpoint_background.py)
 def test_ppo_module_checkpoints_written_in_the_background_verify_and_resume(tiny_model_dir, tmp_path):
     assert _run(tiny_model_dir, tmp_path) == {"resumed_from": None, "rl_step": 3}
     checkpoints = tmp_path / "checkpoints" / "ppo"

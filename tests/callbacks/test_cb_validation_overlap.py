@@ -147,6 +147,7 @@ def _env() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # a launch killed and resumed (~60 s on two cores): make test-e2e
 def test_sigkill_before_the_ride_resumes_the_pending_validation(tmp_path):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     done = subprocess.run(_worker(straight), capture_output=True, text=True, timeout=600, env=_env())
