@@ -25,9 +25,12 @@ Checks, in order (each prints one line; the exit code is 0 when all pass, 2 othe
    names the shape, and says so when the config's differs. Fresh adapters print the shape the
    config gives them. The weights fingerprint is checked by ``fit``'s start-up
    (``run/facts.py``) and when the trainer loads them (``models/adapters.py``);
-5. ``plan``: ``planning.make_plan`` passes (layouts and memory; cards of ``plan.card_gib``
+5. ``resume``: ``trainer.resume`` resolved and verified as ``fit`` resolves it
+   (``run/facts.resume_path``: a missing or damaged checkpoint, a state not whole, adapters of
+   other LoRA settings, kept trajectories this config would not continue);
+6. ``plan``: ``planning.make_plan`` passes (layouts and memory; cards of ``plan.card_gib``
    GiB, default 80, or ``--card-gib``);
-6. ``environment``: enough GPUs on this node for ``trainer.devices``, vLLM importable when the
+7. ``environment``: enough GPUs on this node for ``trainer.devices``, vLLM importable when the
    engine is vLLM (found, not imported), every folder the run writes writable
    (``run/facts.check_writable``, as ``fit``), a W&B key when logging online.
 
@@ -133,6 +136,20 @@ def check_adapters(cfg) -> str:
                      for role in ROLES)
 
 
+def check_resume(cfg) -> str:
+    """``trainer.resume`` as ``fit`` resolves it (``run/facts.resume_path``): null, ``auto`` (the
+    newest checkpoint of the run that verifies, or none) or a ``global_step_N`` folder that
+    verifies, its state whole, its adapters of this run's LoRA settings and base, and the
+    trajectories it keeps in flight continued by this config."""
+    from atlas_lightning.config import run_dirs
+    from atlas_lightning.run.facts import resume_path
+
+    start = resume_path(cfg, run_dirs(cfg)["checkpoints"])
+    notes = [note for note in start.notes if "resuming from" not in note]
+    head = f"resuming from {start.resume} (verified)" if start.resume is not None else "a fresh start"
+    return "; ".join([head, *notes])
+
+
 def check_plan(cfg, card_gib: Optional[float]) -> str:
     from atlas_lightning.planning import make_plan
 
@@ -198,6 +215,7 @@ def run_preflight(overrides: list[str], *, cpu: bool = False, config_dir: Option
     run("model", lambda: check_model(cfg))
     run("data", lambda: check_data(cfg))
     run("adapters", lambda: check_adapters(cfg))
+    run("resume", lambda: check_resume(cfg))
     run("plan", lambda: check_plan(cfg, card_gib))
     run("environment", lambda: check_environment(cfg, cpu))
     return results

@@ -260,3 +260,21 @@ def test_inputs_that_parse_but_lie_exit_2_in_one_line_before_anything_is_written
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0] and "Traceback" not in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere"]
+
+
+def test_preflight_resolves_and_verifies_the_resume_as_fit_does(tmp_path, cfg_of):
+    """Pre-flight's ``resume`` line: the checkpoint ``fit`` would resume from, verified, or what
+    ``fit`` would refuse, in the same words (a launch that passed pre-flight had then stopped at
+    its start on a missing or mismatched checkpoint)."""
+    from atlas_lightning.run.facts import check_inputs
+    from atlas_lightning.run.preflight import check_resume
+
+    folder = _checkpoint(tmp_path / "elsewhere", 3)
+    assert check_resume(cfg_of(f"trainer.resume={folder}")) == f"resuming from {folder} (verified)"
+    assert check_resume(cfg_of()) == "a fresh start"
+    for resume, override in ((folder, "model.lora.rank=16"), (tmp_path / "missing", "seed=0")):
+        with pytest.raises(ConfigError) as by_fit:
+            check_inputs(cfg_of(f"trainer.resume={resume}", override))
+        with pytest.raises(ConfigError) as by_preflight:
+            check_resume(cfg_of(f"trainer.resume={resume}", override))
+        assert str(by_preflight.value) == str(by_fit.value)
