@@ -31,17 +31,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from omegaconf import DictConfig, OmegaConf
+
 from atlas_lightning.config import ConfigError
 from atlas_lightning.constraints import CONSTRAINTS, Violation
 
 
 def check_callback_arguments(name: str, target: Any, arguments: Mapping[str, Any],
-                             run_values: Optional[Mapping[str, Any]] = None) -> None:
+                             cfg: Optional[DictConfig] = None) -> None:
     """``ConfigError`` naming ``callbacks.<name>.<key>`` for an argument ``target`` (a class or
     factory) does not take, or whose value is not of its annotated type, or breaks the rule of
     the run key the shipped entry takes it from (module doc). ``arguments``: the entry's values,
-    resolved, without hydra's own keys (``_target_``, ...); ``run_values``: the run's resolved
-    config (``OmegaConf.to_container``), for the keys an argument must equal (``MUST_EQUAL``)."""
+    resolved, without hydra's own keys (``_target_``, ...); ``cfg``: the run's config, whose
+    value of a run key an argument passes as it is (checked there: ``config.validate``,
+    ``run/facts.check_writable``) or must equal (``MUST_EQUAL``)."""
     try:
         signature = inspect.signature(target)
     except (TypeError, ValueError):  # a builtin without one: nothing to check against
@@ -59,25 +62,23 @@ def check_callback_arguments(name: str, target: Any, arguments: Mapping[str, Any
         if hint is not None and not fits(value, hint):
             raise ConfigError(f"callbacks.{name}.{key}={value!r}: {what} takes {describe(hint)} for {key}, "
                               f"got {type(value).__name__}")
-        if key in sources:
-            _check_as_its_source(f"callbacks.{name}.{key}", value, sources[key])
-            if sources[key] in MUST_EQUAL and run_values is not None:
-                _check_equal(f"callbacks.{name}.{key}", value, sources[key], run_values)
+        source = sources.get(key)
+        run_value = OmegaConf.select(cfg, source) if source is not None and cfg is not None else _UNSET
+        if source is None or value == run_value:  # the run key's own value: checked as that key
+            continue
+        _check_as_its_source(f"callbacks.{name}.{key}", value, source)
+        if source in MUST_EQUAL and run_value is not _UNSET:
+            raise ConfigError(f"callbacks.{name}.{key}={value!r} differs from {source}={run_value!r}, which the run "
+                              f"follows: set {source} instead")
+
+
+_UNSET = object()
 
 
 #: Run keys a callback's argument taken from them must equal: a progress bar, a last validation or
 #: a last checkpoint counted to another step than the run trains to, or records filed under
 #: another run's name, would be wrong without a word.
 MUST_EQUAL = ("trainer.total_steps", "name")
-
-
-def _check_equal(key: str, value: Any, source: str, run_values: Mapping[str, Any]) -> None:
-    expected: Any = run_values
-    for part in source.split("."):
-        expected = expected.get(part) if isinstance(expected, Mapping) else None
-    if value != expected:
-        raise ConfigError(f"{key}={value!r} differs from {source}={expected!r}, which the run follows: set "
-                          f"{source} instead")
 
 
 def _check_as_its_source(key: str, value: Any, source: str) -> None:
@@ -102,8 +103,6 @@ def shipped_sources() -> dict[str, dict[str, str]]:
     """Per shipped callback entry (``conf/callbacks/default.yaml``), the run key each argument is
     interpolated from (``{"hub": {"repo_type": "hub.repo_type", ...}, ...}``); literal values and
     anything else are left out."""
-    from omegaconf import OmegaConf
-
     from atlas_lightning.config import config_dir
 
     shipped = OmegaConf.to_container(OmegaConf.load(Path(config_dir()) / "callbacks" / "default.yaml"),

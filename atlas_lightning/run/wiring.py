@@ -175,7 +175,7 @@ def build_callbacks(cfg: DictConfig, facts: Optional["RunFacts"] = None) -> list
             target = get_object(spec._target_)  # resolved at compose; a config changed since may not
         except Exception as err:
             raise ConfigError(f"callbacks.{name}: cannot build {spec.get('_target_')}: {err}") from None
-        check_callback_arguments(name, target, arguments, run_values=record["config"])
+        check_callback_arguments(name, target, arguments, cfg=cfg)
         try:
             build = instantiate(spec, _partial_=True)
             records_the_run = isinstance(build.func, type) and issubclass(build.func, ArtifactDumpCallback)
