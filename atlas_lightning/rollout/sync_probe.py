@@ -292,8 +292,8 @@ class MovementCheck:
         self.last: Optional[Movement] = None
         self.last_ratio: Optional[float] = None
         self.unverified_syncs = 0
-        #: The last reading, verified or not, and the move from it to the next: reported only (an
-        #: engine is never judged against its own unverified output).
+        #: The last reading, verified or not (the reference once verified), and the move from it to
+        #: the next: reported only (an engine is never judged against its own unverified output).
         self.previous: Optional[Reading] = None
         self.last_step: Optional[Movement] = None
         #: Syncs whose engine probe stayed the previous one to the bit while the trainer's moved.
@@ -302,7 +302,6 @@ class MovementCheck:
     def start(self, reading: Reading) -> None:
         """``reading`` is verified otherwise (digest and absolute probe): the first reference."""
         self.noise = 0.0
-        self.previous = None
         self._verified(reading)
 
     def check(self, reading: Reading, starting: Optional[str] = None, may_wait: Optional[bool] = None) -> Movement:
@@ -313,7 +312,7 @@ class MovementCheck:
         ``WeightSyncError`` when the engine does not follow."""
         moved = movement(self.reference, reading, self.noise)
         self.last = moved
-        self._step(reading)
+        self._step(reading, moved)
         decided = moved.measurable or (starting is not None and moved.verifiable and moved.applied)
         if not decided and (starting is None if may_wait is None else may_wait):
             self.unverified_syncs += 1
@@ -324,10 +323,11 @@ class MovementCheck:
         self._verified(reading)
         return moved
 
-    def _step(self, reading: Reading) -> None:
-        """The move from the previous reading to ``reading``, for the metrics alone."""
-        before, self.previous = self.previous or self.reference, reading
-        self.last_step = movement(before, reading, self.noise)
+    def _step(self, reading: Reading, from_reference: Movement) -> None:
+        """The move from the previous reading to ``reading`` (``from_reference`` when the previous
+        reading is the reference), for the metrics alone. Collective."""
+        before, self.previous = self.previous, reading
+        self.last_step = from_reference if before is self.reference else movement(before, reading, self.noise)
         self.engine_unmoved_syncs += engine_unmoved(before, reading)
 
     def _verified(self, reading: Reading) -> None:
