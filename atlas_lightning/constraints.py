@@ -174,8 +174,9 @@ _COLUMN = Text(_SOME_TEXT + r"[^\x00-\x1f]+", "a column name (not empty, not onl
 _SEED = Int(0, 2**32 - 1)
 #: A file or folder: an empty (or blank) value would read as the working directory (or a folder
 #: named by spaces in it).
-_PATH = Text(r"(?s)" + _SOME_TEXT + r"[^\x00]+", "a path (not empty)")
-_OPTIONAL_PATH = Text(r"(?s)" + _SOME_TEXT + r"[^\x00]+", "null or a path (not empty)", optional=True)
+_PATH_TEXT = r"(?s)" + _SOME_TEXT + r"[^\x00]+"
+_PATH = Text(_PATH_TEXT, "a path (not empty)")
+_OPTIONAL_PATH = Text(_PATH_TEXT, "null or a path (not empty)", optional=True)
 
 #: Costs reach the reward as ``-cost_per_usd * cost_usd`` per explore (at most 64 explores):
 #: these bounds keep every reward finite in float32, the dtype PPO receives.
@@ -295,8 +296,8 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "trainer.num_nodes": Int(1),
     "trainer.precision": OneOf(("32-true", "32", "64-true", "64", "16-true", "16-mixed", "bf16-true",
                                 "bf16-mixed", "transformer-engine", "transformer-engine-float16")),
-    "trainer.resume": Text(r"(?s)" + _SOME_TEXT + r"[^\x00]+", "null, auto or a checkpoint folder", optional=True),
-    "trainer.init_from": Text(r"(?s)" + _SOME_TEXT + r"[^\x00]+", "null or a checkpoint folder", optional=True),
+    "trainer.resume": Text(_PATH_TEXT, "null, auto or a checkpoint folder", optional=True),
+    "trainer.init_from": Text(_PATH_TEXT, "null or a checkpoint folder", optional=True),
     "trainer.memory_check_steps": Int(1),
     "trainer.memory_check_generation": OneOf((True, False)),
     # layout
