@@ -29,9 +29,7 @@ in-flight steps with the steps this run samples, and the data module
 from __future__ import annotations
 
 import logging
-import os
 from functools import cached_property
-from pathlib import Path
 from typing import Callable, Optional
 
 from omegaconf import DictConfig
@@ -120,15 +118,11 @@ _GIB = 2**30
 
 
 def host_memory_bytes() -> int:
-    """This machine's memory and swap in bytes (``/proc/meminfo``'s MemTotal + SwapTotal; the
-    physical pages ``sysconf`` counts where there is no such file). A container's own limit may
-    be lower: the figure is an upper one, so that what it refuses cannot run anywhere on the machine."""
-    try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        total = sum(int(fields[key].split()[0]) * 1024 for key in ("MemTotal", "SwapTotal") if key in fields)
-    except (OSError, ValueError, IndexError):
-        total = 0
-    return total or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """This machine's memory and swap in bytes (psutil's totals). A container's own limit may be
+    lower: the figure is an upper one, so that what it refuses cannot run anywhere on the machine."""
+    import psutil
+
+    return int(psutil.virtual_memory().total + psutil.swap_memory().total)
 
 
 def check_step_memory(cfg: DictConfig, train_lengths: Optional[list[int]], val_lengths: list[int],
