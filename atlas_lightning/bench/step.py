@@ -24,13 +24,25 @@ What the callback measures, per RL step (rank 0's clocks; every rank runs the sa
   of ``runs/<name>/<id>/history.csv``): ``wake_rollout``, ``gen`` (the agent loop), ``sleep``,
   ``assemble``, ``old_log_prob``, ``values``, ``ref``, ``adv``, ``update_critic``,
   ``update_actor``; ``wake`` and ``update_weights`` (the weight sync); ``testing`` (validation);
-* each callback's own seconds (its ``on_train_batch_end``), and the rest of the step
-  (``other``: Lightning's loop, the data hand-over);
+* each callback's own seconds (its ``on_train_batch_start`` and ``on_train_batch_end``), and the
+  rest of the step (``other``: Lightning's loop, the data hand-over);
 * shares: generation (``gen``), update compute (the five forward/backward phases) and the
   rest, with validation and the checkpoint apart (they run every ``trainer.val_every`` /
   ``trainer.save_every`` steps) and amortised over those periods;
 * tokens/s/GPU as NeMo-RL publishes it (``tokens_per_gpu_second``): all tokens of the step's
   trajectories over the step's seconds times the run's GPUs (``layout.gpus``).
+
+A validation riding with the next rollout (``callbacks.validation.overlap``): step N's validation
+runs in step N+1's agent loop run, beside its training trajectories, and is logged under step N at
+step N+1's batch start (``timing_s/testing``: its marginal seconds; ``timing_s/testing_overlapped``:
+its seconds under the training trajectories). Its seconds are in step N+1's wall: the tail of
+N+1's ``gen`` after the training trajectories were done (the ridden batch's ``timing["tail"]``, read
+as the datamodule's ``take_validation`` hands it over) and its recording in
+``ValidationCallback.on_train_batch_start``.
+Step N's row shows what it logged and costs it there (its deferral, that tail, that recording),
+for the amortised figures; step N+1 counts those seconds as validation, its generation share and
+rate are its training trajectories' (``validation_seconds``). How much the validation's company
+slowed the training trajectories stays in N+1's ``gen``: nothing measures it.
 
 Generation against plain vLLM: the train rollout of ``replay_step`` (default 1) is recorded
 request by request (prompt tokens, sampling, the tokens each produced); at the end of that step
@@ -72,6 +84,9 @@ GIB = 2**30
 PHASES = ("wake_rollout", "gen", "sleep", "assemble", "old_log_prob", "values", "ref", "adv", "update_critic",
           "update_actor", "wake", "update_weights", "testing")
 UPDATE_COMPUTE = ("old_log_prob", "values", "ref", "update_critic", "update_actor")
+#: Logged under step N by a validation of step N that rode with step N+1's rollout
+#: (``callbacks/validation.py``, "Overlapped"): its seconds under N+1's training trajectories.
+RIDE_KEY = "timing_s/testing_overlapped"
 #: Plan phase for a measured phase (``planning.estimate``'s names).
 PLAN_PHASES = {"old_log_prob": "old_log_prob", "values": "values", "ref": "ref", "update_critic": "update_critic",
                "update_actor": "update_actor", "gen": "generation", "update_weights": "update_weights"}
@@ -118,6 +133,10 @@ class StepBenchCallback(L.Callback):
         self.recorder: Optional[_RecordingEngine] = None
         self.rollout_start: dict[int, float] = {}
         self.callback_s: dict[int, dict[str, float]] = {}
+        #: the part of ``callback_s`` spent in ``on_train_batch_start`` (a ridden validation's recording)
+        self.callback_start_s: dict[int, dict[str, float]] = {}
+        #: by validated step: a ridden validation's seconds at the end of the next step's ``gen``
+        self.ride_tail_s: dict[int, float] = {}
         self.lengths: dict[int, list[int]] = {}
         self.responses: dict[int, list[int]] = {}
         self.generated: dict[int, int] = {}
@@ -150,12 +169,27 @@ class StepBenchCallback(L.Callback):
                 self.recorder.label = None
 
         dm.rollout = timed_rollout
+        take = getattr(dm, "take_validation", None)
+
+        def taken(step: int):
+            batch = take(step)
+            if batch is not None:  # it rode: the datamodule measured its tail after the training trajectories
+                self.ride_tail_s[step] = float(batch.timing.get("tail", 0.0))
+            return batch
+
+        if take is not None:
+            dm.take_validation = taken
         for callback in trainer.callbacks:
             if callback is not self:
                 self._time_hook(callback, "on_train_batch_end", step_of=lambda args: args[3].step)
+                # a validation that rode with this step's rollout is recorded here, inside this step
+                self._time_hook(callback, "on_train_batch_start", step_of=lambda args: args[2].step,
+                                part=self.callback_start_s)
                 self._time_hook(callback, "on_train_start", step_of=lambda args: 0)
 
-    def _time_hook(self, callback, hook: str, step_of) -> None:
+    def _time_hook(self, callback, hook: str, step_of, part: Optional[dict] = None) -> None:
+        """``callback``'s ``hook`` timed into ``callback_s`` under the step ``step_of(args)``
+        names, and into ``part`` too when given (the hook's own share of those seconds)."""
         original = getattr(callback, hook)
         name = type(callback).__name__
 
@@ -164,8 +198,10 @@ class StepBenchCallback(L.Callback):
             try:
                 return original(*args, **kwargs)
             finally:
-                seconds = self.callback_s.setdefault(step_of(args), {})
-                seconds[name] = seconds.get(name, 0.0) + time.monotonic() - started
+                elapsed = time.monotonic() - started
+                for into in (self.callback_s, part) if part is not None else (self.callback_s,):
+                    seconds = into.setdefault(step_of(args), {})
+                    seconds[name] = seconds.get(name, 0.0) + elapsed
 
         setattr(callback, hook, timed)
 
@@ -227,7 +263,8 @@ class StepBenchCallback(L.Callback):
 
     def _write(self, trainer, pl_module) -> dict:
         report = build_report(pl_module.cfg, _history(trainer), rollout_start=self.rollout_start,
-                              ended=self.ended, callback_s=self.callback_s, lengths=self.lengths,
+                              ended=self.ended, callback_s=self.callback_s, callback_start_s=self.callback_start_s,
+                              ride_tail_s=self.ride_tail_s, lengths=self.lengths,
                               generated=self.generated, replayed=self.replayed, responses=self.responses,
                               peak_tflops=self.peak_tflops, build=self.build)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -322,13 +359,76 @@ def tokens_per_gpu_second(tokens: int, gpus: int, wall: float, periodic_s: float
             "amortised": tokens / ((steady + amortised_s) * gpus) if steady + amortised_s > 0 else None}
 
 
+def validation_seconds(step: int, measured: set[int], history: dict[int, dict[str, float]],
+                       callback_s: dict[int, dict[str, float]], callback_start_s: dict[int, dict[str, float]],
+                       ride_tail_s: dict[int, float]) -> dict[str, Any]:
+    """Where step ``step``'s validation seconds are (module doc, "A validation riding with the next
+    rollout"); ``measured``: the steps the report has a row for.
+
+    ``in_step_s``: validation seconds inside this step's wall (``ValidationCallback``'s hooks, plus
+    ``rider_tail_s``: the previous step's ridden validation's tail in this step's ``gen``, from
+    ``ride_tail_s``, by validated step; of the hooks, ``rider_recorded_s`` is that validation's
+    recording at this step's batch start; ``carried``: whether one rode with this step's rollout).
+    ``cost_s``: what this step's own validation cost the run, wherever it was spent: alone, its
+    ``on_train_batch_end``; riding (``rides``), its deferral there, then in step ``step + 1`` its tail
+    in ``gen`` and its recording at the batch start (the logged marginal ``timing_s/testing`` where
+    that step or the tail is not measured). With both measured, the ``cost_s`` of a run's steps sum
+    to their ``in_step_s``: every validation second is counted once.
+    ``testing_s``, ``overlapped_s``: ``timing_s/testing`` and ``timing_s/testing_overlapped`` as logged."""
+    logged = history.get(step, {})
+    own = callback_s.get(step, {}).get(VALIDATION_CALLBACK, 0.0)
+    carried = RIDE_KEY in history.get(step - 1, {})
+    tail = ride_tail_s.get(step - 1, 0.0) if carried else 0.0
+    # the batch start records the previous step's ride: that step's cost, not this one's
+    recorded = callback_start_s.get(step, {}).get(VALIDATION_CALLBACK, 0.0)
+    cost = own - recorded
+    rides = RIDE_KEY in logged
+    if rides and step + 1 in measured and step in ride_tail_s:
+        cost += ride_tail_s[step] + callback_start_s.get(step + 1, {}).get(VALIDATION_CALLBACK, 0.0)
+    elif rides:  # where in the next step its seconds lie is not known: the marginal it logged
+        cost += logged.get("timing_s/testing", 0.0)
+    return {"rides": rides, "carried": carried, "testing_s": logged.get("timing_s/testing"),
+            "overlapped_s": logged.get(RIDE_KEY), "rider_tail_s": tail, "rider_recorded_s": recorded,
+            "in_step_s": own + tail, "cost_s": cost}
+
+
+def _step_shares(phases: dict[str, float], callbacks: dict[str, float], wall: float, validation: dict[str, Any],
+                 tokens: int, gpus: int, val_every: int, save_every: int) -> dict[str, Any]:
+    """A step's ``other_s``, ``shares`` and ``tokens_per_s_per_gpu`` (module doc) from its phases,
+    its callbacks' seconds and where its validation seconds are (``validation_seconds``)."""
+    # the weight sync (wake, update_weights) is the step's last phase, not a callback
+    inside = sum(phases.get(p, 0.0) for p in ("wake_rollout", "gen", "sleep", "assemble") + UPDATE_COMPUTE
+                 + ("adv", "wake", "update_weights")) + sum(callbacks.values())
+    # the tail of a ridden validation is inside gen: validation's seconds, counted once, there
+    gen = phases.get("gen", 0.0) - validation["rider_tail_s"]
+    update = sum(phases.get(p, 0.0) for p in UPDATE_COMPUTE)
+    # validation and checkpoints run every val_every / save_every steps: a step that has one
+    # shows it apart, and the amortised share spreads each over its period (a ridden validation:
+    # its cost, wherever spent, at its own step)
+    in_step = validation["in_step_s"]
+    checkpoint = sum(callbacks.get(name, 0.0) for name in CHECKPOINT_CALLBACKS)
+    overhead = wall - gen - update - in_step - checkpoint
+    periodic = validation["cost_s"] / max(val_every, 1) + checkpoint / max(save_every, 1)
+    return {"other_s": wall - inside,
+            "shares": {"generation": gen / wall, "update_compute": update / wall, "overhead": overhead / wall,
+                       "validation": in_step / wall, "checkpoint": checkpoint / wall,
+                       "overhead_with_periodic_amortised": (overhead + periodic)
+                       / (wall - in_step - checkpoint + periodic)},
+            "tokens_per_s_per_gpu": tokens_per_gpu_second(tokens, gpus, wall, in_step + checkpoint, periodic)}
+
+
 def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: dict[int, float],
                  ended: Optional[float], callback_s: dict[int, dict[str, float]], lengths: dict[int, list[int]],
                  generated: dict[int, int], replayed: dict[str, Any], responses: Optional[dict[int, list[int]]] = None,
-                 peak_tflops: Optional[float] = None, build: Optional[dict] = None) -> dict:
+                 peak_tflops: Optional[float] = None, build: Optional[dict] = None,
+                 callback_start_s: Optional[dict[int, dict[str, float]]] = None,
+                 ride_tail_s: Optional[dict[int, float]] = None) -> dict:
     """The benchmark's figures (module doc) from what the run logged and the callback timed;
     ``build``: the ``bench/shapes.py`` shape and layer count the model was built from (None: a
-    model folder the benchmark did not write)."""
+    model folder the benchmark did not write); ``callback_start_s``: the part of ``callback_s``
+    spent in ``on_train_batch_start``; ``ride_tail_s``: by validated step, a ridden validation's
+    seconds at the end of the next step's ``gen`` (both place a ridden validation's seconds in the
+    next step; absent: its logged marginal is costed, nothing set apart there)."""
     steps = sorted(s for s in rollout_start if s in lengths)
     responses = responses or {}
     val_every = int(cfg.trainer.val_every) or int(cfg.trainer.total_steps)
@@ -342,11 +442,12 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
             wall -= replayed.get("excluded_s", 0.0)
         phases = {p: logged.get(f"timing_s/{p}") for p in PHASES if f"timing_s/{p}" in logged}
         callbacks = dict(callback_s.get(step, {}))
-        gen = phases.get("gen", 0.0)
-        update = sum(phases.get(p, 0.0) for p in UPDATE_COMPUTE)
-        validation = callbacks.get(VALIDATION_CALLBACK, 0.0)
+        validation = validation_seconds(step, set(steps), history, callback_s, callback_start_s or {},
+                                        ride_tail_s or {})
+        # the training trajectories' generation: without a ridden validation's tail after them
+        gen = phases.get("gen", 0.0) - validation["rider_tail_s"]
         row: dict[str, Any] = {
-            "step": step, "wall_s": wall, "phases_s": phases, "callbacks_s": callbacks,
+            "step": step, "wall_s": wall, "phases_s": phases, "callbacks_s": callbacks, "validation": validation,
             "memory_gib": {k[len("memory/"):]: v for k, v in logged.items() if k.startswith("memory/")},
             "trajectories": len(lengths[step]), "tokens": int(sum(lengths[step])),
             "generated_tokens": generated.get(step), "longest_sequence": max(lengths[step], default=0),
@@ -356,22 +457,8 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
         # known once the generation ended, even in a step that did not
         row["gen_tokens_per_s"] = (generated.get(step) or 0) / gen if gen else None
         if wall:
-            # the weight sync (wake, update_weights) is the step's last phase, not a callback
-            inside = sum(phases.get(p, 0.0) for p in ("wake_rollout", "gen", "sleep", "assemble") + UPDATE_COMPUTE
-                         + ("adv", "wake", "update_weights")) + sum(callbacks.values())
-            row["other_s"] = wall - inside
-            # validation and checkpoints run every val_every / save_every steps: a step that has one
-            # shows it apart, and the amortised share spreads each over its period
-            checkpoint = sum(callbacks.get(name, 0.0) for name in CHECKPOINT_CALLBACKS)
-            overhead = wall - gen - update - validation - checkpoint
-            periodic = validation / max(val_every, 1) + checkpoint / max(save_every, 1)
-            row["shares"] = {"generation": gen / wall, "update_compute": update / wall,
-                             "overhead": overhead / wall, "validation": validation / wall,
-                             "checkpoint": checkpoint / wall,
-                             "overhead_with_periodic_amortised": (overhead + periodic)
-                             / (wall - validation - checkpoint + periodic)}
-            row["tokens_per_s_per_gpu"] = tokens_per_gpu_second(row["tokens"], int(cfg.layout.gpus), wall,
-                                                                validation + checkpoint, periodic)
+            row.update(_step_shares(phases, callbacks, wall, validation, row["tokens"], int(cfg.layout.gpus),
+                                    val_every, save_every))
         flops = phase_flops(cfg, lengths[step], responses.get(step, [])) if step in responses else None
         if flops:
             row["useful_tflop"] = {p: f / 1e12 for p, f in flops.items() if p in phases}
@@ -442,6 +529,58 @@ def _fmt(value: Optional[float], spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _phase_lines(row: dict, wall: Optional[float], plan: Any) -> list[str]:
+    """The step table's phase rows: seconds, share of the step, peak memory beside the plan, useful
+    MFU. A validation that rode with the next step's rollout (``validation_seconds``) is logged
+    under this step but spent in the next: its rows have no share of this step."""
+    step, ride = row["step"], row.get("validation") or {}
+    lines = []
+    for phase, seconds in row["phases_s"].items():
+        peak = row["memory_gib"].get(f"peak_allocated_gib/{phase}")
+        if phase == "gen":
+            peak = row["memory_gib"].get("card_used_gib/gen")
+        planned = plan.get(PLAN_PHASES.get(phase, "")) if isinstance(plan, dict) else None
+        if isinstance(planned, dict):  # the engine's card use against the plan's card; tensors elsewhere
+            planned = planned["card_gib" if phase == "gen" else "tensors_gib"]
+        mfu = (row.get("useful_mfu") or {}).get(phase)
+        label = phase + {"gen": " (card used)", "wake": " (in the weight sync)", "update_weights":
+                         " (in the weight sync)", "testing": " (in validation)"}.get(phase, "")
+        share = f"{_fmt(seconds / wall * 100 if wall else None)}%"
+        if phase == "gen" and ride.get("carried"):
+            label = (f"gen (card used; step {step - 1}'s validation riding: its last {ride['rider_tail_s']:.2f} s, "
+                     "after the training trajectories)")
+        if phase == "testing" and ride.get("rides"):
+            label = (f"testing (validation riding with step {step + 1}'s rollout: its marginal seconds, "
+                     f"its tail in step {step + 1}'s gen and its gathering at that step's start)")
+            share = f"in step {step + 1}"
+        lines.append(f"| {label} | {_fmt(seconds, '.2f')} | {share} | {_fmt(peak, '.2f')} | {_fmt(planned, '.2f')} | "
+                     f"{_fmt(mfu * 100 if mfu else None)}{'%' if mfu else ''} |")
+    if ride.get("rides"):
+        lines.append(f"| validation riding with step {step + 1}'s rollout, overlapped (under its training "
+                     f"trajectories, inside its gen) | {_fmt(ride['overlapped_s'], '.2f')} | in step {step + 1} | | | |")
+    return lines
+
+
+def _ride_sentences(row: dict) -> list[str]:
+    """Where a ridden validation's seconds are: in the step it validated, what it cost and what
+    that step amortises; in the step it rode with, what is set apart (``validation_seconds``)."""
+    ride, step = row.get("validation") or {}, row["step"]
+    lines = []
+    if ride.get("carried"):
+        gen = row["phases_s"].get("gen", 0.0) - ride["rider_tail_s"]
+        lines += [f"step {step - 1}'s validation rode with this rollout: the last {ride['rider_tail_s']:.2f} s of gen "
+                  f"and {ride['rider_recorded_s']:.2f} s of callback {VALIDATION_CALLBACK} (its recording, at this "
+                  f"batch's start) are its seconds, in this step's validation share and costed at step {step - 1}; "
+                  f"the generation share and rate are the training trajectories' {gen:.2f} s", ""]
+    if ride.get("rides"):
+        lines += [f"step {step}'s validation rode with step {step + 1}'s rollout: {_fmt(ride['overlapped_s'], '.2f')} s "
+                  f"under its training trajectories (how much its company slowed them stays in step {step + 1}'s gen: "
+                  f"not measured), {_fmt(ride['testing_s'], '.2f')} s marginal as logged; it cost {ride['cost_s']:.2f} s "
+                  f"(its deferral here, its tail in step {step + 1}'s gen, its recording at step {step + 1}'s batch "
+                  "start), amortised here", ""]
+    return lines
+
+
 def markdown(report: dict) -> str:
     """Per step: each phase's seconds, share of the step and peak memory beside the plan; then
     the shares and generation against plain vLLM."""
@@ -455,19 +594,7 @@ def markdown(report: dict) -> str:
                   f"(forward) tokens", "",
                   "| phase | s | share | peak allocated GiB | plan GiB (tensors; gen: card) | useful MFU |",
                   "|---|---|---|---|---|---|"]
-        for phase, seconds in row["phases_s"].items():
-            peak = row["memory_gib"].get(f"peak_allocated_gib/{phase}")
-            if phase == "gen":
-                peak = row["memory_gib"].get("card_used_gib/gen")
-            planned = plan.get(PLAN_PHASES.get(phase, "")) if isinstance(plan, dict) else None
-            if isinstance(planned, dict):  # the engine's card use against the plan's card; tensors elsewhere
-                planned = planned["card_gib" if phase == "gen" else "tensors_gib"]
-            mfu = (row.get("useful_mfu") or {}).get(phase)
-            label = phase + {"gen": " (card used)", "wake": " (in the weight sync)", "update_weights":
-                             " (in the weight sync)", "testing": " (in validation)"}.get(phase, "")
-            lines.append(f"| {label} | {_fmt(seconds, '.2f')} | "
-                         f"{_fmt(seconds / wall * 100 if wall else None)}% | {_fmt(peak, '.2f')} | {_fmt(planned, '.2f')} | "
-                         f"{_fmt(mfu * 100 if mfu else None)}{'%' if mfu else ''} |")
+        lines += _phase_lines(row, wall, plan)
         for name, seconds in row["callbacks_s"].items():
             lines.append(f"| callback {name} | {_fmt(seconds, '.2f')} | {_fmt(seconds / wall * 100 if wall else None)}% | | | |")
         if "other_s" in row:
@@ -480,6 +607,7 @@ def markdown(report: dict) -> str:
                           f"{shares['checkpoint']:.1%} apart; with both amortised over their periods: "
                           f"{shares['overhead_with_periodic_amortised']:.1%}); "
                           f"{_card_split(row['memory_gib'])}", ""]
+        lines += _ride_sentences(row)
         rate = row.get("tokens_per_s_per_gpu")
         if rate:
             lines += [f"tokens/s/GPU as NeMo-RL counts them (all {row['tokens']:,} tokens / (step s x {rate['gpus']} "
