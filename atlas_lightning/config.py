@@ -230,6 +230,13 @@ class RolloutConfig(LoopLimits):
     #: sync (the engine's numerical noise, weights verified by digest), never above this ceiling.
     max_logprob_gap: float = 0.05
     logprob_gap_factor: float = 4.0
+    #: Every this many weight syncs after the starting one, the sync serves the MARKED actor (the
+    #: starting check's perturbation of every lora_B) just before the actor and proves that the
+    #: engine moved to each: an engine serving anything but the version just sent is refused at
+    #: that sync, whatever the learning rate (``rollout/sync_probe.py``, "The marked check"). One
+    #: more load and probe per checked sync. 0: the starting check only; later syncs are then
+    #: judged by the update's own movement, which at lr 1e-6 in bf16 decides nothing for many steps.
+    marked_check_every: int = 1
     #: ``vllm-server`` only: attach to this running server (``http://host:port``) instead of
     #: starting one. It must serve ``model.path`` with the engine arguments ``VLLMServer`` uses,
     #: LoRA enabled and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; one engine only.

@@ -253,6 +253,7 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "rollout.gdn_prefill_backend": OneOf(("auto", "triton", "flashinfer", "cutedsl")),
     "rollout.max_logprob_gap": Real(0.0, low_open=True),
     "rollout.logprob_gap_factor": Real(1.0),
+    "rollout.marked_check_every": Int(0),
     "rollout.server_url": Text(r"https?://[^\s/]+(:\d+)?/?", "http(s)://host:port", optional=True),
     "rollout.server_start_timeout_s": Real(0.0, low_open=True),
     # algorithm

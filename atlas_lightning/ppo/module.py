@@ -692,4 +692,4 @@ def weight_sync_of(cfg: DictConfig) -> WeightSync:
     r = cfg.rollout
     return WeightSync(kind=r.weight_sync, bucket_mb=r.bucket_mb, logprob_gap_factor=r.logprob_gap_factor,
                       max_logprob_gap=r.max_logprob_gap, adapter_folder=Path(cfg.paths.outputs) / ".engine_adapters",
-                      dtype=cfg.model.dtype)
+                      dtype=cfg.model.dtype, marked_check_every=r.marked_check_every)

@@ -39,7 +39,10 @@ Order of work:
    the move from the base the engine served before it to the actor (when measurable), then
    loads a marked actor and the actor again (sync ids K, K+1, K+2) and judges both moves: an
    engine that ignores the adapter stops the run before any training
-   (``sync_probe.StartingCheckError``, exit 2).
+   (``sync_probe.StartingCheckError``, exit 2). Every ``marked_check_every``-th later sync
+   serves the marked actor first too (ids K, K+1), so that an engine serving anything but the
+   version just sent is refused at that sync whatever the learning rate (``sync_probe``, "The
+   marked check"); the others are judged by the update's own movement, once it is measurable.
 
 The weights version served is the number of updates applied (0 before training; after a NaN
 guard rollback to step M, M again); it is published to ``serving``
@@ -201,15 +204,19 @@ class WeightSync:
     ``adapter_folder``: where LoRA exports go (``outputs/<name>/.engine_adapters``: hidden, never
     published); ``keep_versions``: exported adapters kept (the engine may still read them);
     ``dtype``: the model's compute dtype (``model.dtype``), whose rounding floors the noise
-    (``sync_probe.rounding_floor``)."""
+    (``sync_probe.rounding_floor``); ``marked_check_every``: every how many syncs after the
+    starting one the marked actor is served first (0: none; module doc, step 4)."""
 
     def __init__(self, *, kind: str, bucket_mb: float, logprob_gap_factor: float, max_logprob_gap: float,
-                 adapter_folder: str | Path, keep_versions: int = 2, dtype: str = "float32") -> None:
+                 adapter_folder: str | Path, keep_versions: int = 2, dtype: str = "float32",
+                 marked_check_every: int = 1) -> None:
         if kind not in KINDS:
             raise ValueError(f"WeightSync: kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) or keep_versions < 1:
             # the newest exported adapter is the one the engine serves: it must stay
             raise ValueError(f"WeightSync: keep_versions must be an int >= 1, got {keep_versions!r}")
+        if isinstance(marked_check_every, bool) or not isinstance(marked_check_every, int) or marked_check_every < 0:
+            raise ValueError(f"WeightSync: marked_check_every must be an int >= 0, got {marked_check_every!r}")
         self.kind = kind
         self.bucket_bytes = int(float(bucket_mb) * 2**20)
         self.logprob_gap_factor = float(logprob_gap_factor)
@@ -228,6 +235,11 @@ class WeightSync:
         #: The proof that the engine applies what it is sent (``sync_probe``; not saved either:
         #: a resumed process proves its own engine with the starting check).
         self.movement = MovementCheck(kind, dtype)
+        self.marked_check_every = marked_check_every
+        #: The marked actor's perturbation scale, found at the starting check (``mark_shift``),
+        #: and this process's syncs since it (neither saved: a resumed process starts anew).
+        self.mark_scale: Optional[float] = None
+        self.syncs_since_start = 0
 
     def sync(self, model, serving, version: int, device: Any = "cpu") -> dict[str, float]:
         """Serve ``model``'s actor as weights version ``version`` on ``serving.engine``, verified;
@@ -248,10 +260,13 @@ class WeightSync:
             probe = serving.probe_token_ids()
             if self.movement.reference is None:  # this process's first sync: the starting check
                 report, gap = self._prove_start(model, engine, probe, version, device)
+            elif self._marked_check_due():
+                report, gap = self._marked_round_trip(model, engine, probe, version, device, at_start=False)
             else:
                 report = self._load(model, engine, version)
                 reading = self._reading(model, probe, engine, version, device)
                 gap = self._check_gap(reading, version)
+                self.movement.served(reading)
                 self.movement.check(reading)
             serving.weights_version = version  # published under the lock: the next rollout samples it
         self.version = version
@@ -281,14 +296,15 @@ class WeightSync:
         check_held(merged.sent, report, version, sent_tensors=merged.tensor_count)
         return report
 
-    def _reading(self, model, probe: list[int], engine, version: int, device: Any) -> Reading:
+    def _reading(self, model, probe: list[int], engine, version: int, device: Any,
+                 trainer: Optional[np.ndarray] = None) -> Reading:
         """The trainer's and the engine's log-probs of the probe sequence ``probe`` (the engine's
-        checked finite: ``NonFiniteError``)."""
+        checked finite: ``NonFiniteError``); ``trainer``: the trainer's, when already computed."""
         from atlas_lightning.models.probe import probe_logprobs
 
         engine_lp = engine.prompt_logprobs(probe)
         check_probe_logprobs(engine_lp, version)
-        trainer_lp = probe_logprobs(model, probe, device)
+        trainer_lp = probe_logprobs(model, probe, device) if trainer is None else trainer
         if len(engine_lp) != len(trainer_lp):
             raise WeightSyncError(f"weight sync: probe lengths differ ({len(engine_lp)} vs {len(trainer_lp)})")
         return Reading(version, np.asarray(trainer_lp, dtype=np.float64), np.asarray(engine_lp, dtype=np.float64))
@@ -322,30 +338,50 @@ class WeightSync:
         actor, each load verified as any sync's. Returns the last load's report and probe gap."""
         from atlas_lightning.models.probe import marked_actor, probe_logprobs
 
-        def marked_probe(shift: float) -> np.ndarray:
-            with marked_actor(model, shift):
-                return np.asarray(probe_logprobs(model, probe, device), dtype=np.float64)
-
         base = self._base_reading(model, probe, engine, version, device)
         self._load(model, engine, version)
         actor = self._reading(model, probe, engine, version, device)
         if base is not None:
             self.movement.start(base)
             what = "the actor adapter" if self.kind == "lora" else "the merged actor"
-            self.movement.check(actor, starting=f"{what} against the base", may_wait=True)
+            self.movement.check(actor, f"{what} against the base", at_start=True, may_wait=True)
         self._check_gap(actor, version)
         if self.movement.reference is not actor:  # the move from the base did not decide: start here
             self.movement.start(actor)
-        shift = mark_shift(marked_probe, actor.trainer, self.movement.noise)
-        with marked_actor(model, shift):
-            self.sync_id += 1
+
+        def marked_probe(shift: float) -> np.ndarray:
+            with marked_actor(model, shift):
+                return np.asarray(probe_logprobs(model, probe, device), dtype=np.float64)
+
+        self.mark_scale = mark_shift(marked_probe, actor.trainer, self.movement.noise)
+        self.sync_id += 1
+        return self._marked_round_trip(model, engine, probe, version, device, at_start=True, actor=actor.trainer)
+
+    def _marked_check_due(self) -> bool:
+        """Whether this sync (after the starting one) serves the marked actor first."""
+        self.syncs_since_start += 1
+        return self.marked_check_every > 0 and self.syncs_since_start % self.marked_check_every == 0
+
+    def _marked_round_trip(self, model, engine, probe: list[int], version: int, device: Any, *, at_start: bool,
+                           actor: Optional[np.ndarray] = None):
+        """Serve the marked actor (scale ``mark_scale``, sync id ``sync_id``), then the actor (the
+        next id), each load verified as any sync's, and judge both moves as known ones
+        (``MovementCheck.check``'s ``loaded``). ``actor``: the trainer's probe of the actor, when
+        already computed. Returns the actor load's report and probe gap."""
+        from atlas_lightning.models.probe import marked_actor, probe_logprobs
+
+        if actor is None:
+            actor = np.asarray(probe_logprobs(model, probe, device), dtype=np.float64)
+        with marked_actor(model, self.mark_scale):
             self._load(model, engine, version)
             marked = self._reading(model, probe, engine, version, device)
-        self.movement.check(marked, starting=f"the marked adapter (a seeded random lora_B perturbation of scale {shift:.3g})")
+        self.movement.check(marked, f"the marked adapter (a seeded random lora_B perturbation of scale "
+                                    f"{self.mark_scale:.3g})", at_start=at_start)
         self.sync_id += 1
         report = self._load(model, engine, version)
-        again = self._reading(model, probe, engine, version, device)
-        self.movement.check(again, starting="the actor served again after the marked adapter")
+        again = self._reading(model, probe, engine, version, device, trainer=actor)
+        self.movement.served(again)
+        self.movement.check(again, "the actor served again after the marked adapter", at_start=at_start)
         return report, self._check_gap(again, version)
 
     def _base_reading(self, model, probe: list[int], engine, version: int, device: Any) -> Optional[Reading]:

@@ -54,14 +54,24 @@ absolute probe), loads the MARKED actor (a seeded standard normal of one scale a
 whatever the actor's state; with merged syncs, merged into the base), then the actor again. Both moves must pass the rule: an engine
 that ignores the adapter fails the first, one that keeps what it served fails either, and the
 run stops before any training with ``StartingCheckError``, an ``InputError`` (the CLI exits 2
-with its message). It costs two extra loads, at the start only.
+with its message). It costs two extra loads; the marked check repeats the last two at later syncs.
 
-The marked state's gap stays in the noise for the run. It is larger than the actor's (the 27B-
-shaped hybrid: 5.92 against about 1.6), so a stale engine is caught once the movement since the
-last verified state is 16 of those noises; but it is the gap of a state whose adapter acts, which
-a fresh actor's is not (the tiny model in bf16 with the hf engine: about 1e-5 at the actor, 0.3
-at the marked state and 0.17-0.35 once updates act): with a noise set from the actor alone,
-clean updates showed a ratio of 0.22 at 9 noises, 0.9 of the limit.
+The marked check, after the start (``rollout.marked_check_every``). Later syncs cannot rely on
+the update's own movement: at the report's learning rate it stays below a bf16 engine's noise for
+many steps. Measured on the card (H100, vLLM 0.26, the 16-layer 27B-shaped hybrid, bf16, LoRA r64,
+lr 1e-6, three clean steps): each step moved the trainer's probe by 0.44-0.46 noises, so the norm
+rule left every sync undecided, and the share of the trainer's step the engine showed along it
+was 1.0 short of it (``|beta - 1|`` 0.97-1.02, standard error 0.04) for a CLEAN engine, exactly
+what a stale one shows: in bf16 a step that small is the trainer's own rounding, not the update,
+so nothing computed from the update tells a clean engine from a stale one. So every
+``marked_check_every``-th sync (1, the default: every sync) serves the MARKED actor first (the
+current actor with the starting check's perturbation, of the scale found at the start) and then
+the actor, and judges both moves, each as large as the mark whatever the learning rate: an
+engine that keeps what it served, or ignores a load, is refused at that sync. Such a known move
+is decided at ``VERIFIABLE`` noises: it passes within ``RESIDUAL_LIMIT`` and is refused above the
+largest ratio a clean engine can show there (``Movement.clean_ratio``: a residual of two noises);
+between the two (a move of 4-8 noises) it waits, as a small move does, so no clean engine is
+refused. The cost: one more load and one more probe a checked sync.
 
 The mark. A bf16 engine's gap at the marked state grows with how extreme and how degenerate
 that state is, not with the movement alone. On the card (H100, vLLM 0.26, bf16, fla in the
@@ -132,8 +142,6 @@ FLOAT32_EPS = DTYPE_EPS["float32"]
 #: 5.7e-6 at |log-prob| 10.7): the noise floor, so that a lucky first sync cannot set the bound
 #: below what later clean syncs show.
 NOISE_ULPS = 4
-#: Consecutive probe tokens whose errors ``along`` treats as one correlated block.
-ALONG_BLOCK = 8
 
 
 class WeightSyncError(RuntimeError):
@@ -160,16 +168,12 @@ class Reading:
 @dataclass(frozen=True)
 class Movement:
     """Norms of the expected and observed movements between two readings, of the residual, and
-    the noise they are judged against (module doc; the maximum over ranks). ``along_error`` and
-    ``along_se``: how far the engine's movement along the trainer's falls from it, and that
-    figure's standard error (``along``; the worst rank's); reported, not judged."""
+    the noise they are judged against (module doc; the maximum over ranks)."""
 
     expected: float
     observed: float
     residual: float
     noise: float
-    along_error: float = math.nan
-    along_se: float = math.nan
 
     @property
     def measurable(self) -> bool:
@@ -187,6 +191,12 @@ class Movement:
     @property
     def applied(self) -> bool:
         return self.ratio <= RESIDUAL_LIMIT
+
+    @property
+    def clean_ratio(self) -> float:
+        """The largest ratio a clean engine can show: a residual of two noises, its gaps at both
+        ends not cancelling at all (module doc, "Measurable")."""
+        return 2 * self.noise / self.expected if self.expected > 0 else math.inf
 
 
 def rounding_floor(scale: float, tokens: int = 1, dtype: str = "float32") -> float:
@@ -227,44 +237,15 @@ def noise_floor(trainer: np.ndarray, dtype: str = "float32") -> float:
     return max(floor, DTYPE_EPS.get(dtype, FLOAT32_EPS) * math.sqrt(max(1, trainer.size)))
 
 
-def along(expected: np.ndarray, observed: np.ndarray, block: int = ALONG_BLOCK) -> tuple[float, float]:
-    """``(|beta - 1|, se)``: ``beta = observed . expected / |expected|^2``, the share of the trainer's
-    movement the engine's shows along it (1: all of it; 0: none, as a stale engine shows), and
-    its standard error from the part of the engine's movement across it, summed over blocks of
-    ``block`` consecutive tokens (neighbouring tokens' errors are correlated). NaNs when nothing
-    was expected.
-
-    Why measured: the norm rule bounds the residual by the gap's whole size, so on a bf16 engine a
-    step's movement is too small to decide (the 27B-shaped hybrid on an H100: steps of 0.4-0.5
-    noises stayed undecided). A clean engine's rounding error mostly lies across a movement of
-    many tokens, a stale one's is the movement itself; but where the trainer's movement is its
-    own rounding (the tiny model in bf16 at lr 1e-6 moved by one bf16 step, 0.16 over 299 tokens),
-    a clean merged engine showed beta 0.0-0.5 with a standard error of 0.03-0.07. So the figure is
-    reported for every sync, to set a rule from the card's clean runs, and decides nothing yet."""
-    squared = float(expected @ expected)
-    if squared == 0.0:
-        return math.nan, math.nan
-    beta = float(observed @ expected) / squared
-    across = (observed - beta * expected) * expected
-    sums = np.add.reduceat(across, np.arange(0, across.size, block))
-    correction = sums.size / max(1, sums.size - 1)
-    return abs(beta - 1.0), math.sqrt(float(sums @ sums) * correction) / squared
-
-
 def movement(before: Reading, after: Reading, noise: float) -> Movement:
     """The movement from ``before`` to ``after`` (module doc). Collective: the residual, the
-    observed movement, the noise and ``along``'s figures are every rank's largest, the expected
-    movement the least."""
+    observed movement and the noise are every rank's largest, the expected movement the least."""
     expected = after.trainer - before.trainer
     observed = after.engine - before.engine
-    # NaN (nothing expected) travels as -1: a maximum over ranks is not defined for NaN
-    along_figures = [-1.0 if math.isnan(x) else x for x in along(expected, observed)]
-    residual, observed_norm, noise, neg_expected, along_error, along_se = dist_utils.all_reduce_max(
+    residual, observed_norm, noise, neg_expected = dist_utils.all_reduce_max(
         [float(np.linalg.norm(observed - expected)), float(np.linalg.norm(observed)), noise,
-         -float(np.linalg.norm(expected)), *along_figures])
-    along_error, along_se = (math.nan if x < 0 else x for x in (along_error, along_se))
-    return Movement(expected=-neg_expected, observed=observed_norm, residual=residual, noise=noise,
-                    along_error=along_error, along_se=along_se)
+         -float(np.linalg.norm(expected))])
+    return Movement(expected=-neg_expected, observed=observed_norm, residual=residual, noise=noise)
 
 
 def engine_unmoved(before: Reading, after: Reading) -> bool:
@@ -292,11 +273,9 @@ class MovementCheck:
         self.last: Optional[Movement] = None
         self.last_ratio: Optional[float] = None
         self.unverified_syncs = 0
-        #: The last reading, verified or not (the reference once verified), and the move from it to
-        #: the next: reported only (an engine is never judged against its own unverified output).
+        #: The last actor reading (``served``), and the syncs whose engine probe stayed that one's
+        #: to the bit while the trainer's moved: reported only.
         self.previous: Optional[Reading] = None
-        self.last_step: Optional[Movement] = None
-        #: Syncs whose engine probe stayed the previous one to the bit while the trainer's moved.
         self.engine_unmoved_syncs = 0
 
     def start(self, reading: Reading) -> None:
@@ -304,72 +283,67 @@ class MovementCheck:
         self.noise = 0.0
         self._verified(reading)
 
-    def check(self, reading: Reading, starting: Optional[str] = None, may_wait: Optional[bool] = None) -> Movement:
+    def check(self, reading: Reading, loaded: Optional[str] = None, *, at_start: bool = False,
+              may_wait: Optional[bool] = None) -> Movement:
         """Judge the move from the reference to ``reading``; a verified one becomes the reference.
-        ``starting``: what the starting check loaded (a failure is then a ``StartingCheckError``);
-        ``may_wait``: a move too small to decide is left undecided (default: outside the starting
-        check; there a verifiable move within the limit is verified, module doc). Raises
+        ``loaded``: what was served to make a move of known size (the marked actor, or the actor
+        after it; module doc, "The marked check"), decided at ``VERIFIABLE`` noises; ``at_start``:
+        the starting check's (a failure is then a ``StartingCheckError``, and a known move within
+        the limit is verified, module doc, "Verifiable, at the start"); ``may_wait``: a move too
+        small to decide is left undecided (default: outside the starting check). Raises
         ``WeightSyncError`` when the engine does not follow."""
         moved = movement(self.reference, reading, self.noise)
         self.last = moved
-        self._step(reading, moved)
-        decided = moved.measurable or (starting is not None and moved.verifiable and moved.applied)
-        if not decided and (starting is None if may_wait is None else may_wait):
+        known = loaded is not None and moved.verifiable
+        decided = moved.measurable or (known and (moved.applied or (not at_start and moved.ratio > moved.clean_ratio)))
+        if not decided and (not at_start if may_wait is None else may_wait):
             self.unverified_syncs += 1
             return moved
         if not (decided and moved.applied):
-            raise (StartingCheckError if starting else WeightSyncError)(self._refusal(moved, reading, starting))
+            raise (StartingCheckError if at_start else WeightSyncError)(
+                self._refusal(moved, reading, loaded, at_start))
         self.last_ratio = moved.ratio
         self._verified(reading)
         return moved
 
-    def _step(self, reading: Reading, from_reference: Movement) -> None:
-        """The move from the previous reading to ``reading`` (``from_reference`` when the previous
-        reading is the reference), for the metrics alone. Collective."""
-        before, self.previous = self.previous, reading
-        self.last_step = from_reference if before is self.reference else movement(before, reading, self.noise)
-        self.engine_unmoved_syncs += engine_unmoved(before, reading)
+    def served(self, reading: Reading) -> None:
+        """``reading`` is the actor's (not a marked state's): counted in ``engine_unmoved_syncs``
+        when the engine's probe is the previous actor reading's to the bit while the trainer's
+        moved (``engine_unmoved``). Collective."""
+        if self.previous is not None:
+            self.engine_unmoved_syncs += engine_unmoved(self.previous, reading)
+        self.previous = reading
 
     def _verified(self, reading: Reading) -> None:
         self.reference = reading
-        self.previous = reading
         self.unverified_syncs = 0
         floor = noise_floor(reading.trainer, self.dtype)
         self.noise = dist_utils.all_reduce_max([max(self.noise, floor, reading.gap_norm())])[0]
 
-    def _refusal(self, moved: Movement, reading: Reading, starting: Optional[str]) -> str:
+    def _refusal(self, moved: Movement, reading: Reading, loaded: Optional[str], at_start: bool) -> str:
         cause = ("ignores the adapter it holds, or serves one it held before (vLLM may leave a LoRA adapter "
                  "unapplied on some architectures, e.g. Qwen3.5/3.6 hybrids; rollout.weight_sync=merged "
                  "avoids LoRA in the engine)" if self.kind == "lora" else
                  "does not serve the merged weights it was sent (it still serves what it had)")
-        since = f"with {starting}" if starting else f"since the verified v{self.reference.version}"
-        head = (f"weight sync v{reading.version}, starting check: " if starting else
-                f"weight sync v{reading.version}: ")
+        since = f"with {loaded}" if loaded else f"since the verified v{self.reference.version}"
+        check = "starting check" if at_start else "marked check" if loaded else ""
+        head = f"weight sync v{reading.version}{', ' + check if check else ''}: "
         return (f"{head}{since} the trainer's probe log-probs moved by {moved.expected:.4g} (norm over the probe) "
                 f"and the engine's by {moved.observed:.4g}; they differ by {moved.residual:.4g}, "
                 f"{moved.ratio:.2f} of the expected movement (an engine that applies the weights stays within "
                 f"{RESIDUAL_LIMIT}; noise {moved.noise:.3g}): the engine {cause}; "
-                f"refusing to {'train' if starting else 'roll out'}")
+                f"refusing to {'train' if at_start else 'roll out'}")
 
     def metrics(self) -> dict[str, float]:
         """``rollout/applied_residual_ratio`` (of the last verified move), ``rollout/applied_movement``
-        (the last move's expected norm in noises), ``rollout/applied_unverified_syncs``, and what is
-        reported without being judged: ``rollout/applied_along_error`` and ``_se`` (``along``, of
-        the move since the reference), ``rollout/applied_step_movement``, ``_step_along_error`` and
-        ``_step_along_se`` (the same since the previous sync) and
-        ``rollout/applied_engine_unmoved_syncs`` (``engine_unmoved``, counted over the run)."""
+        (the last move's expected norm in noises), ``rollout/applied_unverified_syncs`` and, reported
+        without being judged, ``rollout/applied_engine_unmoved_syncs`` (``served``, over the run)."""
         out = {"rollout/applied_unverified_syncs": float(self.unverified_syncs),
                "rollout/applied_engine_unmoved_syncs": float(self.engine_unmoved_syncs)}
         if self.last_ratio is not None:
             out["rollout/applied_residual_ratio"] = self.last_ratio
-        for prefix, moved in (("applied", self.last), ("applied_step", self.last_step)):
-            if moved is None:
-                continue
-            if moved.noise > 0:
-                out[f"rollout/{prefix}_movement"] = moved.expected / moved.noise
-            if not math.isnan(moved.along_error):
-                out[f"rollout/{prefix}_along_error"] = moved.along_error
-                out[f"rollout/{prefix}_along_se"] = moved.along_se
+        if self.last is not None and self.last.noise > 0:
+            out["rollout/applied_movement"] = self.last.expected / self.last.noise
         return out
 
 

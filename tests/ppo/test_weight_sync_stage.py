@@ -81,8 +81,9 @@ def test_the_step_syncs_before_validation_and_the_next_rollout_with_no_sync_call
                     "rollout/sync_tensor_count"):
             assert float(row[key]) >= 0.0, (step, key)
         assert float(row["rollout/logprob_gap"]) <= float(row["rollout/logprob_gap_bound"])
-    # the starting sync loads three times (the actor, the marked actor, the actor: rollout/sync_probe.py)
-    assert (run_dirs(cfg)["outputs"] / ".engine_adapters" / f"sync{STEPS + 3}").is_dir()
+    # the starting sync loads three times (the actor, the marked actor, the actor), each later one
+    # twice (the marked actor, the actor: rollout.marked_check_every 1; rollout/sync_probe.py)
+    assert (run_dirs(cfg)["outputs"] / ".engine_adapters" / f"sync{2 * STEPS + 3}").is_dir()
 
 
 def test_the_starting_sync_comes_after_the_checkpoint_restore_whichever_the_strategy(tmp_path):

@@ -2,14 +2,16 @@
 weight sync (as the PPO module builds it), a real trainer and the real in-process vLLM engine,
 for both sync kinds:
 
-* clean syncs pass at the report's actor lr 1e-6 (the movement decides once it is measurable)
-  and at the tiny run's 2e-3, with residuals far below the limit (the false-alarm margin);
+* clean syncs pass at the report's actor lr 1e-6 and at the tiny run's 2e-3, with residuals far
+  below the limit (the false-alarm margin): every sync decided by the marked check (the default),
+  or, with the norm rule alone, once the update's movement is measurable;
 * an engine that holds the adapter (its worker's digest is true) and applies none, vLLM's
   silent failure on some hybrids, is refused at the starting sync, before any training; through
   ``atlas-lightning fit`` it exits 2 naming the cause, with no step run;
 * an engine that reports what it was sent and keeps serving what it had is refused by the
-  movement alone (the absolute probe switched off), at both learning rates, with a residual of
-  about the whole expected movement (4x the limit).
+  movement alone (the absolute probe switched off), with a residual of about the whole expected
+  movement (4x the limit): at its first stale sync by the marked check, at both learning rates;
+  by the norm rule alone once the update's movement is measurable.
 
 Each case prints its figures (``-s``); the bench README quotes them.
 """
@@ -126,9 +128,12 @@ def _update(module, optimizer) -> None:
 
 
 @pytest.mark.parametrize("kind", ["lora", "merged"])
-@pytest.mark.parametrize("lr, updates", [(1e-6, 5), (2e-3, 2)], ids=["lr1e-6", "lr2e-3"])
-def test_clean_syncs_pass_far_below_the_limit(engine, tiny_model_dir, tmp_path, kind, lr, updates):
-    module = _trainer(tiny_model_dir, tmp_path, kind)
+@pytest.mark.parametrize("marked_every, lr, updates", [(1, 1e-6, 3), (1, 2e-3, 2), (0, 1e-6, 5)],
+                         ids=["marked-lr1e-6", "marked-lr2e-3", "norm-rule-lr1e-6"])
+def test_clean_syncs_pass_far_below_the_limit(engine, tiny_model_dir, tmp_path, kind, lr, updates, marked_every):
+    """With the marked check every sync is decided at once; with the norm rule alone (0) at lr
+    1e-6 the movement decides once it is measurable (here by v5)."""
+    module = _trainer(tiny_model_dir, tmp_path, kind, f"rollout.marked_check_every={marked_every}")
     sync, serving = module.weight_sync, _serving(engine)
     start = sync.sync(module.model, serving, version=0)
     ratios = [start["rollout/applied_residual_ratio"]]
@@ -136,16 +141,17 @@ def test_clean_syncs_pass_far_below_the_limit(engine, tiny_model_dir, tmp_path, 
     for version in range(1, updates + 1):
         _update(module, optimizer)
         sync.sync(module.model, serving, version=version)
-        moved, step = sync.movement.last, sync.movement.last_step
-        print(f"{kind} lr {lr:g} v{version}: movement {moved.expected / moved.noise:.3g} noises, "
-              f"residual ratio {moved.ratio:.3g}, measurable {moved.measurable}; the step's along error "
-              f"{step.along_error:.3g} (se {step.along_se:.3g})")
+        moved = sync.movement.last
+        print(f"{kind} lr {lr:g} marked every {marked_every} v{version}: movement {moved.expected / moved.noise:.3g} "
+              f"noises, residual ratio {moved.ratio:.3g}, measurable {moved.measurable}")
         assert sync.movement.engine_unmoved_syncs == 0
-        if moved.measurable:
+        if marked_every:
+            assert sync.movement.unverified_syncs == 0 and sync.movement.reference.version == version
+        if moved.measurable or marked_every:
             ratios.append(moved.ratio)
     assert sync.movement.unverified_syncs == 0 and len(ratios) >= 2  # the updates' movement was decided
-    print(f"{kind} lr {lr:g}: largest residual ratio {max(ratios):.3g}, false-alarm margin "
-          f"{RESIDUAL_LIMIT / max(ratios):.3g}x")
+    print(f"{kind} lr {lr:g} marked every {marked_every}: largest residual ratio {max(ratios):.3g}, false-alarm "
+          f"margin {RESIDUAL_LIMIT / max(ratios):.3g}x")
     assert max(ratios) < RESIDUAL_LIMIT / 4
 
 
@@ -163,9 +169,12 @@ def test_an_engine_that_ignores_the_adapter_is_refused_at_the_starting_sync(engi
 
 
 @pytest.mark.parametrize("kind", ["lora", "merged"])
-@pytest.mark.parametrize("lr", [1e-6, 2e-3], ids=["lr1e-6", "lr2e-3"])
-def test_a_lying_engine_is_refused_by_the_movement_alone(engine, tiny_model_dir, tmp_path, kind, lr):
-    module = _trainer(tiny_model_dir, tmp_path, kind, *NO_ABSOLUTE_PROBE)
+@pytest.mark.parametrize("marked_every, lr", [(1, 1e-6), (1, 2e-3), (0, 1e-6)],
+                         ids=["marked-lr1e-6", "marked-lr2e-3", "norm-rule-lr1e-6"])
+def test_a_lying_engine_is_refused_by_the_movement_alone(engine, tiny_model_dir, tmp_path, kind, lr, marked_every):
+    """Refused at its first stale sync by the marked check, whatever the learning rate; by the
+    norm rule alone (0) once the update's movement is measurable (at lr 1e-6: v5)."""
+    module = _trainer(tiny_model_dir, tmp_path, kind, *NO_ABSOLUTE_PROBE, f"rollout.marked_check_every={marked_every}")
     sync, serving = module.weight_sync, _serving(engine)
     sync.sync(module.model, serving, version=0)
     optimizer = torch.optim.AdamW(module.model.actor_parameters(), lr=lr)
@@ -178,19 +187,20 @@ def test_a_lying_engine_is_refused_by_the_movement_alone(engine, tiny_model_dir,
             except WeightSyncError as err:
                 refused_at, message = version, str(err)
                 break
-    moved, step = sync.movement.last, sync.movement.last_step
-    print(f"lying {kind} engine at lr {lr:g}: refused at v{refused_at}, residual ratio {moved.ratio:.3g} "
-          f"({moved.ratio / RESIDUAL_LIMIT:.3g}x the limit), movement {moved.expected / moved.noise:.3g} noises; "
-          f"the step's along error {step.along_error:.3g} (se {step.along_se:.3g}); "
-          f"{sync.movement.engine_unmoved_syncs} syncs with the engine's probe unchanged")
+    moved = sync.movement.last
+    print(f"lying {kind} engine at lr {lr:g}, marked every {marked_every}: refused at v{refused_at}, residual "
+          f"ratio {moved.ratio:.3g} ({moved.ratio / RESIDUAL_LIMIT:.3g}x the limit), movement "
+          f"{moved.expected / moved.noise:.3g} noises; {sync.movement.engine_unmoved_syncs} syncs with the "
+          f"engine's probe unchanged")
     assert refused_at is not None and moved.ratio > 0.9
+    assert ("serves one it held before" if kind == "lora" else "does not serve the merged weights") in message
+    if marked_every:
+        assert refused_at == 1 and message.startswith("weight sync v1, marked check: with the marked adapter (")
+        return
     # the engine serves what it had: its probe is the last one to the bit at every sync, counted
     # at once even where the norm rule waits for the movement to grow
     assert sync.movement.engine_unmoved_syncs == refused_at
     assert "since the verified v0 the trainer's probe log-probs moved" in message
-    assert ("serves one it held before" if kind == "lora" else "does not serve the merged weights") in message
-    if lr == 2e-3:
-        assert refused_at == 1  # a normal update is measurable at once
 
 
 _PLUGIN = '''

@@ -167,11 +167,18 @@ def test_an_engine_that_keeps_serving_the_previous_adapter_is_caught_by_its_dige
         _sync(setup)
 
 
-def test_an_engine_that_reports_the_new_folder_but_serves_the_old_is_caught_by_the_probe(setup):
+@pytest.mark.parametrize("marked_every", [1, 0], ids=["marked-check", "absolute-probe"])
+def test_an_engine_that_reports_the_new_folder_but_serves_the_old_is_caught_by_the_probe(setup, marked_every):
+    """By the marked check (the default: the engine never moves to the marked actor), and with it
+    off by the absolute probe's measured-noise bound."""
+    setup.sync.marked_check_every = marked_every
     setup.engine.stale = "folder"
     with pytest.raises(WeightSyncError) as info:
         _sync(setup)
     message = str(info.value)
+    if marked_every:
+        assert message.startswith("weight sync v1, marked check: with the marked adapter")
+        return
     assert "log-probs differ by" in message and "x the first sync's gap" in message
     gap = float(message.split("differ by ")[1].split(" ")[0])
     # the fixed limit this replaced let it through; the measured-noise bound does not

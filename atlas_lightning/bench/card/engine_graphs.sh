@@ -1,0 +1,23 @@
+# Which call of the hybrid engine's life faults under CUDA graphs (bench/engine_graphs.py): each
+# order in a process of its own, with fla's Triton 3.7.1 first on the path (as fit runs) and with
+# the image's Triton 3.6; then the LoRA-free engine (merged sync). $1 = cap s per process, then
+# overrides. Prints the last line each process reached and its exit code.
+source atlas_lightning/bench/card/env.sh
+cap=$1; shift
+C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
+python3 -c "from atlas_lightning.bench.step_suite import link_checkout_packages as l; l()"
+common="experiment=h200-8b model.path=/tmp/qwen3_6_27b rollout.enforce_eager=false paths.cache=$C paths.root=/tmp/runs/graphs"
+try() {  # label, PYTHONPATH, order, extra overrides
+  label=$1; path=$2; order=$3; shift 3
+  PYTHONPATH=$path timeout -s KILL $cap python3 -m atlas_lightning.bench.engine_graphs --order $order -- \
+    $common "$@" > $OUT/graphs-$label.log 2>&1
+  echo "$label: exit $? | $(grep '^\[engine_graphs' $OUT/graphs-$label.log | tail -1)"
+}
+with_fla=$PYTHONPATH
+without_fla=${PYTHONPATH#/tmp/site-fla:}
+try fla-sleep-first "$with_fla" sleep-first "$@"
+try fla-probe "$with_fla" probe "$@"
+try fla-probe-sleep "$with_fla" probe-sleep "$@"
+try triton36-sleep-first "$without_fla" sleep-first "$@"
+try fla-merged-sleep-first "$with_fla" sleep-first rollout.weight_sync=merged "$@"
+grep -hE "illegal memory|Error" $OUT/graphs-*.log | cut -c1-200 | sort | uniq -c | head -10
