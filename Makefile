@@ -54,8 +54,9 @@ test: setup
 # The long end-to-end runs (marked e2e: the CPU faults chain, the separate layout's and the partial
 # rollouts' kill and resume, the vLLM server engine's tests on a real server, merged weights into
 # it, the separate memory check, the further variants of some multi-rank and launch tests, the
-# PPO module's background checkpoints at two ranks, a validation's ride killed and resumed: about
-# 26 worker-minutes on two cores), left out of
+# PPO module's background checkpoints at two ranks, a validation's ride killed and resumed, the
+# colocated merged-weight launch on a full disk, the engine-fault locator: about 28 worker-minutes
+# on two cores), left out of
 # `make test` to keep CI's time; run them before landing a change to the loop, the layouts, the
 # weight sync, the checkpoints or the faults.
 test-e2e: setup

@@ -10,8 +10,8 @@ Orders: ``probe`` (a prompt-logprobs prefill of ``--probe-tokens`` tokens, then 
 ``sleep-first`` (sleep and wake at once, as ``fit`` does before the trainer's build, then the
 same), ``probe-sleep`` (the probe, a sleep and wake, the probe again, a generation). Why: on an
 H100 the 27B-shaped hybrid with CUDA graphs died at its first request after the wake (the
-starting sync's probe; bench README, "Seventh attempt"), where the dense 8B runs; each order
-separates one suspect. ``bench/card/engine_graphs.sh`` runs the orders in separate processes.
+starting sync's probe; the bench README's seventh attempt on the hybrid), where the dense 8B
+runs; each order separates one suspect. ``bench/card/engine_graphs.sh`` runs the orders in separate processes.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 
-from atlas_lightning.bench.step import StepBenchCallback, build_report, markdown
+from atlas_lightning.bench.step import StepBenchCallback, build_report
+from atlas_lightning.bench.step_markdown import markdown
 from atlas_lightning.config import compose
 
 # step 1's validation rides with step 2's rollout; step 2 (the last) validates alone

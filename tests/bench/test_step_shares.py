@@ -47,7 +47,7 @@ def test_tokens_per_gpu_second_counts_every_token_once_over_the_runs_gpus():
 
 
 def test_the_card_line_splits_what_pytorch_holds_from_the_rest_of_the_card():
-    from atlas_lightning.bench.step import _card_split
+    from atlas_lightning.bench.step_markdown import _card_split
 
     memory = {"card_used_gib/gen": 78.67, "torch_reserved_gib/gen": 35.0, "torch_allocated_gib/gen": 25.5,
               "card_used_gib/asleep": 35.06}  # asleep from a run before the split: the card alone
