@@ -218,7 +218,7 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "model.attention_length_bucket": Int(0, optional=True),
     "model.layer_recompute": Either((OneOf((None,)), Items(OneOf(("layer", "mixer", "mlp", "none")), min_length=1)),
                                     "null or a list of layer, mixer, mlp, none (one a decoder layer)"),
-    "model.checkpoint_layers": Int(0, optional=True),
+    "model.checkpoint_layers": Either((OneOf((None, "auto")), Int(0)), "null, auto or an integer >= 0"),
     # data
     "data.benchmarks": Items(OneOf(BENCHMARKS), min_length=1, unique=True),
     "data.train_split": SAFE_NAME,

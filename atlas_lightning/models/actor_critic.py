@@ -62,7 +62,8 @@ Speed paths (``bench/README.md`` has the measurements):
   lengths to it through the decoder's kwargs;
 * ``checkpoint_layers=k``: with gradient checkpointing on, only the first ``k`` decoder
   layers are recomputed in the backward (``None``: all of them); the others keep their
-  activations, trading memory for the recomputation time;
+  activations, trading memory for the recomputation time. ``auto`` is resolved to a ``k`` for
+  the card before the build (``planning/recompute.py``, ``run/recompute.py``); unresolved, all;
 * ``layer_recompute``: finer than all or nothing, one policy a decoder layer (overrides
   ``checkpoint_layers``): ``layer`` (checkpointed whole), ``mixer`` (only the attention or
   Gated DeltaNet recomputed), ``mlp`` (only the MLP's gate and up projections recomputed) or
@@ -286,10 +287,14 @@ class ActorCritic(nn.Module):
         """The critic adapter's LoRA parameters and the value head's."""
         return self.adapter_parameters(CRITIC) + list(self.value_head.parameters())
 
-    def _recompute_plan(self, checkpointing: bool, checkpoint_layers: Optional[int],
+    def _recompute_plan(self, checkpointing: bool, checkpoint_layers: Optional[int | str],
                         layer_recompute: Optional[Sequence[str]]) -> list[str]:
-        """One policy a layer from ``checkpoint_layers`` (the first k whole) or ``layer_recompute``."""
+        """One policy a layer from ``checkpoint_layers`` (the first k whole) or ``layer_recompute``.
+        ``auto`` arrives here only unresolved (the PPO module resolves it for the card before the
+        build; a builder that does not, as on CPU): every layer, as ``None``."""
         count = len(self.decoder_layers())
+        if checkpoint_layers == "auto":
+            checkpoint_layers = None
         if not checkpointing:
             if checkpoint_layers is not None or layer_recompute is not None:
                 raise ValueError(f"checkpoint_layers={checkpoint_layers} / layer_recompute={layer_recompute}: "

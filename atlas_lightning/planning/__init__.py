@@ -83,13 +83,22 @@ def planned_shape(cfg: Any) -> ModelShape:
 
 
 def make_plan(cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: Optional[str] = None,
-              shape: Optional[ModelShape] = None) -> Plan:
+              shape: Optional[ModelShape] = None, checkpoint_layers: Optional[int] = None) -> Plan:
     """The plan of ``cfg``: the shape of ``cfg.model.path`` (or ``shape``; ``planned_shape``), the
     estimate, and every refusal (layout first, then memory). The kernels it assumed are in its
-    notes. Raises ``ShapeError`` when no shape can be read."""
+    notes. ``model.checkpoint_layers=auto`` is planned at the count it would choose on this card
+    (``recompute.py``; ``Plan.recompute``, and a note), unless ``checkpoint_layers`` gives the
+    count (memory-check: the one its model chose on the card). Raises ``ShapeError`` when no
+    shape can be read."""
     shape = shape or planned_shape(cfg)
     kernel = linear_kernel_of(cfg, linear_kernel)
-    plan = estimate(shape, cfg, card_gib=card_gib_of(cfg, card_gib), linear_kernel=kernel)
+    card = card_gib_of(cfg, card_gib)
+    choice, note = _auto_recompute(cfg, shape, card, kernel) if checkpoint_layers is None else (None, None)
+    layers = choice.checkpointed if choice is not None else checkpoint_layers
+    plan = estimate(shape, cfg, card_gib=card, linear_kernel=kernel, checkpoint_layers=layers)
+    plan.recompute = choice.to_dict() if choice is not None else None
+    if note:
+        plan.notes.append(note)
     plan.refusals[:0] = layout_refusals(cfg, shape)
     if not shape.source.endswith("config.json"):
         plan.notes.append(f"shape from {shape.source} ({cfg.model.path} is not there yet)")
@@ -102,3 +111,22 @@ def make_plan(cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: Opti
             plan.notes.append("linear attention on transformers' torch reference code: estimated with its much "
                               "larger activations")
     return plan
+
+
+def _auto_recompute(cfg: Any, shape: ModelShape, card_gib: float, kernel: str):
+    """``(choice, note)`` for ``model.checkpoint_layers=auto`` on this card (``recompute.py``);
+    ``(None, note)`` where it chooses nothing (CPU, no checkpointing, ``layer_recompute`` set),
+    ``(None, None)`` for any other value."""
+    from .recompute import choose_for_plan, is_auto
+
+    model = cfg.model
+    if not is_auto(model):
+        return None, None
+    if model.layer_recompute is not None:
+        return None, "model.checkpoint_layers=auto: model.layer_recompute is set and decides (auto unused)"
+    if not model.gradient_checkpointing:
+        return None, "model.checkpoint_layers=auto: gradient checkpointing is off, nothing is recomputed"
+    if str(cfg.trainer.accelerator) == "cpu":
+        return None, "model.checkpoint_layers=auto on CPU: every layer checkpointed (no card to size)"
+    choice = choose_for_plan(shape, cfg, card_gib=card_gib, linear_kernel=kernel)
+    return choice, f"{choice.describe()} (the plan's engine asleep and runtime stand for what fit measures)"

@@ -12,7 +12,8 @@ the peak bytes a card holds. Notation (bytes unless said):
   decoder layer, ``R_a``, ``R_c`` the actor's and the critic's LoRA parameters (rank x (in + out)
   over each one's adapted linears: the two may differ, each read from its starting adapter's
   ``adapter_config.json`` when it has one, ``store/lora_shapes.py``), ``R`` the role's own,
-  ``H`` hidden, ``V`` vocabulary, ``L`` layers (``L_ck`` of them checkpointed);
+  ``H`` hidden, ``V`` vocabulary, ``L`` layers (``L_ck`` of them checkpointed: ``model.checkpoint_layers``,
+  whose ``auto`` is the count ``recompute.py`` chooses for the card);
 * ``T`` tokens of a micro-batch: ``algorithm.ppo_max_token_len_per_gpu`` for updates,
   ``algorithm.forward_max_token_len_per_gpu`` for forward-only passes (padded layouts count
   ``n x max_len``, which the packer bounds by the same budget); ``N <= T`` response tokens,
@@ -81,7 +82,7 @@ the prediction beside the measurement).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from atlas_lightning.rollout.engines.args import EngineArgs
@@ -102,6 +103,10 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 SHARED_SERVER = "vLLM server on this card (gpu_memory_utilization x card)"
 #: Packed buffers each side of vLLM's nccl weight transfer keeps (``rollout.engines.weight_transfer.NCCL_NUM_BUFFERS``).
 NCCL_NUM_BUFFERS = 2
+#: ``model.checkpoint_layers``' value that leaves the count to ``recompute.py``.
+AUTO = "auto"
+#: The overhead term of a training card that the CUDA runtime is.
+RUNTIME = "runtime (CUDA context, NCCL)"
 
 
 @dataclass
@@ -159,6 +164,8 @@ class Plan:
     engine: dict = field(default_factory=dict)
     #: Largest ``ppo_max_token_len_per_gpu`` whose update phases fit the card (GPU only).
     max_update_tokens: Optional[int] = None
+    #: What ``model.checkpoint_layers=auto`` chose for this card (``recompute.RecomputeChoice.to_dict``).
+    recompute: Optional[dict] = None
 
     @property
     def ok(self) -> bool:
@@ -174,7 +181,7 @@ class Plan:
         return {"name": self.name, "ok": self.ok, "device": self.device, "card_gib": self.card_bytes / GIB,
                 "model": self.model, "engine": self.engine, "max_update_tokens": self.max_update_tokens,
                 "phases": [p.to_dict() for p in self.phases], "refusals": list(self.refusals),
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "recompute": self.recompute}
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -192,6 +199,8 @@ class Inputs:
     #: ``{"actor": LoraShape, "critic": LoraShape}`` (``store.lora_shapes``): what each adapter trains.
     lora: dict
     checkpointing: bool
+    #: Decoder layers checkpointed (None: all); ``model.checkpoint_layers=auto`` reads as None
+    #: here, its choice being ``recompute.py``'s (``estimate``'s ``checkpoint_layers``).
     checkpoint_layers: Optional[int]
     chunk_tokens: int
     attn: str
@@ -249,7 +258,7 @@ class Inputs:
             compute_bytes=DTYPE_BYTES[dtype],
             lora=lora,
             checkpointing=bool(model.gradient_checkpointing),
-            checkpoint_layers=None if layers is None else int(layers),
+            checkpoint_layers=None if layers is None or layers == AUTO else int(layers),
             chunk_tokens=int(model.logprob_chunk_tokens),
             attn=str(model.attn_implementation),
             padded=str(model.sequence_layout) == "padded",
@@ -371,11 +380,39 @@ def _engine(shape: ModelShape, inputs: Inputs, card_bytes: float) -> dict:
     }
 
 
+def training_overhead(inputs: Inputs, card: float) -> dict[str, float]:
+    """What a training card holds beside the trainer's tensors through the forward passes and the
+    updates (name -> bytes; module doc): the runtime, and a colocated engine asleep (its whole
+    budget without sleep mode) or a separate layout's server sharing the card. Empty on CPU."""
+    overhead: dict[str, float] = {}
+    if inputs.device != "gpu":
+        return overhead
+    overhead[RUNTIME] = RUNTIME_GIB * GIB
+    if inputs.colocated:
+        asleep = ENGINE_ASLEEP_GIB * GIB if inputs.sleep_mode else inputs.gpu_memory_utilization * card
+        overhead["engine asleep" if inputs.sleep_mode else "engine awake (no sleep mode)"] = asleep
+    elif inputs.shares_cards:  # the server was started first and keeps its share throughout
+        overhead[SHARED_SERVER] = inputs.gpu_memory_utilization * card
+    return overhead
+
+
+def update_tensors(shape: ModelShape, inputs: Inputs, linear_kernel: str, checkpoint_layers: Optional[int]) -> float:
+    """Bytes of torch tensors at the larger of the two update phases (actor, critic) with the
+    first ``checkpoint_layers`` decoder layers checkpointed (None: all), at
+    ``inputs.update_tokens`` a micro-batch: what ``estimate`` puts in ``update_actor`` /
+    ``update_critic``'s ``tensors`` for that count."""
+    model = _Model(shape, replace(inputs, checkpoint_layers=checkpoint_layers), linear_kernel)
+    phases = [_update_phase(model, role, inputs.update_tokens, {}) for role in ("actor", "critic")]
+    return max(phase.tensors for phase in phases)
+
+
 def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: str = "fla",
-             name: Optional[str] = None) -> Plan:
+             name: Optional[str] = None, checkpoint_layers: Optional[int] = None) -> Plan:
     """Predict every phase's per-card peak for ``cfg`` on cards of ``card_gib`` GiB (None:
     ``plan.card_gib``; module doc for each term's formula) and refuse what cannot fit
-    (``Plan.refusals``).
+    (``Plan.refusals``). ``checkpoint_layers``: the decoder layers checkpointed, in place of
+    ``model.checkpoint_layers`` (None: the config's; its ``auto`` plans every layer, the count
+    ``auto`` resolves to being ``recompute.py``'s, which ``make_plan`` passes here).
 
     ``linear_kernel``: which Gated DeltaNet path the trainer will run on a hybrid model,
     ``fla`` (flash-linear-attention installed) or ``torch`` (transformers' fallback).
@@ -383,6 +420,8 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = N
     business; this function only sizes memory.
     """
     inputs = Inputs.from_config(cfg)
+    if checkpoint_layers is not None:
+        inputs = replace(inputs, checkpoint_layers=int(checkpoint_layers))
     card = float(cfg.plan.card_gib if card_gib is None else card_gib) * GIB
     model = _Model(model_shape, inputs, linear_kernel)
     s = model_shape
@@ -401,14 +440,7 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = N
     plan.notes.extend(inputs.lora_notes)
     train_cards = "every card" if inputs.colocated else "training cards"
     slack = ALLOCATOR_SLACK if inputs.device == "gpu" else 1.0
-    overhead = {}
-    if inputs.device == "gpu":
-        overhead["runtime (CUDA context, NCCL)"] = RUNTIME_GIB * GIB
-        if inputs.colocated:
-            asleep = ENGINE_ASLEEP_GIB * GIB if inputs.sleep_mode else inputs.gpu_memory_utilization * card
-            overhead["engine asleep" if inputs.sleep_mode else "engine awake (no sleep mode)"] = asleep
-        elif inputs.shares_cards:  # the server was started first and keeps its share throughout
-            overhead[SHARED_SERVER] = inputs.gpu_memory_utilization * card
+    overhead = training_overhead(inputs, card)
 
     # the model build (models/build.py): each rank reads the whole base onto its card, then FSDP2
     # keeps its share; a colocated engine sleeps meanwhile where it sleeps for updates
@@ -422,11 +454,11 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = N
         gen_terms = dict(resident)
         gen_overhead = {"engine (gpu_memory_utilization x card)": engine["budget_gib"] * GIB} if inputs.device == "gpu" else {}
         if inputs.device == "gpu":
-            gen_overhead["runtime (CUDA context, NCCL)"] = RUNTIME_GIB * GIB
+            gen_overhead[RUNTIME] = RUNTIME_GIB * GIB
         plan.phases.append(Phase("generation", train_cards, gen_terms, gen_overhead, slack=slack))
     else:
         serve_overhead = {"engine (gpu_memory_utilization x card)": engine["budget_gib"] * GIB,
-                          "runtime (CUDA context, NCCL)": RUNTIME_GIB * GIB}
+                          RUNTIME: RUNTIME_GIB * GIB}
         plan.phases.append(Phase("generation", "serving cards", {}, serve_overhead))
 
     for role, phase_name in (("actor", "old_log_prob"), ("critic", "values")):
@@ -476,7 +508,7 @@ def _receive_phase(s: ModelShape, inputs: Inputs, engine: dict, bucket: float) -
              "layerwise reload (one layer)": s.base_params * 2 / max(s.num_layers, 1) / max(inputs.engine_tp, 1)}
     overhead = {"engine (gpu_memory_utilization x card)": engine["budget_gib"] * GIB}
     if inputs.device == "gpu":
-        overhead["runtime (CUDA context, NCCL)"] = RUNTIME_GIB * GIB
+        overhead[RUNTIME] = RUNTIME_GIB * GIB
     return Phase("receive_weights", "serving cards", terms, overhead)
 
 

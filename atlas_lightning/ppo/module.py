@@ -88,6 +88,9 @@ from atlas_lightning.rollout.sync import WeightSync
 
 #: ``phase_hook(name, rl_step)``: a context manager the step enters around each phase.
 PhaseHook = Callable[[str, int], ContextManager[Any]]
+#: ``checkpoint_layers_for(device, random_base)``: the decoder layers ``model.checkpoint_layers=auto``
+#: checkpoints on ``device`` (None: all), for the base of ``model.path`` or of ``random_base``.
+CheckpointLayersFor = Callable[[torch.device, Any], Optional[int]]
 
 
 @dataclass
@@ -121,13 +124,17 @@ class PPOModule(L.LightningModule):
     """One RL step of PPO (module doc). ``phase_hook``: see "Measuring a phase" there."""
 
     def __init__(self, cfg: DictConfig, phase_hook: Optional[PhaseHook] = None,
-                 resume_from: Optional[Path] = None) -> None:
+                 resume_from: Optional[Path] = None,
+                 checkpoint_layers_for: Optional[CheckpointLayersFor] = None) -> None:
         """``phase_hook``: see "Measuring a phase" in the module doc. ``resume_from``: the verified
         ``global_step_N`` folder Lightning will resume from (``run.facts.check_inputs``); its
         adapters are checked against the built model before Lightning loads the state
-        (``_check_resume``)."""
+        (``_check_resume``). ``checkpoint_layers_for``: resolves ``model.checkpoint_layers=auto``
+        for the training device as the model is about to be built (``run/recompute.py``); None
+        leaves ``auto`` unresolved: every layer checkpointed (``models/actor_critic.py``)."""
         super().__init__()
         self.cfg = cfg
+        self.checkpoint_layers_for = checkpoint_layers_for
         self.resume_from = Path(resume_from) if resume_from else None
         self.automatic_optimization = False
         # Checkpoints hold trainable tensors only; the frozen base comes from model.path.
@@ -157,7 +164,8 @@ class PPOModule(L.LightningModule):
         context: built as is, it would land on the host and every ``auto`` kernel would resolve
         as on a CPU; the strategy's ``root_device`` is the card (the CPU in CPU runs). A
         colocated engine that sleeps for updates sleeps through the build too (``plan``'s
-        ``model_build`` phase sizes it)."""
+        ``model_build`` phase sizes it); ``model.checkpoint_layers=auto`` is resolved then, the
+        engine asleep (``_model_config``)."""
         if self.model is not None:
             return
         from atlas_lightning.models.build import build_actor_critic
@@ -169,8 +177,8 @@ class PPOModule(L.LightningModule):
             # each rank reads the whole base onto its card before sharding: a colocated engine (built in
             # the data module's setup) gives way as in an update; the first weight sync wakes it
             datamodule.engine.sleep()
-        self.model = build_actor_critic(self.cfg.model, seed=self.cfg.seed, actor_adapter=actor, critic_adapter=critic,
-                                        device=device, random_base=self.random_base)
+        self.model = build_actor_critic(self._model_config(device), seed=self.cfg.seed, actor_adapter=actor,
+                                        critic_adapter=critic, device=device, random_base=self.random_base)
         if self.resume_from is not None:
             self._check_resume(self.resume_from)
         mesh = getattr(self, "device_mesh", None)
@@ -178,6 +186,19 @@ class PPOModule(L.LightningModule):
             from atlas_lightning.models.sharding import shard
 
             shard(self.model, mesh["data_parallel"])
+
+    def _model_config(self, device: Optional[torch.device]) -> Any:
+        """``cfg.model``, with ``checkpoint_layers=auto`` resolved for ``device`` by
+        ``checkpoint_layers_for`` where there is one (a copy: the run's config keeps ``auto``, as
+        written and saved). Collective where the resolver is (every rank takes one count)."""
+        model = self.cfg.model
+        if model.checkpoint_layers != "auto" or self.checkpoint_layers_for is None or device is None:
+            return model
+        from omegaconf import OmegaConf
+
+        resolved = OmegaConf.to_container(model, resolve=True)
+        resolved["checkpoint_layers"] = self.checkpoint_layers_for(device, self.random_base)
+        return OmegaConf.create(resolved)
 
     def _check_resume(self, step_dir: Path) -> None:
         """The checkpoint's two adapters against this model (base identity and fingerprint, LoRA

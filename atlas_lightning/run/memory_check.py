@@ -217,13 +217,21 @@ class MemoryCheckModule(PPOModule):
     passes, updates) in a ``PhaseProbe`` phase; the step is the same. At train start it makes
     the probe, measures an engine first when ``generation`` (module doc) and primes the
     optimizers; in the separate layout it then runs the serving side (server, weight syncs,
-    generation burst: module doc); at train end it closes the engines."""
+    generation burst: module doc); at train end it closes the engines. ``model.checkpoint_layers=auto``
+    resolves as in ``fit``, the room of the engine it builds later kept (``run/recompute.py``)."""
 
     def __init__(self, cfg: DictConfig, generation: bool = True, actor_lora: Optional[LoraShape] = None) -> None:
         """``actor_lora``: the actor's LoRA shape as the run's start-up resolved it
         (``run.facts.RunFacts.lora``), the one shape every engine is built for (None: resolved
         from ``cfg`` by the engine's arguments, for a module built on its own)."""
-        super().__init__(cfg, phase_hook=self.measure_phase)
+        import importlib.util
+
+        from atlas_lightning.run.recompute import CheckpointLayersFor
+
+        # model.checkpoint_layers=auto: the engine comes after the model here, its room is kept for it
+        engine_to_come = generation and importlib.util.find_spec("vllm") is not None
+        super().__init__(cfg, phase_hook=self.measure_phase, checkpoint_layers_for=CheckpointLayersFor(
+            cfg, engine_to_come=engine_to_come, verb="memory-check"))
         self.measure_generation = generation
         self.actor_lora = actor_lora
         self.probe: Optional[PhaseProbe] = None
@@ -413,7 +421,9 @@ def run_memory_check(cfg: DictConfig, *, generation: bool = True, module: Option
     trainer.fit(module, datamodule=data)
     if trainer.global_rank != 0:
         return None
-    report = build_report(cfg, collect.gathered or [], seconds=time.monotonic() - started, plan=plan, lora=lora)
+    choice = getattr(module.checkpoint_layers_for, "choice", None)  # auto's count on the card, planned as such
+    report = build_report(cfg, collect.gathered or [], seconds=time.monotonic() - started, plan=plan, lora=lora,
+                          checkpoint_layers=choice.checkpointed if choice is not None else None)
     print(format_report(report))
     if write:
         from atlas_lightning.store.atomic import atomic_write_text
@@ -429,13 +439,14 @@ def _peak_key(record: dict) -> str:
 
 
 def build_report(cfg: DictConfig, ranks: list[dict], *, seconds: float = 0.0, plan: Any = None,
-                 lora: Optional[Mapping[str, LoraShape]] = None) -> dict:
+                 lora: Optional[Mapping[str, LoraShape]] = None, checkpoint_layers: Optional[int] = None) -> dict:
     """The report: per rank and phase the largest peak over the steps, with the plan's
     prediction (tensors, GiB) and its error against the measured allocation where the measure
     is the GPU allocator's (the CPU's resident set is not comparable); the LoRA shapes ``lora``
-    (None: as the plan sized them)."""
+    (None: as the plan sized them). ``checkpoint_layers``: the count ``model.checkpoint_layers=auto``
+    took on the card, which the plan is made at (None: the config's)."""
     if plan is None:
-        plan = _plan_for(cfg)
+        plan = _plan_for(cfg, checkpoint_layers)
     if lora is not None:
         described = {role: f"{shape.describe()} ({shape.source})" for role, shape in lora.items()}
     else:
@@ -472,15 +483,16 @@ def build_report(cfg: DictConfig, ranks: list[dict], *, seconds: float = 0.0, pl
     }
 
 
-def _plan_for(cfg: DictConfig):
-    """The plan of ``cfg`` on this machine's card (None when the model folder has no readable shape)."""
+def _plan_for(cfg: DictConfig, checkpoint_layers: Optional[int] = None):
+    """The plan of ``cfg`` on this machine's card, at ``checkpoint_layers`` checkpointed layers
+    (None: the config's); None when the model folder has no readable shape."""
     from atlas_lightning.planning import ShapeError, make_plan
 
     card = None
     if torch.cuda.is_available():
         card = torch.cuda.get_device_properties(0).total_memory / GIB
     try:
-        return make_plan(cfg, card_gib=card)
+        return make_plan(cfg, card_gib=card, checkpoint_layers=checkpoint_layers)
     except (ShapeError, ValueError, OSError):
         return None
 

@@ -30,12 +30,14 @@ log = logging.getLogger("atlas_lightning")
 def fit(cfg: DictConfig) -> int:
     from atlas_lightning.rollout.datamodule import RolloutDataModule
     from atlas_lightning.ppo.module import PPOModule
+    from atlas_lightning.run.recompute import CheckpointLayersFor
 
     if cfg.trainer.memory_check:  # the report's memory-check runs: synthetic steps, no rollouts
         return memory_check(cfg)
     facts = check_inputs(cfg)  # before anything is written: a bad model folder or checkpoint exits 2
     callbacks = build_callbacks(cfg, facts)  # a bad callback argument too
-    module = PPOModule(cfg, resume_from=facts.start.resume)  # and a reward or weight sync that cannot be built
+    # and a reward or weight sync that cannot be built; model.checkpoint_layers=auto resolved on the card
+    module = PPOModule(cfg, resume_from=facts.start.resume, checkpoint_layers_for=CheckpointLayersFor(cfg))
     datamodule = RolloutDataModule(cfg, questions=facts.questions, resume_from=facts.start.resume,
                                    actor_lora=facts.lora["actor"])
     with stops_cleanly(facts.folders["checkpoints"], last_step=lambda: _step_of(str(facts.start.resume or ""))):

@@ -55,7 +55,11 @@ from tests.conftest import write_fake_model_folder, write_fake_safetensors
     ("model.lora.target_modules=[]", "model.lora.target_modules"),
     ("model.lora.target_modules=[q_proj,q_proj]", "model.lora.target_modules"),
     ("model.lora.target_modules='q proj'", "model.lora.target_modules"),
-    ("model.checkpoint_layers=-1", "model.checkpoint_layers"),
+    ("model.checkpoint_layers=-1", "model.checkpoint_layers=-1: must be null, auto or an integer >= 0"),
+    ("model.checkpoint_layers=all", "model.checkpoint_layers='all': must be null, auto or an integer >= 0"),
+    ("model.checkpoint_layers=AUTO", "model.checkpoint_layers"),
+    ("model.checkpoint_layers=2.5", "model.checkpoint_layers"),
+    ("model.checkpoint_layers=true", "model.checkpoint_layers"),
     ("model.sequence_layout=ragged", "model.sequence_layout"),
     ("data.benchmarks=[mmlu]", "data.benchmarks=['mmlu']: item 0 ('mmlu') is not one of gpqa, lcb"),
     ("data.benchmarks=[]", "data.benchmarks"),
@@ -91,7 +95,8 @@ def test_bad_values_are_refused_naming_the_key(override, named):
 
 
 @pytest.mark.parametrize("override", ["reward.cost_per_usd=nan", "rollout.top_p=1.5", "name=../../x",
-                                      "algorithm.betas=[0.9]", "logger.project=''", "logger.project='  '"])
+                                      "algorithm.betas=[0.9]", "logger.project=''", "logger.project='  '",
+                                      "model.checkpoint_layers=all"])
 def test_the_cli_exits_2_and_writes_nothing(override, tmp_path, capsys):
     assert main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path}", override]) == 2
     assert override.split("=")[0] in capsys.readouterr().err

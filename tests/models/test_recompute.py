@@ -114,3 +114,36 @@ def test_layer_recompute_names_a_policy_for_every_layer(qwen3_base):
         actor_critic(qwen3_base, LORA, gradient_checkpointing=True, layer_recompute=["mixer"])
     with pytest.raises(ValueError, match="needs gradient_checkpointing=True"):
         actor_critic(qwen3_base, LORA, layer_recompute=["mixer", "mlp"])
+
+
+def test_auto_left_unresolved_checkpoints_every_layer(qwen3_base):
+    """``checkpoint_layers=auto`` reaches the model unresolved only off a card (``run/recompute.py``
+    resolves it on one): every layer, as ``None``; without checkpointing, none and no refusal."""
+    model = actor_critic(qwen3_base, LORA, gradient_checkpointing=True, checkpoint_layers="auto")
+    assert model.layer_recompute == ["layer", "layer"] and model.checkpointed_layers == 2
+    model = actor_critic(qwen3_base, LORA, gradient_checkpointing=False, checkpoint_layers="auto")
+    assert model.layer_recompute == ["none", "none"] and model.checkpointed_layers == 0
+
+
+@pytest.mark.parametrize("base_name", ["qwen3_base", "qwen3_5_base"])
+@pytest.mark.parametrize("lean", [False, True])
+def test_the_checkpointed_count_changes_no_value(base_name, lean, request, randomize):
+    """Whatever count ``checkpoint_layers=auto`` takes, the forward and the gradients are the same
+    bit for bit (here, on CPU; lean activations too: a kept layer's lean MLP tail runs the ops a
+    replayed layer's autograd runs). On CUDA liger's fused product runs in replayed layers and the
+    lean tail in kept ones: not checked here."""
+    base = request.getfixturevalue(base_name)
+    g = torch.Generator().manual_seed(0)
+    packed = pack_sequences([torch.randint(0, 128, (n,), generator=g) for n in LENGTHS], PROMPTS)
+    runs = []
+    for count in (0, 1, 2):
+        model = actor_critic(base, LORA, logprob_chunk_tokens=5, gradient_checkpointing=True, checkpoint_layers=count,
+                             lean_activations=lean)
+        assert model.checkpointed_layers == count
+        randomize(model)
+        runs.append(_run(model, packed))
+    (out0, grads0, _), others = runs[-1], runs[:-1]
+    for out, grads, _ in others:
+        assert all(torch.equal(a, b) for a, b in zip(out, out0))
+        assert sorted(grads) == sorted(grads0) and grads0
+        assert all(torch.equal(grads[name], grad) for name, grad in grads0.items())

@@ -1,0 +1,103 @@
+"""``model.checkpoint_layers=auto`` resolved on the training card, as ``PPOModule.configure_model``
+is about to build the model; ``planning/recompute.py`` gives the rule (the fewest checkpointed
+layers whose predicted update fits) and this module what the card has free at that moment.
+
+The measurement: PyTorch's cached blocks are returned first (``torch.cuda.empty_cache``): the
+driver counts them as used, but the trainer's allocations would reuse them. Then the driver's
+free memory (``torch.cuda.mem_get_info``), which sees what PyTorch's own counters do not: a
+colocated vLLM engine's memory pool, which PyTorch counts as allocated even asleep though vLLM
+has unmapped it (``ppo/metrics.memory_metrics``), and what other processes hold. In ``fit`` the
+colocated engine is built in the data module's ``setup`` and put to sleep before the build
+(``configure_model``), a separate layout's server sharing the card started before it: free is
+what the trainer can have through its updates. Memory-check builds its engine only after the
+model (``MemoryCheckModule.on_train_start``), so ``engine_to_come`` reserves the plan's figure
+for it (``beside_trainer``), for the count to be the one ``fit`` would take. Every rank takes the
+least free memory of all ranks, so all checkpoint the same layers (FSDP2's collectives in the
+backward follow the recomputation, and ranks must issue the same ones).
+
+Off CUDA (CPU runs, tests) ``auto`` keeps every layer checkpointed, as does a config with
+``model.layer_recompute`` (which decides) or without gradient checkpointing (nothing to
+recompute); each says so once. The choice is logged once, on rank 0, to the run's log and stderr.
+
+Who calls it: ``verbs.fit`` and ``memory_check.run_memory_check`` (the module's ``checkpoint_layers_for``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig
+
+from atlas_lightning import distributed as dist_utils
+from atlas_lightning.planning import planned_shape, shape_from_config
+from atlas_lightning.planning.estimate import Inputs
+from atlas_lightning.planning.recompute import KEY, RecomputeChoice, beside_trainer, choose
+from atlas_lightning.planning.shapes import ModelShape
+
+log = logging.getLogger("atlas_lightning")
+
+
+class CheckpointLayersFor:
+    """``PPOModule``'s ``checkpoint_layers_for`` of the run ``cfg``: ``(device, random_base) -> k``
+    (module doc). ``engine_to_come``: the engine is built after the model (memory-check).
+    ``choice``: the last ``RecomputeChoice`` made (None: none made)."""
+
+    def __init__(self, cfg: DictConfig, *, engine_to_come: bool = False, verb: str = "fit") -> None:
+        self.cfg, self.engine_to_come, self.verb = cfg, engine_to_come, verb
+        self.choice: Optional[RecomputeChoice] = None
+
+    def __call__(self, device: torch.device, random_base: Any = None) -> Optional[int]:
+        """The decoder layers to checkpoint on ``device`` (None: every layer). Collective on CUDA."""
+        model = self.cfg.model
+        if model.layer_recompute is not None:
+            return self._say(f"{KEY}=auto: model.layer_recompute is set and decides (auto unused)")
+        if not model.gradient_checkpointing:
+            return self._say(f"{KEY}=auto: model.gradient_checkpointing is off, nothing is recomputed")
+        if device.type != "cuda":
+            return self._say(f"{KEY}=auto on {device.type}: every decoder layer checkpointed (no card to size)")
+        free, card = free_on_card(device)
+        if self.engine_to_come:
+            free -= beside_trainer(self.cfg, card)
+        free = -dist_utils.all_reduce_max([-free])[0]  # the least over ranks: one count for all (module doc)
+        shape = shape_of(self.cfg, random_base)
+        choice = choose(shape, Inputs.from_config(self.cfg), free=free, card=card,
+                        linear_kernel=trainer_linear_kernel(self.cfg, shape))
+        self.choice = choice
+        self._say(choice.describe(), warn=not choice.fits)
+        return choice.checkpointed
+
+    def _say(self, line: str, warn: bool = False) -> None:
+        if dist_utils.is_rank_zero():
+            (log.warning if warn else log.info)(line)
+            print(f"atlas-lightning {self.verb}: {line}", file=sys.stderr)
+        return None
+
+
+def free_on_card(device: torch.device) -> tuple[float, float]:
+    """``(free, total)`` bytes of ``device`` as the driver counts them, once this process's cached
+    blocks are returned (module doc)."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return float(free), float(total)
+
+
+def shape_of(cfg: DictConfig, random_base: Any = None) -> ModelShape:
+    """The shape of the base the module builds: ``random_base``'s (a transformers config whose
+    random weights replace the folder's), else ``model.path``'s (``planning.planned_shape``)."""
+    if random_base is not None:
+        return shape_from_config(random_base.to_dict(), where=f"the random base's {type(random_base).__name__}")
+    return planned_shape(cfg)
+
+
+def trainer_linear_kernel(cfg: DictConfig, shape: ModelShape) -> str:
+    """The Gated DeltaNet path the trainer will run on a CUDA card (``fla`` or ``torch``: the
+    model's own rule, ``models/linear_kernels.py``); ``fla`` for a model without such layers,
+    where it changes nothing."""
+    if not shape.recurrent:
+        return "fla"
+    from atlas_lightning.models.linear_kernels import resolve
+
+    return resolve(cfg.model.linear_attention_kernel, "cuda")

@@ -1,0 +1,96 @@
+"""``model.checkpoint_layers=auto`` resolved where the model is built (``run/recompute.py``,
+``PPOModule.configure_model``): on a card, the plan's count for the memory free there (the card
+itself stood in for by what ``free_on_card`` returns); off a card, every layer; memory-check keeps
+room for the engine it builds later; the run's config keeps ``auto``; the choice is said once."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from atlas_lightning.config import compose
+from atlas_lightning.planning import GIB, planned_shape
+from atlas_lightning.planning.estimate import ENGINE_ASLEEP_GIB, Inputs
+from atlas_lightning.planning.recompute import beside_trainer, choose
+from atlas_lightning.ppo.module import PPOModule
+from atlas_lightning.run import recompute
+from atlas_lightning.run.recompute import CheckpointLayersFor
+
+CUDA = torch.device("cuda", 0)  # a device object only: nothing is placed on it here
+#: An H100 as the 8B's fit found it: 79.2 GiB, the sleeping engine and the context holding ~5.
+CARD, FREE = 79.2 * GIB, 74.2 * GIB
+
+
+def _cfg(*overrides: str):
+    return compose(["experiment=h200-8b", *overrides])
+
+
+def _card(monkeypatch, free: float, card: float = CARD) -> None:
+    monkeypatch.setattr(recompute, "free_on_card", lambda device: (free, card))
+
+
+def test_on_a_card_the_count_is_the_plans_for_the_memory_free_there(monkeypatch, capsys):
+    cfg = _cfg()
+    assert cfg.model.checkpoint_layers == "auto"  # the experiment asks for it
+    _card(monkeypatch, FREE)
+    resolver = CheckpointLayersFor(cfg)
+    count = resolver(CUDA)
+    expected = choose(planned_shape(cfg), Inputs.from_config(cfg), free=FREE, card=CARD, linear_kernel="fla")
+    assert expected.fits and count == expected.checkpointed == resolver.choice.checkpointed
+    assert 0 < count < 36  # the 8B at 49,152 tokens: some layers kept, not all
+    err = capsys.readouterr().err
+    assert err.count("model.checkpoint_layers=auto") == 1
+    assert f"{count} of 36 decoder layers checkpointed" in err and "74.20 GiB free of a 79.2 GiB card" in err
+
+
+def test_less_free_memory_checkpoints_more_layers(monkeypatch):
+    counts = []
+    for free in (FREE, FREE - 8 * GIB, FREE - 16 * GIB):
+        _card(monkeypatch, free)
+        counts.append(CheckpointLayersFor(_cfg())(CUDA))
+    assert counts == sorted(counts) and counts[0] < counts[-1], counts
+
+
+def test_a_card_too_full_checkpoints_every_layer_and_warns(monkeypatch, capsys):
+    _card(monkeypatch, 30 * GIB)
+    assert CheckpointLayersFor(_cfg())(CUDA) == 36
+    assert "does NOT fit even with every layer checkpointed" in capsys.readouterr().err
+
+
+def test_memory_check_keeps_room_for_the_engine_it_builds_after_the_model(monkeypatch):
+    """Memory-check finds the card without its engine (built at train start): the plan's figure
+    for the engine asleep is kept, so it takes the count fit takes beside that engine asleep."""
+    cfg = _cfg()
+    assert beside_trainer(cfg, CARD) == ENGINE_ASLEEP_GIB * GIB  # colocated, sleep mode
+    _card(monkeypatch, FREE)
+    in_fit = CheckpointLayersFor(cfg)(CUDA)
+    _card(monkeypatch, FREE + ENGINE_ASLEEP_GIB * GIB)
+    assert CheckpointLayersFor(cfg, engine_to_come=True, verb="memory-check")(CUDA) == in_fit
+
+
+@pytest.mark.parametrize("override", ["model.layer_recompute=[" + ",".join(["mixer"] * 36) + "]",
+                                      "model.gradient_checkpointing=false"])
+def test_nothing_is_measured_where_auto_has_nothing_to_choose(override, monkeypatch):
+    monkeypatch.setattr(recompute, "free_on_card", lambda device: pytest.fail("measured"))
+    assert CheckpointLayersFor(_cfg(override))(CUDA) is None
+
+
+def test_the_module_builds_the_resolved_count_and_the_run_keeps_auto():
+    cfg = _cfg()
+    module = PPOModule(cfg, checkpoint_layers_for=lambda device, random_base: 5)
+    resolved = module._model_config(CUDA)
+    assert resolved.checkpoint_layers == 5 and resolved.path == cfg.model.path
+    assert cfg.model.checkpoint_layers == "auto"
+    assert PPOModule(cfg)._model_config(CUDA) is cfg.model  # no resolver: left to the model (every layer)
+
+
+def test_auto_on_cpu_builds_every_layer_checkpointed_and_says_so(cfg_of, capsys):
+    cfg = cfg_of("model.checkpoint_layers=auto", "model.gradient_checkpointing=true")
+    module = PPOModule(cfg, checkpoint_layers_for=CheckpointLayersFor(cfg))
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), datamodule=None)
+    module.configure_model()
+    layers = len(module.model.decoder_layers())
+    assert module.model.checkpointed_layers == layers and module.model.layer_recompute == ["layer"] * layers
+    assert "model.checkpoint_layers=auto on cpu: every decoder layer checkpointed" in capsys.readouterr().err
