@@ -390,15 +390,14 @@ def validation_seconds(step: int, measured: set[int], history: dict[int, dict[st
             "in_step_s": own + tail, "cost_s": cost}
 
 
-def _step_shares(phases: dict[str, float], callbacks: dict[str, float], wall: float, validation: dict[str, Any],
-                 tokens: int, gpus: int, val_every: int, save_every: int) -> dict[str, Any]:
+def _step_shares(phases: dict[str, float], gen: float, callbacks: dict[str, float], wall: float,
+                 validation: dict[str, Any], tokens: int, gpus: int, val_every: int, save_every: int) -> dict[str, Any]:
     """A step's ``other_s``, ``shares`` and ``tokens_per_s_per_gpu`` (module doc) from its phases,
-    its callbacks' seconds and where its validation seconds are (``validation_seconds``)."""
+    ``gen`` (its training trajectories' generation: ``gen`` less a ridden validation's tail), its
+    callbacks' seconds and where its validation seconds are (``validation_seconds``)."""
     # the weight sync (wake, update_weights) is the step's last phase, not a callback
     inside = sum(phases.get(p, 0.0) for p in ("wake_rollout", "gen", "sleep", "assemble") + UPDATE_COMPUTE
                  + ("adv", "wake", "update_weights")) + sum(callbacks.values())
-    # the tail of a ridden validation is inside gen: validation's seconds, counted once, there
-    gen = phases.get("gen", 0.0) - validation["rider_tail_s"]
     update = sum(phases.get(p, 0.0) for p in UPDATE_COMPUTE)
     # validation and checkpoints run every val_every / save_every steps: a step that has one
     # shows it apart, and the amortised share spreads each over its period (a ridden validation:
@@ -442,7 +441,8 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
         callbacks = dict(callback_s.get(step, {}))
         validation = validation_seconds(step, set(steps), history, callback_s, callback_start_s or {},
                                         ride_tail_s or {})
-        # the training trajectories' generation: without a ridden validation's tail after them
+        # the training trajectories' generation: a ridden validation's tail after them is inside
+        # gen, and is validation's seconds, counted once, there
         gen = phases.get("gen", 0.0) - validation["rider_tail_s"]
         row: dict[str, Any] = {
             "step": step, "wall_s": wall, "phases_s": phases, "callbacks_s": callbacks, "validation": validation,
@@ -455,7 +455,7 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
         # known once the generation ended, even in a step that did not
         row["gen_tokens_per_s"] = (generated.get(step) or 0) / gen if gen else None
         if wall:
-            row.update(_step_shares(phases, callbacks, wall, validation, row["tokens"], int(cfg.layout.gpus),
+            row.update(_step_shares(phases, gen, callbacks, wall, validation, row["tokens"], int(cfg.layout.gpus),
                                     val_every, save_every))
         flops = phase_flops(cfg, lengths[step], responses.get(step, [])) if step in responses else None
         if flops:
@@ -509,6 +509,10 @@ def _environment() -> dict[str, Any]:
     return out
 
 
+# ----------------------------------------------------------------------------- the command
+
+
+#: The tokenizer files a model folder takes from ``--tokenizer-from`` (those that exist there).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 

@@ -131,8 +131,3 @@ def markdown(report: dict) -> str:
     lines += ["", "versions: " + ", ".join(f"{k} {v}" for k, v in env.items())]
     return "\n".join(lines)
 
-
-# ----------------------------------------------------------------------------- the command
-
-
-#: The tokenizer files a model folder takes from ``--tokenizer-from`` (those that exist there).

@@ -300,14 +300,13 @@ class WeightSync:
                  trainer: Optional[np.ndarray] = None) -> Reading:
         """The trainer's and the engine's log-probs of the probe sequence ``probe`` (the engine's
         checked finite: ``NonFiniteError``); ``trainer``: the trainer's, when already computed."""
-        from atlas_lightning.models.probe import probe_logprobs
 
         engine_lp = engine.prompt_logprobs(probe)
         check_probe_logprobs(engine_lp, version)
-        trainer_lp = probe_logprobs(model, probe, device) if trainer is None else trainer
+        trainer_lp = _trainer_probe(model, probe, device) if trainer is None else trainer
         if len(engine_lp) != len(trainer_lp):
             raise WeightSyncError(f"weight sync: probe lengths differ ({len(engine_lp)} vs {len(trainer_lp)})")
-        return Reading(version, np.asarray(trainer_lp, dtype=np.float64), np.asarray(engine_lp, dtype=np.float64))
+        return Reading(version, trainer_lp, np.asarray(engine_lp, dtype=np.float64))
 
     def _check_gap(self, reading: Reading, version: int) -> float:
         """Max |trainer - engine| log-prob over the probe sequence, against a bound set from the
@@ -336,7 +335,7 @@ class WeightSync:
         any load (when it is the trainer's base) to the actor (judged when that move is
         measurable: a starting adapter the engine ignores), to the marked actor and back to the
         actor, each load verified as any sync's. Returns the last load's report and probe gap."""
-        from atlas_lightning.models.probe import marked_actor, probe_logprobs
+        from atlas_lightning.models.probe import marked_actor
 
         base = self._base_reading(model, probe, engine, version, device)
         self._load(model, engine, version)
@@ -351,14 +350,15 @@ class WeightSync:
 
         def marked_probe(shift: float) -> np.ndarray:
             with marked_actor(model, shift):
-                return np.asarray(probe_logprobs(model, probe, device), dtype=np.float64)
+                return _trainer_probe(model, probe, device)
 
         self.mark_scale = mark_shift(marked_probe, actor.trainer, self.movement.noise)
         self.sync_id += 1
         return self._marked_round_trip(model, engine, probe, version, device, at_start=True, actor=actor.trainer)
 
     def _marked_check_due(self) -> bool:
-        """Whether this sync (after the starting one) serves the marked actor first."""
+        """Count this sync (one after the starting one) and say whether it serves the marked actor
+        first: every ``marked_check_every``-th one does."""
         self.syncs_since_start += 1
         return self.marked_check_every > 0 and self.syncs_since_start % self.marked_check_every == 0
 
@@ -368,10 +368,10 @@ class WeightSync:
         next id), each load verified as any sync's, and judge both moves as known ones
         (``MovementCheck.check``'s ``loaded``). ``actor``: the trainer's probe of the actor, when
         already computed. Returns the actor load's report and probe gap."""
-        from atlas_lightning.models.probe import marked_actor, probe_logprobs
+        from atlas_lightning.models.probe import marked_actor
 
         if actor is None:
-            actor = np.asarray(probe_logprobs(model, probe, device), dtype=np.float64)
+            actor = _trainer_probe(model, probe, device)
         with marked_actor(model, self.mark_scale):
             self._load(model, engine, version)
             marked = self._reading(model, probe, engine, version, device)
@@ -427,6 +427,13 @@ class WeightSync:
         """``state`` as ``state_dict`` wrote it; an absent key reads as a fresh sync's."""
         self.version = state.get("version")
         self.sync_id = int(state.get("sync_id", 0))
+
+
+def _trainer_probe(model, probe: list[int], device: Any) -> np.ndarray:
+    """The trainer's per-token log-probs of ``probe`` (``models.probe.probe_logprobs``), float64."""
+    from atlas_lightning.models.probe import probe_logprobs
+
+    return np.asarray(probe_logprobs(model, probe, device), dtype=np.float64)
 
 
 def _reset_peak() -> None:
