@@ -117,15 +117,13 @@ def _auto_recompute(cfg: Any, shape: ModelShape, card_gib: float, kernel: str):
     """``(choice, note)`` for ``model.checkpoint_layers=auto`` on this card (``recompute.py``);
     ``(None, note)`` where it chooses nothing (CPU, no checkpointing, ``layer_recompute`` set),
     ``(None, None)`` for any other value."""
-    from .recompute import choose_for_plan, is_auto
+    from .recompute import choose_for_plan, is_auto, nothing_to_choose
 
-    model = cfg.model
-    if not is_auto(model):
+    if not is_auto(cfg.model):
         return None, None
-    if model.layer_recompute is not None:
-        return None, "model.checkpoint_layers=auto: model.layer_recompute is set and decides (auto unused)"
-    if not model.gradient_checkpointing:
-        return None, "model.checkpoint_layers=auto: gradient checkpointing is off, nothing is recomputed"
+    unchosen = nothing_to_choose(cfg.model)
+    if unchosen:
+        return None, unchosen
     if str(cfg.trainer.accelerator) == "cpu":
         return None, "model.checkpoint_layers=auto on CPU: every layer checkpointed (no card to size)"
     choice = choose_for_plan(shape, cfg, card_gib=card_gib, linear_kernel=kernel)

@@ -38,7 +38,7 @@ Who calls it: ``planning.make_plan`` (the plan of a config with ``auto``), ``run
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from .estimate import ALLOCATOR_SLACK, AUTO, GIB, RUNTIME, RUNTIME_GIB, Inputs, training_overhead, update_tensors
 from .shapes import ModelShape
@@ -51,6 +51,16 @@ KEY = "model.checkpoint_layers"
 def is_auto(model_cfg: Any) -> bool:
     """True when ``model_cfg.checkpoint_layers`` asks for the choice (``auto``)."""
     return model_cfg.checkpoint_layers == AUTO
+
+
+def nothing_to_choose(model_cfg: Any) -> Optional[str]:
+    """Why ``auto`` chooses nothing for ``model_cfg`` whatever the card (a line to log), or None
+    where it chooses: ``model.layer_recompute`` decides, or nothing is recomputed at all."""
+    if model_cfg.layer_recompute is not None:
+        return f"{KEY}=auto: model.layer_recompute is set and decides (auto unused)"
+    if not model_cfg.gradient_checkpointing:
+        return f"{KEY}=auto: gradient checkpointing is off (model.gradient_checkpointing), nothing is recomputed"
+    return None
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.planning import planned_shape, shape_from_config
 from atlas_lightning.planning.estimate import Inputs
-from atlas_lightning.planning.recompute import KEY, RecomputeChoice, beside_trainer, choose
+from atlas_lightning.planning.recompute import KEY, RecomputeChoice, beside_trainer, choose, nothing_to_choose
 from atlas_lightning.planning.shapes import ModelShape
 
 log = logging.getLogger("atlas_lightning")
@@ -51,11 +51,9 @@ class CheckpointLayersFor:
 
     def __call__(self, device: torch.device, random_base: Any = None) -> Optional[int]:
         """The decoder layers to checkpoint on ``device`` (None: every layer). Collective on CUDA."""
-        model = self.cfg.model
-        if model.layer_recompute is not None:
-            return self._say(f"{KEY}=auto: model.layer_recompute is set and decides (auto unused)")
-        if not model.gradient_checkpointing:
-            return self._say(f"{KEY}=auto: model.gradient_checkpointing is off, nothing is recomputed")
+        unchosen = nothing_to_choose(self.cfg.model)
+        if unchosen:
+            return self._say(unchosen)
         if device.type != "cuda":
             return self._say(f"{KEY}=auto on {device.type}: every decoder layer checkpointed (no card to size)")
         free, card = free_on_card(device)
