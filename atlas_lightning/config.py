@@ -130,10 +130,11 @@ class ModelConfig:
     #: (``models/fused_lora.py``); False uses peft's own adapter path.
     fused_lora: bool = True
     #: With gradient checkpointing, checkpoint only the first k decoder layers (None: all), or
-    #: ``auto``: the fewest whose update at ``algorithm.ppo_max_token_len_per_gpu`` fits the card
-    #: the model is built on, from the plan's prediction and the memory free there
-    #: (``planning/recompute.py``; every layer on CPU). Recomputation never changes the numbers,
-    #: only time and memory. ``fit`` logs the choice, ``plan`` prints it for ``plan.card_gib``.
+    #: ``auto``: one ``layer_recompute`` policy a layer, the least replayed work whose update at
+    #: ``algorithm.ppo_max_token_len_per_gpu`` fits the card the model is built on, from the plan's
+    #: prediction and the memory free there (``planning/recompute.py``; every layer on CPU).
+    #: Recomputation never changes the numbers, only time and memory. ``fit`` logs the choice,
+    #: ``plan`` prints it for ``plan.card_gib``.
     checkpoint_layers: Any = None
     #: Norms saving bf16 inputs, and MLP tails replayed in the layers kept out of checkpointing
     #: (``models/lean_activations.py``): about half a layer's saved activations.

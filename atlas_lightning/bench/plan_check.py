@@ -13,6 +13,8 @@ Who calls it: ``cli.py``. Pure Python (the planner never imports torch).
 
 from __future__ import annotations
 
+from typing import Optional
+
 from omegaconf import OmegaConf
 
 from atlas_lightning.config import RootConfig
@@ -22,7 +24,9 @@ GIB = 2.0**30
 
 
 def plan_tensors_gib(shape_config: dict, arch: str, layers: int, tokens: int, checkpoint_layers: int,
-                     linear_kernel: str, rank: int = 64, chunk: int = 1024) -> float:
+                     linear_kernel: str, rank: int = 64, chunk: int = 1024, policy: Optional[str] = None) -> float:
+    """The ``update_actor`` phase's tensors less the Adam moments, GiB (module doc); ``policy``:
+    every layer under that recompute policy (``models/recompute.py``) instead of the count."""
     raw = dict(shape_config) | {"model_type": "qwen3_5_text" if arch == "qwen3_5" else arch,
                                 "num_hidden_layers": layers}
     if "layer_types" in raw:
@@ -32,7 +36,8 @@ def plan_tensors_gib(shape_config: dict, arch: str, layers: int, tokens: int, ch
     shape = shape_from_config(raw, where=f"bench shape ({layers} layers)")
     settings = {"model": {"dtype": "bfloat16", "lora": {"rank": rank, "target_modules": "all-linear"},
                           "gradient_checkpointing": True, "checkpoint_layers": checkpoint_layers,
-                          "logprob_chunk_tokens": chunk, "attn_implementation": "sdpa_varlen"},
+                          "logprob_chunk_tokens": chunk, "attn_implementation": "sdpa_varlen",
+                          "layer_recompute": None if policy is None else [policy] * layers},
                 "algorithm": {"ppo_max_token_len_per_gpu": tokens, "forward_max_token_len_per_gpu": tokens},
                 "trainer": {"devices": 1, "num_nodes": 1, "accelerator": "gpu"}}
     # the planner reads the typed config (every other setting at its schema default)

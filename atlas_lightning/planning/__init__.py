@@ -23,7 +23,7 @@ not yet fetched), the named ``model.shape`` (``named_shapes.py``; ``model=qwen3_
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from .checks import layout_refusals
 from .estimate import GIB, Phase, Plan, estimate
@@ -83,19 +83,19 @@ def planned_shape(cfg: Any) -> ModelShape:
 
 
 def make_plan(cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: Optional[str] = None,
-              shape: Optional[ModelShape] = None, checkpoint_layers: Optional[int] = None) -> Plan:
+              shape: Optional[ModelShape] = None, layer_recompute: Optional[Sequence[str]] = None) -> Plan:
     """The plan of ``cfg``: the shape of ``cfg.model.path`` (or ``shape``; ``planned_shape``), the
     estimate, and every refusal (layout first, then memory). The kernels it assumed are in its
-    notes. ``model.checkpoint_layers=auto`` is planned at the count it would choose on this card
-    (``recompute.py``; ``Plan.recompute``, and a note), unless ``checkpoint_layers`` gives the
-    count (memory-check: the one its model chose on the card). Raises ``ShapeError`` when no
-    shape can be read."""
+    notes. ``model.checkpoint_layers=auto`` is planned at the policies it would choose on this card
+    (``recompute.py``; ``Plan.recompute``, and a note), unless ``layer_recompute`` gives them
+    (memory-check: the ones its model chose on the card). Raises ``ShapeError`` when no shape can
+    be read."""
     shape = shape or planned_shape(cfg)
     kernel = linear_kernel_of(cfg, linear_kernel)
     card = card_gib_of(cfg, card_gib)
-    choice, note = _auto_recompute(cfg, shape, card, kernel) if checkpoint_layers is None else (None, None)
-    layers = choice.checkpointed if choice is not None else checkpoint_layers
-    plan = estimate(shape, cfg, card_gib=card, linear_kernel=kernel, checkpoint_layers=layers)
+    choice, note = _auto_recompute(cfg, shape, card, kernel) if layer_recompute is None else (None, None)
+    policies = choice.plan if choice is not None else layer_recompute
+    plan = estimate(shape, cfg, card_gib=card, linear_kernel=kernel, layer_recompute=policies)
     plan.recompute = choice.to_dict() if choice is not None else None
     if note:
         plan.notes.append(note)

@@ -59,18 +59,57 @@ recomputed), which the factor for fla absorbs and the full-attention count does 
 (uncheckpointed) dense layers are over-predicted, on the safe side. The fla forward working set
 is still uncalibrated.
 
+By policy (``layer_parts``; ``models/recompute.py``'s ``layer``, ``mixer``, ``mlp``, ``none``): the
+count above is a layer of transformers' own path, which the replay of a checkpointed layer runs
+(its MLP tail is not lean) and which stays the replay's transient. A layer kept out of whole-layer
+checkpointing is counted by part, each part what one policy replays instead of saving:
+
+    common    2 norms + c (H + H) + c r n      the two RMSNorms' inputs, the mixer's and the
+                                               MLP's inputs, LoRA's x A^T
+    mixer     the layer's own part above       q/k norms, attention or Gated DeltaNet tensors,
+                                               o_proj / out_proj input (``mixer`` replays it)
+    gate_up   2 c I                            gate(x), up(x) (``mlp`` replays them)
+    tail      2 c I                            silu(gate) and the product: saved only where the
+                                               MLP tail is not lean
+
+with a norm's input ``c x width + 4`` (lean: its own dtype and an fp32 rstd a row) or ``4 x
+width`` (transformers' fp32 copy). ``none`` keeps all four, ``mixer`` all but the mixer's (its
+checkpoint keeps the mixer's input, already in common), ``mlp`` all but gate_up and the tail (its
+function saves the MLP's input and the low-rank products only). Lean tails (``lean_activations``
+with gradient checkpointing on) apply to ``none`` and ``mixer`` layers. Without lean activations
+the four parts sum to the count above, calibration aside. What a replay holds at once
+(``replayed``): the whole layer's count for ``layer``; for the others a kept MLP's backward,
+``MLP_BACKWARD x gate_up`` (gate(x), up(x) and their two gradients), or the mixer's part where
+``mixer`` replays more. Checked against run 13's H200 peaks (``bench/results/run13-dense.json``:
+the dense 8B's first 4 layers at 46,950 tokens, critic + actor, every layer under one policy;
+``tests/bench/test_plan_check.py``): ``none`` 32.9 GiB planned for 32.2 measured, ``mixer`` 26.1
+for 25.3, ``mlp`` 24.3 for 23.6, ``layer`` 17.3 for 15.1; the 27B's 3 + 1 layers on fla with none
+checkpointed 55.1 for 52.2. With ``MLP_BACKWARD`` 1 (the gradients alone) the three kept policies
+came 4-6% below their peaks. The 36-layer mixed plans (runs 13 and 15: 2-4 ``layer``, 31-32
+``mixer``, 1-2 ``mlp`` at 16K-token micro-batches) are planned 2-7% above (the plan holds both
+adapters' optimizer states, the benchmark the actor's alone). ``PART_CALIBRATION``:
+the torch fallback's factor, kept on every part; the fla parts needed none.
+
 Who calls it: ``planning.estimate``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from .shapes import FULL, LINEAR, ModelShape
 
 #: Measured over counted saved bytes, per layer kind and kernel path (module doc).
 SAVED_CALIBRATION = {"full_attention": 1.0, "linear_attention:fla": 0.64, "linear_attention:torch": 0.85}
 #: Measured over counted forward working set of a linear-attention layer (module doc).
+#: Measured over counted bytes of a kept layer's parts, per kernel path (module doc, "By policy").
+PART_CALIBRATION = {FULL: 1.0, f"{LINEAR}:fla": 1.0, f"{LINEAR}:torch": SAVED_CALIBRATION[f"{LINEAR}:torch"]}
 FORWARD_CALIBRATION = {"linear_attention:fla": 1.0, "linear_attention:torch": 0.55}
 CHUNK = 64
+#: The recompute policies (``models/recompute.py``), from the least memory kept to the most.
+POLICIES = ("layer", "mixer", "mlp", "none")
+#: A kept MLP's backward holds gate(x) and up(x) and their two gradients at once (module doc).
+MLP_BACKWARD = 2.0
 
 
 def _common(shape: ModelShape, c: int, rank: int, adapted: int) -> int:
@@ -118,3 +157,73 @@ def forward_bytes_per_token(shape: ModelShape, kind: str, *, c: int, rank: int, 
     saved = saved_bytes_per_token(shape, kind, c=c, rank=rank, adapted=adapted, linear_kernel=linear_kernel)
     own = saved / SAVED_CALIBRATION[key] - _common(shape, c, rank, adapted)
     return max(mlp, own * FORWARD_CALIBRATION[key])
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """Saved bytes per token of one decoder layer by what each recompute policy replays (module
+    doc, "By policy"); ``whole``: the replay of a whole checkpointed layer (the count)."""
+
+    common: float
+    mixer: float
+    gate_up: float
+    tail: float
+    whole: float
+
+    def kept(self, policy: str, lean_tail: bool) -> float:
+        """Bytes a token a layer under ``policy`` keeps for its backward (``layer``: nothing
+        here, its input being counted with the checkpointed layers' inputs)."""
+        tail = 0.0 if lean_tail else self.tail
+        if policy == "layer":
+            return 0.0
+        if policy == "mixer":
+            return self.common + self.gate_up + tail
+        if policy == "mlp":
+            return self.common + self.mixer
+        if policy == "none":
+            return self.common + self.mixer + self.gate_up + tail
+        raise ValueError(f"unknown recompute policy {policy!r} (one of {', '.join(POLICIES)})")
+
+    def replayed(self, policy: str) -> float:
+        """Bytes a token the backward of a layer under ``policy`` holds at once for its replay."""
+        if policy == "layer":
+            return self.whole
+        backward = MLP_BACKWARD * self.gate_up  # a kept MLP's backward: gate's and up's gradients, the product
+        return max(backward, self.mixer) if policy == "mixer" else backward
+
+
+def _norm(width: int, rows: int, c: int, lean: bool) -> int:
+    return c * width + 4 * rows if lean else 4 * width
+
+
+def layer_parts(shape: ModelShape, kind: str, *, c: int, rank: int, adapted: int, linear_kernel: str = "fla",
+                lean: bool = True) -> LayerParts:
+    """``kind``'s saved bytes per token by part (module doc, "By policy"), calibrated;
+    ``lean``: ``model.lean_activations`` (bf16 norm inputs)."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    common = 2 * _norm(h, 1, c, lean) + c * 2 * h + c * rank * adapted
+    if kind == FULL:
+        q, k = shape.q_width, shape.kv_width
+        mixer = c * q + c * (q + 2 * k) + c * q + 4 * shape.num_heads
+        if shape.qk_norm:
+            mixer += _norm(q + k, shape.num_heads + shape.num_kv_heads, c, lean)
+        if shape.attn_output_gate:
+            mixer += 2 * c * q
+        key = FULL
+    elif kind == LINEAR:
+        nv, dk, dv = shape.linear_num_value_heads, shape.linear_key_head_dim, shape.linear_value_head_dim
+        big_k, big_v, conv = nv * dk, nv * dv, shape.linear_conv_dim
+        if linear_kernel == "fla":
+            mixer = c * (2 * big_k + big_v) + 4 * nv * CHUNK + 2 * c * big_v + c * conv + c * big_v
+        elif linear_kernel == "torch":
+            mixer = (4 * (8 * big_k + 7 * big_v) + 4 * 5 * nv * CHUNK + 4 * nv * dk * dv / CHUNK
+                     + 14 * big_v + 2 * c * conv + c * big_v)
+        else:
+            raise ValueError(f"linear attention kernel {linear_kernel!r} is not one of fla, torch")
+        key = f"{LINEAR}:{linear_kernel}"
+    else:
+        raise ValueError(f"unknown layer kind {kind!r}")
+    factor = PART_CALIBRATION[key]
+    whole = saved_bytes_per_token(shape, kind, c=c, rank=rank, adapted=adapted, linear_kernel=linear_kernel)
+    return LayerParts(common=common * factor, mixer=mixer * factor, gate_up=2 * c * i * factor,
+                      tail=2 * c * i * factor, whole=whole)

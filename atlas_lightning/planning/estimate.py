@@ -12,8 +12,10 @@ the peak bytes a card holds. Notation (bytes unless said):
   decoder layer, ``R_a``, ``R_c`` the actor's and the critic's LoRA parameters (rank x (in + out)
   over each one's adapted linears: the two may differ, each read from its starting adapter's
   ``adapter_config.json`` when it has one, ``store/lora_shapes.py``), ``R`` the role's own,
-  ``H`` hidden, ``V`` vocabulary, ``L`` layers (``L_ck`` of them checkpointed: ``model.checkpoint_layers``,
-  whose ``auto`` is the count ``recompute.py`` chooses for the card);
+  ``H`` hidden, ``V`` vocabulary, ``L`` layers, each under one recompute policy (``layer``,
+  ``mixer``, ``mlp``, ``none``: ``model.layer_recompute``, else the first ``model.checkpoint_layers``
+  ``layer`` and the rest ``none``; ``auto`` is the plan ``recompute.py`` chooses for the card),
+  ``L_ck`` of them ``layer`` (checkpointed whole);
 * ``T`` tokens of a micro-batch: ``algorithm.ppo_max_token_len_per_gpu`` for updates,
   ``algorithm.forward_max_token_len_per_gpu`` for forward-only passes (padded layouts count
   ``n x max_len``, which the packer bounds by the same budget); ``N <= T`` response tokens,
@@ -29,7 +31,8 @@ Terms of a training card. Held together (summed):
     FSDP gathered layers    2 P_layer c             (W > 1: the running layer and the prefetched one)
     LoRA states             (R_a + R_c)(4 + 4 + 8) / W  (actor + critic: fp32 params, grads, Adam moments)
     layer inputs            L_ck T H c              (update: what checkpointing keeps)
-    saved activations       T sum a(kind)           (update: layers that are not checkpointed)
+    saved activations       T sum k(kind, policy)   (update: what each layer not checkpointed whole
+                                                    keeps, ``activations.layer_parts``)
     embeddings, final norm  T H (2c + 4) + N H c    (update: layer-0 input, fp32 norm copy, head input)
     residual stream         3 T H c                 (forward-only: a layer's input, output, residual)
     attention mask          T x T (packed) or T x max_len (padded), sdpa/eager only
@@ -41,8 +44,9 @@ layers before the head; the H200 measurement shows it, actor and critic peaks be
     log-prob chunks         12 C V + N H c          (actor: bf16 logits, fp32 log-softmax and
                                                     probabilities, bf16 grad; grad of hidden)
     value head input        (4 + c) N H             (critic: fp32 hidden, its grad; 4 N H forward-only)
-    one layer recomputed    T max a(kind) + 4 T H c (update: a checkpointed layer replayed, and the
-      + gradients                                    grads of the residual stream in flight)
+    one layer recomputed    T max r(kind, policy)   (update: the largest replay, a(kind) for a whole
+      + gradients             + 4 T H c              layer, or a kept MLP's backward; and the grads
+                                                    of the residual stream in flight)
     one layer working set   T max f(kind)           (forward-only)
 
 Card totals add ``RUNTIME_GIB`` (CUDA context, cuBLAS workspace, NCCL buffers), allocator
@@ -83,12 +87,12 @@ the prediction beside the measurement).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from atlas_lightning.rollout.engines.args import EngineArgs
 from atlas_lightning.store.lora_shapes import lora_shapes_or_config
 
-from .activations import forward_bytes_per_token, saved_bytes_per_token
+from .activations import POLICIES, LayerParts, forward_bytes_per_token, layer_parts
 from .shapes import FULL, ModelShape
 
 GIB = 2**30
@@ -200,8 +204,13 @@ class Inputs:
     lora: dict
     checkpointing: bool
     #: Decoder layers checkpointed (None: all); ``model.checkpoint_layers=auto`` reads as None
-    #: here, its choice being ``recompute.py``'s (``estimate``'s ``checkpoint_layers``).
+    #: here, its choice being ``recompute.py``'s (``estimate``'s ``layer_recompute``).
     checkpoint_layers: Optional[int]
+    #: ``model.layer_recompute``: one policy a decoder layer (``activations.POLICIES``), which
+    #: overrides ``checkpoint_layers``; None: the count decides.
+    layer_recompute: Optional[tuple]
+    #: ``model.lean_activations``: bf16 norm inputs, lean MLP tails (``activations.layer_parts``).
+    lean: bool
     chunk_tokens: int
     attn: str
     padded: bool
@@ -259,6 +268,8 @@ class Inputs:
             lora=lora,
             checkpointing=bool(model.gradient_checkpointing),
             checkpoint_layers=None if layers is None or layers == AUTO else int(layers),
+            layer_recompute=None if model.layer_recompute is None else tuple(str(p) for p in model.layer_recompute),
+            lean=bool(model.lean_activations),
             chunk_tokens=int(model.logprob_chunk_tokens),
             attn=str(model.attn_implementation),
             padded=str(model.sequence_layout) == "padded",
@@ -288,13 +299,28 @@ class _Model:
         self.adapted = {role: {kind: len(shape.adapted_linears(kind, lora.target_modules)) for kind in set(shape.layer_types)}
                         for role, lora in inputs.lora.items()}
         self.lora = {role: shape.lora_params(lora.rank, lora.target_modules) for role, lora in inputs.lora.items()}
-        count = shape.num_layers if inputs.checkpoint_layers is None else inputs.checkpoint_layers
-        self.checkpointed = list(shape.layer_types[:count]) if inputs.checkpointing else []
-        self.kept = list(shape.layer_types[len(self.checkpointed):])
+        #: One recompute policy a decoder layer, as ``ActorCritic`` resolves them.
+        self.policies = recompute_policies(shape.num_layers, inputs)
 
-    def _saved(self, kind: str, role: str) -> float:
-        return saved_bytes_per_token(self.s, kind, c=self.c, rank=self.i.lora[role].rank,
-                                     adapted=self.adapted[role][kind], linear_kernel=self.kernel)
+    @property
+    def checkpointed(self) -> list[str]:
+        """The kinds of the layers checkpointed whole."""
+        return [kind for kind, policy in zip(self.s.layer_types, self.policies) if policy == "layer"]
+
+    def _parts(self, kind: str, role: str) -> LayerParts:
+        return layer_parts(self.s, kind, c=self.c, rank=self.i.lora[role].rank, adapted=self.adapted[role][kind],
+                           linear_kernel=self.kernel, lean=self.i.lean)
+
+    def _kept(self, role: str) -> float:
+        """Bytes a token every layer not checkpointed whole keeps (``activations.layer_parts``)."""
+        lean_tails = self.i.lean and self.i.checkpointing  # as ActorCritic installs them
+        return sum(self._parts(kind, role).kept(policy, lean_tails and policy in ("none", "mixer"))
+                   for kind, policy in zip(self.s.layer_types, self.policies))
+
+    def _replayed(self, role: str) -> float:
+        """Bytes a token of the largest replay the backward runs (0: nothing is recomputed)."""
+        return max((self._parts(kind, role).replayed(policy) for kind, policy in set(zip(self.s.layer_types, self.policies))),
+                   default=0.0)
 
     def _forward(self, kind: str, role: str) -> float:
         return forward_bytes_per_token(self.s, kind, c=self.c, rank=self.i.lora[role].rank,
@@ -324,8 +350,9 @@ class _Model:
         terms = self.resident()
         if self.checkpointed:
             terms["layer inputs (checkpointed)"] = len(self.checkpointed) * t * h * c
-        if self.kept:
-            terms["saved activations"] = t * sum(self._saved(kind, role) for kind in self.kept)
+        kept = self._kept(role)
+        if kept:
+            terms["saved activations"] = t * kept
         terms["embeddings, final norm"] = t * h * (2 * c + 4) + n * h * c
         mask = self._mask(tokens)
         if mask:
@@ -336,8 +363,8 @@ class _Model:
             sequential["log-prob chunks"] = LOGPROB_BYTES_PER_ENTRY * chunk * s.vocab_size + n * h * c
         else:
             sequential["value head input"] = n * h * (4 + c)
-        recompute = t * max(self._saved(kind, role) for kind in set(self.checkpointed)) if self.checkpointed else 0.0
-        sequential["one layer recomputed + gradients" if self.checkpointed else "gradients"] = (
+        recompute = t * self._replayed(role)
+        sequential["one layer recomputed + gradients" if recompute else "gradients"] = (
             recompute + GRADIENT_STREAMS * t * h * c)
         return terms, sequential
 
@@ -396,23 +423,39 @@ def training_overhead(inputs: Inputs, card: float) -> dict[str, float]:
     return overhead
 
 
-def update_tensors(shape: ModelShape, inputs: Inputs, linear_kernel: str, checkpoint_layers: Optional[int]) -> float:
-    """Bytes of torch tensors at the larger of the two update phases (actor, critic) with the
-    first ``checkpoint_layers`` decoder layers checkpointed (None: all), at
-    ``inputs.update_tokens`` a micro-batch: what ``estimate`` puts in ``update_actor`` /
-    ``update_critic``'s ``tensors`` for that count."""
-    model = _Model(shape, replace(inputs, checkpoint_layers=checkpoint_layers), linear_kernel)
+def recompute_policies(layers: int, inputs: Inputs) -> list[str]:
+    """One policy a decoder layer (``activations.POLICIES``), as ``ActorCritic._recompute_plan``
+    resolves the config: ``none`` everywhere without checkpointing, else ``layer_recompute``,
+    else the first ``checkpoint_layers`` (None: all) ``layer`` and the rest ``none``."""
+    if not inputs.checkpointing:
+        return ["none"] * layers
+    if inputs.layer_recompute is not None:
+        if len(inputs.layer_recompute) != layers:
+            raise ValueError(f"model.layer_recompute names {len(inputs.layer_recompute)} policies for {layers} "
+                             f"decoder layers")
+        return list(inputs.layer_recompute)
+    count = layers if inputs.checkpoint_layers is None else min(inputs.checkpoint_layers, layers)
+    return ["layer"] * count + ["none"] * (layers - count)
+
+
+def update_tensors(shape: ModelShape, inputs: Inputs, linear_kernel: str, policies: Sequence[str]) -> float:
+    """Bytes of torch tensors at the larger of the two update phases (actor, critic) with one
+    recompute policy a decoder layer (``policies``), at ``inputs.update_tokens`` a micro-batch:
+    what ``estimate`` puts in ``update_actor`` / ``update_critic``'s ``tensors`` for that plan."""
+    model = _Model(shape, replace(inputs, layer_recompute=tuple(policies)), linear_kernel)
     phases = [_update_phase(model, role, inputs.update_tokens, {}) for role in ("actor", "critic")]
     return max(phase.tensors for phase in phases)
 
 
 def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: str = "fla",
-             name: Optional[str] = None, checkpoint_layers: Optional[int] = None) -> Plan:
+             name: Optional[str] = None, checkpoint_layers: Optional[int] = None,
+             layer_recompute: Optional[Sequence[str]] = None) -> Plan:
     """Predict every phase's per-card peak for ``cfg`` on cards of ``card_gib`` GiB (None:
     ``plan.card_gib``; module doc for each term's formula) and refuse what cannot fit
     (``Plan.refusals``). ``checkpoint_layers``: the decoder layers checkpointed, in place of
-    ``model.checkpoint_layers`` (None: the config's; its ``auto`` plans every layer, the count
-    ``auto`` resolves to being ``recompute.py``'s, which ``make_plan`` passes here).
+    ``model.checkpoint_layers`` (None: the config's; its ``auto`` plans every layer);
+    ``layer_recompute``: one policy a layer, in place of both (``auto``'s plan, which
+    ``make_plan`` passes here from ``recompute.py``).
 
     ``linear_kernel``: which Gated DeltaNet path the trainer will run on a hybrid model,
     ``fla`` (flash-linear-attention installed) or ``torch`` (transformers' fallback).
@@ -421,7 +464,9 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = N
     """
     inputs = Inputs.from_config(cfg)
     if checkpoint_layers is not None:
-        inputs = replace(inputs, checkpoint_layers=int(checkpoint_layers))
+        inputs = replace(inputs, checkpoint_layers=int(checkpoint_layers), layer_recompute=None)
+    if layer_recompute is not None:
+        inputs = replace(inputs, layer_recompute=tuple(layer_recompute))
     card = float(cfg.plan.card_gib if card_gib is None else card_gib) * GIB
     model = _Model(model_shape, inputs, linear_kernel)
     s = model_shape
@@ -435,7 +480,9 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = N
                "hidden_size": s.hidden_size, "vocab_size": s.vocab_size,
                "layout": "padded" if inputs.padded else "packed",
                "linear_attention_kernel": linear_kernel if s.recurrent else None,
-               "checkpointed_layers": len(model.checkpointed), "world_size": inputs.world},
+               "checkpointed_layers": len(model.checkpointed),
+               "recompute": {p: model.policies.count(p) for p in POLICIES if p in model.policies},
+               "world_size": inputs.world},
     )
     plan.notes.extend(inputs.lora_notes)
     train_cards = "every card" if inputs.colocated else "training cards"

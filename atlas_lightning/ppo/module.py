@@ -65,7 +65,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import lightning as L
 import numpy as np
@@ -88,9 +88,10 @@ from atlas_lightning.rollout.sync import WeightSync
 
 #: ``phase_hook(name, rl_step)``: a context manager the step enters around each phase.
 PhaseHook = Callable[[str, int], ContextManager[Any]]
-#: ``checkpoint_layers_for(device, random_base)``: the decoder layers ``model.checkpoint_layers=auto``
-#: checkpoints on ``device`` (None: all), for the base of ``model.path`` or of ``random_base``.
-CheckpointLayersFor = Callable[[torch.device, Any], Optional[int]]
+#: ``checkpoint_layers_for(device, random_base)``: the recompute policy of each decoder layer that
+#: ``model.checkpoint_layers=auto`` takes on ``device`` (``model.layer_recompute``'s values; None:
+#: every layer checkpointed whole), for the base of ``model.path`` or of ``random_base``.
+CheckpointLayersFor = Callable[[torch.device, Any], Optional[Sequence[str]]]
 
 
 @dataclass
@@ -190,14 +191,16 @@ class PPOModule(L.LightningModule):
     def _model_config(self, device: Optional[torch.device]) -> Any:
         """``cfg.model``, with ``checkpoint_layers=auto`` resolved for ``device`` by
         ``checkpoint_layers_for`` where there is one (a copy: the run's config keeps ``auto``, as
-        written and saved). Collective where the resolver is (every rank takes one count)."""
+        written and saved). Collective where the resolver is (every rank takes one plan)."""
         model = self.cfg.model
         if model.checkpoint_layers != "auto" or self.checkpoint_layers_for is None or device is None:
             return model
         from omegaconf import OmegaConf
 
         resolved = OmegaConf.to_container(model, resolve=True)
-        resolved["checkpoint_layers"] = self.checkpoint_layers_for(device, self.random_base)
+        plan = self.checkpoint_layers_for(device, self.random_base)
+        if plan is not None:  # the policies auto chose for the card, as model.layer_recompute says them
+            resolved["checkpoint_layers"], resolved["layer_recompute"] = None, list(plan)
         return OmegaConf.create(resolved)
 
     def _check_resume(self, step_dir: Path) -> None:

@@ -62,7 +62,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import lightning as L
 import numpy as np
@@ -421,9 +421,9 @@ def run_memory_check(cfg: DictConfig, *, generation: bool = True, module: Option
     trainer.fit(module, datamodule=data)
     if trainer.global_rank != 0:
         return None
-    choice = getattr(module.checkpoint_layers_for, "choice", None)  # auto's count on the card, planned as such
+    choice = getattr(module.checkpoint_layers_for, "choice", None)  # auto's policies on the card, planned as such
     report = build_report(cfg, collect.gathered or [], seconds=time.monotonic() - started, plan=plan, lora=lora,
-                          checkpoint_layers=choice.checkpointed if choice is not None else None)
+                          layer_recompute=choice.plan if choice is not None else None)
     print(format_report(report))
     if write:
         from atlas_lightning.store.atomic import atomic_write_text
@@ -439,14 +439,15 @@ def _peak_key(record: dict) -> str:
 
 
 def build_report(cfg: DictConfig, ranks: list[dict], *, seconds: float = 0.0, plan: Any = None,
-                 lora: Optional[Mapping[str, LoraShape]] = None, checkpoint_layers: Optional[int] = None) -> dict:
+                 lora: Optional[Mapping[str, LoraShape]] = None,
+                 layer_recompute: Optional[Sequence[str]] = None) -> dict:
     """The report: per rank and phase the largest peak over the steps, with the plan's
     prediction (tensors, GiB) and its error against the measured allocation where the measure
     is the GPU allocator's (the CPU's resident set is not comparable); the LoRA shapes ``lora``
-    (None: as the plan sized them). ``checkpoint_layers``: the count ``model.checkpoint_layers=auto``
+    (None: as the plan sized them). ``layer_recompute``: the policies ``model.checkpoint_layers=auto``
     took on the card, which the plan is made at (None: the config's)."""
     if plan is None:
-        plan = _plan_for(cfg, checkpoint_layers)
+        plan = _plan_for(cfg, layer_recompute)
     if lora is not None:
         described = {role: f"{shape.describe()} ({shape.source})" for role, shape in lora.items()}
     else:
@@ -483,16 +484,16 @@ def build_report(cfg: DictConfig, ranks: list[dict], *, seconds: float = 0.0, pl
     }
 
 
-def _plan_for(cfg: DictConfig, checkpoint_layers: Optional[int] = None):
-    """The plan of ``cfg`` on this machine's card, at ``checkpoint_layers`` checkpointed layers
-    (None: the config's); None when the model folder has no readable shape."""
+def _plan_for(cfg: DictConfig, layer_recompute: Optional[Sequence[str]] = None):
+    """The plan of ``cfg`` on this machine's card, at ``layer_recompute``'s policies (None: the
+    config's); None when the model folder has no readable shape."""
     from atlas_lightning.planning import ShapeError, make_plan
 
     card = None
     if torch.cuda.is_available():
         card = torch.cuda.get_device_properties(0).total_memory / GIB
     try:
-        return make_plan(cfg, card_gib=card, checkpoint_layers=checkpoint_layers)
+        return make_plan(cfg, card_gib=card, layer_recompute=layer_recompute)
     except (ShapeError, ValueError, OSError):
         return None
 

@@ -1,6 +1,7 @@
 """``model.checkpoint_layers=auto`` resolved on the training card, as ``PPOModule.configure_model``
-is about to build the model; ``planning/recompute.py`` gives the rule (the fewest checkpointed
-layers whose predicted update fits) and this module what the card has free at that moment.
+is about to build the model; ``planning/recompute.py`` gives the rule (one recompute policy a
+decoder layer, the least replayed work whose predicted update fits) and this module what the card
+has free at that moment.
 
 The measurement: PyTorch's cached blocks are returned first (``torch.cuda.empty_cache``): the
 driver counts them as used, but the trainer's allocations would reuse them. Then the driver's
@@ -11,9 +12,9 @@ colocated engine is built in the data module's ``setup`` and put to sleep before
 (``configure_model``), a separate layout's server sharing the card started before it: free is
 what the trainer can have through its updates. Memory-check builds its engine only after the
 model (``MemoryCheckModule.on_train_start``), so ``engine_to_come`` reserves the plan's figure
-for it (``beside_trainer``), for the count to be the one ``fit`` would take. Every rank takes the
-least free memory of all ranks, so all checkpoint the same layers (FSDP2's collectives in the
-backward follow the recomputation, and ranks must issue the same ones).
+for it (``beside_trainer``), for the plan to be the one ``fit`` would take. Every rank takes the
+least free memory of all ranks, so all take the same plan (FSDP2's collectives in the backward
+follow the recomputation, and ranks must issue the same ones).
 
 Off CUDA (CPU runs, tests) ``auto`` keeps every layer checkpointed, as does a config with
 ``model.layer_recompute`` (which decides) or without gradient checkpointing (nothing to
@@ -41,16 +42,17 @@ log = logging.getLogger("atlas_lightning")
 
 
 class CheckpointLayersFor:
-    """``PPOModule``'s ``checkpoint_layers_for`` of the run ``cfg``: ``(device, random_base) -> k``
-    (module doc). ``engine_to_come``: the engine is built after the model (memory-check).
+    """``PPOModule``'s ``checkpoint_layers_for`` of the run ``cfg``: ``(device, random_base) ->``
+    one policy a decoder layer (module doc). ``engine_to_come``: the engine is built after the model (memory-check).
     ``choice``: the last ``RecomputeChoice`` made (None: none made)."""
 
     def __init__(self, cfg: DictConfig, *, engine_to_come: bool = False, verb: str = "fit") -> None:
         self.cfg, self.engine_to_come, self.verb = cfg, engine_to_come, verb
         self.choice: Optional[RecomputeChoice] = None
 
-    def __call__(self, device: torch.device, random_base: Any = None) -> Optional[int]:
-        """The decoder layers to checkpoint on ``device`` (None: every layer). Collective on CUDA."""
+    def __call__(self, device: torch.device, random_base: Any = None) -> Optional[tuple[str, ...]]:
+        """The recompute policy of each decoder layer on ``device`` (``model.layer_recompute``'s
+        values; None: every layer checkpointed whole). Collective on CUDA."""
         unchosen = nothing_to_choose(self.cfg.model)
         if unchosen:
             return self._say(unchosen)
@@ -65,7 +67,7 @@ class CheckpointLayersFor:
                         linear_kernel=trainer_linear_kernel(self.cfg, shape))
         self.choice = choice
         self._say(choice.describe(), warn=not choice.fits)
-        return choice.checkpointed
+        return choice.plan
 
     def _say(self, line: str, warn: bool = False) -> None:
         if dist_utils.is_rank_zero():

@@ -1,59 +1,93 @@
-"""``model.checkpoint_layers=auto``'s rule (``planning/recompute.py``): the count it takes is the
-first whose update fits, checked here against the plan's own update phases (``estimate`` at that
-count, not the chooser's arithmetic); a bigger card checkpoints fewer layers; a card too small
-for every count checkpoints every layer and the plan refuses it; ``plan`` prints the choice."""
+"""``model.checkpoint_layers=auto``'s rule (``planning/recompute.py``): one recompute policy a
+decoder layer, checked here against the plan's own update phases (``estimate`` at that plan, not
+the chooser's arithmetic): the plan fits, no layer could take its next policy and still fit, and
+on a short stack no plan of the same policies replays less (brute force over the counts); a bigger
+card replays less; a card too small for every layer checkpointed whole keeps that plan and the
+plan refuses it; ``plan`` prints the choice."""
 
 from __future__ import annotations
+
+from dataclasses import replace
+from itertools import product
 
 import pytest
 
 from atlas_lightning.config import compose
 from atlas_lightning.planning import GIB, estimate, make_plan, planned_shape
 from atlas_lightning.planning.cli import run_plan
-from atlas_lightning.planning.recompute import MARGIN, choose_for_plan
+from atlas_lightning.planning.recompute import MARGIN, choose_for_plan, replayed_flops
 
-#: (experiment, card GiB): the 8B on an H100 and an H200, the report's 27B hybrid on its 80 GiB
-#: cards (every layer: 49,152 tokens leave no room for one kept) and on H200s.
-CASES = [("h200-8b", 80.0), ("h200-8b", 141.0), ("r28-continued-cost-8gpu-n32", 80.0),
-         ("r28-continued-cost-8gpu-n32", 141.0)]
+#: (experiment, card GiB): the 8B on an H100 and an H200, at the report's 49,152 tokens and at
+#: 16,384; the report's 27B hybrid on its 80 GiB cards and on H200s.
+CASES = [("h200-8b", 80.0, ()), ("h200-8b", 141.0, ()), ("h200-8b", 80.0, ("algorithm.ppo_max_token_len_per_gpu=16384",)),
+         ("r28-continued-cost-8gpu-n32", 80.0, ()), ("r28-continued-cost-8gpu-n32", 141.0, ())]
+#: Each policy's next, the way a layer climbs from ``layer`` (what a kept layer could become).
+NEXT = {"layer": ("mixer", "mlp", "none"), "mixer": ("none",), "mlp": ("none",), "none": ()}
 
 
 def _cfg(experiment: str, *overrides: str):
     return compose([f"experiment={experiment}", "model.checkpoint_layers=auto", *overrides])
 
 
-def _fits(cfg, shape, card_gib: float, count: int) -> bool:
-    """The independent reading: the plan's update phases at ``count`` checkpointed layers, card
-    figures (tensors with slack, plus what sits beside them), within the card less the margin."""
-    plan = estimate(shape, cfg, card_gib=card_gib, linear_kernel="fla", checkpoint_layers=count)
-    peak = max(plan.phase(name).card for name in ("update_actor", "update_critic"))
+def _fits(cfg, shape, card_gib: float, plan) -> bool:
+    """The independent reading: the plan's update phases at ``plan``, card figures (tensors with
+    slack, plus what sits beside them), within the card less the margin."""
+    estimated = estimate(shape, cfg, card_gib=card_gib, linear_kernel="fla", layer_recompute=list(plan))
+    peak = max(estimated.phase(name).card for name in ("update_actor", "update_critic"))
     return peak <= (1.0 - MARGIN) * card_gib * GIB
 
 
-@pytest.mark.parametrize("experiment, card_gib", CASES)
-def test_the_count_is_the_first_that_fits(experiment, card_gib):
-    cfg = _cfg(experiment)
+def _replayed(shape, plan) -> float:
+    return sum(replayed_flops(shape, kind, p) for kind, p in zip(shape.layer_types, plan))
+
+
+@pytest.mark.parametrize("experiment, card_gib, overrides", CASES)
+def test_the_plan_fits_and_no_layer_could_keep_more(experiment, card_gib, overrides):
+    cfg = _cfg(experiment, *overrides)
     shape = planned_shape(cfg)
     choice = choose_for_plan(shape, cfg, card_gib=card_gib, linear_kernel="fla")
-    k = choice.checkpointed
-    print(experiment, card_gib, choice.describe())
-    assert choice.fits and 0 <= k <= shape.num_layers
-    assert _fits(cfg, shape, card_gib, k)
-    assert k == 0 or not _fits(cfg, shape, card_gib, k - 1)
-    assert not any(_fits(cfg, shape, card_gib, j) for j in range(k))  # none fewer fits (need is not monotone)
+    print(experiment, card_gib, overrides, choice.describe())
+    assert choice.fits and len(choice.plan) == shape.num_layers
+    assert _fits(cfg, shape, card_gib, choice.plan)
+    for index, policy in enumerate(choice.plan):
+        for after in NEXT[policy]:
+            trial = list(choice.plan)
+            trial[index] = after
+            if _replayed(shape, trial) < _replayed(shape, choice.plan):
+                assert not _fits(cfg, shape, card_gib, trial), (index, policy, after)
 
 
-def test_a_bigger_card_checkpoints_fewer_layers():
+@pytest.mark.parametrize("card_gib", [32.0, 40.0, 52.0])
+def test_on_a_short_stack_no_plan_replays_less(card_gib):
+    """A 10-layer 8B stack: every count of layer / mixer / mlp / none (the chooser's policies
+    placed as it places them) that fits replays at least what the choice replays."""
+    cfg = _cfg("h200-8b")
+    shape = replace(planned_shape(cfg), layer_types=("full_attention",) * 10)
+    choice = choose_for_plan(shape, cfg, card_gib=card_gib, linear_kernel="fla")
+    assert choice.fits and _fits(cfg, shape, card_gib, choice.plan)
+    best = None
+    for mixer, mlp, none in product(range(11), repeat=3):
+        if mixer + mlp + none > 10:
+            continue
+        plan = ["layer"] * (10 - mixer - mlp - none) + ["mixer"] * mixer + ["mlp"] * mlp + ["none"] * none
+        if _fits(cfg, shape, card_gib, plan) and (best is None or _replayed(shape, plan) < best):
+            best = _replayed(shape, plan)
+    print(card_gib, choice.counts, _replayed(shape, choice.plan) / 1e9, best / 1e9)
+    assert _replayed(shape, choice.plan) <= best * (1 + 1e-9)
+    assert 0 < choice.replayed < choice.replayed_all_layers  # the card leaves something to choose
+
+
+def test_a_bigger_card_replays_less():
     cfg = _cfg("h200-8b")
     shape = planned_shape(cfg)
-    counts = [choose_for_plan(shape, cfg, card_gib=card, linear_kernel="fla").checkpointed for card in (80, 96, 141)]
-    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1], counts
+    replayed = [choose_for_plan(shape, cfg, card_gib=card, linear_kernel="fla").replayed for card in (80, 96, 141)]
+    assert replayed == sorted(replayed, reverse=True) and replayed[0] > replayed[-1], replayed
 
 
 def test_a_card_too_small_checkpoints_every_layer_and_the_plan_refuses_it():
     cfg = _cfg("h200-8b")
     choice = choose_for_plan(planned_shape(cfg), cfg, card_gib=40.0, linear_kernel="fla")
-    assert not choice.fits and choice.checkpointed == choice.layers == 36
+    assert not choice.fits and choice.plan == ("layer",) * 36 and choice.checkpointed == 36
     assert "does NOT fit even with every layer checkpointed" in choice.describe()
     plan = make_plan(cfg, card_gib=40.0)
     assert plan.model["checkpointed_layers"] == 36 and plan.recompute["fits"] is False
@@ -65,11 +99,11 @@ def test_plan_prints_what_auto_chooses_for_the_configured_card(capsys):
     expected = choose_for_plan(planned_shape(cfg), cfg, card_gib=80.0, linear_kernel="fla")
     assert run_plan(cfg, write=False) == 0
     out = capsys.readouterr().out
-    assert f"model.checkpoint_layers=auto: {expected.checkpointed} of 36 decoder layers checkpointed" in out
+    assert f"model.checkpoint_layers=auto: {expected.checkpointed} of 36 decoder layers checkpointed whole" in out
     plan = make_plan(cfg)
     assert plan.model["checkpointed_layers"] == expected.checkpointed
-    assert plan.recompute["checkpointed"] == expected.checkpointed
-    # the plan's update phases are those of the chosen count, within the room the note names
+    assert plan.recompute["plan"] == list(expected.plan)
+    # the plan's update phases are those of the chosen policies, within the room the note names
     assert max(plan.phase(n).card for n in ("update_actor", "update_critic")) <= (1 - MARGIN) * 80 * GIB
 
 
@@ -86,7 +120,9 @@ def test_auto_chooses_nothing_where_there_is_nothing_to_choose(override, note):
         assert plan.model["checkpointed_layers"] == 36
 
 
-def test_a_given_count_replaces_the_choice():
-    """Memory-check plans at the count its model took on the card, whatever the plan would choose."""
-    plan = make_plan(_cfg("h200-8b"), card_gib=80.0, checkpoint_layers=7)
+def test_given_policies_replace_the_choice():
+    """Memory-check plans at the policies its model took on the card, whatever the plan would choose."""
+    given = ["layer"] * 7 + ["mixer"] * 29
+    plan = make_plan(_cfg("h200-8b"), card_gib=80.0, layer_recompute=given)
     assert plan.model["checkpointed_layers"] == 7 and plan.recompute is None
+    assert plan.model["recompute"] == {"layer": 7, "mixer": 29}

@@ -1,5 +1,5 @@
 """``model.checkpoint_layers=auto`` resolved where the model is built (``run/recompute.py``,
-``PPOModule.configure_model``): on a card, the plan's count for the memory free there (the card
+``PPOModule.configure_model``): on a card, the plan's policies for the memory free there (the card
 itself stood in for by what ``free_on_card`` returns); off a card, every layer; memory-check keeps
 room for the engine it builds later; the run's config keeps ``auto``; the choice is said once."""
 
@@ -31,37 +31,40 @@ def _card(monkeypatch, free: float, card: float = CARD) -> None:
     monkeypatch.setattr(recompute, "free_on_card", lambda device: (free, card))
 
 
-def test_on_a_card_the_count_is_the_plans_for_the_memory_free_there(monkeypatch, capsys):
+def test_on_a_card_the_policies_are_the_plans_for_the_memory_free_there(monkeypatch, capsys):
     cfg = _cfg()
     assert cfg.model.checkpoint_layers == "auto"  # the experiment asks for it
     _card(monkeypatch, FREE)
     resolver = CheckpointLayersFor(cfg)
-    count = resolver(CUDA)
+    plan = resolver(CUDA)
     expected = choose(planned_shape(cfg), Inputs.from_config(cfg), free=FREE, card=CARD, linear_kernel="fla")
-    assert expected.fits and count == expected.checkpointed == resolver.choice.checkpointed
-    assert 0 < count < 36  # the 8B at 49,152 tokens: some layers kept, not all
+    assert expected.fits and plan == expected.plan == resolver.choice.plan
+    assert 0 < plan.count("layer") < 36  # the 8B at 49,152 tokens: some layers checkpointed whole, not all
     err = capsys.readouterr().err
     assert err.count("model.checkpoint_layers=auto") == 1
-    assert f"{count} of 36 decoder layers checkpointed" in err and "74.20 GiB free of a 79.2 GiB card" in err
+    assert f"{plan.count('layer')} of 36 decoder layers checkpointed whole" in err
+    assert "74.20 GiB free of a 79.2 GiB card" in err
 
 
-def test_less_free_memory_checkpoints_more_layers(monkeypatch):
-    counts = []
+def test_less_free_memory_replays_more(monkeypatch):
+    replayed = []
     for free in (FREE, FREE - 8 * GIB, FREE - 16 * GIB):
         _card(monkeypatch, free)
-        counts.append(CheckpointLayersFor(_cfg())(CUDA))
-    assert counts == sorted(counts) and counts[0] < counts[-1], counts
+        resolver = CheckpointLayersFor(_cfg())
+        resolver(CUDA)
+        replayed.append(resolver.choice.replayed)
+    assert replayed == sorted(replayed) and replayed[0] < replayed[-1], replayed
 
 
 def test_a_card_too_full_checkpoints_every_layer_and_warns(monkeypatch, capsys):
     _card(monkeypatch, 30 * GIB)
-    assert CheckpointLayersFor(_cfg())(CUDA) == 36
+    assert CheckpointLayersFor(_cfg())(CUDA) == ("layer",) * 36
     assert "does NOT fit even with every layer checkpointed" in capsys.readouterr().err
 
 
 def test_memory_check_keeps_room_for_the_engine_it_builds_after_the_model(monkeypatch):
     """Memory-check finds the card without its engine (built at train start): the plan's figure
-    for the engine asleep is kept, so it takes the count fit takes beside that engine asleep."""
+    for the engine asleep is kept, so it takes the plan fit takes beside that engine asleep."""
     cfg = _cfg()
     assert beside_trainer(cfg, CARD) == ENGINE_ASLEEP_GIB * GIB  # colocated, sleep mode
     _card(monkeypatch, FREE)
@@ -77,11 +80,13 @@ def test_nothing_is_measured_where_auto_has_nothing_to_choose(override, monkeypa
     assert CheckpointLayersFor(_cfg(override))(CUDA) is None
 
 
-def test_the_module_builds_the_resolved_count_and_the_run_keeps_auto():
+def test_the_module_builds_the_resolved_policies_and_the_run_keeps_auto():
     cfg = _cfg()
-    module = PPOModule(cfg, checkpoint_layers_for=lambda device, random_base: 5)
+    chosen = ("layer",) * 5 + ("mixer",) * 30 + ("none",)
+    module = PPOModule(cfg, checkpoint_layers_for=lambda device, random_base: chosen)
     resolved = module._model_config(CUDA)
-    assert resolved.checkpoint_layers == 5 and resolved.path == cfg.model.path
+    assert resolved.checkpoint_layers is None and tuple(resolved.layer_recompute) == chosen
+    assert resolved.path == cfg.model.path
     assert cfg.model.checkpoint_layers == "auto"
     assert PPOModule(cfg)._model_config(CUDA) is cfg.model  # no resolver: left to the model (every layer)
 
