@@ -100,10 +100,10 @@ from .adapter_switch import checkpoint_keeping_adapter, selected_adapter, tuner_
 from .checkpoint_names import name_map
 from .fused_kernels import resolve as resolve_elementwise_kernels
 from .fused_lora import install_fused_lora
-from .lean_activations import install_fused_kernels, install_lean_activations
+from .lean_activations import install_fused_kernels, install_lean_activations, install_lean_tails
 from .linear_attention import CU_SEQLENS_KWARG, install_packed_linear_attention, linear_attention_modules
 from .linear_kernels import resolve as resolve_linear_kernel
-from .recompute import RECOMPUTE, install_mixer_checkpoints, install_mlp_recompute
+from .recompute import RECOMPUTE, install_mixer_checkpoints, install_mlp_recompute, mixer_of
 from .identity import base_identity
 from .logprobs import token_logprobs_and_entropy
 from .packing import PackedBatch
@@ -240,6 +240,11 @@ class ActorCritic(nn.Module):
                                                     list(layer_recompute) if layer_recompute is not None else None)
         #: Decoder layers recomputed whole in the backward; 0 without checkpointing.
         self.checkpointed_layers = self.layer_recompute.count("layer")
+        #: ``(tokens, plan)`` ascending, one plan a micro-batch size (``enable_recompute_tiers``);
+        #: empty: ``layer_recompute`` for every micro-batch.
+        self.recompute_tiers: list[tuple[int, list[str]]] = []
+        self.active_recompute = list(self.layer_recompute)
+        self._lean, self._checkpointing = bool(config.lean_activations), checkpointing
         layers = self.decoder_layers()
         if checkpointing:
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -310,6 +315,49 @@ class ActorCritic(nn.Module):
         if not 0 <= k <= count:
             raise ValueError(f"checkpoint_layers={checkpoint_layers} must be within 0..{count} (decoder layers)")
         return ["layer"] * k + ["none"] * (count - k)
+
+    def enable_recompute_tiers(self, tiers: Sequence[tuple[int, Sequence[str]]]) -> None:
+        """Recompute per micro-batch: ``tiers`` are ``(tokens, plan)``, one policy a layer of
+        ``layer``, ``mixer`` or ``none`` (``mlp`` replaces an MLP's forward at the build and stays
+        ``layer_recompute``'s); ``use_recompute_for`` then runs a micro-batch of ``tokens`` under
+        the plan of the smallest tier that holds it, or the largest tier's. The model keeps the plan
+        it was built with until then. Wraps the mixers and gives the lean MLP tails that some tier
+        needs and the build did not install (both inert where a plan does not use them)."""
+        if not tiers:
+            return
+        if not self._checkpointing:
+            raise ValueError("recompute tiers need gradient_checkpointing=True")
+        layers = self.decoder_layers()
+        if "mlp" in self.layer_recompute:
+            raise ValueError(f"recompute tiers need a build without policy mlp (layer_recompute={self.layer_recompute})")
+        for tokens, plan in tiers:
+            if len(plan) != len(layers) or any(p not in ("layer", "mixer", "none") for p in plan):
+                raise ValueError(f"recompute tier at {tokens} tokens: {list(plan)} must name layer, mixer or none "
+                                 f"for each of the {len(layers)} decoder layers")
+        mixers = {i for _, plan in tiers for i, p in enumerate(plan) if p == "mixer"}
+        install_mixer_checkpoints(layers, sorted(i for i in mixers if not hasattr(mixer_of(layers[i]), "_atlas_mixer_forward")))
+        if self._lean:
+            install_lean_tails(layers, sorted({i for _, plan in tiers for i, p in enumerate(plan) if p in ("none", "mixer")}))
+        self.recompute_tiers = sorted((int(tokens), list(plan)) for tokens, plan in tiers)
+        self._apply_recompute(self.layer_recompute)
+
+    def use_recompute_for(self, tokens: int) -> list[str]:
+        """Switch to the tier that holds a micro-batch of ``tokens`` (``enable_recompute_tiers``);
+        returns the plan now in force. Without tiers, the built plan."""
+        if not self.recompute_tiers:
+            return self.active_recompute
+        plan = next((plan for limit, plan in self.recompute_tiers if tokens <= limit), self.recompute_tiers[-1][1])
+        if plan != self.active_recompute:
+            self._apply_recompute(plan)
+        return plan
+
+    def _apply_recompute(self, plan: Sequence[str]) -> None:
+        for layer, policy in zip(self.decoder_layers(), plan):
+            layer.gradient_checkpointing = policy == "layer"
+            mixer = mixer_of(layer)
+            if hasattr(mixer, "_atlas_mixer_active"):
+                mixer._atlas_mixer_active = policy == "mixer"
+        self.active_recompute = list(plan)
 
     @staticmethod
     def _choose_layout(base: nn.Module, requested: str) -> str:

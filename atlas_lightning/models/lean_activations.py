@@ -134,14 +134,25 @@ def install_lean_activations(decoder_layers: Sequence[nn.Module], recompute_mlp_
     if len(recompute_mlp_tail) != len(decoder_layers):
         raise ValueError(f"recompute_mlp_tail has {len(recompute_mlp_tail)} entries for {len(decoder_layers)} layers")
     counts = {"norms": 0, "mlp_tails": 0}
-    for layer, tail in zip(decoder_layers, recompute_mlp_tail):
+    for layer in decoder_layers:
         for module in layer.modules():
             counts["norms"] += _patch_norm(module)
-        mlp = getattr(layer, "mlp", None)
-        if tail and mlp is not None and type(mlp).__name__ in SWIGLU_MLPS:
-            mlp.forward = MethodType(_mlp_forward, mlp)
-            counts["mlp_tails"] += 1
+    counts["mlp_tails"] = install_lean_tails(decoder_layers, [i for i, tail in enumerate(recompute_mlp_tail) if tail])
     return counts
+
+
+def install_lean_tails(decoder_layers: Sequence[nn.Module], indices: Sequence[int]) -> int:
+    """Give the SwiGLU MLP of each layer in ``indices`` the lean tail (module doc); returns how
+    many got it. Also for ``ActorCritic.enable_recompute_tiers``: a layer replayed whole in some
+    micro-batches and kept in others keeps the tail in both (``SwiGLUDownFunction`` is no
+    checkpoint: the whole layer's replay runs it once more, nothing twice)."""
+    count = 0
+    for index in indices:
+        mlp = getattr(decoder_layers[index], "mlp", None)
+        if mlp is not None and type(mlp).__name__ in SWIGLU_MLPS:
+            mlp.forward = MethodType(_mlp_forward, mlp)
+            count += 1
+    return count
 
 
 def install_fused_kernels(decoder_layers: Sequence[nn.Module]) -> dict[str, int]:

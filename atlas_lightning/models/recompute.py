@@ -234,7 +234,7 @@ def swiglu_down(mlp: nn.Module, gate: Tensor, up: Tensor) -> Optional[Tensor]:
 
 def _checkpointed_mixer_forward(self, *args, **kwargs):
     inner = self._atlas_mixer_forward
-    if not (self.training and torch.is_grad_enabled()):
+    if not (self.training and torch.is_grad_enabled() and self._atlas_mixer_active):
         return inner(*args, **kwargs)
     # built per call (a few modules to walk) so that a deep copy of the model replays its own adapters
     return checkpoint_keeping_adapter(tuner_layers(self))(inner, *args, **kwargs)
@@ -259,6 +259,7 @@ def install_mixer_checkpoints(decoder_layers: Sequence[nn.Module], indices: Sequ
         if mixer is None:
             raise ValueError(f"decoder layer {index} has no self_attn or linear_attn to checkpoint")
         mixer._atlas_mixer_forward = mixer.forward  # bound: the instance attribute if one was installed
+        mixer._atlas_mixer_active = True  # ActorCritic.use_recompute_for turns it off and on
         mixer.forward = MethodType(_checkpointed_mixer_forward, mixer)
         count += 1
     return count

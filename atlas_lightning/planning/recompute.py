@@ -15,19 +15,29 @@ The rule, from the planner's own prediction (``estimate.update_tensors``: the ``
     need(plan) = max(tensors(update_actor, plan), tensors(update_critic, plan)) x ALLOCATOR_SLACK
     room       = free - RUNTIME_GIB - MARGIN x card
 
-Start from every layer ``layer``. Each layer's policies, ordered by the bytes they keep, give steps
-up the upper convex hull of (bytes kept, FLOPs a token no longer replayed): ``replayed_flops``
-counts a policy's linear layers (2 x in x out a token; attention's own FLOPs and LoRA's are left
-out: they grow with sequence length and are small beside the projections). All layers' steps
-are taken in order of FLOPs saved per byte, best first (ties: the last layers first, so what
-stays checkpointed whole is the first layers, as ``checkpoint_layers=k`` has it), each kept
-where ``need`` of the plan with it still fits ``room`` (a refused step ends that layer's climb).
-Then, the last layer first, each layer takes the policy off the hull that replays less than its
-own and still fits, if any (``mlp`` where the room left is less than ``mixer`` needs).
-For a dense layer the hull is ``layer`` -> ``mixer`` -> ``none`` (the MLP keeps more FLOPs per byte
-than attention), which is the plan the update benchmark found best under a cap. When even every
-layer ``layer`` does not fit, the choice is that plan with ``fits=False``: ``plan`` refuses the
-update phases as for any config, ``fit`` warns and runs as it would have without ``auto``.
+Start from every layer ``layer``. Each layer's policies (``AUTO_POLICIES``: ``layer``, ``mixer``,
+``none``), ordered by the bytes they keep, give steps up the upper convex hull of (bytes kept,
+FLOPs a token no longer replayed): ``replayed_flops`` counts a policy's linear layers (2 x in x
+out a token; attention's own FLOPs and LoRA's are left out: they grow with sequence length and
+are small beside the projections). All layers' steps are taken in order of FLOPs saved per byte,
+best first (ties: the last layers first, so what stays checkpointed whole is the first layers, as
+``checkpoint_layers=k`` has it), each kept where ``need`` of the plan with it still fits ``room``
+(a refused step ends that layer's climb). Then, the last layer first, each layer takes the policy
+off the hull that replays less than its own and still fits, if any. For a dense layer the hull is
+``layer`` -> ``mixer`` -> ``none`` (the MLP keeps more FLOPs per byte than attention), which is the
+plan the update benchmark found best under a cap. ``mlp`` is ``model.layer_recompute``'s alone: it
+replaces the MLP's forward at the build, and ``auto``'s plans change between micro-batches. When
+even every layer ``layer`` does not fit, the choice is that plan with ``fits=False``: ``plan``
+refuses the update phases as for any config, ``fit`` warns and runs as it would have without
+``auto``.
+
+**Per micro-batch** (``choose_tiers``): the budget is the worst case, and most micro-batches
+carry fewer tokens (the dynamic packer fills them to what a mini-batch holds: half the budget in
+the 8B step benchmark). The same rule at 7/8, 6/8, ... 1/8 of the budget gives the plans of
+smaller micro-batches; the model runs each micro-batch under the plan of the smallest
+tier that holds it (``ActorCritic.use_recompute_for``; every rank the same one, for the largest
+micro-batch of the step's ranks). The peak stays the budget's: each tier's plan fits at the
+tier's own size.
 
 ``free`` is the memory the trainer can have when its model is about to be built. ``fit``
 measures it on the card (``run/recompute.py``): the driver's free memory once PyTorch's cached
@@ -50,7 +60,7 @@ Who calls it: ``planning.make_plan`` (the plan of a config with ``auto``), ``run
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from .activations import POLICIES, layer_parts
@@ -59,6 +69,12 @@ from .shapes import ModelShape
 
 #: Part of the card kept free for the prediction's error (module doc).
 MARGIN = 0.05
+#: The policies ``auto`` gives (``mlp`` replaces an MLP's forward at the build, so it cannot
+#: change between micro-batches; ``model.layer_recompute`` still takes it).
+AUTO_POLICIES = ("layer", "mixer", "none")
+#: The micro-batch sizes, as shares of ``algorithm.ppo_max_token_len_per_gpu``, that get a plan
+#: of their own (``choose_tiers``).
+TIER_SHARES = tuple(k / 8 for k in range(8, 0, -1))
 KEY = "model.checkpoint_layers"
 
 
@@ -178,7 +194,7 @@ def _hull(shape: ModelShape, inputs: Inputs, linear_kernel: str, kind: str) -> l
     full = replayed_flops(shape, kind, "layer")
     points = sorted(((parts.kept(p, lean_tail and p in ("none", "mixer")) + (shape.hidden_size * inputs.compute_bytes
                                                                               if p == "layer" else 0.0),
-                      full - replayed_flops(shape, kind, p), p) for p in POLICIES), key=lambda x: (x[0], -x[1]))
+                      full - replayed_flops(shape, kind, p), p) for p in AUTO_POLICIES), key=lambda x: (x[0], -x[1]))
     hull, (at_bytes, at_saved, at) = [], points[0]
     remaining = [pt for pt in points[1:] if pt[1] > at_saved]
     while remaining:
@@ -196,7 +212,7 @@ def _fill(shape: ModelShape, plan: list[str], fits) -> list[str]:
     for index in reversed(range(len(plan))):
         kind = shape.layer_types[index]
         own = replayed_flops(shape, kind, plan[index])
-        for policy in sorted(POLICIES, key=lambda p: replayed_flops(shape, kind, p)):
+        for policy in sorted(AUTO_POLICIES, key=lambda p: replayed_flops(shape, kind, p)):
             if replayed_flops(shape, kind, policy) >= own:
                 break
             trial = plan[:index] + [policy] + plan[index + 1:]
@@ -233,12 +249,42 @@ def choose(shape: ModelShape, inputs: Inputs, *, free: float, card: float, linea
                            replayed_all_layers=everything)
 
 
+def choose_tiers(shape: ModelShape, inputs: Inputs, *, free: float, card: float,
+                 linear_kernel: str) -> list[RecomputeChoice]:
+    """``choose`` at each of ``TIER_SHARES`` (eighths) of the micro-batch budget, the largest first: a
+    micro-batch of fewer tokens keeps more (``ActorCritic.use_recompute_for`` takes the plan of
+    the smallest tier that holds it). The first is the budget's own choice."""
+    budget = inputs.update_tokens
+    tiers = []
+    for share in TIER_SHARES:
+        tokens = max(int(budget * share), 1)
+        if tiers and tokens == tiers[-1].tokens:
+            break
+        tiers.append(choose(shape, replace(inputs, update_tokens=tokens), free=free, card=card,
+                            linear_kernel=linear_kernel))
+    return tiers
+
+
+def describe_tiers(tiers: list[RecomputeChoice]) -> str:
+    """One line: each tier's micro-batch size, its policies and the share of full recomputation."""
+    parts = [f"<= {c.tokens:,} tokens: " + ", ".join(f"{n} {p}" for p, n in c.counts.items())
+             + f" ({c.replayed / c.replayed_all_layers:.0%} replayed)" for c in tiers if c.replayed_all_layers]
+    return f"{KEY}=auto per micro-batch: " + "; ".join(parts)
+
+
 def choose_for_plan(shape: ModelShape, cfg: Any, *, card_gib: float, linear_kernel: str) -> RecomputeChoice:
     """``choose`` for a card of ``card_gib`` GiB as ``plan`` sees it: free is the card less what
     the plan puts beside the trainer (``beside_trainer``)."""
     inputs = Inputs.from_config(cfg)
     card = card_gib * GIB
     return choose(shape, inputs, free=card - _beside(inputs, card), card=card, linear_kernel=linear_kernel)
+
+
+def tiers_for_plan(shape: ModelShape, cfg: Any, *, card_gib: float, linear_kernel: str) -> list[RecomputeChoice]:
+    """``choose_tiers`` for a card of ``card_gib`` GiB as ``plan`` sees it (``choose_for_plan``)."""
+    inputs = Inputs.from_config(cfg)
+    card = card_gib * GIB
+    return choose_tiers(shape, inputs, free=card - _beside(inputs, card), card=card, linear_kernel=linear_kernel)
 
 
 def beside_trainer(cfg: Any, card: float) -> float:

@@ -77,6 +77,7 @@ from atlas_lightning.algorithms import ppo
 from atlas_lightning.algorithms.functional import masked_mean, masked_whiten
 from atlas_lightning.algorithms.kl import apply_kl_penalty, kl_penalty
 from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
+from atlas_lightning.ppo.micro_batches import cheapest_count, layout_tokens
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
 from atlas_lightning.ppo import rng_state
 from atlas_lightning.ppo.micro_timing import MicroTimer
@@ -136,6 +137,8 @@ class PPOModule(L.LightningModule):
         super().__init__()
         self.cfg = cfg
         self.checkpoint_layers_for = checkpoint_layers_for
+        #: ``(tokens, replayed share)`` of auto's per-size plans (``configure_model``; empty: none).
+        self.recompute_shares: list[tuple[int, float]] = []
         self.resume_from = Path(resume_from) if resume_from else None
         self.automatic_optimization = False
         # Checkpoints hold trainable tensors only; the frozen base comes from model.path.
@@ -180,6 +183,10 @@ class PPOModule(L.LightningModule):
             datamodule.engine.sleep()
         self.model = build_actor_critic(self._model_config(device), seed=self.cfg.seed, actor_adapter=actor,
                                         critic_adapter=critic, device=device, random_base=self.random_base)
+        # auto's plans of smaller micro-batches (run/recompute.py): each update micro-batch picks its own
+        tiers = getattr(self.checkpoint_layers_for, "tiers", None) or []
+        self.model.enable_recompute_tiers([(tokens, plan) for tokens, plan, _ in tiers])
+        self.recompute_shares = [(tokens, share) for tokens, _, share in tiers]
         if self.resume_from is not None:
             self._check_resume(self.resume_from)
         mesh = getattr(self, "device_mesh", None)
@@ -375,12 +382,17 @@ class PPOModule(L.LightningModule):
         """A two-token sequence for a rank with an empty micro-batch (loss weight 0)."""
         return pack_sequences([torch.tensor([0, 0])], [1], response_length=1).to(self.device)
 
-    def _plan(self, lengths: list[int], budget: int) -> list[list[int]]:
+    def _plan(self, lengths: list[int], budget: int, update: bool = False) -> list[list[int]]:
         """This rank's micro-batches of sequence indices within ``budget`` tokens as the model's
         layout counts them (packed: the sum; padded: count x longest), as many as the rank
-        needing most (collective: every rank must run the same number of passes under FSDP2)."""
+        needing most (collective: every rank must run the same number of passes under FSDP2).
+        ``update``: where the model has per-size recompute plans, the count of least predicted
+        work (``micro_batches.cheapest_count``), else the fewest."""
         planner = plan_padded_micro_batches if self.model.sequence_layout == "padded" else plan_micro_batches
         local = len(planner(lengths, budget, allow_oversized=True).micro_batches) if lengths else 0
+        if update and self.recompute_shares and local:
+            local = cheapest_count(lengths, local, self.model.sequence_layout, self.recompute_shares,
+                                   lambda n: planner(lengths, budget, num_micro_batches=n, allow_oversized=True).micro_batches)
         count = int(max(dist_utils.all_reduce_max([local])[0], 1))
         if not lengths:
             return [[] for _ in range(count)]
@@ -538,6 +550,7 @@ class PPOModule(L.LightningModule):
         chunks = _contiguous_chunks(len(data.seqs), num_mini)
         history: dict[str, list[float]] = {}
         timer = MicroTimer(self.device, cfg.ppo_max_token_len_per_gpu)
+        replays: dict[str, list[float]] = {}  # per micro-batch: what its recompute plan replays (tiers only)
         applied = self.steps_applied  # optimizer steps of this RL step, by role (training_step resets it)
         for epoch in range(cfg.ppo_epochs):
             for mini_batch, chunk in enumerate(chunks):
@@ -546,9 +559,13 @@ class PPOModule(L.LightningModule):
                 if total_tokens == 0:
                     continue
                 optimizer.zero_grad(set_to_none=True)
-                plan = self._plan([len(data.seqs[i]) for i in chunk], cfg.ppo_max_token_len_per_gpu)
+                plan = self._plan([len(data.seqs[i]) for i in chunk], cfg.ppo_max_token_len_per_gpu, update=True)
                 for local in plan:
                     indices = [chunk[i] for i in local]
+                    plan = self._recompute_for([len(data.seqs[i]) for i in indices])
+                    if plan is not None:
+                        replays.setdefault(f"perf/{role}_layers_replayed", []).append(plan.count("layer"))
+                        replays.setdefault(f"perf/{role}_mixers_replayed", []).append(plan.count("mixer"))
                     with timer.step(sum(len(data.seqs[i]) for i in indices)):
                         stats = self._micro_step(role, data, indices, total_tokens, world)
                     for key, value in stats.items():
@@ -575,9 +592,21 @@ class PPOModule(L.LightningModule):
             + (list(BEHAVIOUR_METRICS) if role == "actor" and _decoupled(cfg) else [])
         out = mean_over_ranks({key: history.get(key, []) for key in keys})
         out.update(mean_over_ranks(timer.metrics(role)))
+        if replays:
+            out.update(mean_over_ranks(replays))
         out[f"{role}/skipped_steps"] = float(self.skipped_optimizer_steps[role])
         out[f"{role}/lr"] = cfg.actor_lr if role == "actor" else cfg.critic_lr
         return out
+
+    def _recompute_for(self, lengths: list[int]) -> Optional[list[str]]:
+        """The recompute plan of this micro-batch (``ActorCritic.use_recompute_for``), for the
+        largest of the ranks' micro-batches, as the model's layout counts tokens: every rank
+        replays the same layers (FSDP2's backward gathers follow the replays). Collective when
+        the model has tiers; None (nothing done) otherwise."""
+        if not self.model.recompute_tiers:
+            return None
+        local = layout_tokens(lengths, self.model.sequence_layout)
+        return self.model.use_recompute_for(int(dist_utils.all_reduce_max([float(local)])[0]))
 
     def _micro_step(self, role: str, data: StepTensors, indices: list[int], total_tokens: float,
                     world: int) -> dict[str, float]:

@@ -35,7 +35,7 @@ from omegaconf import DictConfig
 from atlas_lightning import distributed as dist_utils
 from atlas_lightning.planning import planned_shape, shape_from_config
 from atlas_lightning.planning.estimate import Inputs
-from atlas_lightning.planning.recompute import KEY, RecomputeChoice, beside_trainer, choose, nothing_to_choose
+from atlas_lightning.planning.recompute import KEY, RecomputeChoice, beside_trainer, choose_tiers, describe_tiers, nothing_to_choose
 from atlas_lightning.planning.shapes import ModelShape
 
 log = logging.getLogger("atlas_lightning")
@@ -44,11 +44,15 @@ log = logging.getLogger("atlas_lightning")
 class CheckpointLayersFor:
     """``PPOModule``'s ``checkpoint_layers_for`` of the run ``cfg``: ``(device, random_base) ->``
     one policy a decoder layer (module doc). ``engine_to_come``: the engine is built after the model (memory-check).
-    ``choice``: the last ``RecomputeChoice`` made (None: none made)."""
+    ``choice``: the last ``RecomputeChoice`` made (None: none made); ``tiers``: the plans of
+    smaller micro-batches, ``(tokens, plan)`` (``planning.recompute.choose_tiers``; empty where
+    the budget's plan does not fit) with the share of full recomputation each replays, which
+    ``PPOModule`` gives the model and its update's packer."""
 
     def __init__(self, cfg: DictConfig, *, engine_to_come: bool = False, verb: str = "fit") -> None:
         self.cfg, self.engine_to_come, self.verb = cfg, engine_to_come, verb
         self.choice: Optional[RecomputeChoice] = None
+        self.tiers: list[tuple[int, tuple[str, ...], float]] = []
 
     def __call__(self, device: torch.device, random_base: Any = None) -> Optional[tuple[str, ...]]:
         """The recompute policy of each decoder layer on ``device`` (``model.layer_recompute``'s
@@ -63,10 +67,14 @@ class CheckpointLayersFor:
             free -= beside_trainer(self.cfg, card)
         free = -dist_utils.all_reduce_max([-free])[0]  # the least over ranks: one count for all (module doc)
         shape = shape_of(self.cfg, random_base)
-        choice = choose(shape, Inputs.from_config(self.cfg), free=free, card=card,
-                        linear_kernel=trainer_linear_kernel(self.cfg, shape))
-        self.choice = choice
+        tiers = choose_tiers(shape, Inputs.from_config(self.cfg), free=free, card=card,
+                             linear_kernel=trainer_linear_kernel(self.cfg, shape))
+        choice = self.choice = tiers[0]
         self._say(choice.describe(), warn=not choice.fits)
+        if choice.fits:
+            self.tiers = [(tier.tokens, tier.plan, tier.replayed / max(tier.replayed_all_layers, 1.0))
+                          for tier in tiers]
+            self._say(describe_tiers(tiers))
         return choice.plan
 
     def _say(self, line: str, warn: bool = False) -> None:

@@ -147,3 +147,60 @@ def test_the_checkpointed_count_changes_no_value(base_name, lean, request, rando
         assert all(torch.equal(a, b) for a, b in zip(out, out0))
         assert sorted(grads) == sorted(grads0) and grads0
         assert all(torch.equal(grads[name], grad) for name, grad in grads0.items())
+
+
+def _calls(module) -> list[int]:
+    """A counter of ``module``'s forward calls (replays included: they call it again)."""
+    count = [0]
+    module.register_forward_hook(lambda *args: count.__setitem__(0, count[0] + 1))
+    return count
+
+
+@pytest.mark.parametrize("base_name", ["qwen3_base", "qwen3_5_base"])
+def test_recompute_tiers_switch_per_micro_batch_and_change_no_value(base_name, request, randomize):
+    """A model built at its budget's plan (every layer replayed whole) with tiers for smaller
+    micro-batches (``enable_recompute_tiers``) runs each micro-batch under the plan of the
+    smallest tier that holds it: what it replays changes (counted at each layer's first
+    projection of the mixer and of the MLP), the forward and the gradients do not."""
+    from atlas_lightning.models.recompute import mixer_of
+
+    base = request.getfixturevalue(base_name)
+    g = torch.Generator().manual_seed(0)
+    packed = pack_sequences([torch.randint(0, 128, (n,), generator=g) for n in LENGTHS], PROMPTS)  # 32 tokens
+    reference = actor_critic(base, LORA, logprob_chunk_tokens=5, gradient_checkpointing=True)
+    randomize(reference)
+    out0, grads0, _ = _run(reference, packed)
+
+    model = actor_critic(base, LORA, logprob_chunk_tokens=5, gradient_checkpointing=True)
+    randomize(model)
+    small, large = ["none", "mixer"], ["mixer", "layer"]
+    model.enable_recompute_tiers([(64, large), (16, small)])
+    assert model.recompute_tiers == [(16, small), (64, large)] and model.active_recompute == ["layer", "layer"]
+    # each part's first projection: a replay stopped early (once its saved tensors are back) runs it
+    counters = [(_calls(getattr(mixer_of(layer), "q_proj", None) or mixer_of(layer).in_proj_qkv), _calls(layer.mlp.gate_proj))
+                for layer in model.decoder_layers()]
+    for tokens, plan in ((32, large), (10, small), (16, small), (500, large)):
+        assert model.use_recompute_for(tokens) == plan == model.active_recompute
+        for mixer_calls, mlp_calls in counters:
+            mixer_calls[0] = mlp_calls[0] = 0
+        out, grads, _ = _run(model, packed)
+        assert all(torch.equal(a, b) for a, b in zip(out, out0))
+        assert sorted(grads) == sorted(grads0)
+        for name, grad in grads0.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        # two passes (actor, critic), each run once more in the backward where the plan replays it
+        replays = [(mixer_calls[0] // 2 - 1, mlp_calls[0] // 2 - 1) for mixer_calls, mlp_calls in counters]
+        assert replays == [(int(p in ("layer", "mixer")), int(p == "layer")) for p in plan], (tokens, plan, replays)
+
+
+def test_recompute_tiers_refuse_what_cannot_switch(qwen3_base):
+    model = actor_critic(qwen3_base, LORA, gradient_checkpointing=True, layer_recompute=["mlp", "layer"])
+    with pytest.raises(ValueError, match="without policy mlp"):
+        model.enable_recompute_tiers([(16, ["none", "none"])])
+    model = actor_critic(qwen3_base, LORA, gradient_checkpointing=True)
+    with pytest.raises(ValueError, match="must name layer, mixer or none"):
+        model.enable_recompute_tiers([(16, ["mlp", "none"])])
+    with pytest.raises(ValueError, match="must name layer, mixer or none"):
+        model.enable_recompute_tiers([(16, ["none"])])
+    with pytest.raises(ValueError, match="need gradient_checkpointing=True"):
+        actor_critic(qwen3_base, LORA).enable_recompute_tiers([(16, ["none", "none"])])

@@ -15,14 +15,15 @@ import pytest
 from atlas_lightning.config import compose
 from atlas_lightning.planning import GIB, estimate, make_plan, planned_shape
 from atlas_lightning.planning.cli import run_plan
-from atlas_lightning.planning.recompute import MARGIN, choose_for_plan, replayed_flops
+from atlas_lightning.planning.estimate import Inputs
+from atlas_lightning.planning.recompute import MARGIN, choose, choose_for_plan, choose_tiers, replayed_flops
 
 #: (experiment, card GiB): the 8B on an H100 and an H200, at the report's 49,152 tokens and at
 #: 16,384; the report's 27B hybrid on its 80 GiB cards and on H200s.
 CASES = [("h200-8b", 80.0, ()), ("h200-8b", 141.0, ()), ("h200-8b", 80.0, ("algorithm.ppo_max_token_len_per_gpu=16384",)),
          ("r28-continued-cost-8gpu-n32", 80.0, ()), ("r28-continued-cost-8gpu-n32", 141.0, ())]
 #: Each policy's next, the way a layer climbs from ``layer`` (what a kept layer could become).
-NEXT = {"layer": ("mixer", "mlp", "none"), "mixer": ("none",), "mlp": ("none",), "none": ()}
+NEXT = {"layer": ("mixer", "none"), "mixer": ("none",), "none": ()}
 
 
 def _cfg(experiment: str, *overrides: str):
@@ -57,24 +58,42 @@ def test_the_plan_fits_and_no_layer_could_keep_more(experiment, card_gib, overri
                 assert not _fits(cfg, shape, card_gib, trial), (index, policy, after)
 
 
-@pytest.mark.parametrize("card_gib", [32.0, 40.0, 52.0])
+@pytest.mark.parametrize("card_gib", [36.0, 40.0, 52.0])
 def test_on_a_short_stack_no_plan_replays_less(card_gib):
-    """A 10-layer 8B stack: every count of layer / mixer / mlp / none (the chooser's policies
-    placed as it places them) that fits replays at least what the choice replays."""
+    """A 10-layer 8B stack: every count of layer / mixer / none (``auto``'s policies) that fits
+    replays at least what the choice replays."""
     cfg = _cfg("h200-8b")
     shape = replace(planned_shape(cfg), layer_types=("full_attention",) * 10)
     choice = choose_for_plan(shape, cfg, card_gib=card_gib, linear_kernel="fla")
     assert choice.fits and _fits(cfg, shape, card_gib, choice.plan)
     best = None
-    for mixer, mlp, none in product(range(11), repeat=3):
-        if mixer + mlp + none > 10:
+    for mixer, none in product(range(11), repeat=2):
+        if mixer + none > 10:
             continue
-        plan = ["layer"] * (10 - mixer - mlp - none) + ["mixer"] * mixer + ["mlp"] * mlp + ["none"] * none
+        plan = ["layer"] * (10 - mixer - none) + ["mixer"] * mixer + ["none"] * none
         if _fits(cfg, shape, card_gib, plan) and (best is None or _replayed(shape, plan) < best):
             best = _replayed(shape, plan)
     print(card_gib, choice.counts, _replayed(shape, choice.plan) / 1e9, best / 1e9)
     assert _replayed(shape, choice.plan) <= best * (1 + 1e-9)
     assert 0 < choice.replayed < choice.replayed_all_layers  # the card leaves something to choose
+
+
+def test_smaller_micro_batches_get_plans_of_their_own_that_replay_less():
+    """The tiers (``choose_tiers``): the budget's choice first, then 7/8 of it down to 1/8, each
+    the plan ``choose`` gives at that size, each fitting at its own size, replaying no more than
+    the larger one's."""
+    cfg = _cfg("h200-8b")
+    shape, inputs = planned_shape(cfg), Inputs.from_config(cfg)
+    free, card = 78.5 * GIB, 80.0 * GIB
+    tiers = choose_tiers(shape, inputs, free=free, card=card, linear_kernel="fla")
+    assert [t.tokens for t in tiers] == [49152 * k // 8 for k in range(8, 0, -1)]
+    assert tiers[0] == choose(shape, inputs, free=free, card=card, linear_kernel="fla")
+    assert all(t.fits and t.need <= t.room for t in tiers)
+    replayed = [t.replayed for t in tiers]
+    assert replayed == sorted(replayed, reverse=True) and replayed[0] > replayed[1], replayed
+    for tier in tiers:
+        at_size = _cfg("h200-8b", f"algorithm.ppo_max_token_len_per_gpu={tier.tokens}", "plan.card_gib=80")
+        assert _fits(at_size, shape, 80.0, tier.plan)
 
 
 def test_a_bigger_card_replays_less():

@@ -41,7 +41,7 @@ def test_on_a_card_the_policies_are_the_plans_for_the_memory_free_there(monkeypa
     assert expected.fits and plan == expected.plan == resolver.choice.plan
     assert 0 < plan.count("layer") < 36  # the 8B at 49,152 tokens: some layers checkpointed whole, not all
     err = capsys.readouterr().err
-    assert err.count("model.checkpoint_layers=auto") == 1
+    assert err.count("model.checkpoint_layers=auto:") == 1 and err.count("auto per micro-batch:") == 1
     assert f"{plan.count('layer')} of 36 decoder layers checkpointed whole" in err
     assert "74.20 GiB free of a 79.2 GiB card" in err
 
@@ -99,3 +99,45 @@ def test_auto_on_cpu_builds_every_layer_checkpointed_and_says_so(cfg_of, capsys)
     layers = len(module.model.decoder_layers())
     assert module.model.checkpointed_layers == layers and module.model.layer_recompute == ["layer"] * layers
     assert "model.checkpoint_layers=auto on cpu: every decoder layer checkpointed" in capsys.readouterr().err
+
+
+def test_on_a_card_smaller_micro_batches_get_their_own_plans(monkeypatch, capsys):
+    """The resolver's tiers (``planning.recompute.choose_tiers``) for the module to give the model:
+    the budget's plan first, each smaller micro-batch's replaying no more; said on one line."""
+    cfg = _cfg()
+    _card(monkeypatch, FREE)
+    resolver = CheckpointLayersFor(cfg)
+    plan = resolver(CUDA)
+    assert resolver.tiers[0][:2] == (49152, plan) and [t for t, _, _ in resolver.tiers] == [6144 * k for k in range(8, 0, -1)]
+    kept = [sum(p != "layer" for p in tier) for _, tier, _ in resolver.tiers]
+    shares = [share for _, _, share in resolver.tiers]
+    assert shares == sorted(shares, reverse=True) and 0 <= shares[-1] < shares[0] <= 1
+    assert kept == sorted(kept) and kept[-1] > kept[0], kept
+    err = capsys.readouterr().err
+    assert "model.checkpoint_layers=auto per micro-batch: <= 49,152 tokens" in err and "; <= 6,144 tokens: " in err
+
+
+def test_a_card_too_full_gets_no_tiers(monkeypatch):
+    _card(monkeypatch, 30 * GIB)
+    resolver = CheckpointLayersFor(_cfg())
+    resolver(CUDA)
+    assert resolver.tiers == []
+
+
+def test_each_update_micro_batch_runs_the_plan_of_the_largest_across_ranks(monkeypatch):
+    """``PPOModule._recompute_for``: the model's tier for the largest micro-batch over ranks (the
+    layout's count: packed sums lengths, padded counts rows x longest); nothing without tiers."""
+    from atlas_lightning import distributed as dist_utils
+
+    asked = []
+    module = PPOModule(_cfg())
+    module.model = SimpleNamespace(recompute_tiers=[(10, ["none"])], sequence_layout="packed",
+                                   use_recompute_for=lambda tokens: asked.append(tokens) or ["none"])
+    monkeypatch.setattr(dist_utils, "all_reduce_max", lambda values: [max(values[0], 700.0)])  # another rank's 700
+    assert module._recompute_for([300, 200]) == ["none"] and asked == [700]
+    assert module._recompute_for([900]) == ["none"] and asked[-1] == 900
+    module.model.sequence_layout = "padded"
+    module._recompute_for([300, 200, 100])
+    assert asked[-1] == 900  # 3 rows of the longest, 300
+    module.model.recompute_tiers = []
+    assert module._recompute_for([5000]) is None and len(asked) == 3

@@ -1,0 +1,64 @@
+"""How many micro-batches an update's mini-batch is cut into when ``model.checkpoint_layers=auto``
+gives smaller micro-batches plans of their own (``planning/recompute.py``, "Per micro-batch").
+
+The fewest micro-batches that hold a mini-batch within ``algorithm.ppo_max_token_len_per_gpu``
+is what the packer takes otherwise. With per-size plans, cutting finer can cost less: a smaller
+micro-batch replays less of its forward in the backward. The count taken is the one of least
+predicted work, from the fewest up to four times as many (never more than the sequences)::
+
+    work(cut) = sum over micro-batches of  tokens x (USEFUL_PASSES + replayed share of its tier)
+                                           + MICRO_STEP_TOKENS
+
+where a tier's replayed share is the FLOPs its plan replays over those of every layer replayed
+whole (``RecomputeChoice.replayed / replayed_all_layers``; a whole replay is about one forward).
+The cut changes no number the update computes beyond float rounding: the loss is the mini-batch's
+token mean whatever the micro-batches (``algorithms/ppo.agg_loss`` with the mini-batch's token
+count).
+
+* ``USEFUL_PASSES`` = 2: the forward and the backward's input gradients, about one forward each
+  (LoRA computes no gradient of the frozen base weights);
+* ``MICRO_STEP_TOKENS`` = 1,024: a micro-step's fixed cost in tokens of work (packing, the
+  log-prob chunks' launches, FSDP2's gathers where they do not overlap), about 0.1 s at an
+  update's ~10K tokens/s on one card. An estimate: the card's ``perf/<role>_micro_batches`` and
+  the updates' MFU show whether finer cuts pay.
+
+Who calls it: ``PPOModule._plan`` (the update passes). Pure Python.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+USEFUL_PASSES = 2.0
+MICRO_STEP_TOKENS = 1024
+#: The most micro-batches tried, as a multiple of the fewest.
+MOST = 4
+
+
+def layout_tokens(lengths: Sequence[int], layout: str) -> int:
+    """Tokens of one micro-batch as the model's layout counts them: packed the sum, padded rows x longest."""
+    if not lengths:
+        return 0
+    return len(lengths) * max(lengths) if layout == "padded" else sum(lengths)
+
+
+def replayed_share(shares: Sequence[tuple[int, float]], tokens: int) -> float:
+    """The replayed share of the smallest tier holding ``tokens`` (``shares``: ``(tokens, share)``
+    ascending), or the largest tier's."""
+    return next((share for limit, share in shares if tokens <= limit), shares[-1][1])
+
+
+def cheapest_count(lengths: Sequence[int], fewest: int, layout: str, shares: Sequence[tuple[int, float]],
+                   cut: Callable[[int], list[list[int]]]) -> int:
+    """The micro-batch count of least predicted work (module doc), from ``fewest`` up; ``cut(n)``:
+    the packer's ``n`` micro-batches of sequence indices."""
+    shares = sorted(shares)
+    best, best_work = fewest, None
+    for count in range(fewest, min(len(lengths), MOST * fewest) + 1):
+        work = 0.0
+        for micro in cut(count):
+            tokens = layout_tokens([lengths[i] for i in micro], layout)
+            work += tokens * (USEFUL_PASSES + replayed_share(shares, tokens)) + MICRO_STEP_TOKENS
+        if best_work is None or work < best_work:
+            best, best_work = count, work
+    return best
