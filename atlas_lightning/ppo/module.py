@@ -185,8 +185,9 @@ class PPOModule(L.LightningModule):
                                         critic_adapter=critic, device=device, random_base=self.random_base)
         # auto's plans of smaller micro-batches (run/recompute.py): each update micro-batch picks its own
         tiers = getattr(self.checkpoint_layers_for, "tiers", None) or []
-        self.model.enable_recompute_tiers([(tokens, plan) for tokens, plan, _ in tiers])
-        self.recompute_shares = [(tokens, share) for tokens, _, share in tiers]
+        if tiers:
+            self.model.enable_recompute_tiers([(tokens, plan) for tokens, plan, _ in tiers])
+            self.recompute_shares = [(tokens, share) for tokens, _, share in tiers]
         if self.resume_from is not None:
             self._check_resume(self.resume_from)
         mesh = getattr(self, "device_mesh", None)
