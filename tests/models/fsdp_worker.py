@@ -4,7 +4,8 @@
     python tests/forked_ranks.py W fsdp_worker.py BASE OUT
 
 Every rank builds the same ActorCritic (same seed, adapters set to deterministic non-zero
-values), shards it over W ranks and runs, on ITS OWN packed batch, actor, critic and base
+values), shards it over W ranks, switches it to a mixed recompute plan (``enable_recompute_tiers``:
+mixer, none, layer in turn) and runs, on ITS OWN packed batch, actor, critic and base
 passes and one backward of ``sum_r loss_r / W`` (FSDP2 averages gradients over ranks).
 Rank 0 also builds the same model unsharded, in this same process, and computes the
 reference: every rank's batch, and the gradients of ``sum_r loss_r / W``. It then compares:
@@ -158,6 +159,12 @@ def main(base: str, out: Path) -> None:
     empty = torch.tensor([sum(p.to_local().numel() == 0 for p in dtensors)])
     dist.all_reduce(empty)  # summed over ranks: the short ranks are the last ones
     sharding["empty_local_shards"] = int(empty)
+    # the sharded model runs a mixed recompute plan switched in after sharding (model.checkpoint_layers=auto's
+    # per-micro-batch tiers: mixer checkpoints, whole layers, kept layers), the reference every layer
+    # replayed whole: recomputation changes no number
+    mixed = [("mixer", "none", "layer")[i % 3] for i in range(len(model.decoder_layers()))]
+    model.enable_recompute_tiers([(1 << 30, mixed)])
+    sharding["recompute_plan"] = model.use_recompute_for(100)
     loss, outputs = passes(model, batch_for(rank, vocab))
     loss.backward()  # FSDP2 averages gradients over ranks: the reference divides by W
     gathered = [None] * world

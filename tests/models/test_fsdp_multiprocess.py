@@ -26,6 +26,7 @@ def test_sharded_equals_one_process(world_size, arch, tmp_path, fsdp_worker):
 
     assert report["world_size"] == world_size
     assert report["all_params_sharded"]  # the frozen base too
+    assert report["recompute_plan"][:2] == ["mixer", "none"]  # the sharded passes ran a mixed plan
     if world_size > 1:
         assert report["uneven_params"] > 0
     if world_size == 4:
