@@ -3,7 +3,8 @@ T0=$(date +%s); t() { echo "[setup $(( $(date +%s) - T0 ))s] $*"; }
 mkdir -p /tmp/dw && cp .device-wheels/vllm/c8/* /tmp/dw/
 source .device-wheels/install.sh > $OUT/install.log 2>&1; tail -1 $OUT/install.log
 mkdir -p /tmp/dwf; cp .device-wheels/fla/c4/* /tmp/dwf/
-for f in /tmp/dwf/*.part00; do w=${f%.part00}; [ -e "$w" ] || cat "$w".part* > "$w"; done
+# always re-assembled: a call without fla/c4 leaves a short wheel behind, which pip then refuses
+for f in /tmp/dwf/*.part00; do w=${f%.part00}; rm -f "$w"; cat "$w".part* > "$w"; done
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-extra .whl/*.whl >> $OUT/install.log 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla /tmp/dwf/*.whl >> $OUT/install.log 2>&1
 source atlas_lightning/bench/card/env.sh
