@@ -9,15 +9,18 @@ python3 -c "from atlas_lightning.bench.step_suite import link_checkout_packages 
 common="experiment=h200-8b model.path=/tmp/qwen3_6_27b rollout.enforce_eager=false paths.cache=$C paths.root=/tmp/runs/graphs"
 try() {  # label, PYTHONPATH, order, extra overrides
   label=$1; path=$2; order=$3; shift 3
-  PYTHONPATH=$path timeout -s KILL $cap python3 -m atlas_lightning.bench.engine_graphs --order $order -- \
+  # synchronous launches: the faulting kernel is the one in the traceback (the crash log had none)
+  CUDA_LAUNCH_BLOCKING=1 PYTHONPATH=$path timeout -s KILL $cap python3 -m atlas_lightning.bench.engine_graphs --order $order -- \
     $common "$@" > $OUT/graphs-$label.log 2>&1
   echo "$label: exit $? | $(grep '^\[engine_graphs' $OUT/graphs-$label.log | tail -1)"
 }
 with_fla=$PYTHONPATH
 without_fla=${PYTHONPATH#/tmp/site-fla:}
+# probe (no sleep first) ran clean on an H100 on 2026-12-06: the sleep-first orders come first
 try fla-sleep-first "$with_fla" sleep-first "$@"
-try fla-probe "$with_fla" probe "$@"
 try fla-probe-sleep "$with_fla" probe-sleep "$@"
+try fla-probe "$with_fla" probe "$@"
 try triton36-sleep-first "$without_fla" sleep-first "$@"
 try fla-merged-sleep-first "$with_fla" sleep-first rollout.weight_sync=merged "$@"
 grep -hE "illegal memory|Error" $OUT/graphs-*.log | cut -c1-200 | sort | uniq -c | head -10
+grep -hB2 -A25 "Traceback" $OUT/graphs-fla-sleep-first.log | grep -E "File|Error" | tail -15
