@@ -18,9 +18,11 @@ count).
 * ``USEFUL_PASSES`` = 2: the forward and the backward's input gradients, about one forward each
   (LoRA computes no gradient of the frozen base weights);
 * ``MICRO_STEP_TOKENS`` = 1,024: a micro-step's fixed cost in tokens of work (packing, the
-  log-prob chunks' launches, FSDP2's gathers where they do not overlap), about 0.1 s at an
-  update's ~10K tokens/s on one card. An estimate: the card's ``perf/<role>_micro_batches`` and
-  the updates' MFU show whether finer cuts pay.
+  log-prob chunks' launches, host synchronisations, FSDP2's gathers where they do not overlap),
+  about 0.1 s at an update's ~10K tokens/s on one card; the 8B step on an H100 (bench README, run
+  5 against run 4) put it near 0.12 s. It is the start only: after each role's update the module
+  takes the run's own, ``fixed / per_work`` of ``MicroTimer.fixed_cost`` over that update's
+  micro-steps (timed with ``work`` as their work), where a fit can be made.
 
 Who calls it: ``PPOModule._plan`` (the update passes). Pure Python.
 """
@@ -48,17 +50,23 @@ def replayed_share(shares: Sequence[tuple[int, float]], tokens: int) -> float:
     return next((share for limit, share in shares if tokens <= limit), shares[-1][1])
 
 
+def work(tokens: int, share: float) -> float:
+    """A micro-batch's work in tokens of a forward (module doc), its fixed cost left out."""
+    return tokens * (USEFUL_PASSES + share)
+
+
 def cheapest_count(lengths: Sequence[int], fewest: int, layout: str, shares: Sequence[tuple[int, float]],
-                   cut: Callable[[int], list[list[int]]]) -> int:
+                   cut: Callable[[int], list[list[int]]], step_tokens: float = MICRO_STEP_TOKENS) -> int:
     """The micro-batch count of least predicted work (module doc), from ``fewest`` up; ``cut(n)``:
-    the packer's ``n`` micro-batches of sequence indices."""
+    the packer's ``n`` micro-batches of sequence indices; ``step_tokens``: a micro-step's fixed cost
+    (``MICRO_STEP_TOKENS`` until the run has measured its own)."""
     shares = sorted(shares)
     best, best_work = fewest, None
     for count in range(fewest, min(len(lengths), MOST * fewest) + 1):
-        work = 0.0
+        total = 0.0
         for micro in cut(count):
             tokens = layout_tokens([lengths[i] for i in micro], layout)
-            work += tokens * (USEFUL_PASSES + replayed_share(shares, tokens)) + MICRO_STEP_TOKENS
-        if best_work is None or work < best_work:
-            best, best_work = count, work
+            total += work(tokens, replayed_share(shares, tokens)) + step_tokens
+        if best_work is None or total < best_work:
+            best, best_work = count, total
     return best

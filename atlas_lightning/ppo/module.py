@@ -77,7 +77,7 @@ from atlas_lightning.algorithms import ppo
 from atlas_lightning.algorithms.functional import masked_mean, masked_whiten
 from atlas_lightning.algorithms.kl import apply_kl_penalty, kl_penalty
 from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
-from atlas_lightning.ppo.micro_batches import cheapest_count, layout_tokens
+from atlas_lightning.ppo.micro_batches import MICRO_STEP_TOKENS, cheapest_count, layout_tokens, replayed_share, work
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
 from atlas_lightning.ppo import rng_state
 from atlas_lightning.ppo.micro_timing import MicroTimer
@@ -139,6 +139,9 @@ class PPOModule(L.LightningModule):
         self.checkpoint_layers_for = checkpoint_layers_for
         #: ``(tokens, replayed share)`` of auto's per-size plans (``configure_model``; empty: none).
         self.recompute_shares: list[tuple[int, float]] = []
+        #: A micro-step's fixed cost in tokens of work, for the update's packer: the default until
+        #: an update has measured its own (``micro_timing.MicroTimer.fixed_cost``).
+        self.micro_step_tokens = float(MICRO_STEP_TOKENS)
         self.resume_from = Path(resume_from) if resume_from else None
         self.automatic_optimization = False
         # Checkpoints hold trainable tensors only; the frozen base comes from model.path.
@@ -393,7 +396,8 @@ class PPOModule(L.LightningModule):
         local = len(planner(lengths, budget, allow_oversized=True).micro_batches) if lengths else 0
         if update and self.recompute_shares and local:
             local = cheapest_count(lengths, local, self.model.sequence_layout, self.recompute_shares,
-                                   lambda n: planner(lengths, budget, num_micro_batches=n, allow_oversized=True).micro_batches)
+                                   lambda n: planner(lengths, budget, num_micro_batches=n, allow_oversized=True).micro_batches,
+                                   step_tokens=self.micro_step_tokens)
         count = int(max(dist_utils.all_reduce_max([local])[0], 1))
         if not lengths:
             return [[] for _ in range(count)]
@@ -563,11 +567,15 @@ class PPOModule(L.LightningModule):
                 plan = self._plan([len(data.seqs[i]) for i in chunk], cfg.ppo_max_token_len_per_gpu, update=True)
                 for local in plan:
                     indices = [chunk[i] for i in local]
-                    plan = self._recompute_for([len(data.seqs[i]) for i in indices])
-                    if plan is not None:
+                    lengths = [len(data.seqs[i]) for i in indices]
+                    chosen = self._recompute_for(lengths)
+                    share = 0.0
+                    if chosen is not None:
+                        plan, largest = chosen
                         replays.setdefault(f"perf/{role}_layers_replayed", []).append(plan.count("layer"))
                         replays.setdefault(f"perf/{role}_mixers_replayed", []).append(plan.count("mixer"))
-                    with timer.step(sum(len(data.seqs[i]) for i in indices)):
+                        share = replayed_share(self.recompute_shares, largest)
+                    with timer.step(sum(lengths), work=work(sum(lengths), share)):
                         stats = self._micro_step(role, data, indices, total_tokens, world)
                     for key, value in stats.items():
                         history.setdefault(key, []).append(value)
@@ -593,21 +601,24 @@ class PPOModule(L.LightningModule):
             + (list(BEHAVIOUR_METRICS) if role == "actor" and _decoupled(cfg) else [])
         out = mean_over_ranks({key: history.get(key, []) for key in keys})
         out.update(mean_over_ranks(timer.metrics(role)))
+        fit = timer.fixed_cost()
+        if fit is not None and self.recompute_shares:  # the packer's micro-step cost, measured (micro_batches.py)
+            self.micro_step_tokens = fit[0] / fit[1]
         if replays:
             out.update(mean_over_ranks(replays))
         out[f"{role}/skipped_steps"] = float(self.skipped_optimizer_steps[role])
         out[f"{role}/lr"] = cfg.actor_lr if role == "actor" else cfg.critic_lr
         return out
 
-    def _recompute_for(self, lengths: list[int]) -> Optional[list[str]]:
-        """The recompute plan of this micro-batch (``ActorCritic.use_recompute_for``), for the
-        largest of the ranks' micro-batches, as the model's layout counts tokens: every rank
-        replays the same layers (FSDP2's backward gathers follow the replays). Collective when
-        the model has tiers; None (nothing done) otherwise."""
+    def _recompute_for(self, lengths: list[int]) -> Optional[tuple[list[str], int]]:
+        """``(plan, tokens)``: the recompute plan of this micro-batch (``ActorCritic.use_recompute_for``)
+        for the largest of the ranks' micro-batches, ``tokens`` as the model's layout counts them:
+        every rank replays the same layers (FSDP2's backward gathers follow the replays).
+        Collective when the model has tiers; None (nothing done) otherwise."""
         if not self.model.recompute_tiers:
             return None
-        local = layout_tokens(lengths, self.model.sequence_layout)
-        return self.model.use_recompute_for(int(dist_utils.all_reduce_max([float(local)])[0]))
+        largest = int(dist_utils.all_reduce_max([float(layout_tokens(lengths, self.model.sequence_layout))])[0])
+        return self.model.use_recompute_for(largest), largest
 
     def _micro_step(self, role: str, data: StepTensors, indices: list[int], total_tokens: float,
                     world: int) -> dict[str, float]:

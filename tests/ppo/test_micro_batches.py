@@ -12,12 +12,13 @@ H100_8B = [(49152, 0.89), (43008, 0.84), (36864, 0.78), (30720, 0.71), (24576, 0
            (12288, 0.10), (6144, 0.0)]
 
 
-def _count(lengths, shares, budget=49152, layout="packed"):
+def _count(lengths, shares, budget=49152, layout="packed", step_tokens=MICRO_STEP_TOKENS):
     planner = plan_padded_micro_batches if layout == "padded" else plan_micro_batches
     fewest = len(planner(lengths, budget, allow_oversized=True).micro_batches)
     return cheapest_count(lengths, fewest, layout, shares,
                           lambda n: [list(mb) for mb in planner(lengths, budget, num_micro_batches=n,
-                                                                allow_oversized=True).micro_batches])
+                                                                allow_oversized=True).micro_batches],
+                          step_tokens=step_tokens)
 
 
 def test_the_tiers_share_is_the_smallest_that_holds_the_micro_batch():
@@ -46,3 +47,10 @@ def test_never_more_micro_batches_than_sequences_or_four_times_the_fewest():
     counts = _count([3000] * 16, H100_8B)  # 48,000 tokens: one micro-batch at the fewest
     assert 1 <= counts <= 4
     assert MICRO_STEP_TOKENS > 0
+
+
+def test_a_dearer_micro_step_measured_on_the_card_cuts_less():
+    """With a micro-step costing 10,000 tokens of work (a card's own fit), 3 cuts (56,832 - 3,072
+    + 30,000) lose to 2 (63,744 - 2,048 + 20,000) and to 1 (70,400 - 1,024 + 10,000)."""
+    assert _count([1600] * 16, H100_8B, step_tokens=10_000) == 1
+    assert _count([1600] * 16, H100_8B, step_tokens=0.0) >= 3

@@ -35,4 +35,22 @@ def test_a_timed_block_is_recorded_with_its_tokens():
     (tokens, seconds), = timer.seconds()
     assert tokens == 7 and seconds > 0
     assert _timer([]).metrics("actor") == {"perf/actor_micro_batches": [], "perf/actor_micro_fill": [],
-                                           "perf/actor_short_time_share": []}
+                                           "perf/actor_short_time_share": [], "perf/actor_micro_step_fixed_s": []}
+
+
+def test_a_micro_steps_fixed_cost_is_the_intercept_over_its_work():
+    """seconds = 0.12 + 1e-5 x work, with 1% noise: the fit finds both; too few steps or too
+    narrow a spread of work give none, and the metric is then empty."""
+    works = [25600 * 2.71, 12800 * 2.41, 12800 * 2.41, 9600 * 2.1, 6400 * 2.1, 5120 * 2.0]
+    noise = [1.01, 0.99, 1.0, 1.01, 0.99, 1.0]
+    timer = _timer([(1000, (0.12 + 1e-5 * w) * e) for w, e in zip(works, noise)])
+    timer._work = works
+    fixed, per_work = timer.fixed_cost()
+    assert fixed == pytest.approx(0.12, rel=0.25) and per_work == pytest.approx(1e-5, rel=0.05)
+    assert timer.metrics("actor")["perf/actor_micro_step_fixed_s"] == [fixed]
+    few = _timer([(1000, 1.0), (500, 0.5)])
+    few._work = [1000.0, 500.0]
+    narrow = _timer([(1000, 1.0), (990, 0.99), (980, 0.98)])
+    narrow._work = [1000.0, 990.0, 980.0]
+    assert few.fixed_cost() is None and narrow.fixed_cost() is None
+    assert narrow.metrics("critic")["perf/critic_micro_step_fixed_s"] == []

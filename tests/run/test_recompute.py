@@ -134,8 +134,8 @@ def test_each_update_micro_batch_runs_the_plan_of_the_largest_across_ranks(monke
     module.model = SimpleNamespace(recompute_tiers=[(10, ["none"])], sequence_layout="packed",
                                    use_recompute_for=lambda tokens: asked.append(tokens) or ["none"])
     monkeypatch.setattr(dist_utils, "all_reduce_max", lambda values: [max(values[0], 700.0)])  # another rank's 700
-    assert module._recompute_for([300, 200]) == ["none"] and asked == [700]
-    assert module._recompute_for([900]) == ["none"] and asked[-1] == 900
+    assert module._recompute_for([300, 200]) == (["none"], 700) and asked == [700]
+    assert module._recompute_for([900]) == (["none"], 900) and asked[-1] == 900
     module.model.sequence_layout = "padded"
     module._recompute_for([300, 200, 100])
     assert asked[-1] == 900  # 3 rows of the longest, 300
