@@ -564,19 +564,10 @@ class PPOModule(L.LightningModule):
                 if total_tokens == 0:
                     continue
                 optimizer.zero_grad(set_to_none=True)
-                plan = self._plan([len(data.seqs[i]) for i in chunk], cfg.ppo_max_token_len_per_gpu, update=True)
-                for local in plan:
-                    indices = [chunk[i] for i in local]
-                    lengths = [len(data.seqs[i]) for i in indices]
-                    chosen = self._recompute_for(lengths)
-                    share = 0.0
-                    if chosen is not None:
-                        plan, largest = chosen
-                        replays.setdefault(f"perf/{role}_layers_replayed", []).append(plan.count("layer"))
-                        replays.setdefault(f"perf/{role}_mixers_replayed", []).append(plan.count("mixer"))
-                        share = replayed_share(self.recompute_shares, largest)
-                    with timer.step(sum(lengths), work=work(sum(lengths), share)):
-                        stats = self._micro_step(role, data, indices, total_tokens, world)
+                cut = self._plan([len(data.seqs[i]) for i in chunk], cfg.ppo_max_token_len_per_gpu, update=True)
+                for local in cut:
+                    stats = self._timed_micro_step(role, data, [chunk[i] for i in local], total_tokens, world,
+                                                   timer, replays)
                     for key, value in stats.items():
                         history.setdefault(key, []).append(value)
                 grad_norm = _grad_norm(params, cfg.grad_clip)
@@ -609,6 +600,21 @@ class PPOModule(L.LightningModule):
         out[f"{role}/skipped_steps"] = float(self.skipped_optimizer_steps[role])
         out[f"{role}/lr"] = cfg.actor_lr if role == "actor" else cfg.critic_lr
         return out
+
+    def _timed_micro_step(self, role: str, data: StepTensors, indices: list[int], total_tokens: float, world: int,
+                          timer: MicroTimer, replays: dict[str, list[float]]) -> dict[str, float]:
+        """``_micro_step`` under its recompute plan (``_recompute_for``; what it replays into
+        ``replays``), timed by ``timer`` with its work (``micro_batches.work``)."""
+        lengths = [len(data.seqs[i]) for i in indices]
+        chosen = self._recompute_for(lengths)
+        share = 0.0
+        if chosen is not None:
+            policies, largest = chosen
+            replays.setdefault(f"perf/{role}_layers_replayed", []).append(policies.count("layer"))
+            replays.setdefault(f"perf/{role}_mixers_replayed", []).append(policies.count("mixer"))
+            share = replayed_share(self.recompute_shares, largest)
+        with timer.step(sum(lengths), work=work(sum(lengths), share)):
+            return self._micro_step(role, data, indices, total_tokens, world)
 
     def _recompute_for(self, lengths: list[int]) -> Optional[tuple[list[str], int]]:
         """``(plan, tokens)``: the recompute plan of this micro-batch (``ActorCritic.use_recompute_for``)
