@@ -120,28 +120,31 @@ def _common(shape: ModelShape, c: int, rank: int, adapted: int) -> int:
 def saved_bytes_per_token(shape: ModelShape, kind: str, *, c: int, rank: int, adapted: int,
                           linear_kernel: str = "fla") -> float:
     """Bytes autograd keeps per token for one layer of ``kind`` (module doc), calibrated."""
-    common = _common(shape, c, rank, adapted)
+    own = _mixer_bytes(shape, kind, c=c, linear_kernel=linear_kernel, lean=False)
+    key = FULL if kind == FULL else f"{LINEAR}:{linear_kernel}"
+    return (_common(shape, c, rank, adapted) + own) * SAVED_CALIBRATION[key]
+
+
+def _mixer_bytes(shape: ModelShape, kind: str, *, c: int, linear_kernel: str, lean: bool) -> float:
+    """The layer's own saved bytes a token, its token mixer's (module doc: "own part"; "mixer")."""
     if kind == FULL:
         q, k = shape.q_width, shape.kv_width
-        own = c * q  # o_proj input
+        own = c * q + c * (q + 2 * k) + c * q + 4 * shape.num_heads  # o_proj input; q, k, v; output; lse
         if shape.qk_norm:
-            own += 4 * (q + k)
-        own += c * (q + 2 * k) + c * q + 4 * shape.num_heads
+            own += _norm(q + k, shape.num_heads + shape.num_kv_heads, c, lean)
         if shape.attn_output_gate:
             own += 2 * c * q
-        return (common + own) * SAVED_CALIBRATION[FULL]
+        return own
     if kind != LINEAR:
         raise ValueError(f"unknown layer kind {kind!r}")
     nv, dk, dv = shape.linear_num_value_heads, shape.linear_key_head_dim, shape.linear_value_head_dim
     big_k, big_v, conv = nv * dk, nv * dv, shape.linear_conv_dim
     if linear_kernel == "fla":
-        own = c * (2 * big_k + big_v) + 4 * nv * CHUNK + 2 * c * big_v + c * conv + c * big_v
-    elif linear_kernel == "torch":
-        own = (4 * (8 * big_k + 7 * big_v) + 4 * 5 * nv * CHUNK + 4 * nv * dk * dv / CHUNK
-               + 14 * big_v + 2 * c * conv + c * big_v)
-    else:
-        raise ValueError(f"linear attention kernel {linear_kernel!r} is not one of fla, torch")
-    return (common + own) * SAVED_CALIBRATION[f"{LINEAR}:{linear_kernel}"]
+        return c * (2 * big_k + big_v) + 4 * nv * CHUNK + 2 * c * big_v + c * conv + c * big_v
+    if linear_kernel == "torch":
+        return (4 * (8 * big_k + 7 * big_v) + 4 * 5 * nv * CHUNK + 4 * nv * dk * dv / CHUNK
+                + 14 * big_v + 2 * c * conv + c * big_v)
+    raise ValueError(f"linear attention kernel {linear_kernel!r} is not one of fla, torch")
 
 
 def forward_bytes_per_token(shape: ModelShape, kind: str, *, c: int, rank: int, adapted: int,
@@ -202,27 +205,8 @@ def layer_parts(shape: ModelShape, kind: str, *, c: int, rank: int, adapted: int
     ``lean``: ``model.lean_activations`` (bf16 norm inputs)."""
     h, i = shape.hidden_size, shape.intermediate_size
     common = 2 * _norm(h, 1, c, lean) + c * 2 * h + c * rank * adapted
-    if kind == FULL:
-        q, k = shape.q_width, shape.kv_width
-        mixer = c * q + c * (q + 2 * k) + c * q + 4 * shape.num_heads
-        if shape.qk_norm:
-            mixer += _norm(q + k, shape.num_heads + shape.num_kv_heads, c, lean)
-        if shape.attn_output_gate:
-            mixer += 2 * c * q
-        key = FULL
-    elif kind == LINEAR:
-        nv, dk, dv = shape.linear_num_value_heads, shape.linear_key_head_dim, shape.linear_value_head_dim
-        big_k, big_v, conv = nv * dk, nv * dv, shape.linear_conv_dim
-        if linear_kernel == "fla":
-            mixer = c * (2 * big_k + big_v) + 4 * nv * CHUNK + 2 * c * big_v + c * conv + c * big_v
-        elif linear_kernel == "torch":
-            mixer = (4 * (8 * big_k + 7 * big_v) + 4 * 5 * nv * CHUNK + 4 * nv * dk * dv / CHUNK
-                     + 14 * big_v + 2 * c * conv + c * big_v)
-        else:
-            raise ValueError(f"linear attention kernel {linear_kernel!r} is not one of fla, torch")
-        key = f"{LINEAR}:{linear_kernel}"
-    else:
-        raise ValueError(f"unknown layer kind {kind!r}")
+    mixer = _mixer_bytes(shape, kind, c=c, linear_kernel=linear_kernel, lean=lean)
+    key = FULL if kind == FULL else f"{LINEAR}:{linear_kernel}"
     factor = PART_CALIBRATION[key]
     whole = saved_bytes_per_token(shape, kind, c=c, rank=rank, adapted=adapted, linear_kernel=linear_kernel)
     return LayerParts(common=common * factor, mixer=mixer * factor, gate_up=2 * c * i * factor,
