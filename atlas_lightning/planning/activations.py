@@ -96,6 +96,7 @@ Who calls it: ``planning.estimate``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .shapes import FULL, LINEAR, ModelShape
 
@@ -199,6 +200,7 @@ def _norm(width: int, rows: int, c: int, lean: bool) -> int:
     return c * width + 4 * rows if lean else 4 * width
 
 
+@lru_cache(maxsize=512)  # pure; model.checkpoint_layers=auto asks it for every layer of every plan it weighs
 def layer_parts(shape: ModelShape, kind: str, *, c: int, rank: int, adapted: int, linear_kernel: str = "fla",
                 lean: bool = True) -> LayerParts:
     """``kind``'s saved bytes per token by part (module doc, "By policy"), calibrated;

@@ -79,14 +79,14 @@ def test_on_a_short_stack_no_plan_replays_less(card_gib):
 
 
 def test_smaller_micro_batches_get_plans_of_their_own_that_replay_less():
-    """The tiers (``choose_tiers``): the budget's choice first, then 7/8 of it down to 1/8, each
+    """The tiers (``choose_tiers``): the budget's choice first, then 15/16 of it down to 1/16, each
     the plan ``choose`` gives at that size, each fitting at its own size, replaying no more than
     the larger one's."""
     cfg = _cfg("h200-8b")
     shape, inputs = planned_shape(cfg), Inputs.from_config(cfg)
     free, card = 78.5 * GIB, 80.0 * GIB
     tiers = choose_tiers(shape, inputs, free=free, card=card, linear_kernel="fla")
-    assert [t.tokens for t in tiers] == [49152 * k // 8 for k in range(8, 0, -1)]
+    assert [t.tokens for t in tiers] == [49152 * k // 16 for k in range(16, 0, -1)]
     assert tiers[0] == choose(shape, inputs, free=free, card=card, linear_kernel="fla")
     assert all(t.fits and t.need <= t.room for t in tiers)
     replayed = [t.replayed for t in tiers]

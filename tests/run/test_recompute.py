@@ -108,13 +108,14 @@ def test_on_a_card_smaller_micro_batches_get_their_own_plans(monkeypatch, capsys
     _card(monkeypatch, FREE)
     resolver = CheckpointLayersFor(cfg)
     plan = resolver(CUDA)
-    assert resolver.tiers[0][:2] == (49152, plan) and [t for t, _, _ in resolver.tiers] == [6144 * k for k in range(8, 0, -1)]
+    assert resolver.tiers[0][:2] == (49152, plan) and [t for t, _, _ in resolver.tiers] == [3072 * k for k in range(16, 0, -1)]
     kept = [sum(p != "layer" for p in tier) for _, tier, _ in resolver.tiers]
     shares = [share for _, _, share in resolver.tiers]
     assert shares == sorted(shares, reverse=True) and 0 <= shares[-1] < shares[0] <= 1
     assert kept == sorted(kept) and kept[-1] > kept[0], kept
     err = capsys.readouterr().err
-    assert "model.checkpoint_layers=auto per micro-batch: <= 49,152 tokens" in err and "; <= 6,144 tokens: " in err
+    assert "model.checkpoint_layers=auto per micro-batch: <= 49,152 tokens" in err and "; <= 9,216 tokens: 36 none" in err
+    assert "<= 6,144 tokens" not in err  # the same plan as 9,216's: named once
 
 
 def test_a_card_too_full_gets_no_tiers(monkeypatch):
