@@ -9,7 +9,10 @@ ranks as given and launches none; run alone, Lightning's own launcher re-runs it
 (contiguous, sizes differing by at most one: ``data.sampler.shard``), as the datamodule gives
 each rank its own trajectories. World size 1 uses the single-device strategy, more use FSDP2
 through ``ModelParallelStrategy``. Rank 0 writes ``OUT_DIR/metrics.json`` and the adapters
-(``OUT_DIR/actor``, ``OUT_DIR/critic``) after the step.
+(``OUT_DIR/actor``, ``OUT_DIR/critic``) after the step. A 5th argument ``tiers``: the model is
+built as ``model.checkpoint_layers=auto`` builds it on a card, with recompute plans per
+micro-batch size (``_Tiers``: on CPU ``auto`` itself chooses none), so the update switches plans
+and cuts mini-batches by them as on a card.
 """
 
 from __future__ import annotations
@@ -62,16 +65,38 @@ class _Capture(L.Callback):
             (self.out / "metrics.json").write_text(json.dumps({"finite": outputs["finite"], **outputs["metrics"]}))
 
 
+class _Tiers:
+    """``PPOModule``'s ``checkpoint_layers_for`` as ``run/recompute.py`` gives it on a card: the
+    budget's plan (every layer whole), and smaller micro-batches' plans with their replayed shares."""
+
+    def __init__(self, layers: int, budget: int) -> None:
+        whole, half = ["layer"] * layers, ["mixer"] + ["none"] * (layers - 1)
+        # sized for the test's batch: its ~1.7K-token micro-batches switch to the middle plan
+        self.tiers = [(budget, tuple(whole), 1.0), (budget * 72 // 100, tuple(half), 0.2),
+                      (budget * 40 // 100, ("none",) * layers, 0.0)]
+
+    def __call__(self, device, random_base=None):
+        return self.tiers[0][1]
+
+
 def main() -> None:
     batch_path, config_path, out, world = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+    tiers = len(sys.argv) > 5 and sys.argv[5] == "tiers"
     cfg = OmegaConf.load(config_path)
     cfg.trainer.devices = world
+    resolver = None
+    if tiers:
+        from transformers import AutoConfig
+
+        cfg.model.gradient_checkpointing, cfg.model.checkpoint_layers = True, "auto"
+        layers = AutoConfig.from_pretrained(cfg.model.path).num_hidden_layers
+        resolver = _Tiers(layers, int(cfg.algorithm.ppo_max_token_len_per_gpu))
     with open(batch_path, "rb") as handle:
         batch = pickle.load(handle)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=build_strategy(cfg), max_epochs=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[_Capture(out)])
-    trainer.fit(PPOModule(cfg), datamodule=_FixedBatch(batch))
+    trainer.fit(PPOModule(cfg, checkpoint_layers_for=resolver), datamodule=_FixedBatch(batch))
 
 
 if __name__ == "__main__":

@@ -45,14 +45,14 @@ def step_inputs(tiny_model_dir, sample_data_dir, tmp_path_factory, vllm_engine):
     return batch_path, config_path, tmp, cfg
 
 
-def _run(step_inputs, world: int) -> Path:
+def _run(step_inputs, world: int, *extra: str) -> Path:
     batch_path, config_path, tmp, _ = step_inputs
-    out = tmp / f"world{world}"
+    out = tmp / "-".join([f"world{world}", *extra])
     if not (out / "metrics.json").exists():
         env = dict(os.environ, OMP_NUM_THREADS="1")
         result = subprocess.run([sys.executable, str(FORKED_RANKS), str(world), str(WORKER), str(batch_path),
-                                 str(config_path), str(out), str(world)], capture_output=True, text=True, timeout=600,
-                                env=env)
+                                 str(config_path), str(out), str(world), *extra], capture_output=True, text=True,
+                                timeout=600, env=env)
         assert result.returncode == 0, result.stderr[-6000:]
     return out
 
@@ -99,6 +99,29 @@ def test_fsdp_world_sizes_match_one_process(step_inputs, world):
         diffs = torch.cat([(a[name] - b[name]).abs().flatten() for name in a])
         assert float((diffs > 1e-6).float().mean()) < 1e-3, role
         assert float(diffs.max()) < 5e-4, role
+
+
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_recompute_plans_per_micro_batch_under_fsdp2_change_no_number(step_inputs):
+    """At world 2 the update runs ``model.checkpoint_layers=auto``'s per-size plans (the module's
+    tiers, as built on a card): each micro-batch switches plan for the largest of the ranks', the
+    mini-batches are cut by the plans' replayed shares; the step's numbers are world 1's without
+    any, within the float noise of another summation order."""
+    one = _run(step_inputs, 1)
+    tiers = _run(step_inputs, 2, "tiers")
+    m1 = json.loads((one / "metrics.json").read_text())
+    mt = json.loads((tiers / "metrics.json").read_text())
+    assert mt["perf/actor_mixers_replayed"] > 0 and mt["perf/critic_mixers_replayed"] > 0, mt  # plans switched
+    assert "perf/critic_layers_replayed" in mt and "perf/actor_layers_replayed" not in m1
+    # (the logged losses are means of each micro-batch's own token mean, as verl logs them: they
+    # follow the cut; the gradients, the norms and the adapters do not)
+    for key in ("actor/grad_norm", "critic/grad_norm"):
+        assert mt[key] == pytest.approx(m1[key], rel=2e-4, abs=1e-5), key
+    for role in ("actor", "critic"):
+        a, b = _adapter(one, role), _adapter(tiers, role)
+        diffs = torch.cat([(a[name] - b[name]).abs().flatten() for name in a])
+        assert float((diffs > 1e-6).float().mean()) < 1e-3 and float(diffs.max()) < 5e-4, role
 
 
 @pytest.mark.vllm
