@@ -52,12 +52,11 @@ The ``fla`` path, measured on an H200 (``bench/results/run13-27b.json``, ``bench
 activations) at 46,950 tokens, critic + actor update without an optimizer step, peaked at
 52.2 GiB with no layer checkpointed and 24.8 GiB with all of them; uncalibrated, the plan said
 66.9 and 27.3. A factor of 0.64 on the fla layer's count reproduces the first (the second
-becomes 26.8, +8%, the one-layer recompute transient being the full-attention layer's). The
-same run measured a dense 8B layer's saved bytes at 0.54 of its count here: these formulas
-predate lean activations (``models/lean_activations.py``: bf16 norm inputs, the MLP product
-recomputed), which the factor for fla absorbs and the full-attention count does not, so kept
-(uncheckpointed) dense layers are over-predicted, on the safe side. The fla forward working set
-is still uncalibrated.
+becomes 26.8, +8%, the one-layer recompute transient being the full-attention layer's). These
+counts predate lean activations (``models/lean_activations.py``: bf16 norm inputs, the MLP product
+recomputed); they now size only the replay of a whole checkpointed layer, and what a kept layer
+saves is counted by part, lean or not (below: "By policy"; the fla part needs no factor there).
+The fla forward working set is still uncalibrated.
 
 By policy (``layer_parts``; ``models/recompute.py``'s ``layer``, ``mixer``, ``mlp``, ``none``): the
 count above is a layer of transformers' own path, which the replay of a checkpointed layer runs
