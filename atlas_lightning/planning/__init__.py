@@ -117,7 +117,7 @@ def _auto_recompute(cfg: Any, shape: ModelShape, card_gib: float, kernel: str):
     """``(choice, note)`` for ``model.checkpoint_layers=auto`` on this card (``recompute.py``);
     ``(None, note)`` where it chooses nothing (CPU, no checkpointing, ``layer_recompute`` set),
     ``(None, None)`` for any other value."""
-    from .recompute import describe_tiers, is_auto, nothing_to_choose, tiers_for_plan
+    from .recompute import choose_for_plan, is_auto, nothing_to_choose
 
     if not is_auto(cfg.model):
         return None, None
@@ -126,7 +126,6 @@ def _auto_recompute(cfg: Any, shape: ModelShape, card_gib: float, kernel: str):
         return None, unchosen
     if str(cfg.trainer.accelerator) == "cpu":
         return None, "model.checkpoint_layers=auto on CPU: every layer checkpointed (no card to size)"
-    tiers = tiers_for_plan(shape, cfg, card_gib=card_gib, linear_kernel=kernel)
-    choice = tiers[0]
-    note = f"{choice.describe()} (the plan's engine asleep and runtime stand for what fit measures)"
-    return choice, note + (f"; {describe_tiers(tiers)}" if choice.fits else "")
+    # the budget's plan (the update's peak); fit also plans smaller micro-batches (recompute.choose_tiers)
+    choice = choose_for_plan(shape, cfg, card_gib=card_gib, linear_kernel=kernel)
+    return choice, f"{choice.describe()} (the plan's engine asleep and runtime stand for what fit measures)"

@@ -283,12 +283,6 @@ def choose_for_plan(shape: ModelShape, cfg: Any, *, card_gib: float, linear_kern
     return choose(shape, inputs, free=card - _beside(inputs, card), card=card, linear_kernel=linear_kernel)
 
 
-def tiers_for_plan(shape: ModelShape, cfg: Any, *, card_gib: float, linear_kernel: str) -> list[RecomputeChoice]:
-    """``choose_tiers`` for a card of ``card_gib`` GiB as ``plan`` sees it (``choose_for_plan``)."""
-    inputs = Inputs.from_config(cfg)
-    card = card_gib * GIB
-    return choose_tiers(shape, inputs, free=card - _beside(inputs, card), card=card, linear_kernel=linear_kernel)
-
 
 def beside_trainer(cfg: Any, card: float) -> float:
     """Bytes the plan puts beside the trainer on a training card of ``card`` bytes, the runtime
