@@ -254,7 +254,8 @@ def choose_tiers(shape: ModelShape, inputs: Inputs, *, free: float, card: float,
                  linear_kernel: str) -> list[RecomputeChoice]:
     """``choose`` at each of ``TIER_SHARES`` (sixteenths) of the micro-batch budget, the largest first: a
     micro-batch of fewer tokens keeps more (``ActorCritic.use_recompute_for`` takes the plan of
-    the smallest tier that holds it). The first is the budget's own choice."""
+    the smallest tier that holds it). The first is the budget's own choice, alone where it does
+    not fit."""
     budget = inputs.update_tokens
     tiers = []
     for share in TIER_SHARES:
@@ -263,6 +264,8 @@ def choose_tiers(shape: ModelShape, inputs: Inputs, *, free: float, card: float,
             break
         tiers.append(choose(shape, replace(inputs, update_tokens=tokens), free=free, card=card,
                             linear_kernel=linear_kernel))
+        if not tiers[0].fits:
+            break  # nothing fits the budget: every layer is checkpointed, whatever the micro-batch
     return tiers
 
 

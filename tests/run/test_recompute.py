@@ -13,6 +13,7 @@ import torch
 from atlas_lightning.config import compose
 from atlas_lightning.planning import GIB, planned_shape
 from atlas_lightning.planning.estimate import ENGINE_ASLEEP_GIB, Inputs
+from atlas_lightning.planning import recompute as planning_recompute
 from atlas_lightning.planning.recompute import beside_trainer, choose
 from atlas_lightning.ppo.module import PPOModule
 from atlas_lightning.run import recompute
@@ -27,8 +28,12 @@ def _cfg(*overrides: str):
     return compose(["experiment=h200-8b", *overrides])
 
 
-def _card(monkeypatch, free: float, card: float = CARD) -> None:
+def _card(monkeypatch, free: float, card: float = CARD, tiers: bool = False) -> None:
+    """The card as ``free_on_card`` would find it; ``tiers``: plan every sixteenth of the budget
+    too, as fit does (else the budget's plan alone: the tests about it need no more)."""
     monkeypatch.setattr(recompute, "free_on_card", lambda device: (free, card))
+    if not tiers:
+        monkeypatch.setattr(planning_recompute, "TIER_SHARES", (1.0,))
 
 
 def test_on_a_card_the_policies_are_the_plans_for_the_memory_free_there(monkeypatch, capsys):
@@ -105,7 +110,7 @@ def test_on_a_card_smaller_micro_batches_get_their_own_plans(monkeypatch, capsys
     """The resolver's tiers (``planning.recompute.choose_tiers``) for the module to give the model:
     the budget's plan first, each smaller micro-batch's replaying no more; said on one line."""
     cfg = _cfg()
-    _card(monkeypatch, FREE)
+    _card(monkeypatch, FREE, tiers=True)
     resolver = CheckpointLayersFor(cfg)
     plan = resolver(CUDA)
     assert resolver.tiers[0][:2] == (49152, plan) and [t for t, _, _ in resolver.tiers] == [3072 * k for k in range(16, 0, -1)]
