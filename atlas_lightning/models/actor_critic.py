@@ -62,8 +62,10 @@ Speed paths (``bench/README.md`` has the measurements):
   lengths to it through the decoder's kwargs;
 * ``checkpoint_layers=k``: with gradient checkpointing on, only the first ``k`` decoder
   layers are recomputed in the backward (``None``: all of them); the others keep their
-  activations, trading memory for the recomputation time. ``auto`` is resolved to a ``k`` for
-  the card before the build (``planning/recompute.py``, ``run/recompute.py``); unresolved, all;
+  activations, trading memory for the recomputation time. ``auto`` is resolved for the card
+  before the build into a ``layer_recompute`` plan, and plans of smaller micro-batches that
+  ``enable_recompute_tiers`` takes (``planning/recompute.py``, ``run/recompute.py``);
+  unresolved, every layer;
 * ``layer_recompute``: finer than all or nothing, one policy a decoder layer (overrides
   ``checkpoint_layers``): ``layer`` (checkpointed whole), ``mixer`` (only the attention or
   Gated DeltaNet recomputed), ``mlp`` (only the MLP's gate and up projections recomputed) or

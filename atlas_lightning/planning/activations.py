@@ -101,9 +101,9 @@ from .shapes import FULL, LINEAR, ModelShape
 
 #: Measured over counted saved bytes, per layer kind and kernel path (module doc).
 SAVED_CALIBRATION = {"full_attention": 1.0, "linear_attention:fla": 0.64, "linear_attention:torch": 0.85}
-#: Measured over counted forward working set of a linear-attention layer (module doc).
 #: Measured over counted bytes of a kept layer's parts, per kernel path (module doc, "By policy").
 PART_CALIBRATION = {FULL: 1.0, f"{LINEAR}:fla": 1.0, f"{LINEAR}:torch": SAVED_CALIBRATION[f"{LINEAR}:torch"]}
+#: Measured over counted forward working set of a linear-attention layer (module doc).
 FORWARD_CALIBRATION = {"linear_attention:fla": 1.0, "linear_attention:torch": 0.55}
 CHUNK = 64
 #: The recompute policies (``models/recompute.py``), from the least memory kept to the most.
@@ -173,10 +173,12 @@ class LayerParts:
     tail: float
     whole: float
 
-    def kept(self, policy: str, lean_tail: bool) -> float:
+    def kept(self, policy: str, lean_tails: bool) -> float:
         """Bytes a token a layer under ``policy`` keeps for its backward (``layer``: nothing
-        here, its input being counted with the checkpointed layers' inputs)."""
-        tail = 0.0 if lean_tail else self.tail
+        here, its input being counted with the checkpointed layers' inputs). ``lean_tails``: lean
+        activations with gradient checkpointing on, where ``ActorCritic`` gives the layers whose
+        MLP is kept (``none``, ``mixer``) the lean tail."""
+        tail = 0.0 if lean_tails and policy in ("none", "mixer") else self.tail
         if policy == "layer":
             return 0.0
         if policy == "mixer":

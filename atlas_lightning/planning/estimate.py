@@ -313,9 +313,8 @@ class _Model:
 
     def _kept(self, role: str) -> float:
         """Bytes a token every layer not checkpointed whole keeps (``activations.layer_parts``)."""
-        lean_tails = self.i.lean and self.i.checkpointing  # as ActorCritic installs them
-        return sum(self._parts(kind, role).kept(policy, lean_tails and policy in ("none", "mixer"))
-                   for kind, policy in zip(self.s.layer_types, self.policies))
+        lean_tails = self.i.lean and self.i.checkpointing
+        return sum(self._parts(kind, role).kept(policy, lean_tails) for kind, policy in zip(self.s.layer_types, self.policies))
 
     def _replayed(self, role: str) -> float:
         """Bytes a token of the largest replay the backward runs (0: nothing is recomputed)."""
@@ -448,14 +447,12 @@ def update_tensors(shape: ModelShape, inputs: Inputs, linear_kernel: str, polici
 
 
 def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = None, linear_kernel: str = "fla",
-             name: Optional[str] = None, checkpoint_layers: Optional[int] = None,
-             layer_recompute: Optional[Sequence[str]] = None) -> Plan:
+             name: Optional[str] = None, layer_recompute: Optional[Sequence[str]] = None) -> Plan:
     """Predict every phase's per-card peak for ``cfg`` on cards of ``card_gib`` GiB (None:
     ``plan.card_gib``; module doc for each term's formula) and refuse what cannot fit
-    (``Plan.refusals``). ``checkpoint_layers``: the decoder layers checkpointed, in place of
-    ``model.checkpoint_layers`` (None: the config's; its ``auto`` plans every layer);
-    ``layer_recompute``: one policy a layer, in place of both (``auto``'s plan, which
-    ``make_plan`` passes here from ``recompute.py``).
+    (``Plan.refusals``). ``layer_recompute``: one policy a layer, in place of the config's
+    ``model.layer_recompute`` and ``model.checkpoint_layers`` (``auto``'s plan, which ``make_plan``
+    passes here from ``recompute.py``; None: the config's, its ``auto`` planned as every layer).
 
     ``linear_kernel``: which Gated DeltaNet path the trainer will run on a hybrid model,
     ``fla`` (flash-linear-attention installed) or ``torch`` (transformers' fallback).
@@ -463,8 +460,6 @@ def estimate(model_shape: ModelShape, cfg: Any, *, card_gib: Optional[float] = N
     business; this function only sizes memory.
     """
     inputs = Inputs.from_config(cfg)
-    if checkpoint_layers is not None:
-        inputs = replace(inputs, checkpoint_layers=int(checkpoint_layers), layer_recompute=None)
     if layer_recompute is not None:
         inputs = replace(inputs, layer_recompute=tuple(layer_recompute))
     card = float(cfg.plan.card_gib if card_gib is None else card_gib) * GIB

@@ -3,10 +3,10 @@ work whose update fits the card.
 
 Recomputation is exact: a replayed part runs its forward again in the backward, and the numbers
 do not change. So the choice trades memory for time only. Each decoder layer takes one of
-``models/recompute.py``'s policies (``activations.POLICIES``): ``layer`` (checkpointed whole: keeps
-its input, replays all of it), ``mixer`` (replays the attention or Gated DeltaNet, keeps the MLP's
-tensors), ``mlp`` (replays the MLP's gate and up projections) or ``none`` (keeps everything). The
-choice is what ``model.layer_recompute`` would say, and ``fit`` builds it so.
+``models/recompute.py``'s policies: ``layer`` (checkpointed whole: keeps its input, replays all of
+it), ``mixer`` (replays the attention or Gated DeltaNet, keeps the MLP's tensors) or ``none`` (keeps
+everything); ``mlp`` is left to ``model.layer_recompute`` (below). The choice is what
+``model.layer_recompute`` would say, and ``fit`` builds it so.
 
 The rule, from the planner's own prediction (``estimate.update_tensors``: the ``update_actor`` and
 ``update_critic`` phases at ``algorithm.ppo_max_token_len_per_gpu``, per-policy bytes from
@@ -186,15 +186,14 @@ def _steps(shape: ModelShape, inputs: Inputs, linear_kernel: str) -> list[_Step]
 
 def _hull(shape: ModelShape, inputs: Inputs, linear_kernel: str, kind: str) -> list[tuple[str, str, float]]:
     """``(before, after, FLOPs saved per byte)`` along the upper convex hull of one ``kind`` layer's
-    policies, from ``layer`` (bytes: the actor's ``layer_parts``, the larger adapter's rank)."""
+    policies, from ``layer`` (bytes: ``layer_parts`` at the larger of the two adapters' ranks)."""
     role = max(inputs.lora, key=lambda r: inputs.lora[r].rank)
     adapted = len(shape.adapted_linears(kind, inputs.lora[role].target_modules))
     parts = layer_parts(shape, kind, c=inputs.compute_bytes, rank=inputs.lora[role].rank, adapted=adapted,
                         linear_kernel=linear_kernel, lean=inputs.lean)
-    lean_tail = inputs.lean
     full = replayed_flops(shape, kind, "layer")
-    points = sorted(((parts.kept(p, lean_tail and p in ("none", "mixer")) + (shape.hidden_size * inputs.compute_bytes
-                                                                              if p == "layer" else 0.0),
+    layer_input = shape.hidden_size * inputs.compute_bytes  # what a layer checkpointed whole keeps
+    points = sorted(((parts.kept(p, inputs.lean) + (layer_input if p == "layer" else 0.0),
                       full - replayed_flops(shape, kind, p), p) for p in AUTO_POLICIES), key=lambda x: (x[0], -x[1]))
     hull, (at_bytes, at_saved, at) = [], points[0]
     remaining = [pt for pt in points[1:] if pt[1] > at_saved]
@@ -208,8 +207,8 @@ def _hull(shape: ModelShape, inputs: Inputs, linear_kernel: str, kind: str) -> l
 
 def _fill(shape: ModelShape, plan: list[str], fits) -> list[str]:
     """Where the room left is less than a layer's next hull step, a policy off the hull may
-    still fit (``mlp`` where ``mixer`` did not): each layer, the last first, takes the policy
-    saving the most replay over its own that ``fits``."""
+    still fit: each layer, the last first, takes the policy saving the most replay over its own
+    that ``fits``."""
     for index in reversed(range(len(plan))):
         kind = shape.layer_types[index]
         own = replayed_flops(shape, kind, plan[index])
@@ -284,7 +283,6 @@ def choose_for_plan(shape: ModelShape, cfg: Any, *, card_gib: float, linear_kern
     inputs = Inputs.from_config(cfg)
     card = card_gib * GIB
     return choose(shape, inputs, free=card - _beside(inputs, card), card=card, linear_kernel=linear_kernel)
-
 
 
 def beside_trainer(cfg: Any, card: float) -> float:

@@ -606,24 +606,25 @@ class PPOModule(L.LightningModule):
         """``_micro_step`` under its recompute plan (``_recompute_for``; what it replays into
         ``replays``), timed by ``timer`` with its work (``micro_batches.work``)."""
         lengths = [len(data.seqs[i]) for i in indices]
-        chosen = self._recompute_for(lengths)
+        tokens = layout_tokens(lengths, self.model.sequence_layout)  # what the layers compute: padding counts
+        chosen = self._recompute_for(tokens)
         share = 0.0
         if chosen is not None:
             policies, largest = chosen
             replays.setdefault(f"perf/{role}_layers_replayed", []).append(policies.count("layer"))
             replays.setdefault(f"perf/{role}_mixers_replayed", []).append(policies.count("mixer"))
             share = replayed_share(self.recompute_shares, largest)
-        with timer.step(sum(lengths), work=work(sum(lengths), share)):
+        with timer.step(sum(lengths), work=work(tokens, share)):
             return self._micro_step(role, data, indices, total_tokens, world)
 
-    def _recompute_for(self, lengths: list[int]) -> Optional[tuple[list[str], int]]:
-        """``(plan, tokens)``: the recompute plan of this micro-batch (``ActorCritic.use_recompute_for``)
-        for the largest of the ranks' micro-batches, ``tokens`` as the model's layout counts them:
-        every rank replays the same layers (FSDP2's backward gathers follow the replays).
-        Collective when the model has tiers; None (nothing done) otherwise."""
+    def _recompute_for(self, tokens: int) -> Optional[tuple[list[str], int]]:
+        """``(plan, largest)``: the recompute plan (``ActorCritic.use_recompute_for``) of this
+        micro-batch of ``tokens`` (as the model's layout counts them), for ``largest``, the largest
+        of the ranks' micro-batches: every rank replays the same layers (FSDP2's backward gathers
+        follow the replays). Collective when the model has tiers; None (nothing done) otherwise."""
         if not self.model.recompute_tiers:
             return None
-        largest = int(dist_utils.all_reduce_max([float(layout_tokens(lengths, self.model.sequence_layout))])[0])
+        largest = int(dist_utils.all_reduce_max([float(tokens)])[0])
         return self.model.use_recompute_for(largest), largest
 
     def _micro_step(self, role: str, data: StepTensors, indices: list[int], total_tokens: float,

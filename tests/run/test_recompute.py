@@ -131,19 +131,32 @@ def test_a_card_too_full_gets_no_tiers(monkeypatch):
 
 
 def test_each_update_micro_batch_runs_the_plan_of_the_largest_across_ranks(monkeypatch):
-    """``PPOModule._recompute_for``: the model's tier for the largest micro-batch over ranks (the
-    layout's count: packed sums lengths, padded counts rows x longest); nothing without tiers."""
+    """``PPOModule._timed_micro_step`` / ``_recompute_for``: the model's tier for the largest
+    micro-batch over ranks (the layout's count: packed sums lengths, padded counts rows x longest);
+    nothing without tiers."""
     from atlas_lightning import distributed as dist_utils
+    from atlas_lightning.ppo.micro_timing import MicroTimer
 
     asked = []
     module = PPOModule(_cfg())
     module.model = SimpleNamespace(recompute_tiers=[(10, ["none"])], sequence_layout="packed",
                                    use_recompute_for=lambda tokens: asked.append(tokens) or ["none"])
+    module.recompute_shares = [(1000, 0.25)]
+    module._micro_step = lambda role, data, indices, total, world: {}
+    data = SimpleNamespace(seqs=[[0] * 300, [0] * 200, [0] * 100, [0] * 900, [0] * 5000])
+    timer, replays = MicroTimer("cpu", 1000), {}
+
+    def step(indices):
+        return module._timed_micro_step("actor", data, indices, 1.0, 2, timer, replays)
+
     monkeypatch.setattr(dist_utils, "all_reduce_max", lambda values: [max(values[0], 700.0)])  # another rank's 700
-    assert module._recompute_for([300, 200]) == (["none"], 700) and asked == [700]
-    assert module._recompute_for([900]) == (["none"], 900) and asked[-1] == 900
+    step([0, 1])
+    step([3])
+    assert asked == [700, 900] and replays["perf/actor_mixers_replayed"] == [0, 0]
     module.model.sequence_layout = "padded"
-    module._recompute_for([300, 200, 100])
+    step([0, 1, 2])
     assert asked[-1] == 900  # 3 rows of the longest, 300
+    assert timer._work == [500 * 2.25, 900 * 2.25, 900 * 2.25]  # the layout's tokens, at the tier's share
     module.model.recompute_tiers = []
-    assert module._recompute_for([5000]) is None and len(asked) == 3
+    step([4])
+    assert len(asked) == 3 and timer._work[-1] == 5000 * 2.0  # no tiers: nothing replayed, no collective
