@@ -130,6 +130,9 @@ class StepBenchCallback(L.Callback):
         self.replay = bool(replay)
         self.recorder: Optional[_RecordingEngine] = None
         self.rollout_start: dict[int, float] = {}
+        #: by step: the seconds of its rollout call and of its training_step (where ``other`` lies)
+        self.rollout_s: dict[int, float] = {}
+        self.training_step_s: dict[int, float] = {}
         self.callback_s: dict[int, dict[str, float]] = {}
         #: the part of ``callback_s`` spent in ``on_train_batch_start`` (a ridden validation's recording)
         self.callback_start_s: dict[int, dict[str, float]] = {}
@@ -165,8 +168,19 @@ class StepBenchCallback(L.Callback):
                 return rollout(step)
             finally:
                 self.recorder.label = None
+                self.rollout_s[step] = time.monotonic() - self.rollout_start[step]
 
         dm.rollout = timed_rollout
+        training_step = pl_module.training_step
+
+        def timed_training_step(batch, *args, **kwargs):
+            started = time.monotonic()
+            try:
+                return training_step(batch, *args, **kwargs)
+            finally:
+                self.training_step_s[batch.step] = time.monotonic() - started
+
+        pl_module.training_step = timed_training_step
         take = getattr(dm, "take_validation", None)
 
         def taken(step: int):
@@ -263,6 +277,7 @@ class StepBenchCallback(L.Callback):
         report = build_report(pl_module.cfg, _history(trainer), rollout_start=self.rollout_start,
                               ended=self.ended, callback_s=self.callback_s, callback_start_s=self.callback_start_s,
                               ride_tail_s=self.ride_tail_s, lengths=self.lengths,
+                              rollout_s=self.rollout_s, training_step_s=self.training_step_s,
                               generated=self.generated, replayed=self.replayed, responses=self.responses,
                               peak_tflops=self.peak_tflops, build=self.build)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -414,18 +429,42 @@ def _step_shares(phases: dict[str, float], gen: float, callbacks: dict[str, floa
             "tokens_per_s_per_gpu": tokens_per_gpu_second(tokens, gpus, wall, in_step + checkpoint, periodic)}
 
 
+#: The phases inside the datamodule's rollout call and inside ``training_step``.
+ROLLOUT_PHASES = ("wake_rollout", "gen", "sleep", "assemble")
+TRAINING_STEP_PHASES = ("old_log_prob", "values", "ref", "adv", "update_critic", "update_actor", "wake",
+                        "update_weights")
+
+
+def other_parts(other: float, phases: dict[str, float], rollout: Optional[float],
+                training_step: Optional[float]) -> dict[str, Optional[float]]:
+    """Where a step's ``other`` seconds lie: in its rollout call outside the rollout's phases
+    (sampling questions, building the batch), in ``training_step`` outside its phases (packing
+    the sequences, the step's metrics and records), and the rest (``loop``: Lightning's loop, the
+    hand-over between them, callback hooks the benchmark does not time). None where unmeasured."""
+    def outside(total: Optional[float], names: tuple[str, ...]) -> Optional[float]:
+        return None if total is None else total - sum(phases.get(p, 0.0) for p in names)
+
+    in_rollout = outside(rollout, ROLLOUT_PHASES)
+    in_step = outside(training_step, TRAINING_STEP_PHASES)
+    loop = None if in_rollout is None or in_step is None else other - in_rollout - in_step
+    return {"rollout": in_rollout, "training_step": in_step, "loop": loop}
+
+
 def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: dict[int, float],
                  ended: Optional[float], callback_s: dict[int, dict[str, float]], lengths: dict[int, list[int]],
                  generated: dict[int, int], replayed: dict[str, Any], responses: Optional[dict[int, list[int]]] = None,
                  peak_tflops: Optional[float] = None, build: Optional[dict] = None,
                  callback_start_s: Optional[dict[int, dict[str, float]]] = None,
-                 ride_tail_s: Optional[dict[int, float]] = None) -> dict:
+                 ride_tail_s: Optional[dict[int, float]] = None, rollout_s: Optional[dict[int, float]] = None,
+                 training_step_s: Optional[dict[int, float]] = None) -> dict:
     """The benchmark's figures (module doc) from what the run logged and the callback timed;
     ``build``: the ``bench/shapes.py`` shape and layer count the model was built from (None: a
     model folder the benchmark did not write); ``callback_start_s``: the part of ``callback_s``
     spent in ``on_train_batch_start``; ``ride_tail_s``: by validated step, a ridden validation's
     seconds at the end of the next step's ``gen`` (both place a ridden validation's seconds in the
-    next step; absent: its logged marginal is costed, nothing set apart there)."""
+    next step; absent: its logged marginal is costed, nothing set apart there); ``rollout_s``,
+    ``training_step_s``: by step, the seconds of its rollout call and its ``training_step``
+    (``other_parts``: where ``other`` lies)."""
     steps = sorted(s for s in rollout_start if s in lengths)
     responses = responses or {}
     val_every = int(cfg.trainer.val_every) or int(cfg.trainer.total_steps)
@@ -457,6 +496,9 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
         if wall:
             row.update(_step_shares(phases, gen, callbacks, wall, validation, row["tokens"], int(cfg.layout.gpus),
                                     val_every, save_every))
+            row["other_parts"] = other_parts(row["other_s"], phases, (rollout_s or {}).get(step),
+                                             (training_step_s or {}).get(step))
+        row["sync_s"] = {k[len("sync_s/"):]: v for k, v in logged.items() if k.startswith("sync_s/")}
         flops = phase_flops(cfg, lengths[step], responses.get(step, [])) if step in responses else None
         if flops:
             row["useful_tflop"] = {p: f / 1e12 for p, f in flops.items() if p in phases}
@@ -464,6 +506,9 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
                 row["useful_mfu"] = {p: f / phases[p] / (peak_tflops * 1e12) for p, f in flops.items()
                                      if phases.get(p)}
         update_tokens, forward_tokens = _largest_micro_batches(cfg, lengths[step])
+        ran = [logged[k] for k in ("perf/critic_micro_tokens_max", "perf/actor_micro_tokens_max") if k in logged]
+        if ran:  # the update's own cut (it may cut finer than the fewest: ppo/micro_batches.py)
+            update_tokens = int(max(ran))
         row["micro_batch_tokens"] = {"update": update_tokens, "forward": forward_tokens}
         row["plan_tensors_gib"] = {"configured_budgets": _plan_at(cfg, None, None),
                                    "step_micro_batches": _plan_at(cfg, update_tokens, forward_tokens)}

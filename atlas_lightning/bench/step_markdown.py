@@ -102,8 +102,14 @@ def markdown(report: dict) -> str:
         for name, seconds in row["callbacks_s"].items():
             lines.append(f"| callback {name} | {_fmt(seconds, '.2f')} | {_fmt(seconds / wall * 100 if wall else None)}% | | | |")
         if "other_s" in row:
-            lines.append(f"| other (loop, hand-over) | {_fmt(row['other_s'], '.2f')} | "
+            parts = row.get("other_parts") or {}
+            where = ", ".join(f"{name} {seconds:.2f}" for name, seconds in parts.items() if seconds is not None)
+            lines.append(f"| other (loop, hand-over{': ' + where if where else ''}) | {_fmt(row['other_s'], '.2f')} | "
                          f"{_fmt(row['other_s'] / wall * 100)}% | | | |")
+        lines += _micro_step_lines(row)
+        if row.get("sync_s"):
+            lines += ["", "weight sync by part (s): " + ", ".join(f"{name} {seconds:.2f}"
+                                                                for name, seconds in row["sync_s"].items())]
         shares = row.get("shares")
         if shares:
             lines += ["", f"generation {shares['generation']:.1%}, update compute {shares['update_compute']:.1%}, "
@@ -131,3 +137,24 @@ def markdown(report: dict) -> str:
     lines += ["", "versions: " + ", ".join(f"{k} {v}" for k, v in env.items())]
     return "\n".join(lines)
 
+
+
+def _micro_step_lines(row: dict) -> list[str]:
+    """Each role's update by micro-step (``ppo/micro_timing.py``'s metrics), where logged."""
+    metrics, phases = row.get("metrics", {}), row.get("phases_s", {})
+    parts = []
+    for role in ("critic", "actor"):
+        m = {k[len(f"perf/{role}_"):]: v for k, v in metrics.items() if k.startswith(f"perf/{role}_")}
+        if "micro_batches" not in m:
+            continue
+        text = f"{role} {m['micro_batches']:.0f} micro-batches"
+        if "micro_tokens_max" in m:
+            text += f" (largest {m['micro_tokens_max']:,.0f} tokens)"
+        if "micro_steps_s" in m and phases.get(f"update_{role}"):
+            text += f", micro-steps {m['micro_steps_s']:.2f} s of the phase's {phases[f'update_{role}']:.2f} s"
+        if "micro_step_fixed_s" in m:
+            text += f", fixed cost {m['micro_step_fixed_s']:.3f} s a micro-step"
+        if "layers_replayed" in m:
+            text += f", replayed {m['layers_replayed']:.1f} layers and {m['mixers_replayed']:.1f} mixers a micro-step"
+        parts.append(text)
+    return ["", "the updates by micro-step: " + "; ".join(parts)] if parts else []

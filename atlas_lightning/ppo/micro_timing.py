@@ -17,7 +17,10 @@ cost, the intercept of ``seconds = fixed + per_work x work`` fitted over the rol
 (``fixed_cost``), where ``work`` is what the step says a micro-step carried (its tokens, or its
 tokens weighted by the passes its recompute plan runs: ``ppo/micro_batches.py``, which takes
 ``fixed / per_work`` as its ``MICRO_STEP_TOKENS`` once measured). Empty where fewer than
-``FIT_STEPS`` micro-steps or too narrow a spread of work make no fit.
+``FIT_STEPS`` micro-steps or too narrow a spread of work make no fit; and
+``perf/<role>_micro_tokens_max``, the real tokens of the largest micro-batch the update ran, and
+``perf/<role>_micro_steps_s``, the micro-steps' seconds together (the update phase's seconds less
+these: the optimizer steps, the gradient norms and the host's work between micro-steps).
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ class MicroTimer:
         """This rank's figures of the module doc, as lists for ``metrics.mean_over_ranks``."""
         steps = [(n, s) for n, s in self.seconds() if s > 0]
         names = [f"perf/{role}_micro_batches", f"perf/{role}_micro_fill", f"perf/{role}_short_time_share",
-                 f"perf/{role}_micro_step_fixed_s"]
+                 f"perf/{role}_micro_step_fixed_s", f"perf/{role}_micro_tokens_max", f"perf/{role}_micro_steps_s"]
         if not steps:
             return {name: [] for name in names}
         fit = self.fixed_cost()
@@ -93,4 +96,5 @@ class MicroTimer:
         lost = sum(max(0.0, s - n / rate) for n, s in steps)
         total = sum(s for _, s in steps)
         return {names[0]: [float(len(steps))], names[1]: [sum(n for n, _ in steps) / len(steps) / self.budget],
-                names[2]: [lost / total], names[3]: [fit[0]] if fit else []}
+                names[2]: [lost / total], names[3]: [fit[0]] if fit else [],
+                names[4]: [float(max(n for n, _ in steps))], names[5]: [total]}

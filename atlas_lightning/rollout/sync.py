@@ -44,6 +44,11 @@ Order of work:
    version just sent is refused at that sync whatever the learning rate (``sync_probe``, "The
    marked check"); the others are judged by the update's own movement, once it is measurable.
 
+Where a sync's seconds go, logged with its metrics as ``sync_s/<part>`` (summed over the sync's
+loads and probes): ``export`` (the adapter's tensors gathered and its folder written),
+``folder_check``, ``engine_load`` (the engine reading the folder, or the merge and its stream),
+``held_check``, ``engine_probe`` and ``trainer_probe``.
+
 The weights version served is the number of updates applied (0 before training; after a NaN
 guard rollback to step M, M again); it is published to ``serving``
 (``weights_version``) while the sync still holds ``engine_lock``, so that a rollout records the
@@ -240,12 +245,15 @@ class WeightSync:
         #: and this process's syncs since it (neither saved: a resumed process starts anew).
         self.mark_scale: Optional[float] = None
         self.syncs_since_start = 0
+        #: This sync's seconds by part (``sync_s/<part>``, module doc): where a sync's time goes.
+        self.parts: dict[str, float] = {}
 
     def sync(self, model, serving, version: int, device: Any = "cpu") -> dict[str, float]:
         """Serve ``model``'s actor as weights version ``version`` on ``serving.engine``, verified;
         returns the sync's metrics (module doc). ``device``: where the trainer's probe runs.
         Collective: every rank calls it."""
         self.sync_id += 1
+        self.parts = {}
         engine = serving.engine
         woken = time.monotonic()
         # no rollout runs while weights move (the asynchronous layout's producer waits, or with
@@ -273,7 +281,8 @@ class WeightSync:
         self.last_gap = gap
         metrics = {"rollout/logprob_gap": gap, "rollout/logprob_gap_bound": self.last_bound,
                    "timing_s/update_weights": time.monotonic() - started, "timing_s/wake": started - woken,
-                   "rollout/sync_tensor_count": float(report.tensor_count), **self.movement.metrics()}
+                   "rollout/sync_tensor_count": float(report.tensor_count), **self.movement.metrics(),
+                   **{f"sync_s/{part}": seconds for part, seconds in self.parts.items()}}
         metrics.update(_peak_metrics(int(getattr(serving, "engine_allocated_bytes", 0) or 0)))
         return metrics
 
@@ -281,15 +290,20 @@ class WeightSync:
         """Export, load and check what the engine holds (steps 1-3 of the module doc, probe aside)."""
         if self.kind == "lora":
             folder = self.adapter_folder / f"sync{self.sync_id}"
-            sent = export_actor_adapter(model, folder)
-            dist_utils.barrier()
-            check_folder(folder, sent, version)
-            report = engine.set_adapter(AdapterVersion(str(folder), version=self.sync_id))
+            with self._part("export"):
+                sent = export_actor_adapter(model, folder)
+                dist_utils.barrier()
+            with self._part("folder_check"):
+                check_folder(folder, sent, version)
+            with self._part("engine_load"):
+                report = engine.set_adapter(AdapterVersion(str(folder), version=self.sync_id))
             self._prune()
-            check_held(sent, report, version)
+            with self._part("held_check"):
+                check_held(sent, report, version)
             return report
         merged = MergedActor(model, self.bucket_bytes)
-        report = engine.load_merged(merged, version=version)
+        with self._part("engine_load"):  # the merge and the stream, together
+            report = engine.load_merged(merged, version=version)
         if not merged.finished:  # the engine's own digest would match what it did read
             raise WeightSyncError(f"weight sync v{version}: the engine stopped reading the merged weights after "
                                   f"{merged.tensor_count} tensors")
@@ -301,9 +315,11 @@ class WeightSync:
         """The trainer's and the engine's log-probs of the probe sequence ``probe`` (the engine's
         checked finite: ``NonFiniteError``); ``trainer``: the trainer's, when already computed."""
 
-        engine_lp = engine.prompt_logprobs(probe)
+        with self._part("engine_probe"):
+            engine_lp = engine.prompt_logprobs(probe)
         check_probe_logprobs(engine_lp, version)
-        trainer_lp = _trainer_probe(model, probe, device) if trainer is None else trainer
+        with self._part("trainer_probe"):
+            trainer_lp = _trainer_probe(model, probe, device) if trainer is None else trainer
         if len(engine_lp) != len(trainer_lp):
             raise WeightSyncError(f"weight sync: probe lengths differ ({len(engine_lp)} vs {len(trainer_lp)})")
         return Reading(version, trainer_lp, np.asarray(engine_lp, dtype=np.float64))
@@ -356,6 +372,15 @@ class WeightSync:
         self.sync_id += 1
         return self._marked_round_trip(model, engine, probe, version, device, at_start=True, actor=actor.trainer)
 
+    @contextlib.contextmanager
+    def _part(self, name: str):
+        """Add the block's seconds to this sync's part ``name`` (``parts``)."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.parts[name] = self.parts.get(name, 0.0) + time.monotonic() - started
+
     def _marked_check_due(self) -> bool:
         """Count this sync (one after the starting one) and say whether it serves the marked actor
         first: every ``marked_check_every``-th one does."""
@@ -371,7 +396,8 @@ class WeightSync:
         from atlas_lightning.models.probe import marked_actor
 
         if actor is None:
-            actor = _trainer_probe(model, probe, device)
+            with self._part("trainer_probe"):
+                actor = _trainer_probe(model, probe, device)
         with marked_actor(model, self.mark_scale):
             self._load(model, engine, version)
             marked = self._reading(model, probe, engine, version, device)

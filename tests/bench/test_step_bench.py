@@ -37,6 +37,10 @@ def test_one_step_is_timed_phase_by_phase_and_compared_with_plain_generate(tiny_
                                                        "values", "ref", "adv", "update_critic", "update_actor",
                                                        "wake", "update_weights"))
     assert row["other_s"] == pytest.approx(row["wall_s"] - inside - sum(row["callbacks_s"].values()))
+    parts = row["other_parts"]  # measured: the rollout call's and training_step's own seconds beyond their phases
+    assert parts["rollout"] >= 0 and parts["training_step"] >= 0
+    assert sum(parts.values()) == pytest.approx(row["other_s"])
+    assert {"export", "engine_load", "engine_probe", "trainer_probe"} <= set(row["sync_s"])
     assert 0 < row["shares"]["generation"] < 1 and 0 < row["shares"]["update_compute"] < 1
     assert row["micro_batch_tokens"]["update"] > 0 and row["plan_tensors_gib"]["configured_budgets"]
     plain = report["plain_generate"]

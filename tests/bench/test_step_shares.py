@@ -26,6 +26,7 @@ def test_validation_and_checkpoint_are_apart_and_amortised_over_their_periods():
     assert shares["overhead"] == pytest.approx(0.08)
     # the weight sync's 3 s are the step's own phases, not the unexplained rest (Lightning's loop)
     assert report["steps"][0]["other_s"] == pytest.approx(100.0 - 83.0 - 14.0)
+    assert report["steps"][0]["other_parts"] == {"rollout": None, "training_step": None, "loop": None}
     # a typical step: 86 s of gen, update and the rest, plus 8/5 s of validation and 6/2 s of checkpoint
     periodic = 8.0 / 5 + 6.0 / 2
     assert shares["overhead_with_periodic_amortised"] == pytest.approx((8.0 + periodic) / (86.0 + periodic))
@@ -53,3 +54,20 @@ def test_the_card_line_splits_what_pytorch_holds_from_the_rest_of_the_card():
               "card_used_gib/asleep": 35.06}  # asleep from a run before the split: the card alone
     assert _card_split(memory) == ("at generation the card held 78.67 GiB (PyTorch here: 35.00 reserved, 25.50 "
                                    "allocated); asleep the card held 35.06 GiB")
+
+
+def test_other_is_split_between_the_rollout_call_the_training_step_and_the_loop():
+    """The rollout call took 12.5 s of which its phases 11.5; training_step 72 s of which its
+    phases 71.5 (old_log_prob .. update_weights): 1 + 0.5 of ``other``'s 3 s, the loop the rest."""
+    cfg = compose(["experiment=tiny-cpu", "trainer.total_steps=1"])
+    phases = {"gen": 10.0, "sleep": 1.0, "assemble": 0.5, "old_log_prob": 4.0, "values": 4.0, "adv": 0.5,
+              "update_critic": 30.0, "update_actor": 30.0, "wake": 0.5, "update_weights": 2.5}
+    wall = 100.0  # 83 of phases, 14 of callbacks: 3 of other
+    report = build_report(cfg, {1: {f"timing_s/{p}": s for p, s in phases.items()} | {"sync_s/export": 1.25}},
+                          rollout_start={1: 0.0}, ended=wall, callback_s={1: {"StepCheckpoint": 14.0}},
+                          lengths={1: [100, 200]}, generated={1: 150}, replayed={}, rollout_s={1: 12.5},
+                          training_step_s={1: 72.0})
+    row = report["steps"][0]
+    assert row["other_s"] == pytest.approx(3.0)
+    assert row["other_parts"] == pytest.approx({"rollout": 1.0, "training_step": 0.5, "loop": 1.5})
+    assert row["sync_s"] == {"export": 1.25}

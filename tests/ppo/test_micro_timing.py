@@ -19,6 +19,8 @@ def test_short_micro_batches_cost_their_time_beyond_the_full_throughput():
     assert out["perf/actor_micro_batches"] == [3.0]
     assert out["perf/actor_micro_fill"] == [pytest.approx((1000 + 950 + 200) / 3 / 1000)]
     assert out["perf/actor_short_time_share"] == [pytest.approx(0.3 / 2.45)]
+    assert out["perf/actor_micro_tokens_max"] == [1000.0]
+    assert out["perf/actor_micro_steps_s"] == [pytest.approx(2.45)]
 
 
 def test_all_full_loses_nothing_and_no_full_one_compares_with_the_best():
@@ -35,7 +37,8 @@ def test_a_timed_block_is_recorded_with_its_tokens():
     (tokens, seconds), = timer.seconds()
     assert tokens == 7 and seconds > 0
     assert _timer([]).metrics("actor") == {"perf/actor_micro_batches": [], "perf/actor_micro_fill": [],
-                                           "perf/actor_short_time_share": [], "perf/actor_micro_step_fixed_s": []}
+                                           "perf/actor_short_time_share": [], "perf/actor_micro_step_fixed_s": [],
+                                           "perf/actor_micro_tokens_max": [], "perf/actor_micro_steps_s": []}
 
 
 def test_a_micro_steps_fixed_cost_is_the_intercept_over_its_work():
