@@ -34,3 +34,17 @@ def test_each_call_is_named_before_and_after_it_runs(tiny_model_dir, tmp_path):
 def test_an_unknown_order_is_refused(tmp_path):
     result = _run("--order", "sideways", tmp_path=tmp_path)
     assert result.returncode == 2 and "invalid choice: 'sideways'" in result.stderr
+
+
+def test_the_trainer_is_built_and_trained_while_the_engine_sleeps(tiny_model_dir, tmp_path):
+    """``train-between``: what fit does between the engine's sleep and wake (the trainer's build
+    on the card, a forward and backward), then the probe and a generation."""
+    result = _run("--order", "train-between", "--probe-tokens", "50", "--requests", "2", "--max-tokens", "4", "--",
+                  "experiment=tiny-cpu", f"model.path={tiny_model_dir}", f"paths.root={tmp_path}", tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split("] ", 1)[1] for line in result.stdout.splitlines() if line.startswith("[engine_graphs")]
+    assert [line.split(":")[0] for line in lines if line.endswith("start")] == \
+        ["sleep", "build", "train", "wake", "probe", "generate"]
+    trained = next(line for line in lines if line.startswith("train: done"))
+    assert float(trained.rsplit("loss ", 1)[1]) > 0  # a mean negative log-prob: positive and finite
+    assert lines[-1] == "order train-between: every call returned"

@@ -1,7 +1,7 @@
 # Which call of the hybrid engine's life faults under CUDA graphs (bench/engine_graphs.py): each
-# order in a process of its own, with fla's Triton 3.7.1 first on the path (as fit runs) and with
-# the image's Triton 3.6; then the LoRA-free engine (merged sync). $1 = cap s per process, then
-# overrides. Prints the last line each process reached and its exit code.
+# order in a process of its own, with fla's Triton 3.7.1 first on the path (as fit runs), then the
+# image's Triton 3.6 with the trainer's torch kernels. $1 = cap s per process, then overrides.
+# Prints the last line each process reached, its exit code and each traceback's frames.
 source atlas_lightning/bench/card/env.sh
 cap=$1; shift
 C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
@@ -16,11 +16,12 @@ try() {  # label, PYTHONPATH, order, extra overrides
 }
 with_fla=$PYTHONPATH
 without_fla=${PYTHONPATH#/tmp/site-fla:}
-# probe (no sleep first) ran clean on an H100 on 2026-12-06: the sleep-first orders come first
+# probe (no sleep first) ran clean on an H100 on 2026-12-06, and an engine alone through sleep,
+# wake and the probe did not fault in a standalone reproduction: what fit does while the engine
+# sleeps (the trainer's build, its first passes) comes first
+try fla-train-between "$with_fla" train-between "$@"
+try fla-build-between "$with_fla" build-between "$@"
 try fla-sleep-first "$with_fla" sleep-first "$@"
-try fla-probe-sleep "$with_fla" probe-sleep "$@"
-try fla-probe "$with_fla" probe "$@"
-try triton36-sleep-first "$without_fla" sleep-first "$@"
-try fla-merged-sleep-first "$with_fla" sleep-first rollout.weight_sync=merged "$@"
+try triton36-train-between "$without_fla" train-between model.linear_attention_kernel=torch "$@"
 grep -hE "illegal memory|Error" $OUT/graphs-*.log | cut -c1-200 | sort | uniq -c | head -10
-grep -hB2 -A25 "Traceback" $OUT/graphs-fla-sleep-first.log | grep -E "File|Error" | tail -15
+for f in $OUT/graphs-*.log; do echo "== $f"; grep -hB2 -A25 "Traceback" $f | grep -E "File|Error" | tail -12; done
