@@ -94,7 +94,6 @@ def _build_trainer(cfg):
     """The trainer's ``ActorCritic`` on the card (the CPU without one), as ``PPOModule.configure_model`` builds it
     (``checkpoint_layers=auto`` left to the build's default: the plan does not change which
     kernels run)."""
-    import torch
 
     from atlas_lightning.models.build import build_actor_critic
 
