@@ -172,7 +172,8 @@ class PPOModule(L.LightningModule):
         as on a CPU; the strategy's ``root_device`` is the card (the CPU in CPU runs). A
         colocated engine that sleeps for updates sleeps through the build too (``plan``'s
         ``model_build`` phase sizes it); ``model.checkpoint_layers=auto`` is resolved then, the
-        engine asleep (``_model_config``)."""
+        engine asleep (``_model_config``). One training rank runs the model unsharded, as the
+        update benchmark measures it; several shard it with FSDP2 (``models/sharding.py``)."""
         if self.model is not None:
             return
         from atlas_lightning.models.build import build_actor_critic
@@ -194,9 +195,11 @@ class PPOModule(L.LightningModule):
         if self.resume_from is not None:
             self._check_resume(self.resume_from)
         mesh = getattr(self, "device_mesh", None)
-        if mesh is not None:
+        if mesh is not None and mesh["data_parallel"].size() > 1:
             from atlas_lightning.models.sharding import shard
 
+            # one rank has nothing to share: FSDP2 would still copy each layer's weights into
+            # gathered buffers, in the forward and again in the backward, every micro-step
             shard(self.model, mesh["data_parallel"])
 
     def _model_config(self, device: Optional[torch.device]) -> Any:
