@@ -171,16 +171,9 @@ class StepBenchCallback(L.Callback):
                 self.rollout_s[step] = time.monotonic() - self.rollout_start[step]
 
         dm.rollout = timed_rollout
-        training_step = pl_module.training_step
+        if pl_module is not None:
+            self._time_training_step(pl_module)
 
-        def timed_training_step(batch, *args, **kwargs):
-            started = time.monotonic()
-            try:
-                return training_step(batch, *args, **kwargs)
-            finally:
-                self.training_step_s[batch.step] = time.monotonic() - started
-
-        pl_module.training_step = timed_training_step
         take = getattr(dm, "take_validation", None)
 
         def taken(step: int):
@@ -198,6 +191,19 @@ class StepBenchCallback(L.Callback):
                 self._time_hook(callback, "on_train_batch_start", step_of=lambda args: args[2].step,
                                 part=self.callback_start_s)
                 self._time_hook(callback, "on_train_start", step_of=lambda args: 0)
+
+    def _time_training_step(self, pl_module) -> None:
+        """``pl_module.training_step`` timed into ``training_step_s`` by RL step."""
+        training_step = pl_module.training_step
+
+        def timed_training_step(batch, *args, **kwargs):
+            started = time.monotonic()
+            try:
+                return training_step(batch, *args, **kwargs)
+            finally:
+                self.training_step_s[batch.step] = time.monotonic() - started
+
+        pl_module.training_step = timed_training_step
 
     def _time_hook(self, callback, hook: str, step_of, part: Optional[dict] = None) -> None:
         """``callback``'s ``hook`` timed into ``callback_s`` under the step ``step_of(args)``
