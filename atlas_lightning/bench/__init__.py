@@ -8,8 +8,8 @@ the raw files (in the repository, not in the wheel).
   ``update_suite.py``: its recorded runs in one process): ``shapes`` (random models on the device),
   ``workload`` (the length mix and PPO inputs), ``flops`` (useful FLOPs), ``measure`` (clocks,
   ceilings), ``update`` (ours and the baseline), ``batch`` (a whole batch's update with its optimizer
-  step), ``choose`` (recomputation under a memory cap), ``plan_check`` (the plan's figure beside
-  each peak), ``probes`` (profile, autotuning), ``logprob_memory``, ``sync`` (weight export),
+  step), ``plan_check`` (the plan's figure beside each peak; the recomputation is ``fit``'s own
+  choice, ``run/recompute.py``), ``probes`` (profile, autotuning), ``logprob_memory``, ``sync`` (weight export),
   ``report`` (markdown), ``build_time`` (the model build's start-up).
 * The RL step: ``step`` (``fit`` itself, phase by phase), ``step_names``, ``projection`` (to the
   training of record), ``cards`` (the cards' HBM and bf16 rates), ``step_suite`` (the stages on one card); ``learning`` (does the embedded

@@ -6,11 +6,12 @@ update is what ``PPOModule`` does for an actor mini-batch: every token-budget mi
 forward + backward (policy loss, token-mean over the batch's loss tokens), gradient clipping at
 1.0, one AdamW step (fp32 moments of the actor's LoRA), gradients zeroed.
 
-* Ours: ``ActorCritic`` with per-layer recomputation and a micro-batch budget chosen from the
-  option sweep under ``--batch-cap-gib`` (``choose.py``), packed micro-batches
-  (``plan_micro_batches``). The choice is checked on the card before timing: one micro-step on
-  the largest micro-batch and one optimizer step; if that peak is over the cap, the next plan
-  (chosen again under the cap less the overshoot) is tried, and last every layer checkpointed.
+* Ours: ``ActorCritic`` with ``model.checkpoint_layers=auto``'s plans taken as ``fit`` takes them
+  (``update_bench.Bench._fit_plan``: the card's free memory, at most ``--batch-cap-gib``; the
+  largest of ``--batch-budgets`` whose plan fits), the micro-batches cut as ``PPOModule`` cuts an
+  update's and each run under its own size's plan (``OursRunner``). The plan is checked on the
+  card before timing: one micro-step on the largest micro-batch and one optimizer step; if that
+  peak is over the cap, every layer checkpointed at the same budget is tried instead.
 * Baseline: transformers + peft as in ``update.BaselineRunner`` (padded micro-batches of a fixed
   number of sequences, full logits, every layer checkpointed), the same loss and step.
 
@@ -18,7 +19,7 @@ Both are warmed up by one micro-step and one optimizer step (Adam's moments allo
 one whole update is timed; its peak includes the moments. Useful FLOPs are ``flops.py``'s for
 the actor over every sequence of the batch.
 
-Who calls it: ``cli.py`` (section ``batch``).
+Who calls it: ``update_bench.py`` (section ``batch``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ import time
 from typing import Callable, Optional
 
 import torch
-
-from atlas_lightning.algorithms.partition import plan_micro_batches
 
 from . import measure
 from .update import TEMPERATURE, BaselineRunner, OursRunner, _losses, _pack
@@ -45,6 +44,7 @@ def _micro_step(runner, inputs: PPOInputs, indices, total: float) -> None:
     packed = _pack(inputs, indices, runner.device)
     rows = torch.as_tensor(indices, device=runner.device)
     if isinstance(runner, OursRunner):
+        runner.use_recompute_for(inputs, indices)  # this micro-batch's plan, as PPOModule's update
         out, _ = runner.model.actor_forward(packed, temperature=TEMPERATURE, compute_entropy=False)
         _losses("actor", inputs, rows, packed, out, total).backward()
         return
@@ -97,11 +97,6 @@ class ActorUpdate:
         return [round(a.elapsed_time(b) / 1e3, 3) for a, b in zip(self.events, self.events[1:])]
 
 
-def packed_micro_batches(inputs: PPOInputs, budget: int) -> list[list[int]]:
-    lengths = [int(s.numel()) for s in inputs.sequences]
-    return [list(mb) for mb in plan_micro_batches(lengths, budget, allow_oversized=True).micro_batches]
-
-
 def timed_update(update: ActorUpdate, flops: float, peak_tflops) -> dict:
     device = update.runner.device
     measure.reset_peak(device)
@@ -144,4 +139,4 @@ def run_with_fallbacks(attempts: list[tuple[str, Callable[[], tuple]]], cap_gib,
     return None, None, tried
 
 
-__all__ = ["ActorUpdate", "BaselineRunner", "OursRunner", "packed_micro_batches", "run_with_fallbacks", "timed_update"]
+__all__ = ["ActorUpdate", "BaselineRunner", "OursRunner", "run_with_fallbacks", "timed_update"]

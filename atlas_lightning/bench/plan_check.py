@@ -5,10 +5,10 @@
 layer count, bf16, LoRA r64 on all linears, every layer or none checkpointed, the sweep's
 micro-batch tokens, and the linear-attention kernel the model ran. The phase's tensors are
 what ``torch.cuda.max_memory_allocated`` measures, except the Adam moments (the sweep takes no
-optimizer step): those are subtracted. ``cli.py`` stores the figure beside each measured peak
-(``plan_predicted_gib``), which is what the plan's fla calibration is checked against.
+optimizer step): those are subtracted. ``update_bench.py`` stores the figure beside each
+measured peak (``plan_predicted_gib``), which is what the plan's fla calibration is checked against.
 
-Who calls it: ``cli.py``. Pure Python (the planner never imports torch).
+Who calls it: ``update_bench.py``. Pure Python (the planner never imports torch).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
   fla's kernels added (``models/fla_tuning.tuned_entries``): 0 when no length re-tunes.
 * ``fla_configs``: the config each fla autotuner chose, per key (what a pinned table would hold).
 
-Who calls it: ``cli.py``. CUDA only (on CPU they return ``{"skipped": ...}``).
+Who calls it: ``update_bench.py``. CUDA only (on CPU they return ``{"skipped": ...}``).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def actor_micro_step(runner, inputs, indices) -> None:
     """Forward + backward of the actor on the sequences ``indices`` (as ``update.OursRunner``)."""
     from .update import TEMPERATURE, _losses, _pack
 
+    runner.use_recompute_for(inputs, indices)  # the micro-batch's own plan, as in the update
     packed = _pack(inputs, indices, runner.device)
     rows = torch.as_tensor(indices, device=runner.device)
     out, _ = runner.model.actor_forward(packed, temperature=TEMPERATURE, compute_entropy=False)

@@ -35,7 +35,7 @@ def markdown(results: dict) -> str:
     lines.append("| model | path | layers | real (padded) tokens | micro-batches | critic + actor s | tokens/s | "
                  "useful TFLOP/s | useful MFU | peak GiB | options |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
-    fwd_rows, sync_rows, probe_rows, batch_rows = [], [], [], []
+    fwd_rows, sync_rows, probe_rows, batch_rows, choice_rows = [], [], [], [], []
     for model, out in results.get("models", {}).items():
         sweep = out.get("sweep", {})
         for option, entry in sweep.items():
@@ -56,6 +56,9 @@ def markdown(results: dict) -> str:
             if "layer_recompute" in options:
                 options["layer_recompute"] = _plan(options["layer_recompute"])
             lines.append(_update_row(model, path, full.get("layers"), full.get("update", {}), options))
+            if path == "ours" and out.get("recompute_choice"):
+                choice_rows.append(f"* {model}: {_choice_text(out['recompute_choice'])}"
+                                   f"{_ran_text(full.get('update', {}), full.get('recompute'))}")
             for probe in ("autotune", "profile"):
                 if probe in full:
                     probe_rows.append((model, probe, full[probe]))
@@ -66,6 +69,9 @@ def markdown(results: dict) -> str:
         batch = out.get("batch")
         if batch:
             batch_rows.append(_batch_lines(model, batch))
+    if choice_rows:
+        lines += ["", "Our recomputation: model.checkpoint_layers=auto as fit resolves it, for the card's free memory "
+                      "(or the cap):", "", *choice_rows]
     if batch_rows:
         lines += ["", "Batch update (actor micro-batches + clip + AdamW step), one whole batch:", ""]
         for block in batch_rows:
@@ -136,6 +142,36 @@ def _plan(plan) -> str:
     return ", ".join(f"{p} x{n}" for p, n in runs)
 
 
+def _counts(counts: dict) -> str:
+    return ", ".join(f"{p} x{n}" for p, n in counts.items())
+
+
+def _choice_text(choice: dict) -> str:
+    """One line of the JSON's ``recompute_choice`` / ``choice`` (``update.plan_record``): the
+    budget's plan, its predicted peak against the room, the plans of smaller micro-batches."""
+    if not choice.get("plan"):
+        return str(choice.get("why", "no plan"))
+    limits = "".join(f", {key.split('_')[0]} {choice[key]:g} GiB" for key in ("cap_gib", "margin_gib") if choice.get(key))
+    text = (f"{choice.get('tokens', 0):,} tokens: {_counts(choice.get('counts', {}))}, predicted "
+            f"{_f(choice.get('need_gib'))} GiB {'fits' if choice.get('fits') else 'does NOT fit'} in "
+            f"{_f(choice.get('room_gib'))} ({_f(choice.get('free_gib'))} GiB free of "
+            f"{_f(choice.get('card_gib'), 1)}{limits})")
+    shown, last = [], None
+    for tier in choice.get("tier_plans", [])[1:]:
+        if tier["counts"] != last:
+            shown.append(f"<= {tier['tokens']:,}: {_counts(tier['counts'])} ({tier['replayed_share']:.0%} replayed)")
+        last = tier["counts"]
+    return text + ("; smaller micro-batches: " + "; ".join(shown) if shown else "")
+
+
+def _ran_text(update: dict, label) -> str:
+    """What ours' micro-steps replayed (``recompute_per_micro_step``), and the attempt that ran."""
+    steps = update.get("recompute_per_micro_step") or []
+    ran = "; ".join(f"{s['tokens']:,} tokens: {s['layers_replayed']} layers + {s['mixers_replayed']} mixers replayed"
+                    for s in steps)
+    return (f". Ran: {label}" if label and label != "auto" else "") + (f". Micro-steps: {ran}" if ran else "")
+
+
 def _batch_lines(model: str, batch: dict) -> list[str]:
     lines = [f"{model}: {batch.get('sequences')} sequences, {batch.get('real_tokens')} real tokens (longest "
              f"{batch.get('longest')}), {batch.get('layers')} layers, cap {batch.get('cap_gib')} GiB; "
@@ -154,6 +190,11 @@ def _batch_lines(model: str, batch: dict) -> list[str]:
         lines.append(f"| {path} | {update.get('micro_batches')} | {_f(update.get('seconds'))} | "
                      f"{_f(update.get('tokens_per_s'), 0)} | {_f(update.get('useful_mfu'), 1, 100)}% | "
                      f"{_f(update.get('peak_gib'), 1)} | {detail} |")
+    if batch.get("choice"):
+        ours = batch.get("ours", {})
+        label = ((ours.get("attempts") or [{}])[-1]).get("attempt")
+        lines += ["", f"Ours' plan (model.checkpoint_layers=auto as fit resolves it): {_choice_text(batch['choice'])}"
+                      f"{_ran_text(ours.get('update', {}), label)}"]
     return lines
 
 

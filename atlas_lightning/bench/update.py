@@ -2,8 +2,12 @@
 
 Ours (``OursRunner``): ``ActorCritic`` (one frozen base, ``actor``/``critic`` LoRA adapters,
 fp32 value head), built by ``fit``'s own builder from ``fit``'s model config (random weights of
-the benchmark's shape in place of a checkpoint), over token-budget micro-batches, each
-micro-step exactly as ``PPOModule._micro_step`` runs it (without a Lightning trainer): pack, ``critic_forward`` + ``ppo.compute_value_loss`` + backward, then
+the benchmark's shape in place of a checkpoint), its recomputation ``model.checkpoint_layers=auto``
+as ``fit`` resolves it (``fit_run_config``, ``fit_plan``: ``run/recompute.choose_for``) with the
+plans of smaller micro-batches (``ActorCritic.enable_recompute_tiers``), over token-budget
+micro-batches cut as ``PPOModule._plan`` cuts an update's, each micro-step exactly as
+``PPOModule._timed_micro_step`` runs it (without a Lightning trainer): its plan
+(``ActorCritic.use_recompute_for``), pack, ``critic_forward`` + ``ppo.compute_value_loss`` + backward, then
 ``actor_forward`` + ``ppo.compute_policy_loss_vanilla`` + backward, losses normalised by the
 mini-batch's loss tokens. Packed layout: one ``(1, T)`` row per micro-batch (every layer kind,
 the hybrid's Gated DeltaNet too: ``models/linear_attention.py``); the padded layout, on request:
@@ -18,14 +22,14 @@ fewer if the full logits would not fit in memory), full-vocabulary logits ->
 ``log_softmax(float)`` -> gather for the actor; the decoder's last hidden state -> fp32
 value head for the critic. Same PPO loss functions.
 
-Who calls it: ``cli.py``.
+Who calls it: ``update_bench.py``, ``batch.py``.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -33,6 +37,7 @@ from torch import nn
 from atlas_lightning.algorithms import ppo
 from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
+from atlas_lightning.ppo.micro_batches import cheapest_count, layout_tokens
 
 from .workload import PPOInputs
 
@@ -68,6 +73,62 @@ def fit_model_config(rank: int, chunk_tokens: int, **keys: Any):
                            {"lora": lora_spec(rank), "logprob_chunk_tokens": chunk_tokens, **keys})
 
 
+def fit_run_config(rank: int, chunk_tokens: int, budget: int, **keys: Any):
+    """The run config ``fit`` would plan our path with: the schema ``config.RootConfig`` (every
+    other setting at its default) with ``fit_model_config(rank, chunk_tokens, **keys)`` as
+    ``model`` and ``checkpoint_layers=auto`` (no ``layer_recompute``), ``budget`` tokens as
+    ``algorithm.ppo_max_token_len_per_gpu`` and ``forward_max_token_len_per_gpu``, one card."""
+    from omegaconf import OmegaConf
+
+    from atlas_lightning.config import RootConfig
+
+    model = fit_model_config(rank, chunk_tokens, **keys, checkpoint_layers="auto", layer_recompute=None)
+    return OmegaConf.merge(OmegaConf.structured(RootConfig), {
+        "model": model,
+        "algorithm": {"ppo_max_token_len_per_gpu": budget, "forward_max_token_len_per_gpu": budget},
+        "trainer": {"devices": 1, "num_nodes": 1, "accelerator": "gpu"}})
+
+
+def fit_plan(cfg, random_base, *, free: float, card: float) -> list:
+    """``model.checkpoint_layers=auto``'s plans for the run ``cfg`` (``fit_run_config``) on the
+    random base ``random_base`` (a transformers config) with ``free`` bytes of a ``card``-byte card:
+    ``run/recompute.choose_for``, what ``fit``'s ``CheckpointLayersFor`` runs once it has measured
+    the card. A list of ``RecomputeChoice``, the budget's first."""
+    from atlas_lightning.run.recompute import choose_for, shape_of
+
+    return choose_for(cfg, shape_of(cfg, random_base), free=free, card=card)
+
+
+def fit_budget_plan(budgets, config_for: Callable[[int], Any], random_base, *, free: float,
+                    card: float) -> tuple[int, list, list[dict]]:
+    """The micro-batch budget a user's config would be planned at: the largest of ``budgets``
+    whose budget plan fits (``fit_plan`` of ``config_for(budget)``), else the smallest (its plan
+    every layer checkpointed, ``fits=False``). ``(budget, its plans, each budget tried)``."""
+    tried, tiers, budget = [], [], 0
+    for budget in sorted(budgets, reverse=True):
+        tiers = fit_plan(config_for(budget), random_base, free=free, card=card)
+        tried.append({"tokens": budget, "fits": tiers[0].fits, "need_gib": tiers[0].need / 2**30})
+        if tiers[0].fits:
+            break
+    return budget, tiers, tried
+
+
+def plan_record(tiers: list, **extra: Any) -> dict:
+    """What the benchmark's JSON keeps of ``fit_plan``'s choice (``recompute_choice``, the batch's
+    ``choice``): the budget's ``RecomputeChoice.to_dict`` (tokens, plan, counts, ``need_gib``: the
+    predicted update peak, fits, room and free), its line, each micro-batch size's plan
+    (``describe_tiers``; ``tier_plans``: tokens, counts, share replayed) and ``extra``."""
+    from atlas_lightning.planning.recompute import describe_tiers
+    from atlas_lightning.run.recompute import tier_shares
+
+    choice = tiers[0]
+    shares = tier_shares(tiers)
+    return choice.to_dict() | {
+        "line": choice.describe(), "tiers": describe_tiers(tiers) if shares else None,
+        "tier_plans": [{"tokens": tokens, "counts": {p: plan.count(p) for p in dict.fromkeys(plan)},
+                        "replayed_share": share} for tokens, plan, share in shares]} | extra
+
+
 def _pack(inputs: PPOInputs, indices, device) -> PackedBatch:
     return pack_sequences(
         [inputs.sequences[i] for i in indices], [inputs.prompt_lengths[i] for i in indices], response_length=inputs.width
@@ -93,30 +154,63 @@ class OursRunner:
     """``ActorCritic`` micro-steps (module doc), the model built as ``fit`` builds it
     (``models.build.build_actor_critic``) from ``model_cfg`` (``fit_model_config``), with random
     weights of ``shape`` (a transformers config: ``shapes.transformers_config``) on ``device``.
-    ``budget``: tokens a micro-batch may hold."""
+    ``budget``: tokens a micro-batch may hold. ``tiers``: ``auto``'s plans of each micro-batch size
+    (``(tokens, plan, share replayed)``: ``run/recompute.tier_shares``), given to the model as
+    ``PPOModule.configure_model`` gives them; each update micro-step then runs under its own
+    (``use_recompute_for``) and the update's micro-batches are cut as the module cuts them."""
 
-    def __init__(self, model_cfg, shape, budget: int, *, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, model_cfg, shape, budget: int, *, device: torch.device, seed: int = 0,
+                 tiers: Sequence[tuple[int, Sequence[str], float]] = ()) -> None:
         from atlas_lightning.models.build import build_actor_critic
 
         self.device = torch.device(device)
         self.model = build_actor_critic(model_cfg, seed=seed, device=self.device, random_base=shape)
         self.budget = budget
+        self.recompute_shares = [(int(tokens), float(share)) for tokens, _, share in tiers]
+        if tiers:
+            self.model.enable_recompute_tiers([(tokens, plan) for tokens, plan, _ in tiers])
+        #: one ``(tokens, layers replayed whole, mixers replayed)`` an update micro-step under tiers
+        self.replays: list[tuple[int, int, int]] = []
         # B starts at zero (a no-op adapter): give it values so the low-rank path is real work
         with torch.no_grad():
             for p in self.model.actor_parameters() + self.model.critic_parameters():
                 if p.abs().max() == 0:
                     p.normal_(0.0, 1e-3)
 
-    def micro_batches(self, inputs: PPOInputs, budget: Optional[int] = None) -> list[list[int]]:
-        """Token-budget micro-batches as the PPO module plans them (padded cost for the padded layout)."""
+    def micro_batches(self, inputs: PPOInputs, budget: Optional[int] = None, update: bool = False) -> list[list[int]]:
+        """Token-budget micro-batches as ``PPOModule._plan`` cuts them on one card (padded cost for
+        the padded layout); ``update``: under tiers, the count of least predicted work
+        (``ppo/micro_batches.cheapest_count``, at its starting micro-step cost)."""
         lengths = [int(s.numel()) for s in inputs.sequences]
-        planner = plan_padded_micro_batches if self.model.sequence_layout == "padded" else plan_micro_batches
-        plan = planner(lengths, budget or self.budget, allow_oversized=True)
-        return [list(mb) for mb in plan.micro_batches]
+        layout, budget = self.model.sequence_layout, budget or self.budget
+        planner = plan_padded_micro_batches if layout == "padded" else plan_micro_batches
+        count = len(planner(lengths, budget, allow_oversized=True).micro_batches)
+        if update and self.recompute_shares:
+            count = cheapest_count(lengths, count, layout, self.recompute_shares, lambda n: planner(
+                lengths, budget, num_micro_batches=n, allow_oversized=True).micro_batches)
+        return [list(mb) for mb in planner(lengths, budget, num_micro_batches=count, allow_oversized=True).micro_batches]
+
+    def use_recompute_for(self, inputs: PPOInputs, indices: Sequence[int]) -> list[str]:
+        """The model switched to the plan of the micro-batch ``indices`` (``ActorCritic.use_recompute_for``
+        with its tokens as the model's layout counts them, as ``PPOModule._timed_micro_step`` does);
+        what it replays is added to ``replays``."""
+        tokens = layout_tokens([int(inputs.sequences[i].numel()) for i in indices], self.model.sequence_layout)
+        plan = self.model.use_recompute_for(tokens)
+        if self.model.recompute_tiers:
+            self.replays.append((tokens, plan.count("layer"), plan.count("mixer")))
+        return plan
+
+    def take_replays(self) -> list[dict]:
+        """Each distinct micro-step of ``replays`` since the last call (then emptied): its tokens
+        and what its plan replays."""
+        taken, self.replays = sorted(set(self.replays)), []
+        return [{"tokens": tokens, "layers_replayed": layers, "mixers_replayed": mixers}
+                for tokens, layers, mixers in taken]
 
     def train_pass(self, role: str, inputs: PPOInputs) -> None:
         total = float(inputs.response_mask.sum())
-        for indices in self.micro_batches(inputs):
+        for indices in self.micro_batches(inputs, update=True):
+            self.use_recompute_for(inputs, indices)
             packed = _pack(inputs, indices, self.device)
             rows = torch.as_tensor(indices, device=self.device)
             if role == "critic":

@@ -7,12 +7,22 @@
 
 One run measures, on the machine it runs on: the bf16 matmul rate and copy bandwidth (the
 ceilings), log-prob memory (chunked against full), and for each model shape: a sweep of our
-speed options on a shortened stack, then the full stack, ours against the plain
-transformers + peft baseline on the same inputs: the PPO update, forward-only passes and
-weight sync. Results go to a JSON file (rewritten after every measurement, so a run cut
-short keeps what it measured) and a markdown table (printed last). ``--tiny``: CPU, toy shapes,
-tiny token budgets. The third command is the whole comparison on one H200 (both shapes, the 27B
-cut to 16 layers); ``update_suite.py`` runs the later recorded runs in one process.
+options on a shortened stack (each recompute policy on every layer: its peak beside the plan's
+figure), then the full stack, ours against the plain transformers + peft baseline on the same
+inputs: the PPO update, forward-only passes and weight sync; and the batch update. Results go
+to a JSON file (rewritten after every measurement, so a run cut short keeps what it measured)
+and a markdown table (printed last). ``--tiny``: CPU, toy shapes, tiny token budgets. The third
+command is the whole comparison on one H200 (both shapes, the 27B cut to 16 layers);
+``update_suite.py`` runs the later recorded runs in one process.
+
+Our path's recomputation is ``fit``'s: ``model.checkpoint_layers=auto`` resolved by the same
+code (``_fit_plan``: ``run/recompute.choose_for`` on a config equal to what ``fit`` would run,
+``update.fit_run_config``, for the card's free memory measured as ``fit`` measures it), the
+plans of smaller micro-batches given to the model and each update micro-batch run under its
+own (``update.OursRunner``). ``--memory-margin-gib`` (full stack) and ``--batch-cap-gib`` (batch)
+lower the free memory planned for, as an engine beside the trainer would; the batch takes the
+largest of ``--batch-budgets`` whose plan fits. The JSON keeps the choice (``recompute_choice``,
+the batch's ``choice``). Off CUDA no card is sized: every layer checkpointed, as ``fit`` there.
 """
 
 from __future__ import annotations
@@ -30,9 +40,12 @@ from typing import Any, Optional
 
 import torch
 
+from atlas_lightning.planning.recompute import KEY
+from atlas_lightning.run.recompute import free_on_card, tier_shares
+
 from . import measure
-from .batch import ActorUpdate, packed_micro_batches, run_with_fallbacks, timed_update
-from .choose import GIB, choose, recompute_flops
+from .measure import GIB
+from .batch import ActorUpdate, run_with_fallbacks, timed_update
 from .flops import FORMULA, model_flops
 from .logprob_memory import measure_logprob_memory
 from .plan_check import plan_tensors_gib
@@ -40,7 +53,7 @@ from .probes import autotune_probe, fla_configs, profile_micro_step
 from .report import markdown
 from .shapes import build_model, shape_by_name, transformers_config
 from .sync import measure_weight_sync
-from .update import BaselineRunner, OursRunner, fit_model_config, update_fn
+from .update import BaselineRunner, OursRunner, fit_budget_plan, fit_model_config, fit_run_config, plan_record, update_fn
 from .workload import ppo_inputs, sample_batch, sample_micro_batch
 
 #: Our options measured in the sweep: (name, fused LoRA, attention, per-layer recompute rule:
@@ -62,27 +75,6 @@ def sweep_plan(rule: str, layers: int) -> list[str]:
     return [rule] * layers
 
 
-def policy_flops(base, seq_lens) -> dict[str, float]:
-    """Recomputed FLOPs a token under each policy, averaged over the layers of a bare model."""
-    from torch import nn
-
-    from atlas_lightning.models.recompute import mixer_of
-
-    config = base.config
-    width = config.num_attention_heads * config.head_dim
-    attention = sum(2.0 * s * s * width for s in seq_lens) / sum(seq_lens)
-    totals: dict[str, float] = {}
-    for layer in base.model.layers:
-        mixer = mixer_of(layer)
-        linears = {"mixer": [(m.in_features, m.out_features) for m in mixer.modules() if isinstance(m, nn.Linear)],
-                   "mlp": [(m.in_features, m.out_features) for m in (layer.mlp.gate_proj, layer.mlp.up_proj,
-                                                                     layer.mlp.down_proj)]}
-        own = attention if hasattr(layer, "self_attn") else 0.0
-        for policy, flops in recompute_flops(linears, own).items():
-            totals[policy] = totals.get(policy, 0.0) + flops / len(base.model.layers)
-    return totals
-
-
 def parameter_bytes(model) -> dict:
     """Frozen (base) and trainable (LoRA, value head) bytes, and their shares a decoder layer."""
     layers = model.decoder_layers()
@@ -91,13 +83,6 @@ def parameter_bytes(model) -> dict:
     layer_lora = sum(p.numel() * p.element_size() for p in layers.parameters() if p.requires_grad)
     return {"frozen_bytes": frozen, "root_bytes": frozen - layer_frozen, "layer_bytes": layer_frozen / len(layers),
             "lora_layer_bytes_per_adapter": layer_lora / len(layers) / 2}
-
-
-def static_gib(entry: dict, layers: int, *, grads: int, adam: int) -> float:
-    """Weights and LoRA state of ``layers`` layers (``parameter_bytes`` of the sweep): both
-    adapters' fp32 parameters, gradients of ``grads`` adapters, Adam moments of ``adam``."""
-    lora = entry["lora_layer_bytes_per_adapter"] * layers * (2 + grads + 2 * adam)
-    return (entry["root_bytes"] + layers * entry["layer_bytes"] + lora) / GIB
 
 
 def tuned_entries_or_none() -> Optional[int]:
@@ -134,12 +119,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="our path's norm/SwiGLU/rotary kernels (model.elementwise_kernels; models/fused_kernels.py)")
     p.add_argument("--paths", default="ours,baseline", help="which of ours, baseline the update and batch run")
     p.add_argument("--batch-sequences", type=int, default=32, help="trajectories of the batch benchmark")
-    p.add_argument("--batch-cap-gib", type=float, default=60.0, help="peak memory the batch update must stay within")
+    p.add_argument("--batch-cap-gib", type=float, default=60.0,
+                   help="the batch update's plan is made for at most this much free memory (an engine beside the "
+                        "trainer would hold the rest), and its warm-up peak must stay within it (0: the card as found)")
     p.add_argument("--batch-repeats", type=int, default=1,
                    help="timed updates of our path on the same batch (the second: every length seen once)")
     p.add_argument("--batch-budgets", default="49152,40960,32768,24576,16384",
-                   help="micro-batch token budgets the batch update may choose from (at most --tokens)")
-    p.add_argument("--memory-margin-gib", type=float, default=16.0)
+                   help="micro-batch token budgets of the batch update: the largest whose plan fits is taken "
+                        "(at most --tokens)")
+    p.add_argument("--memory-margin-gib", type=float, default=0.0,
+                   help="the full update's plan is made for at most the card less this many GiB (0: the free "
+                        "memory as fit finds it)")
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--deadline-s", type=float, default=1e9, help="skip what is left after this many seconds")
     p.add_argument("--out", default="bench.json")
@@ -239,10 +229,14 @@ class Bench:
         entry["actor_s"] = statistics.median(times["actor"][warm:])
         if warmup:
             entry["warmup_critic_s"], entry["warmup_actor_s"] = times["critic"][0], times["actor"][0]
-        entry["micro_batches"] = len(runner.micro_batches(inputs))
+        ours = isinstance(runner, OursRunner)
+        cut = runner.micro_batches(inputs, update=True) if ours else runner.micro_batches(inputs)
+        entry["micro_batches"] = len(cut)
         entry["real_tokens"] = inputs.num_tokens
         seq_lens = [int(s.numel()) for s in inputs.sequences]
-        widths = [len(mb) * max(seq_lens[i] for i in mb) if mb else 0 for mb in runner.micro_batches(inputs)]
+        widths = [len(mb) * max(seq_lens[i] for i in mb) if mb else 0 for mb in cut]
+        if ours and runner.model.recompute_tiers:
+            entry["recompute_per_micro_step"] = runner.take_replays()
         entry["padded_tokens"] = sum(widths) if (isinstance(runner, BaselineRunner)
                                                 or runner.model.sequence_layout == "padded") else inputs.num_tokens
         self._rates(entry, flops, inputs.num_tokens)
@@ -269,18 +263,55 @@ class Bench:
         trajectories = sample_micro_batch(seed, budget, scale=self.scale)
         return ppo_inputs(trajectories, shape.vocab_size, self.device, seed=seed)
 
-    def _ours(self, shape, layers: int, layer_recompute, budget: Optional[int] = None, **keys) -> OursRunner:
+    def _ours(self, shape, layers: int, layer_recompute, budget: Optional[int] = None, tiers=(), **keys) -> OursRunner:
         """Our path as ``fit`` builds it (``update.fit_model_config`` with this run's LoRA rank,
-        chunk and kernels, and ``keys``), random weights of ``shape``'s first ``layers`` layers."""
+        chunk and kernels, and ``keys``), random weights of ``shape``'s first ``layers`` layers;
+        ``tiers``: ``auto``'s plans per micro-batch size (``_fit_plan``), as ``fit`` gives them."""
         model_cfg = fit_model_config(self.args.rank, self.args.chunk, layer_recompute=layer_recompute,
                                      elementwise_kernels=self.args.elementwise_kernels, **keys)
         return OursRunner(model_cfg, transformers_config(shape, layers), budget or self.args.tokens,
-                          device=self.device, seed=self.args.seed)
+                          device=self.device, seed=self.args.seed, tiers=tiers)
 
     def _shape_only(self, shape, layers: int, attention: str):
         """``shape``'s model on the meta device: what the FLOP counts read (no weights)."""
         return build_model(shape, device=torch.device("meta"), dtype=self.dtype, attn_implementation=attention,
                            layers=layers, seed=self.args.seed)
+
+    def _card_memory(self) -> Optional[tuple[float, float]]:
+        """``(free, total)`` bytes of the card as ``fit`` measures them before the build
+        (``run/recompute.free_on_card``), this benchmark's models freed first; None off CUDA."""
+        if self.device.type != "cuda":
+            return None
+        measure.free_memory(self.device)
+        return free_on_card(self.device)
+
+    def _fit_plan(self, shape, layers: int, budgets: list[int], *, cap_gib: Optional[float] = None,
+                  margin_gib: float = 0.0) -> tuple[dict, list]:
+        """``model.checkpoint_layers=auto`` resolved as ``fit`` resolves it (``run/recompute.py``)
+        for our path on ``shape``'s first ``layers`` layers: the plans of the largest of ``budgets``
+        whose budget plan fits (``update.fit_budget_plan``), for the card's free memory now, at
+        most ``cap_gib`` and at most the card less ``margin_gib`` (a smaller figure stands for an
+        engine beside the trainer). ``(record, tiers)``: the JSON's record (``update.plan_record``)
+        and the plans per micro-batch size for ``OursRunner`` (empty where nothing fits). Off CUDA
+        no card to size: every layer checkpointed, as ``fit`` there."""
+        card = self._card_memory()
+        if card is None:
+            return {"plan": None, "why": f"{KEY}=auto on {self.device.type}: every decoder layer checkpointed "
+                                         f"(no card to size), as fit"}, []
+        measured, total = card
+        free = min([measured] + ([cap_gib * GIB] if cap_gib else []) + ([total - margin_gib * GIB] if margin_gib else []))
+
+        def config_for(budget: int):
+            return fit_run_config(self.args.rank, self.args.chunk, budget, elementwise_kernels=self.args.elementwise_kernels)
+
+        budget, tiers, tried = fit_budget_plan(budgets, config_for, transformers_config(shape, layers), free=free,
+                                               card=total)
+        record = plan_record(tiers, measured_free_gib=measured / GIB, cap_gib=cap_gib, margin_gib=margin_gib,
+                             budgets=tried)
+        self.log(record["line"])
+        if record["tiers"]:
+            self.log(record["tiers"])
+        return record, tier_shares(tiers)
 
     def run_model(self, name: str) -> None:
         shape = shape_by_name(name)
@@ -293,96 +324,79 @@ class Bench:
             "lengths": [int(s.numel()) for s in inputs.sequences], "prompt_lengths": inputs.prompt_lengths,
             "loss_tokens": int(inputs.response_mask.sum()),
         }
-        seq_lens = model_out["update_inputs"]["lengths"]
-        scored = sum(n - p for n, p in zip(seq_lens, inputs.prompt_lengths))
-
-        # ---- sweep of our options on a shortened stack
-        sweep = None
         if self.sections & {"update", "batch"} and self.args.sweep_layers and "ours" in self.paths:
-            sweep_layers = min(self.args.sweep_layers, full_layers)
-            sweep = model_out.setdefault("sweep", {"layers": sweep_layers, "tokens": inputs.num_tokens})
-            for option in [o for o in self.args.sweep.split(",") if o]:
-                if self.out_of_time():
-                    sweep[option] = {"skipped": "deadline"}
-                    continue
-                fused, attention, rule = SWEEP[option]
-                runner = None
-                with measure.section(sweep, option, self.device) as entry:
-                    bare = self._shape_only(shape, sweep_layers, attention)
-                    flops = model_flops(bare, self.args.rank)
-                    sweep.setdefault("policy_flops", policy_flops(bare, seq_lens))
-                    plan = sweep_plan(rule, sweep_layers)
-                    runner = self._ours(shape, sweep_layers, plan, fused_lora=fused, attn_implementation=attention)
-                    entry.update(fused_lora=fused, attention=attention, layer_recompute=plan,
-                                 linear_attention_kernel=runner.model.linear_attention_kernel,
-                                 elementwise_kernels=runner.model.elementwise_kernels)
-                    entry.update(parameter_bytes(runner.model))
-                    if rule in ("layer", "none"):  # what the plan can express: all or no layer checkpointed
-                        with measure.section(entry, "plan", self.device) as planned:
-                            planned["predicted_tensors_gib"] = plan_tensors_gib(
-                                shape.config, shape.arch, sweep_layers, inputs.num_tokens,
-                                sweep_layers if rule == "layer" else 0, runner.model.linear_attention_kernel or "fla",
-                                self.args.rank, self.args.chunk)
-                    entry.update(self.measure_update(runner, inputs, flops.train_step("critic", seq_lens, scored)
-                                                     + flops.train_step("actor", seq_lens, scored),
-                                                     f"{name} sweep {option} ({sweep_layers} layers)",
-                                                     reps=self.args.sweep_reps, warmup=self.args.sweep_warmup))
-                runner = None  # also after a failure, before the next option builds its model
-                measure.free_memory(self.device)
-                self.save()
-            if self.device.type == "cuda":
-                capacity = torch.cuda.get_device_properties(self.device).total_memory / measure.GIB
-                model_out["recompute_choice"] = self._choose(sweep, full_layers, [inputs.num_tokens],
-                                                             capacity - self.args.memory_margin_gib, shape,
-                                                             grads=2, adam=0)
-                self.save()
+            self.sweep(name, shape, min(self.args.sweep_layers, full_layers), inputs, model_out)
 
-        # ---- the full stack: ours (the chosen plan) and the baseline
-        choice = (model_out.get("recompute_choice") or {}).get("plan")
+        # ---- the full stack: ours (auto's plan, as fit takes it) and the baseline
         for path in self.paths if "update" in self.sections else ():
             if self.out_of_time():
                 model_out[path] = {"skipped": "deadline"}
                 continue
-            attempts = [choice, None] if path == "ours" and choice and set(choice) != {"layer"} else [None]
-            for attempt in attempts:
+            attempts = [("baseline", None, [])]
+            if path == "ours":
+                record, tiers = self._fit_plan(shape, full_layers, [self.args.tokens], margin_gib=self.args.memory_margin_gib)
+                model_out["recompute_choice"] = record
+                self.save()
+                plan = record.get("plan")
+                attempts = [("auto" if plan else "every layer checkpointed", plan, tiers)]
+                attempts += [("every layer checkpointed", None, [])] if tiers else []  # after an OOM
+            for label, plan, tiers in attempts:
                 # a failed attempt's model can survive in reference cycles until collected: the
                 # first H200 run OOMed on its fallback attempt for want of this
                 measure.free_memory(self.device)
-                entry = self._run_full(name, shape, path, full_layers, inputs, seq_lens, scored, attempt)
+                entry = self._run_full(name, shape, path, full_layers, inputs, plan, tiers)
                 entry["allocated_before_gib"] = self._allocated_before
+                if path == "ours":
+                    entry["recompute"] = label
                 model_out[path] = entry
                 self.save()
                 if "error" not in entry.get("update", {}) or not entry["update"]["error"].startswith("OOM"):
                     break
         if "batch" in self.sections and not self.out_of_time():
             measure.free_memory(self.device)
-            model_out["batch"] = self.run_batch(name, shape, full_layers, sweep)
+            model_out["batch"] = self.run_batch(name, shape, full_layers)
             self.save()
 
-    def _choose(self, sweep: dict, layers: int, budgets, cap_gib: float, shape, *, grads: int, adam: int) -> dict:
-        """``choose.choose`` from the sweep's peaks: per-layer recompute (and a micro-batch budget)
-        under ``cap_gib``. ``grads``/``adam``: adapters holding gradients / Adam moments at the peak."""
-        ref = sweep.get("ours", {})
-        if not ref.get("peak_gib"):
-            return {"plan": None, "why": "no all-checkpointed sweep peak (CPU run or sweep incomplete)"}
-        deltas = {}
-        for option, policy in (("ours_none", "none"), ("ours_mixer", "mixer"), ("ours_mlp", "mlp")):
-            if sweep.get(option, {}).get("peak_gib"):
-                deltas[policy] = (sweep[option]["peak_gib"] - ref["peak_gib"]) / sweep["layers"]
-        half = sweep.get("ours_selective", {})
-        if "none" not in deltas and half.get("peak_gib"):
-            deltas["none"] = (half["peak_gib"] - ref["peak_gib"]) / (sweep["layers"] - sweep["layers"] // 2)
-        static_sweep = static_gib(ref, sweep["layers"], grads=2, adam=0)
-        picked = choose(layers=layers, budgets=budgets, cap_gib=cap_gib,
-                        static_gib=static_gib(ref, layers, grads=grads, adam=adam), sweep_layers=sweep["layers"],
-                        sweep_tokens=sweep["tokens"], act_gib=ref["peak_gib"] - static_sweep, delta_gib=deltas,
-                        flops=sweep["policy_flops"], hidden=shape.config["hidden_size"])
-        out = {"cap_gib": cap_gib, "delta_gib_per_layer_at_sweep_tokens": deltas, "static_sweep_gib": static_sweep,
-               "budgets": list(budgets)}
-        return out | (picked.to_dict() if picked else {"plan": None, "why": "nothing fits the cap"})
+    def sweep(self, name: str, shape, layers: int, inputs, model_out: dict) -> None:
+        """Our options (``SWEEP``: each a recompute policy for every layer, or another option) on
+        a shortened stack of ``layers`` layers: the peak of each, beside the plan's figure
+        (``plan_check.py``) where the plan can express it."""
+        seq_lens = model_out["update_inputs"]["lengths"]
+        scored = sum(n - p for n, p in zip(seq_lens, inputs.prompt_lengths))
+        sweep = model_out.setdefault("sweep", {"layers": layers, "tokens": inputs.num_tokens})
+        for option in [o for o in self.args.sweep.split(",") if o]:
+            if self.out_of_time():
+                sweep[option] = {"skipped": "deadline"}
+                continue
+            fused, attention, rule = SWEEP[option]
+            runner = None
+            with measure.section(sweep, option, self.device) as entry:
+                flops = model_flops(self._shape_only(shape, layers, attention), self.args.rank)
+                plan = sweep_plan(rule, layers)
+                runner = self._ours(shape, layers, plan, fused_lora=fused, attn_implementation=attention)
+                entry.update(fused_lora=fused, attention=attention, layer_recompute=plan,
+                             linear_attention_kernel=runner.model.linear_attention_kernel,
+                             elementwise_kernels=runner.model.elementwise_kernels)
+                entry.update(parameter_bytes(runner.model))
+                if rule in ("layer", "none"):  # what the plan can express: all or no layer checkpointed
+                    with measure.section(entry, "plan", self.device) as planned:
+                        planned["predicted_tensors_gib"] = plan_tensors_gib(
+                            shape.config, shape.arch, layers, inputs.num_tokens, layers if rule == "layer" else 0,
+                            runner.model.linear_attention_kernel or "fla", self.args.rank, self.args.chunk)
+                entry.update(self.measure_update(runner, inputs, flops.train_step("critic", seq_lens, scored)
+                                                 + flops.train_step("actor", seq_lens, scored),
+                                                 f"{name} sweep {option} ({layers} layers)",
+                                                 reps=self.args.sweep_reps, warmup=self.args.sweep_warmup))
+            runner = None  # also after a failure, before the next option builds its model
+            measure.free_memory(self.device)
+            self.save()
 
-    def _run_full(self, name, shape, path, layers, inputs, seq_lens, scored, layer_recompute) -> dict:
+    def _run_full(self, name, shape, path, layers, inputs, layer_recompute, tiers) -> dict:
+        """The full stack's update (and probes, forward passes, weight sync) on ``path``; ours
+        built with ``layer_recompute`` and ``tiers`` (``_fit_plan``)."""
         entry: dict = {"layers": layers}
+        seq_lens = [int(s.numel()) for s in inputs.sequences]
+        scored = sum(n - p for n, p in zip(seq_lens, inputs.prompt_lengths))
         self._allocated_before = measure.allocated_gib(self.device)
         runner = base = None
         attention = "sdpa_varlen" if path == "ours" else "sdpa"
@@ -390,9 +404,9 @@ class Bench:
             flops = model_flops(self._shape_only(shape, layers, attention), self.args.rank)
             entry["flops_model"] = vars(flops)
             if path == "ours":
-                runner = self._ours(shape, layers, layer_recompute)
+                runner = self._ours(shape, layers, layer_recompute, tiers=tiers)
                 entry["options"] = {"fused_lora": True, "attention": attention,
-                                    "layer_recompute": runner.model.layer_recompute,
+                                    "layer_recompute": runner.model.layer_recompute, "recompute_tiers": len(tiers),
                                     "sequence_layout": runner.model.sequence_layout,
                                     "linear_attention_kernel": runner.model.linear_attention_kernel,
                                     "elementwise_kernels": runner.model.elementwise_kernels}
@@ -443,26 +457,10 @@ class Bench:
         capacity = torch.cuda.get_device_properties(self.device).total_memory
         return 0.5 * (capacity - torch.cuda.memory_allocated(self.device))
 
-    def _rechoose(self, out: dict, tried: list, sweep: dict, layers: int, budgets, cap: float, shape, make):
-        """A second plan when the chosen one's warm-up peak went over the cap: the prediction's
-        token-driven part scaled by what the warm-up measured (measured / predicted, both less the
-        static part), i.e. the choice under ``static + (cap - static) / ratio``."""
-        def build():
-            chosen = next((t for t in tried if t.get("attempt") == "chosen"), {})
-            measured, predicted = chosen.get("warm_up_peak_gib"), out["choice"].get("predicted_peak_gib")
-            static = static_gib(sweep["ours"], layers, grads=1, adam=1)
-            if not (measured and predicted) or measured <= cap or predicted <= static:
-                raise RuntimeError("no over-cap chosen plan to correct")
-            ratio = (measured - static) / (predicted - static)
-            again = self._choose(sweep, layers, budgets, static + (cap - static) / ratio, shape, grads=1, adam=1)
-            out["rechoice"] = again | {"ratio_measured_to_predicted": ratio, "static_gib": static}
-            if not again.get("plan"):
-                raise RuntimeError("nothing fits the corrected cap")
-            return make(again["plan"], again["tokens"])
-        return build
-
-    def run_batch(self, name: str, shape, layers: int, sweep: Optional[dict]) -> dict:
-        """The batch benchmark (``batch.py``): ours under the cap, then the baseline."""
+    def run_batch(self, name: str, shape, layers: int) -> dict:
+        """The batch benchmark (``batch.py``): ours under ``auto``'s plan at the largest of
+        ``--batch-budgets`` whose plan fits (``_fit_plan``, the card's free memory capped to
+        ``--batch-cap-gib``), then the baseline."""
         trajectories = sample_batch(self.args.seed, self.args.batch_sequences, scale=self.scale)
         inputs = ppo_inputs(trajectories, shape.vocab_size, self.device, seed=self.args.seed)
         seq_lens = [int(s.numel()) for s in inputs.sequences]
@@ -470,21 +468,19 @@ class Bench:
         out: dict = {"layers": layers, "sequences": len(seq_lens), "real_tokens": sum(seq_lens),
                      "longest": max(seq_lens), "loss_tokens": int(inputs.response_mask.sum()), "cap_gib": self.args.batch_cap_gib}
         budgets = [b for b in (int(x) for x in self.args.batch_budgets.split(",")) if max(seq_lens) <= b <= self.args.tokens]
-        cap = self.args.batch_cap_gib
-        if sweep is not None and self.device.type == "cuda":
-            out["choice"] = self._choose(sweep, layers, budgets, cap, shape, grads=1, adam=1)
+        cap = self.args.batch_cap_gib or None
         peak_tflops = self.peak_tflops
 
-        def build(plan, budget, path):
+        def build(plan, tiers, budget, path):
             def make():
                 attention = "sdpa_varlen" if path == "ours" else "sdpa"
                 bare = self._shape_only(shape, layers, attention)
                 out.setdefault("flops", model_flops(bare, self.args.rank).train_step("actor", seq_lens, scored))
                 if path == "ours":
-                    runner = self._ours(shape, layers, plan, budget)
-                    micro = packed_micro_batches(inputs, budget)
+                    runner = self._ours(shape, layers, plan, budget, tiers=tiers)
+                    micro = runner.micro_batches(inputs, update=True)
                     info = {"budget": budget, "layer_recompute": runner.model.layer_recompute,
-                            "elementwise_kernels": runner.model.elementwise_kernels,
+                            "recompute_tiers": len(tiers), "elementwise_kernels": runner.model.elementwise_kernels,
                             "attention_length_bucket": runner.model.attention_length_bucket}
                 else:
                     base = build_model(shape, device=self.device, dtype=self.dtype, attn_implementation=attention,
@@ -499,32 +495,17 @@ class Bench:
             if self.out_of_time():
                 out[path] = {"skipped": "deadline"}
                 continue
-            attempts, tried = [], []
-            choice = out.get("choice") or {}
             if path == "ours":
-                if choice.get("plan"):
-                    attempts.append(("chosen", build(choice["plan"], choice["tokens"], path)))
-                    attempts.append(("re-chosen", self._rechoose(out, tried, sweep, layers, budgets, cap, shape,
-                                                                 lambda plan, budget: build(plan, budget, path)())))
-                attempts.append(("every layer checkpointed", build(None, max(budgets or [self.args.tokens]), path)))
+                out["choice"], tiers = self._fit_plan(shape, layers, budgets or [self.args.tokens], cap_gib=cap)
+                plan, budget = out["choice"]["plan"], out["choice"].get("tokens", max(budgets or [self.args.tokens]))
+                attempts = [("auto" if plan else "every layer checkpointed", build(plan, tiers, budget, path))]
+                if tiers:  # the plan's warm-up over the cap: every layer checkpointed at the same budget
+                    attempts.append(("every layer checkpointed", build(None, [], budget, path)))
             else:
-                attempts.append(("baseline", build(None, self.args.tokens, path)))
-            runner, update, tried = run_with_fallbacks(attempts, cap if path == "ours" else None, self.log, tried)
-            entry = {"attempts": tried}
-            if update is not None:
-                # ours may update the same batch again (--batch-repeats): "update", then "update_2", ...
-                for repeat in range(1, (max(self.args.batch_repeats, 1) if path == "ours" else 1) + 1):
-                    section, label = ("update", "") if repeat == 1 else (f"update_{repeat}", f" update {repeat}")
-                    with measure.section(entry, section, self.device) as timed:
-                        timed.update(timed_update(update, out["flops"], peak_tflops))
-                        self.log(f"{name} batch {path}{label}: {timed['seconds']:.2f} s, {timed['tokens_per_s']:.0f} "
-                                 f"tok/s, MFU {timed.get('useful_mfu', 0):.3f}, peak {timed['peak_gib']}")
-                if path == "ours" and "profile" in self.sections and not self.out_of_time():
-                    with measure.section(entry, "profile", self.device) as prof:
-                        prof.update(profile_micro_step(runner, inputs, update.largest))
-                        self.log(f"{name} batch profile: " + ", ".join(f"{k} {v['share']:.0%}" for k, v in
-                                                                       prof.get("categories", {}).items()))
-            out[path] = entry
+                attempts = [("baseline", build(None, [], self.args.tokens, path))]
+            runner, update, tried = run_with_fallbacks(attempts, cap if path == "ours" else None, self.log)
+            out[path] = self._time_batch(name, path, runner, update, inputs, out["flops"] if update else 0.0,
+                                         peak_tflops) | {"attempts": tried}
             runner = update = None
             measure.free_memory(self.device)
             self.save()
@@ -532,6 +513,27 @@ class Bench:
         if ours.get("tokens_per_s") and baseline.get("tokens_per_s"):
             out["speedup"] = ours["tokens_per_s"] / baseline["tokens_per_s"]
         return out
+
+    def _time_batch(self, name: str, path: str, runner, update, inputs, flops: float, peak_tflops) -> dict:
+        """The timed updates of one path of the batch benchmark (ours may update the same batch
+        again, ``--batch-repeats``: ``update``, then ``update_2``, ...), and ours' profile."""
+        entry: dict = {}
+        if update is None:
+            return entry
+        for repeat in range(1, (max(self.args.batch_repeats, 1) if path == "ours" else 1) + 1):
+            section, label = ("update", "") if repeat == 1 else (f"update_{repeat}", f" update {repeat}")
+            with measure.section(entry, section, self.device) as timed:
+                timed.update(timed_update(update, flops, peak_tflops))
+                if isinstance(runner, OursRunner) and runner.model.recompute_tiers:
+                    timed["recompute_per_micro_step"] = runner.take_replays()
+                self.log(f"{name} batch {path}{label}: {timed['seconds']:.2f} s, {timed['tokens_per_s']:.0f} "
+                         f"tok/s, MFU {timed.get('useful_mfu', 0):.3f}, peak {timed['peak_gib']}")
+        if path == "ours" and "profile" in self.sections and not self.out_of_time():
+            with measure.section(entry, "profile", self.device) as prof:
+                prof.update(profile_micro_step(runner, inputs, update.largest))
+                self.log(f"{name} batch profile: " + ", ".join(f"{k} {v['share']:.0%}" for k, v in
+                                                               prof.get("categories", {}).items()))
+        return entry
 
     # ------------------------------------------------------------------ driver
     @property

@@ -4,10 +4,11 @@ autotuning and the compiled kernels then serve every step):
 1. the fla correctness test (``tests/models/test_linear_attention.py``, from a checkout): packed
    fla against transformers one sequence at a time; it also pays fla's first autotuning;
 2. ``27b``: the 27B shape (first 16 layers): the option sweep on 4 layers (plan figures beside
-   the measured peaks), our update with the chosen recomputation, the autotune probe (a new
+   the measured peaks), our update with ``fit``'s recomputation (``model.checkpoint_layers=auto``
+   for the card's free memory, a plan per micro-batch size), the autotune probe (a new
    micro-batch length), a profile of one actor micro-step;
 3. ``dense``: the dense 8B shape: the sweep, then the 32-sequence batch update with its optimizer
-   step, ours under a 60 GiB cap against transformers + peft;
+   step, ours planned as ``fit`` plans it for at most 60 GiB free, against transformers + peft;
 4. ``27b-baseline``: transformers + peft on the 27B shape (its torch Gated DeltaNet), timed on its
    first update.
 
@@ -18,7 +19,7 @@ autotuning and the compiled kernels then serve every step):
 
 ``dense-torch`` (only when named): our dense batch again with ``--elementwise-kernels torch``
 (the fused kernels' share); ``--elementwise-kernels`` sets our path's kernels everywhere,
-``--dense-cap-gib`` the dense plan's cap, ``--batch-repeats`` how many times ours updates the
+``--dense-cap-gib`` the free memory the dense plan is made for, at most, ``--batch-repeats`` how many times ours updates the
 same batch (the second: every attention length bucket seen). ``--tiny``: the same steps on toy
 shapes on CPU (the plumbing).
 
@@ -54,7 +55,7 @@ def _steps(args: argparse.Namespace) -> list[tuple[str, list[str], int, int]]:
                    "--sweep-warmup", "0", "--sections", "peak,batch,profile", "--batch-sequences", "32",
                    "--batch-cap-gib", str(args.dense_cap_gib), "--elementwise-kernels", args.elementwise_kernels,
                    "--batch-repeats", str(args.batch_repeats)], 100, 0),
-        # ours alone with PyTorch's element-wise ops: the same plan search, for the fused kernels' share
+        # ours alone with PyTorch's element-wise ops: the same plan, for the fused kernels' share
         ("dense-torch", ["--models", "dense8b", "--sweep-layers", "4", "--sweep", "ours,ours_none,ours_mixer,ours_mlp",
                          "--sweep-warmup", "0", "--sections", "peak,batch", "--batch-sequences", "32",
                          "--batch-cap-gib", str(args.dense_cap_gib), "--elementwise-kernels", "torch",
@@ -83,7 +84,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list]:
     p.add_argument("--elementwise-kernels", default="auto", choices=("auto", "liger", "torch"),
                    help="our path's norm/SwiGLU/rotary kernels (model.elementwise_kernels)")
     p.add_argument("--batch-repeats", type=int, default=1, help="timed updates of ours on the dense batch")
-    p.add_argument("--dense-cap-gib", type=float, default=60.0, help="the dense batch's memory cap for the plan")
+    p.add_argument("--dense-cap-gib", type=float, default=60.0,
+                   help="the free memory the dense batch's plan is made for, at most (--batch-cap-gib)")
     args = p.parse_args(argv)
     steps = _steps(args)
     if args.only:

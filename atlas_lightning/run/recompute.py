@@ -20,7 +20,8 @@ Off CUDA (CPU runs, tests) ``auto`` keeps every layer checkpointed, as does a co
 ``model.layer_recompute`` (which decides) or without gradient checkpointing (nothing to
 recompute); each says so once. The choice is logged once, on rank 0, to the run's log and stderr.
 
-Who calls it: ``verbs.fit`` and ``memory_check.run_memory_check`` (the module's ``checkpoint_layers_for``).
+Who calls it: ``verbs.fit`` and ``memory_check.run_memory_check`` (the module's ``checkpoint_layers_for``);
+the update benchmark (``choose_for``, ``tier_shares``, ``free_on_card``: its plan is taken as ``fit`` takes it).
 """
 
 from __future__ import annotations
@@ -66,14 +67,11 @@ class CheckpointLayersFor:
         if self.engine_to_come:
             free -= beside_trainer(self.cfg, card)
         free = -dist_utils.all_reduce_max([-free])[0]  # the least over ranks: one count for all (module doc)
-        shape = shape_of(self.cfg, random_base)
-        tiers = choose_tiers(shape, Inputs.from_config(self.cfg), free=free, card=card,
-                             linear_kernel=trainer_linear_kernel(self.cfg, shape))
+        tiers = choose_for(self.cfg, shape_of(self.cfg, random_base), free=free, card=card)
         choice = self.choice = tiers[0]
         self._say(choice.describe(), warn=not choice.fits)
-        if choice.fits:
-            self.tiers = [(tier.tokens, tier.plan, tier.replayed / max(tier.replayed_all_layers, 1.0))
-                          for tier in tiers]
+        self.tiers = tier_shares(tiers)
+        if self.tiers:
             self._say(describe_tiers(tiers))
         return choice.plan
 
@@ -82,6 +80,24 @@ class CheckpointLayersFor:
             (log.warning if warn else log.info)(line)
             print(f"atlas-lightning {self.verb}: {line}", file=sys.stderr)
         return None
+
+
+def choose_for(cfg: DictConfig, shape: ModelShape, *, free: float, card: float) -> list[RecomputeChoice]:
+    """``auto``'s plans for the run ``cfg`` on ``shape`` with ``free`` bytes of a ``card``-byte
+    card, on the Gated DeltaNet path the trainer runs there: ``planning.recompute.choose_tiers``,
+    the budget's plan first. What ``CheckpointLayersFor`` runs once it has measured the card; the
+    update benchmark runs it too (``bench/update.py``: ``fit_plan``)."""
+    return choose_tiers(shape, Inputs.from_config(cfg), free=free, card=card,
+                        linear_kernel=trainer_linear_kernel(cfg, shape))
+
+
+def tier_shares(tiers: list[RecomputeChoice]) -> list[tuple[int, tuple[str, ...], float]]:
+    """``(tokens, plan, share of full recomputation replayed)`` of each of ``choose_for``'s tiers:
+    what ``ActorCritic.enable_recompute_tiers`` and the update's packer take; empty where the
+    budget's plan does not fit (every layer checkpointed whatever the micro-batch)."""
+    if not tiers or not tiers[0].fits:
+        return []
+    return [(tier.tokens, tier.plan, tier.replayed / max(tier.replayed_all_layers, 1.0)) for tier in tiers]
 
 
 def free_on_card(device: torch.device) -> tuple[float, float]:

@@ -36,7 +36,7 @@ def test_tiny_run_writes_json_and_markdown(tmp_path, capsys):
     assert batch["sequences"] == 6 and batch["real_tokens"] > 0
     for path in ("ours", "baseline"):
         assert batch[path]["update"]["tokens_per_s"] > 0, batch[path]
-    assert batch["ours"]["attempts"][0]["attempt"] == "every layer checkpointed"  # no sweep peaks on CPU
+    assert batch["ours"]["attempts"][0]["attempt"] == "every layer checkpointed"  # no card to size on CPU, as fit
     sync = model["ours"]["weight_sync"]
     assert sync["merged_packs"]["bytes"] == sync["merged_cat"]["bytes"] > 0
     assert {r["kind"] for r in results["logprob_memory"]} == {"chunked", "full"}
