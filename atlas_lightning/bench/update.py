@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from atlas_lightning.algorithms import ppo
-from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
-from atlas_lightning.ppo.micro_batches import cheapest_count, layout_tokens
+from atlas_lightning.ppo import micro_batches
+from atlas_lightning.ppo.micro_batches import layout_tokens
 
 from .workload import PPOInputs
 
@@ -178,17 +178,13 @@ class OursRunner:
                     p.normal_(0.0, 1e-3)
 
     def micro_batches(self, inputs: PPOInputs, budget: Optional[int] = None, update: bool = False) -> list[list[int]]:
-        """Token-budget micro-batches as ``PPOModule._plan`` cuts them on one card (padded cost for
-        the padded layout); ``update``: under tiers, the count of least predicted work
-        (``ppo/micro_batches.cheapest_count``, at its starting micro-step cost)."""
+        """Token-budget micro-batches as ``PPOModule._plan`` cuts them on one card
+        (``ppo/micro_batches.count`` and ``cut``); ``update``: under tiers, the count of least
+        predicted work (at its starting micro-step cost)."""
         lengths = [int(s.numel()) for s in inputs.sequences]
         layout, budget = self.model.sequence_layout, budget or self.budget
-        planner = plan_padded_micro_batches if layout == "padded" else plan_micro_batches
-        count = len(planner(lengths, budget, allow_oversized=True).micro_batches)
-        if update and self.recompute_shares:
-            count = cheapest_count(lengths, count, layout, self.recompute_shares, lambda n: planner(
-                lengths, budget, num_micro_batches=n, allow_oversized=True).micro_batches)
-        return [list(mb) for mb in planner(lengths, budget, num_micro_batches=count, allow_oversized=True).micro_batches]
+        count = micro_batches.count(lengths, budget, layout, self.recompute_shares if update else ())
+        return micro_batches.cut(lengths, budget, layout, max(count, 1))
 
     def use_recompute_for(self, inputs: PPOInputs, indices: Sequence[int]) -> list[str]:
         """The model switched to the plan of the micro-batch ``indices`` (``ActorCritic.use_recompute_for``

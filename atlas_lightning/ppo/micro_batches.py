@@ -24,12 +24,15 @@ count).
   takes the run's own, ``fixed / per_work`` of ``MicroTimer.fixed_cost`` over that update's
   micro-steps (timed with ``work`` as their work), where a fit can be made.
 
-Who calls it: ``PPOModule._plan`` (the update passes). Pure Python.
+Who calls it: ``PPOModule._plan`` (every pass: ``count`` on each rank, then ``cut`` at the count
+all ranks take) and the update benchmark's ``OursRunner`` (one card). Pure Python.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
+
+from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
 
 USEFUL_PASSES = 2.0
 MICRO_STEP_TOKENS = 1024
@@ -70,3 +73,29 @@ def cheapest_count(lengths: Sequence[int], fewest: int, layout: str, shares: Seq
         if best_work is None or total < best_work:
             best, best_work = count, total
     return best
+
+
+def count(lengths: Sequence[int], budget: int, layout: str, shares: Sequence[tuple[int, float]] = (),
+          step_tokens: float = MICRO_STEP_TOKENS) -> int:
+    """How many micro-batches one rank cuts ``lengths`` into within ``budget`` tokens as
+    ``layout`` counts them (packed: the sum; padded: rows x longest): the fewest, or with
+    ``shares`` (an update under per-size plans) the count of least predicted work
+    (``cheapest_count``); 0 for no sequence."""
+    if not lengths:
+        return 0
+    fewest = len(_planner(layout)(lengths, budget, allow_oversized=True).micro_batches)
+    if not shares:
+        return fewest
+    return cheapest_count(lengths, fewest, layout, shares, lambda n: cut(lengths, budget, layout, n),
+                          step_tokens=step_tokens)
+
+
+def cut(lengths: Sequence[int], budget: int, layout: str, micro_batches: int) -> list[list[int]]:
+    """``lengths``' indices in ``micro_batches`` micro-batches within ``budget`` (``count``'s layout)."""
+    planner = _planner(layout)
+    return [list(mb) for mb in planner(list(lengths), budget, num_micro_batches=micro_batches,
+                                       allow_oversized=True).micro_batches]
+
+
+def _planner(layout: str):
+    return plan_padded_micro_batches if layout == "padded" else plan_micro_batches

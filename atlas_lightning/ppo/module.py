@@ -76,8 +76,8 @@ from atlas_lightning import distributed as dist_utils
 from atlas_lightning.algorithms import ppo
 from atlas_lightning.algorithms.functional import masked_mean, masked_whiten
 from atlas_lightning.algorithms.kl import apply_kl_penalty, kl_penalty
-from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
-from atlas_lightning.ppo.micro_batches import MICRO_STEP_TOKENS, cheapest_count, layout_tokens, replayed_share, work
+from atlas_lightning.ppo import micro_batches
+from atlas_lightning.ppo.micro_batches import MICRO_STEP_TOKENS, layout_tokens, replayed_share, work
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
 from atlas_lightning.ppo import rng_state
 from atlas_lightning.ppo.micro_timing import MicroTimer
@@ -391,21 +391,16 @@ class PPOModule(L.LightningModule):
 
     def _plan(self, lengths: list[int], budget: int, update: bool = False) -> list[list[int]]:
         """This rank's micro-batches of sequence indices within ``budget`` tokens as the model's
-        layout counts them (packed: the sum; padded: count x longest), as many as the rank
-        needing most (collective: every rank must run the same number of passes under FSDP2).
-        ``update``: where the model has per-size recompute plans, the count of least predicted
-        work (``micro_batches.cheapest_count``), else the fewest."""
-        planner = plan_padded_micro_batches if self.model.sequence_layout == "padded" else plan_micro_batches
-        local = len(planner(lengths, budget, allow_oversized=True).micro_batches) if lengths else 0
-        if update and self.recompute_shares and local:
-            local = cheapest_count(lengths, local, self.model.sequence_layout, self.recompute_shares,
-                                   lambda n: planner(lengths, budget, num_micro_batches=n, allow_oversized=True).micro_batches,
-                                   step_tokens=self.micro_step_tokens)
-        count = int(max(dist_utils.all_reduce_max([local])[0], 1))
+        layout counts them (``micro_batches.count`` and ``cut``), as many as the rank needing most
+        (collective: every rank must run the same number of passes under FSDP2). ``update``: where
+        the model has per-size recompute plans, the count of least predicted work, else the fewest."""
+        layout = self.model.sequence_layout
+        shares = self.recompute_shares if update else ()
+        local = micro_batches.count(lengths, budget, layout, shares, step_tokens=self.micro_step_tokens)
+        agreed = int(max(dist_utils.all_reduce_max([local])[0], 1))
         if not lengths:
-            return [[] for _ in range(count)]
-        return [list(mb) for mb in planner(lengths, budget, num_micro_batches=count,
-                                           allow_oversized=True).micro_batches]
+            return [[] for _ in range(agreed)]
+        return micro_batches.cut(lengths, budget, layout, agreed)
 
     # -- forward-only passes --------------------------------------------------------------
 
