@@ -66,7 +66,8 @@ Model build (``model_build``, before the first step): every rank reads the whole
 card before FSDP2 keeps its share (``models/build.py``): ``P b`` and both adapters' fp32
 parameters, beside the engine asleep (or awake, without sleep mode) and the runtime.
 
-Weight sync: ``lora`` gathers the actor's full adapter (``4 R_a``); ``merged`` holds the engine's weights
+Weight sync: ``lora`` gathers the actor's full adapter (``4 R_a``) and reads the exported folder
+back onto the card for its check (``4 R_a`` more); ``merged`` holds the engine's weights
 awake, a bucket (``max(bucket_mb, largest tensor)``) and one merged copy of the largest tensor.
 Separate layout, merged (vLLM's weight-transfer API, ``rollout/engines/weight_transfer.py``): the
 sender (training rank 0) also holds vLLM's ``NCCL_NUM_BUFFERS`` packed send buffers of a bucket
@@ -539,6 +540,7 @@ def _add_sync_phases(plan: Plan, model: "_Model", s: ModelShape, inputs: Inputs,
             plan.phases.append(_receive_phase(s, inputs, engine, bucket))
     else:
         sync["gathered adapter"] = model.lora["actor"] * 4
+        sync["exported folder read back (its check)"] = model.lora["actor"] * 4
         sync_overhead = dict(overhead)
     plan.phases.append(Phase("update_weights", train_cards, sync, sync_overhead, slack=slack))
 

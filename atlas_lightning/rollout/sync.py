@@ -136,13 +136,14 @@ class MergedActor:
 # ----------------------------------------------------------------------------- the checks
 
 
-def check_folder(folder: Path, sent: dict, version: int) -> None:
+def check_folder(folder: Path, sent: dict, version: int, device: Any = "cpu") -> None:
     """The exported folder holds exactly what was sent (before any engine reads it): a tensor
-    dropped, altered or moved is named with the folder, never left to the engine."""
+    dropped, altered or moved is named with the folder, never left to the engine. Read back onto
+    ``device`` (the trainer's card: the digest there, not on the host's cores)."""
     from atlas_lightning.rollout.engines.adapter_folder import adapter_folder_digest
 
     try:
-        written = adapter_folder_digest(folder)
+        written = adapter_folder_digest(folder, device)
     except EngineError as err:
         raise WeightSyncError(f"weight sync v{version}: {err}") from None
     expected = lora_digest(sent)
@@ -271,7 +272,7 @@ class WeightSync:
             elif self._marked_check_due():
                 report, gap = self._marked_round_trip(model, engine, probe, version, device, at_start=False)
             else:
-                report = self._load(model, engine, version)
+                report = self._load(model, engine, version, device)
                 reading = self._reading(model, probe, engine, version, device)
                 gap = self._check_gap(reading, version)
                 self.movement.served(reading)
@@ -286,15 +287,16 @@ class WeightSync:
         metrics.update(_peak_metrics(int(getattr(serving, "engine_allocated_bytes", 0) or 0)))
         return metrics
 
-    def _load(self, model, engine, version: int):
-        """Export, load and check what the engine holds (steps 1-3 of the module doc, probe aside)."""
+    def _load(self, model, engine, version: int, device: Any = "cpu"):
+        """Export, load and check what the engine holds (steps 1-3 of the module doc, probe aside);
+        ``device``: the trainer's, where the exported folder is read back and digested."""
         if self.kind == "lora":
             folder = self.adapter_folder / f"sync{self.sync_id}"
             with self._part("export"):
                 sent = export_actor_adapter(model, folder)
                 dist_utils.barrier()
             with self._part("folder_check"):
-                check_folder(folder, sent, version)
+                check_folder(folder, sent, version, device)
             with self._part("engine_load"):
                 report = engine.set_adapter(AdapterVersion(str(folder), version=self.sync_id))
             self._prune()
@@ -354,7 +356,7 @@ class WeightSync:
         from atlas_lightning.models.probe import marked_actor
 
         base = self._base_reading(model, probe, engine, version, device)
-        self._load(model, engine, version)
+        self._load(model, engine, version, device)
         actor = self._reading(model, probe, engine, version, device)
         if base is not None:
             self.movement.start(base)
@@ -399,12 +401,12 @@ class WeightSync:
             with self._part("trainer_probe"):
                 actor = _trainer_probe(model, probe, device)
         with marked_actor(model, self.mark_scale):
-            self._load(model, engine, version)
+            self._load(model, engine, version, device)
             marked = self._reading(model, probe, engine, version, device)
         self.movement.check(marked, f"the marked adapter (a seeded random lora_B perturbation of scale "
                                     f"{self.mark_scale:.3g})", at_start=at_start)
         self.sync_id += 1
-        report = self._load(model, engine, version)
+        report = self._load(model, engine, version, device)
         again = self._reading(model, probe, engine, version, device, trainer=actor)
         self.movement.served(again)
         self.movement.check(again, "the actor served again after the marked adapter", at_start=at_start)

@@ -17,6 +17,7 @@ Who calls it: the in-process engine (``vllm_engine.set_adapter``), the server cl
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from atlas_lightning.rollout.digest import WeightDigest, lora_digest, lora_modules
 from atlas_lightning.rollout.engine import EngineError
@@ -43,8 +44,9 @@ def check_adapter_folder(folder: str | Path) -> None:
                                   f"(its partner {key} is there); refusing to load it")
 
 
-def adapter_folder_digest(folder: str | Path) -> WeightDigest:
-    """The digest of a PEFT LoRA folder as written (module doc)."""
+def adapter_folder_digest(folder: str | Path, device: Any = "cpu") -> WeightDigest:
+    """The digest of a PEFT LoRA folder as written (module doc), its tensors read onto ``device``
+    (the digest is the same on any device; a card computes it in a fraction of the host's time)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -53,7 +55,7 @@ def adapter_folder_digest(folder: str | Path) -> WeightDigest:
         raise EngineError(f"adapter folder {folder}: no {CONFIG_FILE} and {WEIGHTS_FILE} there")
     check_adapter_folder(folder)
     try:
-        state = load_file(str(weights))
+        state = load_file(str(weights), device=str(device))
     except Exception as err:  # safetensors' own error types, named
         raise EngineError(f"adapter folder {folder}: unreadable ({type(err).__name__}: {err})") from err
     try:
