@@ -13,6 +13,12 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _alone() -> bool:
+    """No other rank to wait for or combine with: no group, or a group of one (where a collective
+    would still cost a round trip through the card: NCCL's reduce waits on the device)."""
+    return not is_distributed() or dist.get_world_size() == 1
+
+
 def rank() -> int:
     return dist.get_rank() if is_distributed() else 0
 
@@ -26,7 +32,7 @@ def is_rank_zero() -> bool:
 
 
 def barrier() -> None:
-    if is_distributed():
+    if not _alone():
         dist.barrier()
 
 
@@ -48,7 +54,7 @@ def shut_down() -> None:
 
 def gather_objects(obj: Any) -> Optional[list]:
     """Every rank's ``obj`` in rank order on rank 0 (None on the others). Collective."""
-    if not is_distributed():
+    if _alone():
         return [obj]
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, out, dst=0)
@@ -57,7 +63,7 @@ def gather_objects(obj: Any) -> Optional[list]:
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s ``obj`` on every rank. Collective."""
-    if not is_distributed():
+    if _alone():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
@@ -66,7 +72,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Element-wise sum of ``values`` over ranks (float64 on CPU; gloo and NCCL both serve it)."""
-    if not is_distributed():
+    if _alone():
         return list(values)
     import torch
 
@@ -78,7 +84,7 @@ def all_reduce_sum(values: list[float]) -> list[float]:
 
 def all_reduce_max(values: list[float]) -> list[float]:
     """Element-wise maximum of ``values`` over ranks. Collective."""
-    if not is_distributed():
+    if _alone():
         return list(values)
     import torch
 
