@@ -105,7 +105,8 @@ class StepTensors:
     generated tokens), ``old_log_prob`` (actor, before the update), ``values`` (critic),
     ``returns``, ``advantages`` (whitened when ``algorithm.norm_adv``), ``ref_log_prob``
     (the base's; None when no KL is on) and ``rollout_log_prob`` (the engine's behaviour
-    log-probs; None unless ``algorithm.off_policy_loss=decoupled``)."""
+    log-probs; None unless ``algorithm.off_policy_loss=decoupled``). ``response_tokens``: each
+    trajectory's count of ``mask``, on the host (the updates' loss divisors need no wait on the card)."""
 
     seqs: list[torch.Tensor]
     prompts: list[int]
@@ -116,6 +117,7 @@ class StepTensors:
     advantages: torch.Tensor
     ref_log_prob: Optional[torch.Tensor]
     rollout_log_prob: Optional[torch.Tensor] = None
+    response_tokens: Sequence[int] = ()
 
     @property
     def width(self) -> int:
@@ -441,7 +443,8 @@ class PPOModule(L.LightningModule):
         self.model.train()
 
         seqs, prompts = self._sequences(batch)
-        mask = batch.padded("response_mask").to(self.device)
+        host_mask = batch.padded("response_mask")
+        mask = host_mask.to(self.device)
         width = mask.shape[1]
         scores = batch.padded("token_rewards").to(self.device)
 
@@ -463,7 +466,8 @@ class PPOModule(L.LightningModule):
         data = StepTensors(seqs=seqs, prompts=prompts, mask=mask, old_log_prob=old_log_prob, values=values,
                            returns=returns, advantages=advantages, ref_log_prob=ref_log_prob,
                            rollout_log_prob=batch.padded("response_logprobs").to(self.device)
-                           if _decoupled(cfg) else None)
+                           if _decoupled(cfg) else None,
+                           response_tokens=[int(n) for n in host_mask.sum(dim=1).tolist()])
 
         if not nonfinite:
             with self._phase(timing, "update_critic", memory):
@@ -557,18 +561,21 @@ class PPOModule(L.LightningModule):
         applied = self.steps_applied  # optimizer steps of this RL step, by role (training_step resets it)
         for epoch in range(cfg.ppo_epochs):
             for mini_batch, chunk in enumerate(chunks):
-                tokens = float(data.mask[chunk].sum()) if chunk else 0.0
+                tokens = float(sum(data.response_tokens[i] for i in chunk))
                 total_tokens = dist_utils.all_reduce_sum([tokens])[0]
                 if total_tokens == 0:
                     continue
                 optimizer.zero_grad(set_to_none=True)
                 cut = self._plan([len(data.seqs[i]) for i in chunk], cfg.ppo_max_token_len_per_gpu, update=True)
+                pending: dict[str, list[Any]] = {}  # this mini-batch's stats, on the card until its grad norm
                 for local in cut:
                     stats = self._timed_micro_step(role, data, [chunk[i] for i in local], total_tokens, world,
                                                    timer, replays)
                     for key, value in stats.items():
-                        history.setdefault(key, []).append(value)
+                        pending.setdefault(key, []).append(value)
                 grad_norm = _grad_norm(params, cfg.grad_clip)
+                for key, values in _on_host(pending).items():
+                    history.setdefault(key, []).extend(values)
                 history.setdefault(f"{role}/grad_norm", []).append(grad_norm)
                 losses = [x for key, vals in history.items() if key.endswith("_loss") for x in vals]
                 local_bad = [name for name, bad in ((f"{role}/loss", not all(map(math.isfinite, losses))),
@@ -639,16 +646,18 @@ class PPOModule(L.LightningModule):
         packed = self._pack(data.seqs, data.prompts, indices, data.width)
         rows = torch.as_tensor(indices, device=self.device)
         m = data.mask[rows]
+        local_tokens = float(sum(data.response_tokens[i] for i in indices))
         agg = dict(loss_agg_mode=cfg.loss_agg_mode, dp_size=world, batch_num_tokens=total_tokens)
         if role == "critic":
             vpreds = packed.scatter_responses(self.model.critic_forward(packed))
             vf_loss, vf_clipfrac = ppo.compute_value_loss(vpreds, data.returns[rows], data.values[rows], m,
                                                           cfg.cliprange_value, **agg)
             self.manual_backward(vf_loss)
-            local_tokens = float(m.sum())
-            return {"critic/vf_loss": float(vf_loss.detach()) * total_tokens / max(local_tokens, 1.0) / world,
-                    "critic/vf_clipfrac": float(vf_clipfrac),
-                    "critic/vpred_mean": float(masked_mean(vpreds.detach(), m))}
+            # tensors, read on the host once per mini-batch (``_on_host``): the next micro-batch is
+            # packed while the card still runs this backward
+            return {"critic/vf_loss": vf_loss.detach() * (total_tokens / max(local_tokens, 1.0) / world),
+                    "critic/vf_clipfrac": vf_clipfrac.detach(),
+                    "critic/vpred_mean": masked_mean(vpreds.detach(), m)}
         log_probs, entropy = self.model.actor_forward(packed, temperature=self.cfg.rollout.temperature,
                                                       compute_entropy=cfg.entropy_coeff != 0)
         log_prob = packed.scatter_responses(log_probs)
@@ -669,11 +678,10 @@ class PPOModule(L.LightningModule):
             kld = kl_penalty(log_prob, data.ref_log_prob[rows], cfg.kl_loss_type)
             kl_loss = ppo.agg_loss(kld, m, **agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
-            stats["actor/kl_loss"] = float(kl_loss.detach())
+            stats["actor/kl_loss"] = kl_loss.detach()
         self.manual_backward(loss)
-        local_tokens = float(m.sum())
         scale = total_tokens / max(local_tokens, 1.0) / world  # back to this micro-batch's token mean
-        stats["actor/pg_loss"] = float(pg_loss.detach()) * scale
+        stats["actor/pg_loss"] = pg_loss.detach() * scale
         if "actor/kl_loss" in stats:
             stats["actor/kl_loss"] *= scale
         return stats
@@ -690,6 +698,14 @@ class PPOModule(L.LightningModule):
 def _decoupled(cfg: DictConfig) -> bool:
     """``algorithm.off_policy_loss=decoupled``: the policy loss corrects for the behaviour policy."""
     return cfg.get("off_policy_loss", "none") == "decoupled"
+
+
+def _on_host(stats: dict[str, list[Any]]) -> dict[str, list[float]]:
+    """``stats``' values as floats, the tensors among them read from the card in one transfer."""
+    tensors = [v for values in stats.values() for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.float().reshape(()) for t in tensors]).tolist()) if tensors else iter(())
+    return {key: [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+            for key, values in stats.items()}
 
 
 def _contiguous_chunks(n: int, parts: int) -> list[list[int]]:
