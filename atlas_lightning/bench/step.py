@@ -323,6 +323,19 @@ def _plan_at(cfg, update_tokens: Optional[int], forward_tokens: Optional[int]) -
             for phase in plan.phases if phase.cards != "serving cards"}
 
 
+def _micro_batch_figures(cfg, lengths: list[int], logged: dict[str, float]) -> dict[str, Any]:
+    """A step's largest micro-batches (the update's as its own cut ran them, where it logged
+    them: it may cut finer than the fewest, ``ppo/micro_batches.py``) and the plan's tensors at
+    the configured budgets and at those sizes."""
+    update_tokens, forward_tokens = _largest_micro_batches(cfg, lengths)
+    ran = [logged[k] for k in ("perf/critic_micro_tokens_max", "perf/actor_micro_tokens_max") if k in logged]
+    if ran:
+        update_tokens = int(max(ran))
+    return {"micro_batch_tokens": {"update": update_tokens, "forward": forward_tokens},
+            "plan_tensors_gib": {"configured_budgets": _plan_at(cfg, None, None),
+                                 "step_micro_batches": _plan_at(cfg, update_tokens, forward_tokens)}}
+
+
 def _largest_micro_batches(cfg, lengths: list[int]) -> tuple[Optional[int], Optional[int]]:
     """Tokens of the largest update and forward micro-batch the step ran (the planner's own cut)."""
     from atlas_lightning.algorithms.partition import plan_micro_batches
@@ -511,13 +524,7 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
             if peak_tflops:
                 row["useful_mfu"] = {p: f / phases[p] / (peak_tflops * 1e12) for p, f in flops.items()
                                      if phases.get(p)}
-        update_tokens, forward_tokens = _largest_micro_batches(cfg, lengths[step])
-        ran = [logged[k] for k in ("perf/critic_micro_tokens_max", "perf/actor_micro_tokens_max") if k in logged]
-        if ran:  # the update's own cut (it may cut finer than the fewest: ppo/micro_batches.py)
-            update_tokens = int(max(ran))
-        row["micro_batch_tokens"] = {"update": update_tokens, "forward": forward_tokens}
-        row["plan_tensors_gib"] = {"configured_budgets": _plan_at(cfg, None, None),
-                                   "step_micro_batches": _plan_at(cfg, update_tokens, forward_tokens)}
+        row.update(_micro_batch_figures(cfg, lengths[step], logged))
         rows.append(row)
     if replayed.get("done"):
         step_row = next((r for r in rows if r["step"] == replayed["step"]), None)
