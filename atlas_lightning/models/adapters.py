@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from atlas_lightning.distributed import broadcast_object
 from atlas_lightning.store.files import read_json_object
 from atlas_lightning.store.lora_shapes import CONFIG_FILE, AdapterError, read_adapter_config, shape_from_adapter_config
 
@@ -199,13 +200,11 @@ def save_adapter(model: ActorCritic, adapter_name: str, folder: str | Path, *, c
         except BaseException as err:  # re-raised below, after the other ranks have heard of it
             failure = err
     # every rank leaves together, and all of them fail if rank 0 could not write
-    message = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(message, src=0)
+    message = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}")
     if failure is not None:
         raise failure
-    if message[0] is not None:
-        raise RuntimeError(f"save_adapter({adapter_name!r}, {folder}) failed on rank 0: {message[0]}")
+    if message is not None:
+        raise RuntimeError(f"save_adapter({adapter_name!r}, {folder}) failed on rank 0: {message}")
     return folder
 
 
