@@ -36,7 +36,7 @@ that write (``finish_pending``) before it stages, and ``HostStaging.begin`` refu
 until the checkpoint staged last has ``finished`` (its write ended, well or not, torch's writer
 of the shards included). Nothing else stages into this memory: the weight sync's adapter export
 (``models/adapters.save_adapter``), which runs during the next step while a write may be under
-way, makes new host copies of its own.
+way, keeps host buffers of its own (``rollout/sync.py``).
 
 The Lightning state keeps its two formats (``store/checkpoints.py``):
 

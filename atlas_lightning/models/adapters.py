@@ -184,15 +184,20 @@ def write_adapter_copies(copies: list[AdapterCopy], step_dir: str | Path) -> Non
         write_adapter_copy(copy_, Path(step_dir) / copy_.name / "lora_adapter")
 
 
-def save_adapter(model: ActorCritic, adapter_name: str, folder: str | Path, *, checkpoint_names: bool = False) -> Path:
+def save_adapter(model: ActorCritic, adapter_name: str, folder: str | Path, *, checkpoint_names: bool = False,
+                 into: Optional[HostBuffers] = None) -> Path:
     """Write ``adapter_name`` (and, for the critic, the value head) as a PEFT folder at
     ``folder``, atomically. Collective under FSDP2 (all ranks call; rank 0 writes).
     ``checkpoint_names``: tensor keys in the base checkpoint's naming
     (``checkpoint_names.lora_key_in_checkpoint_names``; what vLLM applies to a Qwen3.5/3.6
     checkpoint), else as the model is loaded (what ``PeftModel.from_pretrained`` over
-    ``AutoModelForCausalLM`` reads)."""
+    ``AutoModelForCausalLM`` reads). ``into``: host buffers kept from an earlier save
+    (``HostBuffers``: the folder is written from them, so nothing may read them in between), else
+    new host tensors."""
     folder = Path(folder)
-    copied = copy_adapter(model, adapter_name, keep=_rank() == 0, checkpoint_names=checkpoint_names)
+    copied = copy_adapter(model, adapter_name, keep=_rank() == 0, checkpoint_names=checkpoint_names, into=into)
+    if into is not None:
+        into.synchronize()
     failure: BaseException | None = None
     if copied is not None:
         try:

@@ -195,3 +195,25 @@ def test_copies_into_host_buffers_reuse_them_and_write_what_a_fresh_copy_writes(
         assert all(torch.equal(copied.state[k], now[copied.name][k]) for k in copied.state)
         before = written("reused", copied.name, "adapter_model.safetensors")
         assert not all(torch.equal(copied.state[k], before[k]) for k in copied.state)
+
+
+def test_the_weight_syncs_exports_reuse_host_buffers_and_each_folder_holds_its_own_weights(trained, randomize,
+                                                                                            tmp_path):
+    """The weight sync writes each LoRA export from host buffers kept for the run (``save_adapter``
+    with ``into``): the second export reuses the first's memory, and each folder holds the weights
+    of its moment, as a save into new host tensors writes them."""
+    from atlas_lightning.models.adapters import HostBuffers
+
+    buffers = HostBuffers()
+    save_adapter(trained, "actor", tmp_path / "first", checkpoint_names=True, into=buffers)
+    pointers = {name: t.data_ptr() for name, t in buffers._buffers.items()}
+    first = load_file(str(tmp_path / "first" / "adapter_model.safetensors"))
+    randomize(trained, seed=7)  # the next update
+    save_adapter(trained, "actor", tmp_path / "second", checkpoint_names=True, into=buffers)
+    save_adapter(trained, "actor", tmp_path / "fresh", checkpoint_names=True)
+    assert {name: t.data_ptr() for name, t in buffers._buffers.items()} == pointers
+    second = load_file(str(tmp_path / "second" / "adapter_model.safetensors"))
+    fresh = load_file(str(tmp_path / "fresh" / "adapter_model.safetensors"))
+    assert second.keys() == fresh.keys() == first.keys()
+    assert all(torch.equal(second[k], fresh[k]) for k in fresh)
+    assert not all(torch.equal(first[k], second[k]) for k in first)  # the first folder kept its own

@@ -135,8 +135,8 @@ def test_a_fault_in_the_exported_folder_is_named_before_any_engine_reads_it(setu
 
     export = sync.export_actor_adapter
 
-    def faulty_export(model, folder):
-        sent = export(model, folder)
+    def faulty_export(model, folder, **kwargs):
+        sent = export(model, folder, **kwargs)
         _edit(Path(folder), fault)
         return sent
 
