@@ -16,8 +16,9 @@ compute; a bf16 base stays bf16) and ``reduce_dtype=float32`` (gradients reduce-
 fp32); on CPU no casting (fp32), as gloo tests need. ``actor_forward`` & co. go through the
 module call, so FSDP2's hooks run on every pass.
 
-Who calls it: the PPO module's ``configure_model`` (Lightning ``ModelParallelStrategy`` gives
-the mesh), the multi-process tests.
+Who calls it: the PPO module's ``configure_model`` where the data-parallel mesh (Lightning's
+``ModelParallelStrategy`` gives it) has several ranks (one rank keeps the model unsharded), the
+multi-process tests.
 """
 
 from __future__ import annotations
