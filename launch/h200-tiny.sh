@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU: the tiny orchestrator at the training of record's batch shape (32 x 32), FSDP2 at world 1,
+# One GPU: the tiny orchestrator at the training of record's batch shape (32 x 32), one training rank,
 # an in-process vLLM engine asleep during updates (README, "On one H200").
 #
 #   launch/h200-tiny.sh [hydra overrides...]        (e.g. rollout.weight_sync=merged)

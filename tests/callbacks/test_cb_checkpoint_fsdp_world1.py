@@ -1,5 +1,5 @@
-"""One GPU trains under FSDP2 at world 1 (``TrainableStateStrategy``, as ``run/wiring.py`` sets it up
-for GPU runs): its Lightning state is a torch.distributed checkpoint folder, as at world 8, and
+"""One GPU trains under ``ModelParallelStrategy`` at world 1 (``TrainableStateStrategy``, as
+``run/wiring.py`` sets it up for GPU runs; the model unsharded: one rank has nothing to share): its Lightning state is a torch.distributed checkpoint folder, as at world 8, and
 ``trainer.resume`` finds it and continues the run. Here through gloo on CPU, one process.
 
 Two defects this guards against. The format followed the world size, so a one-GPU run saved a
