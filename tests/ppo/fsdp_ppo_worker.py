@@ -62,7 +62,13 @@ class _Capture(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         pl_module.save_adapters(self.out)
         if trainer.global_rank == 0:
-            (self.out / "metrics.json").write_text(json.dumps({"finite": outputs["finite"], **outputs["metrics"]}))
+            from torch.distributed.tensor import DTensor
+
+            # how the module holds its model: FSDP2's DTensors where several ranks share it
+            sharded = [isinstance(p, DTensor) for p in pl_module.model.parameters()]
+            (self.out / "metrics.json").write_text(json.dumps({"finite": outputs["finite"], **outputs["metrics"],
+                                                               "_sharded_params": sum(sharded),
+                                                               "_params": len(sharded)}))
 
 
 class _Tiers:

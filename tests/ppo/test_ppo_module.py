@@ -90,6 +90,8 @@ def test_fsdp_world_sizes_match_one_process(step_inputs, world):
     many = _run(step_inputs, world, *(["tiers"] if world == 2 else []))
     m1 = json.loads((one / "metrics.json").read_text())
     mn = json.loads((many / "metrics.json").read_text())
+    # one rank holds the model whole (nothing to share: no gathers); several shard every parameter
+    assert m1["_sharded_params"] == 0 and mn["_sharded_params"] == mn["_params"] == m1["_params"] > 0
     if world == 2:
         assert mn["perf/actor_mixers_replayed"] > 0 and mn["perf/critic_mixers_replayed"] > 0, mn  # plans switched
         assert "perf/actor_layers_replayed" not in m1
