@@ -38,7 +38,8 @@ class PackedBatch:
     ``target_index``: ``(N,)`` packed positions of the response tokens, sequence by sequence;
     ``logit_index = target_index - 1`` are the positions whose hidden states score them.
     ``response_row``, ``response_col``: ``(N,)`` where each lands in ``(bs, response_length)``
-    (``bs = n``; row ``i`` is sequence ``i``).
+    (``bs = n``; row ``i`` is sequence ``i``). ``lengths``: each sequence's length on the host
+    (``seq_lens`` without reading ``cu_seqlens`` back from a card; empty: read it back).
     """
 
     input_ids: Tensor
@@ -50,6 +51,7 @@ class PackedBatch:
     response_row: Tensor
     response_col: Tensor
     response_length: int
+    lengths: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -68,6 +70,8 @@ class PackedBatch:
 
     @property
     def seq_lens(self) -> list[int]:
+        if self.lengths:  # no wait on the card for what the host packed
+            return list(self.lengths)
         return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
 
     @property
@@ -130,8 +134,13 @@ class PackedBatch:
         return padded[self.response_row, self.response_col]
 
     def to(self, device: torch.device | str) -> "PackedBatch":
+        """On ``device``. From the host to a card the copies are queued without waiting for the
+        card's earlier work (a pageable source is staged before the call returns, so it may go):
+        the next micro-batch moves while the last one's backward still runs."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return PackedBatch(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in values.items()})
+        to_card = torch.device(device).type == "cuda"
+        return PackedBatch(**{k: v.to(device, non_blocking=to_card and v.device.type == "cpu")
+                              if isinstance(v, Tensor) else v for k, v in values.items()})
 
 
 def pack_sequences(
@@ -196,6 +205,7 @@ def pack_sequences(
         response_row=response_row,
         response_col=response_col,
         response_length=width,
+        lengths=tuple(lengths),
     )
 
 

@@ -93,3 +93,12 @@ def test_scatter_rejects_wrong_count():
     packed = pack_sequences(_seqs(), [2, 1, 4])
     with pytest.raises(ValueError, match="values has 3 rows, the batch has 4 response tokens"):
         packed.scatter_responses(torch.zeros(3))
+
+
+def test_the_hosts_lengths_travel_with_the_batch_and_agree_with_cu_seqlens():
+    """``seq_lens`` (what attention and the Gated DeltaNet take) comes from the lengths the host
+    packed, kept through ``to``, not from reading ``cu_seqlens`` back from a card."""
+    packed = pack_sequences([torch.arange(5), torch.arange(3), torch.arange(7)], [2, 1, 4]).to("cpu")
+    assert packed.lengths == (5, 3, 7)
+    assert packed.seq_lens == (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).tolist() == [5, 3, 7]
+    assert packed.max_seqlen == 7
