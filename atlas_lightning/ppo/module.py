@@ -387,6 +387,10 @@ class PPOModule(L.LightningModule):
     def _pack(self, seqs, prompts, indices, width: int) -> PackedBatch:
         return pack_sequences([seqs[i] for i in indices], [prompts[i] for i in indices], response_length=width).to(self.device)
 
+    def _rows(self, indices: list[int]) -> torch.Tensor:
+        """``indices`` on the module's device, queued without waiting for the card's earlier work."""
+        return torch.as_tensor(indices, dtype=torch.long).to(self.device, non_blocking=self.device.type == "cuda")
+
     def _dummy_pack(self) -> PackedBatch:
         """A two-token sequence for a rank with an empty micro-batch (loss weight 0)."""
         return pack_sequences([torch.tensor([0, 0])], [1], response_length=1).to(self.device)
@@ -424,7 +428,7 @@ class PPOModule(L.LightningModule):
                 lp, ent = self.model.base_forward(packed, temperature=temperature), None
             if not indices:
                 continue
-            rows = torch.as_tensor(indices, device=self.device)[packed.response_row]
+            rows = self._rows(indices)[packed.response_row]
             main[rows, packed.response_col] = lp.float()
             if ent is not None:
                 entropy[rows, packed.response_col] = ent.float()
@@ -644,7 +648,7 @@ class PPOModule(L.LightningModule):
             self.manual_backward(out.sum() * 0.0)
             return {}
         packed = self._pack(data.seqs, data.prompts, indices, data.width)
-        rows = torch.as_tensor(indices, device=self.device)
+        rows = self._rows(indices)
         m = data.mask[rows]
         local_tokens = float(sum(data.response_tokens[i] for i in indices))
         agg = dict(loss_agg_mode=cfg.loss_agg_mode, dp_size=world, batch_num_tokens=total_tokens)
