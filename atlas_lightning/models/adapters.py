@@ -136,17 +136,20 @@ class HostBuffers:
 
 
 def copy_adapter(model: ActorCritic, adapter_name: str, keep: bool = True, *,
-                 checkpoint_names: bool = False, into: Optional[HostBuffers] = None) -> Optional[AdapterCopy]:
+                 checkpoint_names: bool = False, into: Optional[HostBuffers] = None,
+                 state: Optional[dict[str, Tensor]] = None) -> Optional[AdapterCopy]:
     """``adapter_name`` (and, for the critic, the value head) copied to the host. Collective
     under FSDP2 (all ranks call: the tensors are gathered whole); None where ``keep`` is False
     (the ranks that write nothing). ``checkpoint_names``: see ``save_adapter``. ``into``: host
     buffers reused from an earlier copy (``HostBuffers``; read the copies after its
-    ``synchronize``), else new host tensors, complete on return."""
+    ``synchronize``), else new host tensors, complete on return. ``state``: the adapter's
+    ``weights.adapter_state``, when the caller has already gathered it (not gathered again)."""
     from .checkpoint_names import lora_key_in_checkpoint_names
 
     if adapter_name not in ADAPTERS:
         raise ValueError(f"adapter_name={adapter_name!r} is not one of {', '.join(ADAPTERS)}")
-    state = adapter_state(model, adapter_name)
+    if state is None:
+        state = adapter_state(model, adapter_name)
     if checkpoint_names and model.checkpoint_names:
         state = {lora_key_in_checkpoint_names(k, model.checkpoint_names): v for k, v in state.items()}
     value_head = None
@@ -185,7 +188,7 @@ def write_adapter_copies(copies: list[AdapterCopy], step_dir: str | Path) -> Non
 
 
 def save_adapter(model: ActorCritic, adapter_name: str, folder: str | Path, *, checkpoint_names: bool = False,
-                 into: Optional[HostBuffers] = None) -> Path:
+                 into: Optional[HostBuffers] = None, state: Optional[dict[str, Tensor]] = None) -> Path:
     """Write ``adapter_name`` (and, for the critic, the value head) as a PEFT folder at
     ``folder``, atomically. Collective under FSDP2 (all ranks call; rank 0 writes).
     ``checkpoint_names``: tensor keys in the base checkpoint's naming
@@ -193,9 +196,10 @@ def save_adapter(model: ActorCritic, adapter_name: str, folder: str | Path, *, c
     checkpoint), else as the model is loaded (what ``PeftModel.from_pretrained`` over
     ``AutoModelForCausalLM`` reads). ``into``: host buffers kept from an earlier save
     (``HostBuffers``: the folder is written from them, so nothing may read them in between), else
-    new host tensors."""
+    new host tensors. ``state``: see ``copy_adapter``."""
     folder = Path(folder)
-    copied = copy_adapter(model, adapter_name, keep=_rank() == 0, checkpoint_names=checkpoint_names, into=into)
+    copied = copy_adapter(model, adapter_name, keep=_rank() == 0, checkpoint_names=checkpoint_names, into=into,
+                          state=state)
     if into is not None:
         into.synchronize()
     failure: BaseException | None = None

@@ -93,8 +93,8 @@ def export_actor_adapter(model, folder: Path, into: Any = None) -> dict:
     from atlas_lightning.models.weights import adapter_state
     from atlas_lightning.rollout.digest import lora_modules
 
-    state = adapter_state(model, "actor")
-    save_adapter(model, "actor", folder, checkpoint_names=True, into=into)
+    state = adapter_state(model, "actor")  # gathered once: what is written is what is digested as sent
+    save_adapter(model, "actor", folder, checkpoint_names=True, into=into, state=state)
     config = model.peft_model.peft_config["actor"]
     scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
     return lora_modules(state, scaling)
