@@ -563,14 +563,16 @@ class PPOModule(L.LightningModule):
         timer = MicroTimer(self.device, cfg.ppo_max_token_len_per_gpu)
         replays: dict[str, list[float]] = {}  # per micro-batch: what its recompute plan replays (tiers only)
         applied = self.steps_applied  # optimizer steps of this RL step, by role (training_step resets it)
+        # each mini-batch's loss divisor (its response tokens over all ranks) and micro-batches, the
+        # same in every epoch: computed once
+        totals = dist_utils.all_reduce_sum([float(sum(data.response_tokens[i] for i in chunk)) for chunk in chunks])
+        cuts = [self._plan([len(data.seqs[i]) for i in chunk], cfg.ppo_max_token_len_per_gpu, update=True)
+                for chunk in chunks]
         for epoch in range(cfg.ppo_epochs):
-            for mini_batch, chunk in enumerate(chunks):
-                tokens = float(sum(data.response_tokens[i] for i in chunk))
-                total_tokens = dist_utils.all_reduce_sum([tokens])[0]
+            for mini_batch, (chunk, total_tokens, cut) in enumerate(zip(chunks, totals, cuts)):
                 if total_tokens == 0:
                     continue
                 optimizer.zero_grad(set_to_none=True)
-                cut = self._plan([len(data.seqs[i]) for i in chunk], cfg.ppo_max_token_len_per_gpu, update=True)
                 pending: dict[str, list[Any]] = {}  # this mini-batch's stats, on the card until its grad norm
                 for local in cut:
                     stats = self._timed_micro_step(role, data, [chunk[i] for i in local], total_tokens, world,
@@ -611,7 +613,7 @@ class PPOModule(L.LightningModule):
         return out
 
     def _timed_micro_step(self, role: str, data: StepTensors, indices: list[int], total_tokens: float, world: int,
-                          timer: MicroTimer, replays: dict[str, list[float]]) -> dict[str, float]:
+                          timer: MicroTimer, replays: dict[str, list[float]]) -> dict[str, Any]:
         """``_micro_step`` under its recompute plan (``_recompute_for``; what it replays into
         ``replays``), timed by ``timer`` with its work (``micro_batches.work``)."""
         lengths = [len(data.seqs[i]) for i in indices]
@@ -637,9 +639,10 @@ class PPOModule(L.LightningModule):
         return self.model.use_recompute_for(largest), largest
 
     def _micro_step(self, role: str, data: StepTensors, indices: list[int], total_tokens: float,
-                    world: int) -> dict[str, float]:
+                    world: int) -> dict[str, Any]:
         """One micro-batch (trajectories ``indices``) of ``role``: forward, loss, backward.
-        ``total_tokens``: the mini-batch's response tokens over all ranks (the loss divisor)."""
+        ``total_tokens``: the mini-batch's response tokens over all ranks (the loss divisor).
+        Returns its stats, floats or 0-d tensors still on the card (``_on_host`` reads them)."""
         cfg = self.cfg.algorithm
         if not indices:  # this rank has nothing here, but the FSDP collectives need it to take part
             packed = self._dummy_pack()
