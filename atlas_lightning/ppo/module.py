@@ -79,7 +79,7 @@ from atlas_lightning.algorithms.kl import apply_kl_penalty, kl_penalty
 from atlas_lightning.ppo import micro_batches
 from atlas_lightning.ppo.micro_batches import MICRO_STEP_TOKENS, layout_tokens, replayed_share, work
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
-from atlas_lightning.ppo import rng_state
+from atlas_lightning.ppo import optimizer_state, rng_state
 from atlas_lightning.ppo.micro_timing import MicroTimer
 from atlas_lightning.ppo.metrics import (BEHAVIOUR_METRICS, ROLE_METRICS, cost_metrics, data_metrics,
                                          mean_over_ranks, memory_metrics, per_trajectory, timed)
@@ -248,6 +248,8 @@ class PPOModule(L.LightningModule):
         betas = tuple(a.betas)
         actor = torch.optim.AdamW(self.model.actor_parameters(), lr=a.actor_lr, betas=betas, weight_decay=a.weight_decay)
         critic = torch.optim.AdamW(self.model.critic_parameters(), lr=a.critic_lr, betas=betas, weight_decay=a.weight_decay)
+        for optimizer in (actor, critic):  # the moments now, apart from any activation (optimizer_state.py)
+            optimizer_state.allocate(optimizer)
         return [actor, critic]
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx):
@@ -599,6 +601,9 @@ class PPOModule(L.LightningModule):
                 applied[role] += 1
             if "stopped_at" in nonfinite:
                 break
+        # the gradients were made among the activations: freed, their segments can go back to the
+        # driver before a colocated engine wakes (optimizer_state.py)
+        optimizer.zero_grad(set_to_none=True)
         keys = list(ROLE_METRICS[role]) + (["actor/kl_loss"] if role == "actor" and cfg.use_kl_loss else []) \
             + (list(BEHAVIOUR_METRICS) if role == "actor" and _decoupled(cfg) else [])
         out = mean_over_ranks({key: history.get(key, []) for key in keys})

@@ -31,12 +31,14 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Iterable, Iterator, Optional
 
 import torch
 
 from atlas_lightning.rollout.digest import WeightDigest
+from atlas_lightning.rollout.engines import card_holdings
 from atlas_lightning.rollout.engines.vllm_lifetime import shut_down_llm, start_llm
 from atlas_lightning.rollout.engine import (
     AdapterVersion,
@@ -49,6 +51,8 @@ from atlas_lightning.rollout.engine import (
 from atlas_lightning.rollout.engines.adapter_folder import check_adapter_folder
 from atlas_lightning.rollout.engines.args import EngineArgs
 from atlas_lightning.rollout.engines.failure import FailureGuard
+
+log = logging.getLogger(__name__)
 
 
 def prepare_cpu_environment(kvcache_gib: int, threads: Optional[int] = None) -> None:
@@ -312,9 +316,19 @@ class VLLMEngine(Engine):
     def wake_up(self) -> None:
         """Map the engine's memory again (after returning PyTorch's cached blocks, module doc)."""
         if self._asleep:
-            with self.guard.call("wake_up"):
-                torch.cuda.empty_cache()
-                self.llm.wake_up()
+            torch.cuda.empty_cache()
+            device = torch.device("cuda", torch.cuda.current_device())
+            before = card_holdings.summary(device)
+            log.info("waking the engine: %s", before)
+            try:
+                with self.guard.call("wake_up"):
+                    self.llm.wake_up()
+            except EngineError as err:
+                if "out of memory" not in str(err):
+                    raise
+                # the driver's message names no holder: what the trainer kept alive does
+                raise EngineError(f"{err}; before the wake: {before}; "
+                                  f"{card_holdings.largest_live(device)}") from err
             self._asleep = False
 
     @property

@@ -1,0 +1,47 @@
+"""What holds a card's memory, for an engine that could not map its own back (``wake_up``).
+
+vLLM maps its weights and KV cache outside PyTorch's caching allocator, so a wake fails with
+the driver's bare "CUDA Error: out of memory" when the trainer's live tensors (not its cache,
+which ``wake_up`` returns first) leave too little room. ``summary`` is cheap (the driver's free
+memory and the allocator's counters) and is logged at every wake; ``largest_live`` walks the
+garbage collector's objects and is built only for the error, to name what stayed alive.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+
+import torch
+
+_GIB = 1024 ** 3
+
+
+def summary(device: torch.device) -> str:
+    """The card's free memory and what PyTorch holds on it (allocated, cached), in GiB."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    return (f"card {free / _GIB:.2f} GiB free of {total / _GIB:.2f}; PyTorch holds {allocated / _GIB:.2f} GiB "
+            f"in live tensors, {(reserved - allocated) / _GIB:.2f} GiB more cached")
+
+
+def largest_live(device: torch.device, top: int = 6, floor_mib: int = 64) -> str:
+    """The live tensors on ``device`` of at least ``floor_mib`` MiB, grouped by dtype and shape,
+    largest total first (parameters and their gradients included)."""
+    groups: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.device != device:
+                continue
+            size = obj.untyped_storage().nbytes()
+        except Exception:  # proxies and half-built objects the collector also lists
+            continue
+        if size >= floor_mib * 1024 ** 2:
+            key = f"{str(obj.dtype).removeprefix('torch.')}{list(obj.shape)}{' param' if isinstance(obj, torch.nn.Parameter) else ''}"
+            groups[key] += size
+            counts[key] += 1
+    if not groups:
+        return f"no live tensor of {floor_mib} MiB or more"
+    return "largest live tensors: " + ", ".join(f"{counts[k]} x {k} = {v / _GIB:.2f} GiB"
+                                                for k, v in groups.most_common(top))
