@@ -59,6 +59,11 @@ class _Capture(L.Callback):
     def __init__(self, out: Path):
         self.out = out
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        # the optimizers' moments exist before the first update (ppo/optimizer_state.py)
+        self.stateless = sum(not opt.optimizer.state.get(p) for opt in pl_module.optimizers()
+                             for group in opt.optimizer.param_groups for p in group["params"])
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         pl_module.save_adapters(self.out)
         if trainer.global_rank == 0:
@@ -68,6 +73,9 @@ class _Capture(L.Callback):
             sharded = [isinstance(p, DTensor) for p in pl_module.model.parameters()]
             (self.out / "metrics.json").write_text(json.dumps({"finite": outputs["finite"], **outputs["metrics"],
                                                                "_sharded_params": sum(sharded),
+                                                               "_stateless_before_update": self.stateless,
+                                                               "_grads_left": sum(p.grad is not None for p in
+                                                                                  pl_module.parameters()),
                                                                "_params": len(sharded)}))
 
 

@@ -73,6 +73,9 @@ def test_step_updates_both_adapters_and_reports_verl_metrics(step_inputs, tiny_m
                 "reward/mapping_sum_error_max", "reward/mapped_slots_minus_events_max"):
         assert key in metrics, key
     assert metrics["actor/grad_norm"] > 0 and metrics["critic/grad_norm"] > 0
+    # the moments were made before the update, and no gradient outlives it: on a card, both would
+    # otherwise sit in the activations' cached segments and keep them from a waking engine
+    assert metrics["_stateless_before_update"] == 0 and metrics["_grads_left"] == 0
     # The first PPO epoch starts on-policy: the ratio is 1 up to float noise.
     assert abs(metrics["actor/ppo_kl"]) < 1e-2
 
