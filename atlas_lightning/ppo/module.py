@@ -434,6 +434,11 @@ class PPOModule(L.LightningModule):
             main[rows, packed.response_col] = lp.float()
             if ent is not None:
                 entropy[rows, packed.response_col] = ent.float()
+        if self.device.type == "cuda":
+            # the pass's activations leave cached segments, where the step's next lasting tensors
+            # (the next pass's outputs, the advantages) would be carved and then hold them whole
+            # through the update and the engine's wake (``optimizer_state.py``): returned first
+            torch.cuda.empty_cache()
         return main, entropy
 
     # -- the RL step ----------------------------------------------------------------------

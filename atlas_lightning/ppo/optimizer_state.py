@@ -4,9 +4,12 @@ An optimizer such as AdamW makes its moments lazily, at its first ``step``: on a
 after the first mini-batch's backward, in the cached blocks its activations have just left. Each
 moment then holds its block's whole segment, which ``torch.cuda.empty_cache`` cannot return, and
 the segments such small, lasting tensors hold add up to gigabytes that a colocated engine waking
-after the update does not find (its own allocator maps memory outside PyTorch's). The gradients,
-made in the backward among the activations, do the same until they are freed; the update frees
-them after its last optimizer step (``PPOModule._update``).
+after the update does not find (its own allocator maps memory outside PyTorch's). On an H100
+the 8B step's wake after its first update ran out of memory that way. The step keeps its lasting
+tensors out of the activations' segments in three places (``ppo/module.py``): the moments are made
+here, before any activation; the gradients, made in the backward among the activations, are freed
+after each role's last optimizer step; and each forward-only pass returns its cached segments
+before the step's next lasting tensors (the next pass's outputs, the advantages) are made.
 
 ``allocate`` makes the state as the optimizer's own first step makes it, before any activation
 exists: one step at learning rate 0 and weight decay 0 on zero gradients, which leaves every

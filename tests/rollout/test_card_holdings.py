@@ -1,0 +1,21 @@
+"""What a failed wake names (``rollout/engines/card_holdings.largest_live``): the live tensors of
+the device over the floor, grouped by dtype and shape, largest total first."""
+
+from __future__ import annotations
+
+import torch
+
+from atlas_lightning.rollout.engines.card_holdings import largest_live
+
+
+def test_the_largest_live_tensors_are_named_by_shape_with_their_total():
+    big = [torch.zeros(1024, 1024, 18) for _ in range(2)]  # 72 MiB each
+    weight = torch.nn.Parameter(torch.zeros(1024, 1024, 40))  # 160 MiB
+    small = torch.zeros(1024)  # under the floor: not named
+    text = largest_live(torch.device("cpu"), floor_mib=64)
+    first, second = "1 x float32[1024, 1024, 40] param = 0.16 GiB", "2 x float32[1024, 1024, 18] = 0.14 GiB"
+    assert text.startswith("largest live tensors: ") and first in text and second in text
+    assert text.index(first) < text.index(second)  # the largest total first
+    assert "[1024] " not in text and "float32[1024]" not in text
+    del big, weight, small
+    assert largest_live(torch.device("cpu"), floor_mib=4096) == "no live tensor of 4096 MiB or more"
