@@ -46,7 +46,7 @@ from atlas_lightning import distributed as dist_utils
 from atlas_lightning.errors import CheckpointWriteError  # raised here; defined below every floor
 from atlas_lightning.store.checkpoints import MARKER, latest_complete
 from atlas_lightning.callbacks.base import rl_callbacks
-from atlas_lightning.callbacks.checkpoint_write import (BackgroundWrite, HostStaging, new_checkpoint_group,
+from atlas_lightning.callbacks.checkpoint_write import (BackgroundWrite, HostStaging, new_checkpoint_group, warm_staging,
                                                         stage_checkpoint, writes_sharded_state)
 from atlas_lightning.ppo.step_output import read_step_output
 
@@ -77,6 +77,11 @@ class StepCheckpoint(Checkpoint):
         #: the host memory the saves are staged in, from the first save to the run's end
         self._staging: Optional[HostStaging] = None
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        """A run that will save makes its staging memory now (``warm_staging``), not in step 1."""
+        if self.every_n_steps or (self.save_last and self.total_steps is not None):
+            warm_staging(trainer, pl_module, self._staging_for(trainer))
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = batch.step
         started = time.monotonic()
@@ -106,9 +111,7 @@ class StepCheckpoint(Checkpoint):
         self.finish_pending(trainer, pl_module, log_step=step)
         if self._group is None and writes_sharded_state(trainer.strategy):
             self._group = new_checkpoint_group()
-        if self._staging is None:
-            self._staging = HostStaging(on_cuda=trainer.strategy.root_device.type == "cuda")
-        write = BackgroundWrite(stage_checkpoint(trainer, pl_module, step, self.checkpoints, self._staging,
+        write = BackgroundWrite(stage_checkpoint(trainer, pl_module, step, self.checkpoints, self._staging_for(trainer),
                                                  self._group))
         self._pending = write
         if self.background:
@@ -159,6 +162,12 @@ class StepCheckpoint(Checkpoint):
         if self._pending is not None:  # not finished by on_train_end or on_exception: let it end, as there
             self._pending.join(EXIT_WAIT_S)
         self._release_staging()
+
+    def _staging_for(self, trainer) -> HostStaging:
+        """The run's staging memory, made at its first use."""
+        if self._staging is None:
+            self._staging = HostStaging(on_cuda=trainer.strategy.root_device.type == "cuda")
+        return self._staging
 
     def _release_staging(self) -> None:
         """The staging memory goes (a write still under way keeps its copies); a later save makes it anew."""

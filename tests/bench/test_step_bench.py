@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.e2e]  # tests/bench/test_bench_smoke.py in make test
 
 
 def test_one_step_is_timed_phase_by_phase_and_compared_with_plain_generate(tiny_model_dir, sample_data_dir,

@@ -17,6 +17,7 @@ from atlas_lightning.callbacks import checkpoint_write
 from atlas_lightning.callbacks.checkpoint_write import HostStaging, StagedCheckpoint
 from atlas_lightning.config import run_dirs
 from atlas_lightning.models.adapters import HostBuffers
+from atlas_lightning.ppo import optimizer_state
 from atlas_lightning.run.strategy import TrainableStateStrategy
 from atlas_lightning.store.checkpoints import verify_checkpoint
 
@@ -121,9 +122,11 @@ class _StagedPointers:
         monkeypatch.setattr(checkpoint_write, "ReusedHostStager", RecordingStager)
         monkeypatch.setattr(HostBuffers, "copy", copy)
 
-    def assert_reused(self, saves: int) -> None:
-        assert len(self.state) == saves and len(set(self.state)) == 1, self.state
-        assert len(self.adapters) == saves and len(set(self.adapters)) == 1, self.adapters
+    def assert_reused(self, saves: int, state_warmed: bool = False) -> None:
+        """``saves`` saves staged into the same memory, made at the fit's start (``warm_staging``)
+        for the adapters always, for Lightning's state where the moments existed then."""
+        assert len(self.state) == saves + state_warmed and len(set(self.state)) == 1, self.state
+        assert len(self.adapters) == saves + 1 and len(set(self.adapters)) == 1, self.adapters
 
 
 def _assert_each_checkpoint_holds_its_own_step(checkpoints, watch: _Watch, read_state) -> None:
@@ -200,14 +203,50 @@ def test_fsdp2_checkpoints_staged_in_reused_copies_each_hold_their_own_step(tmp_
     assert saver._staging is None
 
 
-def _AdamModule(h, cfg):
-    """The scripted module trained with AdamW: its checkpoints hold optimizer moments."""
+def _AdamModule(h, cfg, moments_first: bool = False):
+    """The scripted module trained with AdamW: its checkpoints hold optimizer moments, made at the
+    first step, or before the fit with ``moments_first`` (as ``PPOModule`` makes them)."""
 
     class AdamModule(h.ScriptedModule):
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=0.05)
+            optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
+            if moments_first:
+                optimizer_state.allocate(optimizer)
+            return optimizer
 
     return AdamModule(cfg)
+
+
+def test_moments_made_before_the_fit_are_staged_at_its_start_and_the_first_save_reuses_that_memory(
+        tmp_path, h, chat, monkeypatch):
+    """On a card the stager pins the host copies it makes, which blocked step 1's checkpoint; with
+    the moments made before the fit, every tensor the saves stage exists at the fit's start, and
+    the first save copies into memory made then. The training and the checkpoints are unchanged."""
+    pointers = _StagedPointers(monkeypatch)
+    runs = {}
+    for moments_first in (True, False):
+        L.seed_everything(0, verbose=False)  # the same start for both runs
+        cfg = h.make_cfg(tmp_path / str(moments_first), total_steps=len(STEPS))
+        watch, saver = _Watch(), h.callback(cfg, "checkpoint", every_n_steps=1)
+        h.make_trainer([watch, saver]).fit(_AdamModule(h, cfg, moments_first),
+                                           datamodule=h.ScriptedDataModule(cfg, chat))
+        runs[moments_first] = (cfg, watch)
+        if moments_first:
+            pointers.assert_reused(len(STEPS), state_warmed=True)
+            pointers.state.clear()
+            pointers.adapters.clear()
+    pointers.assert_reused(len(STEPS))  # made at the first step: nothing of the state to stage at the start
+    (cfg, watch), (_, lazy) = runs[True], runs[False]
+    for step in STEPS:  # the same training either way
+        assert torch.equal(watch.weights[step], lazy.weights[step]) and torch.equal(watch.moments[step], lazy.moments[step])
+
+    def read_state(folder):
+        state = torch.load(folder / "lightning" / "state.ckpt", weights_only=False)
+        return state["state_dict"]["critic.weight"], state["optimizer_states"][0]["state"][0]["exp_avg"]
+
+    _assert_each_checkpoint_holds_its_own_step(run_dirs(cfg)["checkpoints"], watch, read_state)
+    assert sorted(p.name for p in run_dirs(cfg)["checkpoints"].glob("global_step_*")) == \
+        [f"global_step_{step}" for step in STEPS]  # the start wrote nothing
 
 
 def _staged(step: int) -> StagedCheckpoint:

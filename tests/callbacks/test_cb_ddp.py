@@ -51,6 +51,7 @@ def test_two_ranks_write_one_tree(tmp_path):
     assert [s["total"] for s in terminal["steps"]] == [6, 6, 6]
 
 
+@pytest.mark.e2e  # a fault on one rank stopping both in make test: tests/run/test_rank_faults.py
 def test_a_nonfinite_step_stops_both_ranks(tmp_path):
     ranks = _launch(tmp_path, "nan", nan_step=3)
     good = tmp_path / "checkpoints" / "nan" / "global_step_2"

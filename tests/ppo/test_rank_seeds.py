@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.e2e]  # two ranks, twice: make test-e2e
 
 WORKER = Path(__file__).with_name("dropout_masks_worker.py")
 FORKED_RANKS = Path(__file__).resolve().parents[1] / "forked_ranks.py"

@@ -177,6 +177,7 @@ sys.exit(1)
 """
 
 
+@pytest.mark.e2e  # each engine entry point of a dead engine in make test: tests/rollout/test_engine_failure.py
 def test_a_dead_engine_gives_a_clear_error_and_no_batch(tiny_model_dir, sample_data_dir, tmp_path):
     """In its own process: vLLM's in-process engine state is process-wide."""
     import os

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e]  # several engines started and closed: make test-e2e
 
 _SCRIPT = textwrap.dedent("""
     import os, sys

@@ -18,7 +18,6 @@ import torch
 from atlas_lightning.demo.tiny_causal_lm import save_tiny_causal_lm
 from atlas_lightning.run.preflight import main as preflight_main
 from atlas_lightning.run.preflight import run_preflight
-from tests.e2e_variants import first_variant_in_make_test
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch"
@@ -115,7 +114,8 @@ def test_every_experiment_plans_and_passes_preflight_on_cpu(run, tiny8, tiny_mod
     assert failed == {}
 
 
-@pytest.mark.parametrize("run", first_variant_in_make_test(LAUNCHED))
+@pytest.mark.e2e  # one launcher through its pre-flight in make test: test_launcher_variables_become_overrides
+@pytest.mark.parametrize("run", LAUNCHED)
 def test_launcher_preflight_on_cpu_with_the_tiny_model(run, tiny8, tiny_model_dir, sample_data_dir, step29, tmp_path):
     args = _tiny_inputs(run, tiny8, tiny_model_dir, sample_data_dir, step29)
     env = {**os.environ, "ATLAS_PREFLIGHT_ONLY": "1", "ATLAS_CPU_PREFLIGHT": "1", "ATLAS_ROOT": str(tmp_path),

@@ -34,8 +34,8 @@ def largest_live(device: torch.device, top: int = 6, floor_mib: int = 64) -> str
         try:
             if not isinstance(obj, torch.Tensor) or obj.device != device:
                 continue
-            size = obj.untyped_storage().nbytes()
-        except Exception:  # proxies and half-built objects the collector also lists
+            size = int(obj.untyped_storage().nbytes())
+        except Exception:  # proxies, half-built objects and symbolic (fake) tensors the collector also lists
             continue
         if size >= floor_mib * 1024 ** 2:
             key = f"{str(obj.dtype).removeprefix('torch.')}{list(obj.shape)}{' param' if isinstance(obj, torch.nn.Parameter) else ''}"
