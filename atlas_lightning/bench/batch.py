@@ -29,6 +29,8 @@ from typing import Callable, Optional
 
 import torch
 
+from atlas_lightning.ppo import optimizer_state
+
 from . import measure
 from .update import TEMPERATURE, BaselineRunner, OursRunner, _losses, _pack
 from .workload import PPOInputs
@@ -59,6 +61,7 @@ class ActorUpdate:
         self.runner, self.inputs, self.micro_batches = runner, inputs, micro_batches
         self.params = _actor_parameters(runner)
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-6)
+        optimizer_state.allocate(self.optimizer)  # its moments made first, as PPOModule makes them
         self.total = float(inputs.response_mask.sum())
         tokens = [sum(int(inputs.sequences[i].numel()) for i in mb) for mb in micro_batches]
         self.largest = micro_batches[max(range(len(tokens)), key=tokens.__getitem__)]
