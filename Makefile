@@ -55,8 +55,10 @@ test: setup
 # rollouts' kill and resume, the vLLM server engine's tests on a real server, merged weights into
 # it, the separate memory check, the further variants of some multi-rank and launch tests, the
 # PPO module's background checkpoints at two ranks, a validation's ride killed and resumed, the
-# colocated merged-weight launch on a full disk, the engine-fault locator: about 28 worker-minutes
-# on two cores), left out of
+# colocated merged-weight launch on a full disk, the engine-fault locator, and some slow tests of
+# one variant beside a lighter sibling in `make test` (rank seeds, engines' lifetime, the CPU step
+# benchmark, the tiny-cpu launcher, a dead engine's datamodule, the two-rank non-finite stop):
+# about half an hour of worker time on two cores), left out of
 # `make test` to keep CI's time; run them before landing a change to the loop, the layouts, the
 # weight sync, the checkpoints or the faults.
 test-e2e: setup

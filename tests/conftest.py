@@ -80,8 +80,8 @@ def _file_weight(items) -> dict[str, tuple[int, int]]:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    # Opt-in tests, deselected unless asked for. The long end-to-end runs (about 26 worker-minutes
-    # together on two cores) are left to `make test-e2e` so that `make test`, what CI runs, stays
+    # Opt-in tests, deselected unless asked for. The long end-to-end runs (about half an hour of
+    # worker time together on two cores) are left to `make test-e2e` so that `make test`, what CI runs, stays
     # inside CI's 15 minutes on a slower machine: each of their stops, resumes, layouts and
     # variants is also tested in one process, one launch or one variant in the default suite.
     for marker, option in (("full_build", "full_build"), ("e2e", "e2e")):
