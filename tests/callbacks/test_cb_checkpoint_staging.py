@@ -181,13 +181,25 @@ def gloo_world_one():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("moments_first", [False, True], ids=["lazy-moments", "moments-first"])
 def test_fsdp2_checkpoints_staged_in_reused_copies_each_hold_their_own_step(tmp_path, h, chat, monkeypatch,
-                                                                           gloo_world_one):
+                                                                           gloo_world_one, moments_first):
+    """``moments-first``: the moments made before the fit, as ``PPOModule`` makes them: the
+    sharded state is staged at the fit's start too, and every save reuses that memory."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     pointers = _StagedPointers(monkeypatch)
     cfg = h.make_cfg(tmp_path, total_steps=len(STEPS))
     module = h.slow_disk(h.sharded_module(cfg), from_step=1, seconds=0.5)
+    if moments_first:
+        lazy = module.configure_optimizers
+
+        def configure_optimizers():
+            optimizer = lazy()
+            optimizer_state.allocate(optimizer)
+            return optimizer
+
+        module.configure_optimizers = configure_optimizers
     watch, saver = _Watch(), h.callback(cfg, "checkpoint", every_n_steps=1)
     trainer = h.make_trainer([watch, saver], strategy=TrainableStateStrategy(data_parallel_size=1,
                                                                             tensor_parallel_size=1))
@@ -199,7 +211,7 @@ def test_fsdp2_checkpoints_staged_in_reused_copies_each_hold_their_own_step(tmp_
         return state["state_dict"]["critic.weight"], state["optimizer_0"]["state"]["critic.weight"]["exp_avg"]
 
     _assert_each_checkpoint_holds_its_own_step(run_dirs(cfg)["checkpoints"], watch, read_state)
-    pointers.assert_reused(len(STEPS))
+    pointers.assert_reused(len(STEPS), state_warmed=moments_first)
     assert saver._staging is None
 
 
