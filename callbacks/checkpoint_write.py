@@ -283,9 +283,7 @@ def stage_checkpoint(trainer: Any, pl_module: Any, step: int, checkpoints: Path,
         return staging.lend(StagedCheckpoint(step, checkpoints, write_adapters,
                                              staging.stage(checkpoint) if rank_zero else None,
                                              checkpoint_io=trainer.strategy.checkpoint_io, inflight=kept))
-    # ModelParallelStrategy.save_checkpoint's layout: the tensors as a distributed checkpoint, the rest in meta.pt
-    tensors = {"state_dict": checkpoint.pop("state_dict")}
-    tensors.update({f"optimizer_{index}": state for index, state in enumerate(checkpoint.pop("optimizer_states", []))})
+    tensors = _sharded_part(checkpoint)
     # staged by our stager before it returns (torch does not close a stager it is given, and
     # ours hands back a finished copy: ``ReusedHostStager``)
     future = async_save(tensors, checkpoint_id=tmp / STATE_DIR, process_group=group, async_stager=staging.stager)
@@ -309,11 +307,17 @@ def warm_staging(trainer: Any, pl_module: Any, staging: HostStaging) -> None:
         return
     checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     if writes_sharded_state(trainer.strategy):
-        tensors = {"state_dict": checkpoint.pop("state_dict")}
-        tensors.update({f"optimizer_{index}": state for index, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        staging.warm(tensors)  # what async_save stages with this stager, each rank its shards
+        staging.warm(_sharded_part(checkpoint))  # what async_save stages with this stager, each rank its shards
     if rank_zero:
         staging.warm(checkpoint)
+
+
+def _sharded_part(checkpoint: dict) -> dict:
+    """The tensors of Lightning's ``checkpoint``, taken out of it, as ModelParallelStrategy.save_checkpoint
+    lays them out: a distributed checkpoint of them, the rest in ``meta.pt``."""
+    tensors = {"state_dict": checkpoint.pop("state_dict")}
+    tensors.update({f"optimizer_{index}": state for index, state in enumerate(checkpoint.pop("optimizer_states", []))})
+    return tensors
 
 
 class BackgroundWrite:

@@ -316,19 +316,19 @@ class VLLMEngine(Engine):
     def wake_up(self) -> None:
         """Map the engine's memory again (after returning PyTorch's cached blocks, module doc)."""
         if self._asleep:
-            before = None
+            device, before = None, None
             try:
                 with self.guard.call("wake_up"):
                     torch.cuda.empty_cache()
                     if torch.cuda.is_available():
-                        before = card_holdings.summary(torch.device("cuda", torch.cuda.current_device()))
+                        device = torch.device("cuda", torch.cuda.current_device())
+                        before = card_holdings.summary(device)
                         log.info("waking the engine: %s", before)
                     self.llm.wake_up()
             except EngineError as err:
-                if before is None or "out of memory" not in str(err):
+                if device is None or "out of memory" not in str(err):
                     raise
                 # the driver's message names no holder: what the trainer kept alive does
-                device = torch.device("cuda", torch.cuda.current_device())
                 raise EngineError(f"{err}; before the wake: {before}; {card_holdings.largest_live(device)}") from err
             self._asleep = False
 
