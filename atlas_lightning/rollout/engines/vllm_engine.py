@@ -20,7 +20,9 @@ Contract:
   drops them, for a sync that reloads every weight anyway (merged); an engine whose dropped
   weights were not reloaded refuses to generate. ``wake_up`` first returns the trainer's cached
   blocks to the driver (``torch.cuda.empty_cache``): vLLM maps its memory outside PyTorch's
-  caching allocator, so memory PyTorch merely caches is not free for it.
+  caching allocator, so memory PyTorch merely caches is not free for it. While it sleeps the
+  trainer allocates in expandable segments, whose free pages that return releases whole
+  (``trainer_allocator``).
 - Failure: every call into vLLM goes through a ``failure.FailureGuard``: an engine that died
   (whatever vLLM raises then: an ``AssertionError``, ``EngineDeadError``, ``RuntimeError``) is
   an ``EngineError`` naming the operation, and stays failed.
@@ -38,7 +40,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from atlas_lightning.rollout.digest import WeightDigest
-from atlas_lightning.rollout.engines import card_holdings
+from atlas_lightning.rollout.engines import card_holdings, trainer_allocator
 from atlas_lightning.rollout.engines.vllm_lifetime import shut_down_llm, start_llm
 from atlas_lightning.rollout.engine import (
     AdapterVersion,
@@ -312,6 +314,7 @@ class VLLMEngine(Engine):
                 self.llm.sleep(level=self._sleep_level)
             self._asleep = True
             self._weights_dropped = self._sleep_level == 2
+            trainer_allocator.for_training()
 
     def wake_up(self) -> None:
         """Map the engine's memory again (after returning PyTorch's cached blocks, module doc)."""
@@ -319,6 +322,7 @@ class VLLMEngine(Engine):
             device, before = None, None
             try:
                 with self.guard.call("wake_up"):
+                    trainer_allocator.for_engine()
                     torch.cuda.empty_cache()
                     if torch.cuda.is_available():
                         device = torch.device("cuda", torch.cuda.current_device())
