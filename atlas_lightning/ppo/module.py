@@ -85,6 +85,7 @@ from atlas_lightning.ppo.metrics import (BEHAVIOUR_METRICS, ROLE_METRICS, cost_m
                                          mean_over_ranks, memory_metrics, per_trajectory, timed)
 from atlas_lightning.ppo.step_output import StepOutput
 from atlas_lightning.rollout.batch import RolloutBatch
+from atlas_lightning.rollout.engines import trainer_allocator
 from atlas_lightning.rollout.sync import WeightSync
 
 #: ``phase_hook(name, rl_step)``: a context manager the step enters around each phase.
@@ -434,10 +435,11 @@ class PPOModule(L.LightningModule):
             main[rows, packed.response_col] = lp.float()
             if ent is not None:
                 entropy[rows, packed.response_col] = ent.float()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not trainer_allocator.expandable():
             # the pass's activations leave cached segments, where the step's next lasting tensors
             # (the next pass's outputs, the advantages) would be carved and then hold them whole
-            # through the update and the engine's wake (``optimizer_state.py``): returned first
+            # through the update and the engine's wake (``optimizer_state.py``): returned first.
+            # Expandable segments (the engine asleep) release free pages, so nothing to return.
             torch.cuda.empty_cache()
         return main, entropy
 
