@@ -37,7 +37,7 @@ from torch import nn
 from atlas_lightning.algorithms import ppo
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
 from atlas_lightning.ppo import micro_batches
-from atlas_lightning.ppo.micro_batches import layout_tokens
+from atlas_lightning.ppo.micro_batches import apply_tiers, layout_tokens
 
 from .workload import PPOInputs
 
@@ -166,9 +166,7 @@ class OursRunner:
         self.device = torch.device(device)
         self.model = build_actor_critic(model_cfg, seed=seed, device=self.device, random_base=shape)
         self.budget = budget
-        self.recompute_shares = [(int(tokens), float(share)) for tokens, _, share in tiers]
-        if tiers:
-            self.model.enable_recompute_tiers([(tokens, plan) for tokens, plan, _ in tiers])
+        self.recompute_shares = apply_tiers(self.model, tiers)
         #: one ``(tokens, layers replayed whole, mixers replayed)`` an update micro-step under tiers
         self.replays: list[tuple[int, int, int]] = []
         # B starts at zero (a no-op adapter): give it values so the low-rank path is real work

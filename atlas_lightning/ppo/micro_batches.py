@@ -30,7 +30,7 @@ all ranks take) and the update benchmark's ``OursRunner`` (one card). Pure Pytho
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from atlas_lightning.algorithms.partition import plan_micro_batches, plan_padded_micro_batches
 
@@ -99,3 +99,11 @@ def cut(lengths: Sequence[int], budget: int, layout: str, micro_batches: int) ->
 
 def _planner(layout: str):
     return plan_padded_micro_batches if layout == "padded" else plan_micro_batches
+
+
+def apply_tiers(model: Any, tiers: Sequence[tuple[int, Sequence[str], float]]) -> list[tuple[int, float]]:
+    """Give ``model`` (an ``ActorCritic``) the plans of ``run/recompute.tier_shares``' ``tiers`` and return the
+    update's packer its ``(tokens, share replayed)``: what ``fit`` and the update benchmark both do."""
+    if tiers:
+        model.enable_recompute_tiers([(tokens, plan) for tokens, plan, _ in tiers])
+    return [(int(tokens), float(share)) for tokens, _, share in tiers]

@@ -77,7 +77,7 @@ from atlas_lightning.algorithms import ppo
 from atlas_lightning.algorithms.functional import masked_mean, masked_whiten
 from atlas_lightning.algorithms.kl import apply_kl_penalty, kl_penalty
 from atlas_lightning.ppo import micro_batches
-from atlas_lightning.ppo.micro_batches import MICRO_STEP_TOKENS, layout_tokens, replayed_share, work
+from atlas_lightning.ppo.micro_batches import MICRO_STEP_TOKENS, apply_tiers, layout_tokens, replayed_share, work
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
 from atlas_lightning.ppo import optimizer_state, rng_state
 from atlas_lightning.ppo.micro_timing import MicroTimer
@@ -191,10 +191,7 @@ class PPOModule(L.LightningModule):
         self.model = build_actor_critic(self._model_config(device), seed=self.cfg.seed, actor_adapter=actor,
                                         critic_adapter=critic, device=device, random_base=self.random_base)
         # auto's plans of smaller micro-batches (run/recompute.py): each update micro-batch picks its own
-        tiers = getattr(self.checkpoint_layers_for, "tiers", None) or []
-        if tiers:
-            self.model.enable_recompute_tiers([(tokens, plan) for tokens, plan, _ in tiers])
-            self.recompute_shares = [(tokens, share) for tokens, _, share in tiers]
+        self.recompute_shares = apply_tiers(self.model, getattr(self.checkpoint_layers_for, "tiers", None) or [])
         if self.resume_from is not None:
             self._check_resume(self.resume_from)
         mesh = getattr(self, "device_mesh", None)
