@@ -25,7 +25,8 @@ shapes on CPU (the plumbing).
 
 Each step writes ``$OUT/<run>-<step>.json`` and ``.md`` as it goes; a step starts only if the time
 left allows, and the last lines printed are the summary table. Sets
-``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless set (as every recorded run had it).
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless set (as every recorded run had it),
+the allocator ``fit``'s update runs under too (``rollout/engines/trainer_allocator.py``).
 """
 
 from __future__ import annotations
