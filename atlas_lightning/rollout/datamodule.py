@@ -47,6 +47,7 @@ from dataclasses import replace
 from typing import Callable, Optional, Union
 
 import lightning as L
+import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -63,6 +64,7 @@ from atlas_lightning.rollout.batch import RolloutBatch, assemble_batch
 from atlas_lightning.rollout.chat import ChatFormat
 from atlas_lightning.reward.scorer import build_scorer
 from atlas_lightning.rollout.engine import Engine
+from atlas_lightning.rollout.engines import trainer_allocator
 from atlas_lightning.rollout.engines.args import client_in_flight
 from atlas_lightning.rollout.interruption import SyncPause
 from atlas_lightning.rollout.rng import preserved_rng
@@ -213,6 +215,8 @@ class RolloutDataModule(L.LightningDataModule):
             self.engine = self._built_engine = build_engine(self.cfg, self.rank, self.local_rank, self.world_size,
                                                             actor_lora=self.actor_lora)
             self.engine_allocated_bytes = _allocated_bytes() - allocated
+            if self.cfg.layout.mode == "separate" and torch.cuda.is_available():
+                trainer_allocator.for_training()  # no engine in this process: the update's allocator throughout
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_RolloutSteps(self), batch_size=None, num_workers=0, collate_fn=_identity)

@@ -11,7 +11,8 @@ trainer keeps is what is alive. The update benchmark always ran with them (its f
 them). vLLM's memory pool for sleep mode refuses them (0.26 asserts it at engine start; 0.32
 switches them off inside its pool), so they are switched off again before the engine wakes,
 and the engine's own allocations (generation, the merged sync's tensors) use plain segments.
-verl switches them the same way at its trainer/rollout mode changes.
+verl switches them the same way at its trainer/rollout mode changes. A trainer with no engine in
+its process (the separate layouts) allocates in them throughout (``rollout/datamodule.py``).
 
 Contract:
 - ``for_training()``: expandable segments on, every other field of the live configuration kept
