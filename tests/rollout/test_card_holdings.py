@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from atlas_lightning.rollout.engines.card_holdings import largest_live
+from atlas_lightning.rollout.engines.card_holdings import largest_live, storages
 
 
 def test_the_largest_live_tensors_are_named_by_shape_with_their_total():
@@ -19,3 +19,18 @@ def test_the_largest_live_tensors_are_named_by_shape_with_their_total():
     assert "[1024] " not in text and "float32[1024]" not in text
     del big, weight, small
     assert largest_live(torch.device("cpu"), floor_mib=4096) == "no live tensor of 4096 MiB or more"
+
+
+def test_the_engines_own_tensors_are_left_out():
+    """What an engine allocated at its start (``storages`` before and after) is not named as the
+    trainer's, even where it is the largest."""
+    device = torch.device("cpu")
+    before = storages(device)
+    engine_cache = torch.zeros(1024, 1024, 64)  # 256 MiB: the engine's, made at its start
+    engine_own = frozenset(storages(device) - before)
+    trainer = torch.zeros(1024, 1024, 20)  # 80 MiB: the trainer's, made later
+    text = largest_live(device, floor_mib=64, exclude=engine_own)
+    assert "float32[1024, 1024, 20] = 0.08 GiB" in text
+    assert "[1024, 1024, 64]" not in text
+    assert "[1024, 1024, 64]" in largest_live(device, floor_mib=64)
+    del engine_cache, trainer

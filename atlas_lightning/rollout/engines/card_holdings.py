@@ -17,24 +17,43 @@ import torch
 _GIB = 1024 ** 3
 
 
-def summary(device: torch.device) -> str:
-    """The card's free memory and what PyTorch holds on it (allocated, cached), in GiB."""
+def summary(device: torch.device, engine_bytes: int = 0) -> str:
+    """The card's free memory and what PyTorch holds on it (allocated, cached), in GiB.
+    ``engine_bytes``: what the engine allocated through PyTorch at its start (its memory pool,
+    counted as allocated even while asleep and unmapped), told apart from the trainer's."""
     free, total = torch.cuda.mem_get_info(device)
     allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-    return (f"card {free / _GIB:.2f} GiB free of {total / _GIB:.2f}; PyTorch holds {allocated / _GIB:.2f} GiB "
-            f"in live tensors, {(reserved - allocated) / _GIB:.2f} GiB more cached")
+    engine = min(max(engine_bytes, 0), allocated)
+    return (f"card {free / _GIB:.2f} GiB free of {total / _GIB:.2f}; PyTorch holds {(allocated - engine) / _GIB:.2f} GiB "
+            f"in the trainer's live tensors" + (f" and {engine / _GIB:.2f} GiB of the engine's own" if engine else "")
+            + f", {(reserved - allocated) / _GIB:.2f} GiB more cached")
 
 
-def largest_live(device: torch.device, top: int = 6, floor_mib: int = 64) -> str:
+def storages(device: torch.device) -> set[int]:
+    """The data pointers of every live tensor's storage on ``device`` (the garbage collector's
+    walk): taken at an engine's start, they are the engine's, for ``largest_live`` to leave out."""
+    found = set()
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device == device:
+                found.add(obj.untyped_storage().data_ptr())
+        except Exception:  # proxies and symbolic tensors, as in largest_live
+            continue
+    return found
+
+
+def largest_live(device: torch.device, top: int = 6, floor_mib: int = 64, exclude: frozenset[int] = frozenset()) -> str:
     """The live tensors on ``device`` of at least ``floor_mib`` MiB, grouped by dtype and shape,
-    largest total first (parameters and their gradients included)."""
+    largest total first (parameters and their gradients included), but those whose storage is in
+    ``exclude`` (``storages``: the engine's own)."""
     groups: Counter[str] = Counter()
     counts: Counter[str] = Counter()
     for obj in gc.get_objects():
         try:
             if not isinstance(obj, torch.Tensor) or obj.device != device:
                 continue
-            size = int(obj.untyped_storage().nbytes())
+            storage = obj.untyped_storage()
+            size = 0 if storage.data_ptr() in exclude else int(storage.nbytes())
         except Exception:  # proxies, half-built objects and symbolic (fake) tensors the collector also lists
             continue
         if size >= floor_mib * 1024 ** 2:
