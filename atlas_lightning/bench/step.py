@@ -30,7 +30,8 @@ What the callback measures, per RL step (rank 0's clocks; every rank runs the sa
   rest, with validation and the checkpoint apart (they run every ``trainer.val_every`` /
   ``trainer.save_every`` steps) and amortised over those periods;
 * tokens/s/GPU as NeMo-RL publishes it (``tokens_per_gpu_second``): all tokens of the step's
-  trajectories over the step's seconds times the run's GPUs (``layout.gpus``).
+  trajectories over the step's seconds times the run's GPUs (``layout.gpus``), also with the
+  validation and checkpoint spread over the report's periods (the step goals').
 
 A validation riding with the next rollout (``callbacks.validation.overlap``): step N's validation
 runs in step N+1's agent loop run, beside its training trajectories, and is logged under step N at
@@ -380,15 +381,24 @@ def phase_flops(cfg, lengths: list[int], responses: list[int]) -> Optional[dict[
             "update_actor": epochs * flops.train_step("actor", lengths, scored)}
 
 
-def tokens_per_gpu_second(tokens: int, gpus: int, wall: float, periodic_s: float, amortised_s: float) -> dict:
+#: the training of record's periods (``r28-continued-cost-8gpu-n32``): a checkpoint every step,
+#: validation every 5 steps; the step goals are stated at them
+REPORT_SAVE_EVERY, REPORT_VAL_EVERY = 1, 5
+
+
+def tokens_per_gpu_second(tokens: int, gpus: int, wall: float, periodic_s: float, amortised_s: float,
+                          report_s: float) -> dict:
     """NeMo-RL's figure of a step: all tokens processed (every trajectory's prompt and response
     tokens, once) / (the step's seconds x the GPUs of the run); ``step``: as this step ran;
     ``without_periodic``: without its validation and checkpoint (``periodic_s``); ``amortised``:
-    with those spread over their periods (``amortised_s``), what a long run averages."""
+    with those spread over the run's periods (``amortised_s``), what a long run averages;
+    ``report_periods``: spread over the report's (``report_s``: ``REPORT_SAVE_EVERY``, ``REPORT_VAL_EVERY``)."""
     steady = wall - periodic_s
-    return {"step": tokens / (wall * gpus), "gpus": gpus,
-            "without_periodic": tokens / (steady * gpus) if steady > 0 else None,
-            "amortised": tokens / ((steady + amortised_s) * gpus) if steady + amortised_s > 0 else None}
+
+    def rate(extra: float):
+        return tokens / ((steady + extra) * gpus) if steady + extra > 0 else None
+    return {"step": tokens / (wall * gpus), "gpus": gpus, "without_periodic": rate(0.0),
+            "amortised": rate(amortised_s), "report_periods": rate(report_s)}
 
 
 def validation_seconds(step: int, measured: set[int], history: dict[int, dict[str, float]],
@@ -440,12 +450,14 @@ def _step_shares(phases: dict[str, float], gen: float, callbacks: dict[str, floa
     checkpoint = sum(callbacks.get(name, 0.0) for name in CHECKPOINT_CALLBACKS)
     overhead = wall - gen - update - in_step - checkpoint
     periodic = validation["cost_s"] / max(val_every, 1) + checkpoint / max(save_every, 1)
+    at_report = validation["cost_s"] / REPORT_VAL_EVERY + checkpoint / REPORT_SAVE_EVERY
     return {"other_s": wall - inside,
             "shares": {"generation": gen / wall, "update_compute": update / wall, "overhead": overhead / wall,
                        "validation": in_step / wall, "checkpoint": checkpoint / wall,
                        "overhead_with_periodic_amortised": (overhead + periodic)
                        / (wall - in_step - checkpoint + periodic)},
-            "tokens_per_s_per_gpu": tokens_per_gpu_second(tokens, gpus, wall, in_step + checkpoint, periodic)}
+            "tokens_per_s_per_gpu": tokens_per_gpu_second(tokens, gpus, wall, in_step + checkpoint, periodic,
+                                                                  at_report)}
 
 
 #: The phases inside the datamodule's rollout call and inside ``training_step``.

@@ -123,7 +123,8 @@ def markdown(report: dict) -> str:
             lines += [f"tokens/s/GPU as NeMo-RL counts them (all {row['tokens']:,} tokens / (step s x {rate['gpus']} "
                       f"GPUs)): {rate['step']:,.0f} this step; {_fmt(rate['without_periodic'], ',.0f')} without its "
                       f"validation and checkpoint; {_fmt(rate['amortised'], ',.0f')} with them amortised over "
-                      "their periods", ""]
+                      f"their periods; {_fmt(rate.get('report_periods'), ',.0f')} over the report's (a checkpoint "
+                      "every step, validation every 5)", ""]
     plain = report.get("plain_generate", {})
     if plain.get("done"):
         lines.append(f"plain vllm.LLM.generate on step {plain['step']}'s {plain['requests']} requests: "

@@ -45,6 +45,8 @@ def test_tokens_per_gpu_second_counts_every_token_once_over_the_runs_gpus():
     assert rate["step"] == pytest.approx(4000 / (100.0 * gpus))
     assert rate["without_periodic"] == pytest.approx(4000 / (86.0 * gpus))
     assert rate["amortised"] == pytest.approx(4000 / ((86.0 + 8.0 / 5 + 6.0 / 2) * gpus))
+    # the step goals' periods, the report's: a checkpoint every step, validation every 5
+    assert rate["report_periods"] == pytest.approx(4000 / ((86.0 + 8.0 / 5 + 6.0) * gpus))
 
 
 def test_the_card_line_splits_what_pytorch_holds_from_the_rest_of_the_card():
