@@ -38,7 +38,7 @@ import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
@@ -157,13 +157,12 @@ class WeightDigest:
 
 def digest_named(named: Iterable[tuple[str, torch.Tensor]]) -> WeightDigest:
     """The digest of ``(name, tensor)`` pairs (a name given twice is an error)."""
-    names, tensors = [], []
-    for name, tensor in named:
-        names.append(name)
-        tensors.append(tensor)
-    if len(set(names)) != len(names):
-        raise ValueError(f"digest_named: names given twice: {sorted({n for n in names if names.count(n) > 1})[:3]}")
-    return WeightDigest(dict(zip(names, map(tensor_digest, tensors))))
+    digests: dict[str, str] = {}
+    for name, tensor in named:  # one at a time: a stream of copies is never held whole
+        if name in digests:
+            raise ValueError(f"digest_named: names given twice: {name!r}")
+        digests[name] = tensor_digest(tensor)
+    return WeightDigest(digests)
 
 
 def bucket_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -207,16 +206,19 @@ def held_form(a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dty
 
 
 def lora_digest(modules: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]], *,
-                dtype: Optional[torch.dtype] = None, scale_b: bool = False) -> WeightDigest:
+                dtype: Optional[torch.dtype] = None, scale_b: bool = False, device: Any = None) -> WeightDigest:
     """Entries ``<canonical module>.lora_A`` / ``.lora_B``: as written (``dtype`` None), or as an
-    engine holds them (``dtype`` set; ``scale_b``: ``B`` multiplied by its scaling, ``held_form``)."""
-    named = []
-    for module, (a, b, scaling) in modules.items():
-        if dtype is not None:
-            a, b = held_form(a, b, scaling if scale_b else 1.0, dtype)
-        name = canonical_module(module)
-        named += [(f"{name}.lora_A", a), (f"{name}.lora_B", b)]
-    return digest_named(named)
+    engine holds them (``dtype`` set; ``scale_b``: ``B`` multiplied by its scaling, ``held_form``,
+    computed on the host as vLLM computes it). ``device``: where each tensor is digested (a copy
+    of the same bytes: the digest does not change, its cost moves off the host's cores)."""
+    def named():
+        for module, (a, b, scaling) in modules.items():
+            if dtype is not None:
+                a, b = held_form(a, b, scaling if scale_b else 1.0, dtype)
+            name = canonical_module(module)
+            yield f"{name}.lora_A", a if device is None else a.to(device)
+            yield f"{name}.lora_B", b if device is None else b.to(device)
+    return digest_named(named())
 
 
 def dtype_named(name: Optional[str]) -> Optional[torch.dtype]:

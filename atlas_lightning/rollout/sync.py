@@ -154,11 +154,12 @@ def check_folder(folder: Path, sent: dict, version: int, device: Any = "cpu") ->
                               f"trainer sent: {'; '.join(expected.differences(written))}")
 
 
-def check_held(sent, report, version: int, sent_tensors: Optional[int] = None) -> None:
+def check_held(sent, report, version: int, sent_tensors: Optional[int] = None, device: Any = None) -> None:
     """What the engine reports holding (``report``, a ``SyncReport``) against what was sent,
     exactly: ``sent`` is the adapter's ``{module: (A, B, scaling)}`` (digested in the form the
-    engine holds it) or the ``WeightDigest`` of the merged tensors or buckets sent
-    (``sent_tensors``: how many tensors the buckets held). ``WeightSyncError`` naming what differs."""
+    engine holds it, on ``device``: the trainer's card) or the ``WeightDigest`` of the merged
+    tensors or buckets sent (``sent_tensors``: how many tensors the buckets held).
+    ``WeightSyncError`` naming what differs."""
     form = report.form or {}
     if form.get("kind") in ("buckets", "unverified") and report.tensor_count != sent_tensors:
         raise WeightSyncError(f"weight sync v{version}: the engine took {report.tensor_count} tensors "
@@ -171,7 +172,7 @@ def check_held(sent, report, version: int, sent_tensors: Optional[int] = None) -
         dtype = form.get("dtype")
         if isinstance(dtype, list):
             raise WeightSyncError(f"weight sync v{version}: the engine holds the adapter in several dtypes {dtype}")
-        expected = lora_digest(sent, dtype=dtype_named(dtype), scale_b=bool(form.get("scale_b")))
+        expected = lora_digest(sent, dtype=dtype_named(dtype), scale_b=bool(form.get("scale_b")), device=device)
     else:
         expected = sent
     if form.get("kind") != "buckets" and report.tensor_count != len(expected):
@@ -305,7 +306,7 @@ class WeightSync:
                 report = engine.set_adapter(AdapterVersion(str(folder), version=self.sync_id))
             self._prune()
             with self._part("held_check"):
-                check_held(sent, report, version)
+                check_held(sent, report, version, device=device)
             return report
         merged = MergedActor(model, self.bucket_bytes)
         with self._part("engine_load"):  # the merge and the stream, together

@@ -80,6 +80,12 @@ def _held_lora(worker, lora_id: int) -> Optional[dict]:
     model = manager.get_adapter(lora_id)
     if model is None:
         return None
+    # vLLM keeps an adapter's factors in host memory (copied into the card's slots when active):
+    # digested on the worker's card, one tensor at a time, as the trainer digests what it sent
+    device = getattr(worker, "device", None)
+
+    def digest(tensor: torch.Tensor) -> str:
+        return tensor_digest(tensor.to(device) if device is not None else tensor)
     entries, dtypes, folded = {}, set(), True
     for module_name, weights in model.loras.items():
         packed = isinstance(weights.lora_a, list)
@@ -93,7 +99,7 @@ def _held_lora(worker, lora_id: int) -> Optional[dict]:
             if a is None:  # a part without LoRA
                 continue
             key = canonical_module(name)
-            entries[f"{key}.lora_A"], entries[f"{key}.lora_B"] = tensor_digest(a), tensor_digest(b)
+            entries[f"{key}.lora_A"], entries[f"{key}.lora_B"] = digest(a), digest(b)
             dtypes.add(str(a.dtype).removeprefix("torch."))
             folded = folded and scaling == 1
     return {"entries": entries, "dtype": dtypes.pop() if len(dtypes) == 1 else sorted(dtypes), "scale_b": folded}
