@@ -332,9 +332,9 @@ class VLLMEngine(Engine):
         """Map the engine's memory again (after returning PyTorch's cached blocks, module doc)."""
         if self._asleep:
             device, before = None, None
+            trainer_allocator.for_engine()  # the trainer's side: not the engine's failure if it raised
             try:
                 with self.guard.call("wake_up"):
-                    trainer_allocator.for_engine()
                     torch.cuda.empty_cache()
                     if torch.cuda.is_available():
                         device = torch.device("cuda", torch.cuda.current_device())
