@@ -26,9 +26,12 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _FLAG = "expandable_segments"
 _ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch's precedence
@@ -60,6 +63,8 @@ def _set_flag(enabled: bool) -> None:
     conf = ",".join(fields + [f"{_FLAG}:{enabled}"])
     _setter()(conf)
     _written[:] = [conf]
+    if _flag_value(_live_conf()) is not enabled:  # read back: a torch that ignored it is said, not assumed
+        log.warning("PyTorch's allocator did not take %s:%s (it reads %r)", _FLAG, enabled, _live_conf())
 
 
 def _flag_value(conf: str):
