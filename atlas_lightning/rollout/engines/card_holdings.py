@@ -10,7 +10,9 @@ garbage collector's objects and is built only for the error, to name what stayed
 from __future__ import annotations
 
 import gc
+import warnings
 from collections import Counter
+from typing import Iterator
 
 import torch
 
@@ -30,16 +32,9 @@ def summary(device: torch.device, engine_bytes: int = 0) -> str:
 
 
 def storages(device: torch.device) -> set[int]:
-    """The data pointers of every live tensor's storage on ``device`` (the garbage collector's
-    walk): taken at an engine's start, they are the engine's, for ``largest_live`` to leave out."""
-    found = set()
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor) and obj.device == device:
-                found.add(obj.untyped_storage().data_ptr())
-        except Exception:  # proxies and symbolic tensors, as in largest_live
-            continue
-    return found
+    """The data pointers of every live tensor's storage on ``device``: taken at an engine's start,
+    they are the engine's, for ``largest_live`` to leave out."""
+    return {storage.data_ptr() for _, storage in _live_tensors(device)}
 
 
 def largest_live(device: torch.device, top: int = 6, floor_mib: int = 64, exclude: frozenset[int] = frozenset()) -> str:
@@ -48,19 +43,27 @@ def largest_live(device: torch.device, top: int = 6, floor_mib: int = 64, exclud
     ``exclude`` (``storages``: the engine's own)."""
     groups: Counter[str] = Counter()
     counts: Counter[str] = Counter()
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.Tensor) or obj.device != device:
-                continue
-            storage = obj.untyped_storage()
-            size = 0 if storage.data_ptr() in exclude else int(storage.nbytes())
-        except Exception:  # proxies, half-built objects and symbolic (fake) tensors the collector also lists
-            continue
+    for tensor, storage in _live_tensors(device):
+        size = 0 if storage.data_ptr() in exclude else int(storage.nbytes())
         if size >= floor_mib * 1024 ** 2:
-            key = f"{str(obj.dtype).removeprefix('torch.')}{list(obj.shape)}{' param' if isinstance(obj, torch.nn.Parameter) else ''}"
+            key = f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}{' param' if isinstance(tensor, torch.nn.Parameter) else ''}"
             groups[key] += size
             counts[key] += 1
     if not groups:
         return f"no live tensor of {floor_mib} MiB or more"
     return "largest live tensors: " + ", ".join(f"{counts[k]} x {k} = {v / _GIB:.2f} GiB"
                                                 for k, v in groups.most_common(top))
+
+
+def _live_tensors(device: torch.device) -> Iterator[tuple[torch.Tensor, torch.UntypedStorage]]:
+    """Every tensor the garbage collector knows on ``device``, with its storage."""
+    with warnings.catch_warnings():  # the walk touches deprecated module attributes, which warn
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if not isinstance(obj, torch.Tensor) or obj.device != device:
+                    continue
+                storage = obj.untyped_storage()
+            except Exception:  # proxies, half-built objects and symbolic (fake) tensors the collector also lists
+                continue
+            yield obj, storage
