@@ -159,14 +159,16 @@ class VLLMEngine(Engine):
         self._weights_dropped = False  # level-2 sleep dropped the weights; a load_weights brings them back
         self._lora_enabled = args.lora_rank is not None
         self.guard = FailureGuard(self.name)
-        device = torch.device("cuda", torch.cuda.current_device()) if self._sleep_enabled else None
-        allocated = torch.cuda.memory_allocated(device) if device is not None else 0
-        held_before = card_holdings.storages(device) if device is not None else set()
+        #: the card a sleeping engine gives way on (None: this engine never sleeps)
+        self._card = torch.device("cuda", torch.cuda.current_device()) if self._sleep_enabled else None
+        card = self._card
+        allocated = torch.cuda.memory_allocated(card) if card is not None else 0
+        held_before = card_holdings.storages(card) if card is not None else set()
         self.llm = start_llm(**kwargs)
         self._engine = self.llm.llm_engine
         # what a failed wake tells apart from the trainer's holdings (card_holdings.py)
-        self._own_bytes = torch.cuda.memory_allocated(device) - allocated if device is not None else 0
-        self._own_storages = frozenset(card_holdings.storages(device) - held_before) if device is not None else frozenset()
+        self._own_bytes = torch.cuda.memory_allocated(card) - allocated if card is not None else 0
+        self._own_storages = frozenset(card_holdings.storages(card) - held_before) if card is not None else frozenset()
         self.vocab_size = _sampled_vocab_size(self._engine)
         self._lora = None  # the LoRARequest every request carries
         self._pending: set[str] = set()
@@ -331,21 +333,20 @@ class VLLMEngine(Engine):
     def wake_up(self) -> None:
         """Map the engine's memory again (after returning PyTorch's cached blocks, module doc)."""
         if self._asleep:
-            device, before = None, None
+            before = None
             trainer_allocator.for_engine()  # the trainer's side: not the engine's failure if it raised
             try:
                 with self.guard.call("wake_up"):
                     torch.cuda.empty_cache()
-                    if torch.cuda.is_available():
-                        device = torch.device("cuda", torch.cuda.current_device())
-                        before = card_holdings.summary(device, self._own_bytes)
-                        log.info("waking the engine: %s", before)
+                    before = card_holdings.summary(self._card, self._own_bytes)  # asleep: on a card
+                    log.info("waking the engine: %s", before)
                     self.llm.wake_up()
             except EngineError as err:
-                if device is None or "out of memory" not in str(err):
+                if before is None or "out of memory" not in str(err):
                     raise
                 # the driver's message names no holder: what the trainer kept alive does
-                raise EngineError(f"{err}; before the wake: {before}; {card_holdings.largest_live(device, exclude=self._own_storages)}") from err
+                holders = card_holdings.largest_live(self._card, exclude=self._own_storages)
+                raise EngineError(f"{err}; before the wake: {before}; {holders}") from err
             self._asleep = False
 
     @property
