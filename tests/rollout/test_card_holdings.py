@@ -34,3 +34,26 @@ def test_the_engines_own_tensors_are_left_out():
     assert "[1024, 1024, 64]" not in text
     assert "[1024, 1024, 64]" in largest_live(device, floor_mib=64)
     del engine_cache, trainer
+
+
+class _NoData(torch.Tensor):
+    """A tensor subclass without data (as fake and functional tensors are): its storage has no pointer."""
+
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32, device="cpu")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
+
+
+def test_tensors_without_data_are_passed_over():
+    """The walk meets whatever the collector holds: a tensor without data is neither named nor fatal."""
+    device = torch.device("cpu")
+    no_data = _NoData((1024, 1024, 100))
+    real = torch.zeros(1024, 1024, 20)  # 80 MiB
+    assert "float32[1024, 1024, 20] = 0.08 GiB" in largest_live(device, floor_mib=64)
+    assert "[1024, 1024, 100]" not in largest_live(device, floor_mib=64)
+    assert real.untyped_storage().data_ptr() in storages(device)
+    del no_data, real

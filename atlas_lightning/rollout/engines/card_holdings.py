@@ -34,7 +34,7 @@ def summary(device: torch.device, engine_bytes: int = 0) -> str:
 def storages(device: torch.device) -> set[int]:
     """The data pointers of every live tensor's storage on ``device``: taken at an engine's start,
     they are the engine's, for ``largest_live`` to leave out."""
-    return {storage.data_ptr() for _, storage in _live_tensors(device)}
+    return {pointer for _, pointer, _ in _live_tensors(device)}
 
 
 def largest_live(device: torch.device, top: int = 6, floor_mib: int = 64, exclude: frozenset[int] = frozenset()) -> str:
@@ -43,8 +43,8 @@ def largest_live(device: torch.device, top: int = 6, floor_mib: int = 64, exclud
     ``exclude`` (``storages``: the engine's own)."""
     groups: Counter[str] = Counter()
     counts: Counter[str] = Counter()
-    for tensor, storage in _live_tensors(device):
-        size = 0 if storage.data_ptr() in exclude else int(storage.nbytes())
+    for tensor, pointer, nbytes in _live_tensors(device):
+        size = 0 if pointer in exclude else nbytes
         if size >= floor_mib * 1024 ** 2:
             key = f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}{' param' if isinstance(tensor, torch.nn.Parameter) else ''}"
             groups[key] += size
@@ -55,8 +55,9 @@ def largest_live(device: torch.device, top: int = 6, floor_mib: int = 64, exclud
                                                 for k, v in groups.most_common(top))
 
 
-def _live_tensors(device: torch.device) -> Iterator[tuple[torch.Tensor, torch.UntypedStorage]]:
-    """Every tensor the garbage collector knows on ``device``, with its storage."""
+def _live_tensors(device: torch.device) -> Iterator[tuple[torch.Tensor, int, int]]:
+    """Every tensor the garbage collector knows on ``device``, with its storage's data pointer
+    and size in bytes."""
     with warnings.catch_warnings():  # the walk touches deprecated module attributes, which warn
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
@@ -64,6 +65,7 @@ def _live_tensors(device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Un
                 if not isinstance(obj, torch.Tensor) or obj.device != device:
                     continue
                 storage = obj.untyped_storage()
-            except Exception:  # proxies, half-built objects and symbolic (fake) tensors the collector also lists
+                pointer, nbytes = storage.data_ptr(), int(storage.nbytes())
+            except Exception:  # proxies, half-built objects and symbolic (fake) tensors, which have no data
                 continue
-            yield obj, storage
+            yield obj, pointer, nbytes
