@@ -18,7 +18,9 @@ starting sync's probe; the bench README's seventh attempt on the hybrid), where 
 runs; each order separates one suspect. An engine alone through sleep, wake and the probe did not
 fault (a standalone reproduction on an H100, seventeenth and eighteenth sessions): what ``fit``
 does between the sleep and the wake (the trainer's build, its first passes) is the suspect the
-last two orders isolate. ``bench/card/engine_graphs.sh`` runs the orders in separate processes.
+last two orders isolate. They passed (run 7); ``fit`` itself then faulted under LoRA sync only,
+and not with ``torch.cuda.empty_cache`` disabled (``bench/fit_trace.py``; bench README, "Ninth
+attempt"). ``bench/card/engine_graphs.sh`` runs the orders in separate processes.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ carried over phase by phase, each by its own rule (printed beside the figures, `
   thanks to the prefix cache) at the forward MFU over the 4 cards of an engine;
 * sleep, wake, weight sync, the checkpoint (the report saves every step), records and the rest:
   the measured seconds, scaled by what they move (sleep and wake: weights per card, and the
-  card's HBM; LoRA sync and checkpoint: adapter size; records, batch assembly and the rest:
+  card's HBM; LoRA sync and checkpoint: adapter size; a merged sync: the weight bytes an engine's
+  card receives, 27B over TP4 against the measured model on one card; records, batch assembly and the rest:
   trajectories, all written by rank 0); validation left out (every 5 steps; its own cost).
 
 It is a projection, not a measurement: no 27B engine, no 8 cards, no real episode ran here.
@@ -102,7 +103,8 @@ class Measured:
     decode_tokens_per_s: float  # the engine's generation rate (plain generate, or the loop's)
     loop_efficiency: float = 1.0  # the agent loop's rate over plain generate's (1.0: decode rate is the loop's)
     sleep_s: float = 0.0  # sleep + wake of the engine (level 1: the weights copied to the host)
-    sync_s: float = 0.0  # the LoRA weight sync
+    sync_s: float = 0.0  # the weight sync ...
+    weight_sync: str = "lora"  # ... of the adapter ("lora") or of the merged weights ("merged")
     checkpoint_s: float = 0.0  # one checkpoint (adapters + trainable state)
     rest_s: float = 0.0  # batch assembly, records, figures, the loop's own time ...
     rest_trajectories: int = 1  # ... for this many trajectories
@@ -194,7 +196,8 @@ def inputs_from_bench(bench: dict, step: Optional[int] = None) -> Measured:
         decode_tokens_per_s=plain.get("tokens_per_s") or row.get("gen_tokens_per_s"),
         loop_efficiency=_loop_efficiency(bench) if plain.get("tokens_per_s") else 1.0,
         sleep_s=phases.get("sleep", 0) + phases.get("wake", 0) + phases.get("wake_rollout", 0),
-        sync_s=phases.get("update_weights", 0), checkpoint_s=checkpoint,
+        sync_s=phases.get("update_weights", 0), weight_sync=(bench.get("engine") or {}).get("weight_sync") or "lora",
+        checkpoint_s=checkpoint,
         rest_s=rest, rest_trajectories=max(int(row["trajectories"]), 1), step=row["step"],
         concurrency=min(int(row["trajectories"]), int(in_flight or row["trajectories"])), **ran)
 
@@ -221,6 +224,8 @@ def check_measured(m: Measured) -> None:
     if m.measured_layers is not None and not 1 <= m.measured_layers <= shape.num_layers:
         raise InputError(f"--measured-layers {m.measured_layers}: {m.measured_shape} has {shape.num_layers} "
                          f"decoder layers (1..{shape.num_layers})")
+    if m.weight_sync not in ("lora", "merged"):
+        raise InputError(f"the measured sync is {m.weight_sync!r}: give --weight-sync lora or merged")
     if m.decode_scaling not in DECODE_RULES:
         raise InputError(f"--decode-scaling {m.decode_scaling!r}: one of {', '.join(DECODE_RULES)}")
     if not m.card_hbm_tbs or m.card_hbm_tbs <= 0:
@@ -272,7 +277,8 @@ def project(measured: Measured) -> dict[str, Any]:
         prefill_s = prompt * 2 * (record.linear_params + record.lora_params) / (m.forward_mfu * card["tflops"] * 1e12 * TP)
         out["gen"] = decode_s + prefill_s
         out["sleep_wake"] = m.sleep_s * (card_bytes / (ran_params * 2)) * m.card_hbm_tbs / card["hbm_tbs"]
-        out["update_weights"] = m.sync_s * record.lora_params / ran.lora_params
+        moved = card_bytes / (ran_params * 2) if m.weight_sync == "merged" else record.lora_params / ran.lora_params
+        out["update_weights"] = m.sync_s * moved
         out["checkpoint"] = m.checkpoint_s * record.lora_params / ran.lora_params  # the report saves every step
         out["records_and_rest"] = m.rest_s * TRAJECTORIES / m.rest_trajectories
         phases[name] = out
@@ -311,8 +317,11 @@ def assumptions(m: Measured, ran_layers: int, record_layers: int) -> list[str]:
         f"(H200 at {H200_MEASURED_TFLOPS:.0f} TFLOP/s measured, A100 at {A100_TFLOPS:.0f} nominal)",
         decode,
         "prefill of prompts and tool responses once each, at the forward-only MFU on an engine's 4 cards",
-        "sleep/wake scaled by weight bytes per card and HBM, LoRA sync and the checkpoint (every step, as the "
-        "report) by adapter size, records and the rest by trajectories; validation out",
+        "sleep/wake scaled by weight bytes per card and HBM, "
+        + ("the merged sync by the weight bytes an engine's card receives (27B over TP4 / the measured model; "
+           "the gather across 8 ranks not measured), the checkpoint" if m.weight_sync == "merged" else
+           "LoRA sync and the checkpoint") + " (every step, as the report) by adapter size, records and the rest "
+        "by trajectories; validation out",
     ] + [UNMEASURED[name] for name in ("rest_s", "checkpoint_s") if name in m.assumed]
 
 
@@ -347,6 +356,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--measured-layers", type=int, default=None, help="its first N decoder layers")
     parser.add_argument("--card", default=None, help="the card the step ran on (CUDA's name)")
     parser.add_argument("--decode-scaling", default=None, help="bytes (CUDA graphs) or layers (eager engine)")
+    parser.add_argument("--weight-sync", choices=("lora", "merged"), default=None,
+                        help="what the measured sync moved (default: the benchmark's rollout.weight_sync)")
     parser.add_argument("--json", type=Path, default=None, help="also write the projection here")
     args = parser.parse_args(argv)
     from atlas_lightning.run.exit_codes import exit_code

@@ -217,3 +217,32 @@ def test_the_step_report_records_its_build_and_its_cards_bandwidth(orchestrator_
     assert "error" not in planned and all(phase["tensors_gib"] > 0 for phase in planned.values()), planned
     assert inputs_from_bench({**report, "environment": {"gpu": "NVIDIA H200"}}).measured_layers == 16
     assert (hbm_tbs("NVIDIA H100 80GB HBM3"), hbm_tbs("NVIDIA H200"), hbm_tbs("NVIDIA B200")) == (3.35, 4.8, None)
+
+
+def _meta_params(layers=None) -> int:
+    """The shape's parameters, built here on the meta device, apart from the projection's own build."""
+    import torch
+
+    from atlas_lightning.bench.shapes import build_model, shape_by_name
+
+    model = build_model(shape_by_name("qwen3_6_27b"), device=torch.device("meta"), dtype=torch.bfloat16,
+                        attn_implementation="sdpa", layers=layers)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_a_merged_sync_scales_by_the_weights_an_engine_card_receives_not_the_adapter():
+    """A merged sync moves the base: the 27B's bf16 bytes on one of a TP4 engine's cards against the
+    measured model's bytes on its one card. Read from the report's ``rollout.weight_sync``; the
+    LoRA rule (adapter size) is what a report without it gets."""
+    report = _hybrid_report()
+    report["engine"]["weight_sync"] = "merged"
+    measured = inputs_from_bench(report)
+    assert measured.weight_sync == "merged"
+    result = project(measured)
+    expected = 2.0 * (_meta_params() * 2 / 4) / (_meta_params(HYBRID_LAYERS) * 2)
+    assert result["phases_h200_s"]["update_weights"] == pytest.approx(expected)
+    assert result["phases_a100_s"]["update_weights"] == pytest.approx(expected)
+    lora = project(inputs_from_bench(_hybrid_report()))
+    assert lora["phases_h200_s"]["update_weights"] != pytest.approx(expected)
+    assert "the merged sync by the weight bytes an engine's card receives" in markdown(result)
+    assert "LoRA sync and the checkpoint" in markdown(lora)
