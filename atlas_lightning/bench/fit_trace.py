@@ -7,8 +7,8 @@ attempt"; ``rollout/engine_checks.py``):
 
 * every exception out of vLLM's ``GPUModelRunner.execute_model`` / ``sample_tokens`` is printed
   with its traceback before vLLM's own handling (a CUDA fault there aborts the process in a
-  tensor's destructor, which loses the Python frames), and Python's fault handler prints every
-  thread's frames at the abort;
+  tensor's destructor, which loses the Python frames; ``run/exit_codes.exit_code`` prints every
+  thread's frames at the abort);
 * each weight-sync probe prints its length, largest token id and adapter;
 * ``--no-empty-cache``: ``torch.cuda.empty_cache`` does nothing in the process (vLLM's own calls
   included): the fault went away, and the second wake ran out of memory;
@@ -25,7 +25,6 @@ switches off.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import functools
 import sys
 import traceback
@@ -72,7 +71,6 @@ def install(no_empty_cache: bool, skip_base_probe: bool, no_wake_empty_cache: bo
     from atlas_lightning.rollout import engine_checks, sync
     from atlas_lightning.rollout.engines import vllm_engine
 
-    faulthandler.enable(all_threads=True)
     for name in ("execute_model", "sample_tokens"):
         _traced(v1_runner.GPUModelRunner, name)
     probe = vllm_engine.VLLMEngine.prompt_logprobs

@@ -12,13 +12,16 @@ Every command that composes a config or runs a verb ends through here: ``atlas-l
 (``cli.py``, PROGRAM ``atlas-lightning fit``, ...) and the benchmarks that run ``fit``
 (``bench/step.py``, ``bench/learning.py``, ``bench/step_suite.py``, PROGRAM their
 ``python -m ...`` name), so a bad override reads the same from each; ``bench/projection.py``
-too, for a step report it cannot read. Each message is masked as
+too, for a step report it cannot read. A process that dies in native code (a CUDA fault raised
+in a tensor's destructor aborts it, and no Python handler runs) prints every thread's Python
+frames first (``faulthandler``), so that its log says where it was. Each message is masked as
 the run's files are (``config.redacted_text``): a launcher tees stderr into logs, and a value
 named in a refusal may be a URL with its password.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 from typing import Callable, Optional
 
@@ -55,6 +58,8 @@ def exit_code(program: str, action: Callable[[], Optional[int]]) -> int:
     """``action()``'s exit code (None: 0), or, when it raises one of ``ANSWERED`` or is ended by
     SIGINT or SIGTERM, the code ``report`` prints the line for. Other exceptions propagate (a bug
     keeps its traceback)."""
+    if not faulthandler.is_enabled():  # a native abort's only trace (module doc)
+        faulthandler.enable(all_threads=True)
     try:
         with interrupts.terminable():  # SIGTERM as a clean stop, as SIGINT is
             return int(action() or 0)

@@ -48,3 +48,26 @@ def test_exit_code_prints_one_line_and_lets_other_errors_through(capsys):
         exit_code("prog", lambda: 1 / 0)
     with pytest.raises(TypeError):
         exit_code_and_line("prog", ValueError("not a refusal"))
+
+
+def test_a_native_abort_prints_the_python_frames_it_happened_in():
+    """A CUDA fault in a tensor's destructor aborts the process in native code, past every Python
+    handler (the hybrid's graph fault did); the command still says where it was: every thread's
+    frames, the aborting function's name among them."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os
+        from atlas_lightning.run.exit_codes import exit_code
+
+        def the_engines_request():
+            os.abort()
+
+        exit_code("prog", the_engines_request)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "Fatal Python error: Aborted" in done.stderr
+    assert "the_engines_request" in done.stderr
