@@ -3,7 +3,7 @@ the switches that separated the hybrid's CUDA-graph fault under LoRA sync (bench
 attempt"; ``rollout/engine_checks.py``):
 
     python -m atlas_lightning.bench.fit_trace [--no-empty-cache | --no-wake-empty-cache] [--skip-base-probe] \
-        -- STEP_ARGS
+        [--lightning-clears-workspaces] -- STEP_ARGS
 
 * every exception out of vLLM's ``GPUModelRunner.execute_model`` / ``sample_tokens`` is printed
   with its traceback before vLLM's own handling (a CUDA fault there aborts the process in a
@@ -15,7 +15,10 @@ attempt"; ``rollout/engine_checks.py``):
 * ``--no-wake-empty-cache``: only ``VLLMEngine.wake_up``'s release is left out (vLLM's own, at its
   sleep, is kept): not yet run;
 * ``--skip-base-probe``: the starting check does not read the base before the first load, so the
-  first request after the wake carries the adapter.
+  first request after the wake carries the adapter;
+* ``--lightning-clears-workspaces``: Lightning's own CUDA set-up and teardown, which free cuBLAS's
+  workspaces, in place of ``run/accelerator.InProcessEngineCUDA``'s (the suspected cause: a run
+  without this switch and one with it, in one session, show whether keeping them is the fix).
 
 The starting check's refusal of the combination is skipped here (this tool exists to reproduce
 it). A diagnostic, not a figure of the product: its timings are the step benchmark's, with these
@@ -63,7 +66,8 @@ def _without_release(method):
     return wrapper
 
 
-def install(no_empty_cache: bool, skip_base_probe: bool, no_wake_empty_cache: bool = False) -> None:
+def install(no_empty_cache: bool, skip_base_probe: bool, no_wake_empty_cache: bool = False,
+            lightning_clears_workspaces: bool = False) -> None:
     """Wrap vLLM's model runners and the engine's probe, and apply the switches (module doc)."""
     import torch
     import vllm.v1.worker.gpu_model_runner as v1_runner
@@ -86,6 +90,12 @@ def install(no_empty_cache: bool, skip_base_probe: bool, no_wake_empty_cache: bo
         torch.cuda.empty_cache = lambda: None
     if no_wake_empty_cache:
         vllm_engine.VLLMEngine.wake_up = _without_release(vllm_engine.VLLMEngine.wake_up)
+    if lightning_clears_workspaces:
+        from lightning.pytorch.accelerators import CUDAAccelerator
+
+        from atlas_lightning.run.accelerator import InProcessEngineCUDA
+
+        InProcessEngineCUDA.setup, InProcessEngineCUDA.teardown = CUDAAccelerator.setup, CUDAAccelerator.teardown
     if skip_base_probe:
         sync.WeightSync._base_reading = lambda self, *args, **kwargs: None
 
@@ -97,9 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     releases.add_argument("--no-empty-cache", action="store_true")
     releases.add_argument("--no-wake-empty-cache", action="store_true")
     parser.add_argument("--skip-base-probe", action="store_true")
+    parser.add_argument("--lightning-clears-workspaces", action="store_true")
     parser.add_argument("step_args", nargs=argparse.REMAINDER, help="step.py's arguments, after --")
     args = parser.parse_args(argv)
-    install(args.no_empty_cache, args.skip_base_probe, args.no_wake_empty_cache)
+    install(args.no_empty_cache, args.skip_base_probe, args.no_wake_empty_cache, args.lightning_clears_workspaces)
     from atlas_lightning.bench.step import main as step_main
 
     step_args = args.step_args[1:] if args.step_args[:1] == ["--"] else args.step_args

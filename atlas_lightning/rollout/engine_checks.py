@@ -12,7 +12,9 @@ aborted (exit 134): on an H100, in each of six tries over two sessions, with and
 ``CUDA_LAUNCH_BLOCKING=1``, with the starting probe skipped and with the prefix cache reset after
 the wake. The same run with ``torch.cuda.empty_cache`` disabled passed that request and its
 generation (and then could not wake for lack of memory), so releasing PyTorch's cached blocks
-while the engine sleeps takes away memory that the captured graphs still use. With merged sync
+while the engine sleeps takes away memory that the captured graphs still use; the suspect is
+Lightning's accelerator set-up freeing cuBLAS's workspaces after the capture, which ``fit`` no longer
+lets it do (``run/accelerator.py``), not yet shown on a card: the refusal stays until it is. With merged sync
 (sleep level 2, no LoRA in the engine) the same shape runs with CUDA graphs; the dense 8B runs
 with either sync. ``bench/card/README.md`` keeps the runs and what is still to find out.
 

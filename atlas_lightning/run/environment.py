@@ -98,11 +98,11 @@ def check_hub_token(what: str, otherwise: str) -> None:
                           f"`hf auth login`; {otherwise}")
 
 
-def uses_cuda(cfg) -> bool:
-    """Whether ``cfg``'s trainer runs on CUDA cards here: ``trainer.accelerator`` ``gpu`` or
-    ``cuda``, or ``auto`` where CUDA has a card (Lightning's own choice then)."""
-    accelerator = str(cfg.trainer.accelerator)
-    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and _gpu_count() > 0)
+def trains_on_gpu(accelerator: str) -> bool:
+    """Whether ``trainer.accelerator`` puts training on GPUs (``auto``: when CUDA is present)."""
+    import torch
+
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
 def _gpu_count() -> int:

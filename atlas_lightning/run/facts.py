@@ -229,10 +229,10 @@ def _check_in_process_engine(cfg: DictConfig, base_config) -> None:
     """What the in-process engine cannot run on this base on the cards (``rollout/engine_checks.py``),
     refused here, before anything is written, rather than by the engine part-way."""
     from atlas_lightning.rollout.engine_checks import in_process_refusals, installed_vllm, linear_attention_layers
-    from atlas_lightning.run.environment import uses_cuda
+    from atlas_lightning.run.environment import trains_on_gpu
 
-    problems = in_process_refusals(cfg, linear_layers=linear_attention_layers(base_config), on_cards=uses_cuda(cfg),
-                                   vllm_version=installed_vllm())
+    problems = in_process_refusals(cfg, linear_layers=linear_attention_layers(base_config),
+                                   on_cards=trains_on_gpu(str(cfg.trainer.accelerator)), vllm_version=installed_vllm())
     if problems:
         raise ConfigError("; ".join(problems))
 

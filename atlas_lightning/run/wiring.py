@@ -193,19 +193,14 @@ def build_callbacks(cfg: DictConfig, facts: Optional["RunFacts"] = None) -> list
     return sorted(callbacks, key=lambda callback: isinstance(callback, Checkpoint))
 
 
-def trains_on_gpu(accelerator: str) -> bool:
-    """Whether ``trainer.accelerator`` puts training on GPUs (``auto``: when CUDA is present)."""
-    import torch
-
-    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-
-
 def build_strategy(cfg: DictConfig):
     """FSDP2 (``ModelParallelStrategy``, NCCL on GPUs) over every training process, also for one
     GPU: the 8-card runs' strategy, process group and checkpoint format at world 1, and the
     process group a colocated engine joins (``external_launcher``). A single CPU process keeps
     Lightning's ``auto`` (no process group; CPU tests and the embedded default). The strategy
     resumes from the trainable-only checkpoints the module saves (``run/strategy.py``)."""
+    from atlas_lightning.run.environment import trains_on_gpu
+
     world = cfg.trainer.devices * cfg.trainer.num_nodes
     if world == 1 and not trains_on_gpu(cfg.trainer.accelerator):
         return "auto"
@@ -216,7 +211,8 @@ def build_strategy(cfg: DictConfig):
 
 def build_trainer(cfg: DictConfig, callbacks: Optional[list] = None, loggers: Optional[list] = None,
                   limit_val_batches: int = 0, *, progress_bar: bool = True, checkpointing: bool = True):
-    """The ``lightning.Trainer`` every verb runs on: ``cfg.trainer``'s devices and precision,
+    """The ``lightning.Trainer`` every verb runs on: ``cfg.trainer``'s devices and precision (its
+    accelerator: ``run/accelerator.build_accelerator``),
     ``build_strategy``, one epoch, no sanity validation, ``outputs/<name>/`` as its root.
     ``callbacks`` and ``loggers`` default to the configured ones (``build_callbacks``, ``build_loggers``; ``[]`` for none);
     ``limit_val_batches`` is 0 for ``fit`` (validation is a callback) and 1 for ``validate``;
@@ -224,9 +220,11 @@ def build_trainer(cfg: DictConfig, callbacks: Optional[list] = None, loggers: Op
     in place of the step checkpoint) for the memory check, which saves nothing but its report."""
     import lightning as L
 
+    from atlas_lightning.run.accelerator import build_accelerator
+
     t = cfg.trainer
     return L.Trainer(
-        accelerator=t.accelerator,
+        accelerator=build_accelerator(cfg),
         devices=t.devices,
         num_nodes=t.num_nodes,
         strategy=build_strategy(cfg),

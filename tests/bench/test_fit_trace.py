@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     from atlas_lightning.bench.fit_trace import install
     from atlas_lightning.rollout import engine_checks, sync
 
-    install(no_empty_cache=True, skip_base_probe=True)
+    install(no_empty_cache=True, skip_base_probe=True, lightning_clears_workspaces=True)
     try:
         runner.GPUModelRunner.execute_model(object(), None)
     except Exception as err:
@@ -33,6 +33,10 @@ SCRIPT = textwrap.dedent("""
     _without_release(lambda: torch.cuda.empty_cache())()
     torch.cuda.empty_cache()
     print("released outside the wake only:", released == [1])
+
+    from lightning.pytorch.accelerators import CUDAAccelerator
+    from atlas_lightning.run.accelerator import InProcessEngineCUDA
+    print("lightning's setup back:", InProcessEngineCUDA.setup is CUDAAccelerator.setup)
 """)
 
 
@@ -45,3 +49,4 @@ def test_the_runner_error_is_printed_with_its_frames_and_the_switches_apply():
     assert "empty_cache: None" in done.stdout and "base reading: None" in done.stdout
     assert "refusals: []" in done.stdout
     assert "released outside the wake only: True" in done.stdout
+    assert "lightning's setup back: True" in done.stdout

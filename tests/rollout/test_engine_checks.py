@@ -63,7 +63,7 @@ def test_the_run_is_refused_before_anything_is_written(tmp_path_factory, cfg_of,
     from atlas_lightning.run.facts import check_inputs
 
     hybrid = build_tiny_hybrid_base(tmp_path_factory.mktemp("hybrid") / "base")
-    monkeypatch.setattr(environment, "uses_cuda", lambda cfg: True)  # this machine has no card
+    monkeypatch.setattr(environment, "trains_on_gpu", lambda accelerator: True)  # this machine has no card
     monkeypatch.setattr(engine_checks, "installed_vllm", lambda: "0.26.0")
     before = sorted(p.name for p in tmp_path.iterdir())
     overrides = (f"model.path={hybrid}", "rollout.engine=vllm", "rollout.enforce_eager=false",

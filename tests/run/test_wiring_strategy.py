@@ -8,7 +8,8 @@ import pytest
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from atlas_lightning.config import compose
-from atlas_lightning.run.wiring import build_strategy, trains_on_gpu
+from atlas_lightning.run.environment import trains_on_gpu
+from atlas_lightning.run.wiring import build_strategy
 
 
 @pytest.mark.parametrize("experiment", ["h200-tiny", "h200-8b", "r28-continued-cost-8gpu-n32"])

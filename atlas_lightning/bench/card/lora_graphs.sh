@@ -1,0 +1,19 @@
+# The hybrid's LoRA step with CUDA graphs through fit_trace (the start's refusal skipped): as fit runs
+# it now (cuBLAS's workspaces kept), then with Lightning's set-up freeing them (the suspected cause).
+# $1 = cap s for each; after setup.sh. bench README, "Ninth attempt"; run/accelerator.py.
+source atlas_lightning/bench/card/env.sh
+cap=$1; C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
+mkdir -p $C && cp -r .carry/cache/* $C/
+python3 -c "from atlas_lightning.bench.step_suite import link_checkout_packages as l; l()"
+for variant in kept cleared; do
+  switch=$([ $variant = cleared ] && echo --lightning-clears-workspaces)
+  rm -rf /tmp/runs/lg-$variant
+  timeout -s KILL $cap python3 -m atlas_lightning.bench.fit_trace $switch -- --out $OUT/lg-$variant \
+    --build qwen3_6_27b --layers 16 --model-dir /tmp/qwen3_6_27b --tokenizer-from $C/tiny-model --replay-step 2 -- \
+    experiment=h200-8b name=lg-$variant model.path=/tmp/qwen3_6_27b model.linear_attention_kernel=fla \
+    rollout.weight_sync=lora rollout.enforce_eager=false paths.root=/tmp/runs/lg-$variant logger.mode=disabled \
+    paths.cache=$C trainer.val_every=0 callbacks.validation.val_on_last_step=false \
+    rollout.max_tokens_per_turn=512 trainer.total_steps=2 > $OUT/lg-$variant.log 2>&1
+  echo "$variant: exit $?"
+  grep -E "illegal memory|raised:|RL step [0-9]+:|tokens/s/GPU as NeMo" $OUT/lg-$variant.log | cut -c1-200 | head -8
+done
