@@ -269,6 +269,9 @@ def project(measured: Measured) -> dict[str, Any]:
     card_bytes = record_params * 2 / TP
     scale = {"bytes": ran_params * 2 / card_bytes, "layers": ran_layers / record_layers}
     generated, prompt = TRAJECTORIES * MIX_GENERATED / ENGINES, TRAJECTORIES * (MIX_TOKENS - MIX_GENERATED) / ENGINES
+    # what the record's card moves against the measured one: its weights (sleep, wake, a merged
+    # sync) and its adapters (a LoRA sync, the checkpoint)
+    weights, adapters = card_bytes / (ran_params * 2), record.lora_params / ran.lora_params
     phases, detail = {}, {}
     for name, card in _targets(m).items():
         out = _compute_phases(m, record, card["tflops"])
@@ -276,10 +279,9 @@ def project(measured: Measured) -> dict[str, Any]:
         decode_s = generated / engine
         prefill_s = prompt * 2 * (record.linear_params + record.lora_params) / (m.forward_mfu * card["tflops"] * 1e12 * TP)
         out["gen"] = decode_s + prefill_s
-        out["sleep_wake"] = m.sleep_s * (card_bytes / (ran_params * 2)) * m.card_hbm_tbs / card["hbm_tbs"]
-        moved = card_bytes / (ran_params * 2) if m.weight_sync == "merged" else record.lora_params / ran.lora_params
-        out["update_weights"] = m.sync_s * moved
-        out["checkpoint"] = m.checkpoint_s * record.lora_params / ran.lora_params  # the report saves every step
+        out["sleep_wake"] = m.sleep_s * weights * m.card_hbm_tbs / card["hbm_tbs"]
+        out["update_weights"] = m.sync_s * (weights if m.weight_sync == "merged" else adapters)
+        out["checkpoint"] = m.checkpoint_s * adapters  # the report saves every step
         out["records_and_rest"] = m.rest_s * TRAJECTORIES / m.rest_trajectories
         phases[name] = out
         floor = None
@@ -307,6 +309,9 @@ def assumptions(m: Measured, ran_layers: int, record_layers: int) -> list[str]:
                  "and host work, the same on every card)")
               + f" x TP efficiency {TP_EFFICIENCY}, at the measured concurrency ({m.concurrency or '?'} requests); "
               "two engines")
+    by_adapter_size = ("the merged sync by the weight bytes an engine's card receives (27B over TP4 / the measured "
+                       "model; the gather across 8 ranks not measured), the checkpoint" if m.weight_sync == "merged"
+                       else "LoRA sync and the checkpoint")
     return [
         f"measured: {m.measured_shape}, {ran_layers} decoder layers{made}, on {m.card} "
         f"(bf16 {m.peak_tflops:.0f} TFLOP/s measured, HBM {m.card_hbm_tbs} TB/s)",
@@ -317,11 +322,8 @@ def assumptions(m: Measured, ran_layers: int, record_layers: int) -> list[str]:
         f"(H200 at {H200_MEASURED_TFLOPS:.0f} TFLOP/s measured, A100 at {A100_TFLOPS:.0f} nominal)",
         decode,
         "prefill of prompts and tool responses once each, at the forward-only MFU on an engine's 4 cards",
-        "sleep/wake scaled by weight bytes per card and HBM, "
-        + ("the merged sync by the weight bytes an engine's card receives (27B over TP4 / the measured model; "
-           "the gather across 8 ranks not measured), the checkpoint" if m.weight_sync == "merged" else
-           "LoRA sync and the checkpoint") + " (every step, as the report) by adapter size, records and the rest "
-        "by trajectories; validation out",
+        f"sleep/wake scaled by weight bytes per card and HBM, {by_adapter_size} (every step, as the report) by "
+        "adapter size, records and the rest by trajectories; validation out",
     ] + [UNMEASURED[name] for name in ("rest_s", "checkpoint_s") if name in m.assumed]
 
 

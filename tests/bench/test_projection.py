@@ -81,17 +81,21 @@ def test_the_measured_step_named_is_the_one_read():
 HYBRID_LAYERS, HYBRID_SEQ, HYBRID_SCORED, HYBRID_PEAK = 4, [1100] * 64, 512 * 64, 776.0
 
 
-def _meta_flops(layers=None):
-    """The shape's useful FLOPs (``bench/flops.py``) built here on the meta device, apart from the
-    projection's own build."""
+def _meta_model(layers=None):
+    """The 27B shape (its first ``layers``) built here on the meta device, apart from the projection's own build."""
     import torch
 
-    from atlas_lightning.bench.flops import model_flops
     from atlas_lightning.bench.shapes import build_model, shape_by_name
 
-    model = build_model(shape_by_name("qwen3_6_27b"), device=torch.device("meta"), dtype=torch.bfloat16,
-                        attn_implementation="sdpa", layers=layers)
-    return model_flops(model, 64)
+    return build_model(shape_by_name("qwen3_6_27b"), device=torch.device("meta"), dtype=torch.bfloat16,
+                       attn_implementation="sdpa", layers=layers)
+
+
+def _meta_flops(layers=None):
+    """The shape's useful FLOPs (``bench/flops.py``)."""
+    from atlas_lightning.bench.flops import model_flops
+
+    return model_flops(_meta_model(layers), 64)
 
 
 def _hybrid_report(update_s: float = 10.0) -> dict:
@@ -220,14 +224,8 @@ def test_the_step_report_records_its_build_and_its_cards_bandwidth(orchestrator_
 
 
 def _meta_params(layers=None) -> int:
-    """The shape's parameters, built here on the meta device, apart from the projection's own build."""
-    import torch
-
-    from atlas_lightning.bench.shapes import build_model, shape_by_name
-
-    model = build_model(shape_by_name("qwen3_6_27b"), device=torch.device("meta"), dtype=torch.bfloat16,
-                        attn_implementation="sdpa", layers=layers)
-    return sum(p.numel() for p in model.parameters())
+    """The shape's parameters."""
+    return sum(p.numel() for p in _meta_model(layers).parameters())
 
 
 def test_a_merged_sync_scales_by_the_weights_an_engine_card_receives_not_the_adapter():
