@@ -211,12 +211,24 @@ class RolloutDataModule(L.LightningDataModule):
         if self.engine is None:
             from atlas_lightning.rollout.factory import build_engine
 
+            self._check_accelerator()
+
             allocated = _allocated_bytes()
             self.engine = self._built_engine = build_engine(self.cfg, self.rank, self.local_rank, self.world_size,
                                                             actor_lora=self.actor_lora)
             self.engine_allocated_bytes = _allocated_bytes() - allocated
             if self.cfg.layout.mode == "separate" and torch.cuda.is_available():
                 trainer_allocator.for_training()  # no engine in this process: the update's allocator throughout
+
+    def _check_accelerator(self) -> None:
+        """The engine is not started beside an accelerator its CUDA graphs cannot live with
+        (``rollout/engine_checks.py``): a ``ConfigError`` before anything of it exists."""
+        from atlas_lightning.config import ConfigError
+        from atlas_lightning.rollout.engine_checks import accelerator_refusal
+
+        problem = accelerator_refusal(self.cfg, getattr(self.trainer, "accelerator", None))
+        if problem:
+            raise ConfigError(problem)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_RolloutSteps(self), batch_size=None, num_workers=0, collate_fn=_identity)

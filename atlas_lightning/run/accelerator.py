@@ -7,12 +7,11 @@ and its ``teardown`` call ``_clear_cuda_memory``: ``torch._C._cuda_clearCublasWo
 stream. vLLM's eager warm-up before its capture makes one for the capture stream in PyTorch's
 default pool, and every captured GEMM that uses workspace keeps that raw address: once freed (and
 then released by any ``empty_cache``, or handed to the trainer) a graph replay writes where
-nothing, or the trainer, now is. That is the likely cause of the hybrid's fault under LoRA sync
-with CUDA graphs (the bench README's ninth attempt: gone with ``empty_cache`` disabled; the
-standalone orders, with no Lightning ``Trainer``, never faulted). Not yet shown on a card:
-``rollout/engine_checks.py`` refuses that combination until a run with this accelerator passes
-(``bench/fit_trace.py --lightning-clears-workspaces`` puts Lightning's setup back, to show the
-difference in the same session).
+nothing, or the trainer, now is. Shown on an H100 (bench README, "Tenth attempt"): the 16-layer
+Qwen3.6-27B shape under LoRA sync with CUDA graphs trained two steps with this accelerator and
+faulted (a CUDA illegal memory access at the first request after the first wake) with Lightning's
+set-up put back, in the same session. The engine refuses to start beside an accelerator that
+frees them (``rollout/engine_checks.py``), which it recognises by ``keeps_cublas_workspaces``.
 
 ``InProcessEngineCUDA`` is Lightning's CUDA accelerator with that clear left out: the cached
 memory is still returned (``torch.cuda.empty_cache``), the cuBLAS workspaces are kept for the
@@ -28,6 +27,9 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 
 class InProcessEngineCUDA(CUDAAccelerator):
     """Lightning's CUDA accelerator, less the freeing of cuBLAS's workspaces (module doc)."""
+
+    #: What the in-process engine's start checks for (``rollout/engine_checks.py``).
+    keeps_cublas_workspaces = True
 
     def setup(self, trainer: Any) -> None:
         import torch

@@ -115,7 +115,6 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
 
     # before the tokenizer loads: that reads config.json too, and fails on a bad one without naming it
     base_config = check_base_config(cfg.model.path)
-    _check_in_process_engine(cfg, base_config)
     fitted = None
     if questions is not None:  # fitted after the files' checks (the tokenizer imports transformers), once
         from atlas_lightning.rollout.step_questions import fitted_splits
@@ -221,18 +220,6 @@ def _check_separate_layout(cfg: DictConfig) -> None:
     from atlas_lightning.rollout.layout_checks import separate_refusals
 
     problems = separate_refusals(cfg)
-    if problems:
-        raise ConfigError("; ".join(problems))
-
-
-def _check_in_process_engine(cfg: DictConfig, base_config) -> None:
-    """What the in-process engine cannot run on this base on the cards (``rollout/engine_checks.py``),
-    refused here, before anything is written, rather than by the engine part-way."""
-    from atlas_lightning.rollout.engine_checks import in_process_refusals, installed_vllm, linear_attention_layers
-    from atlas_lightning.run.environment import trains_on_gpu
-
-    problems = in_process_refusals(cfg, linear_layers=linear_attention_layers(base_config),
-                                   on_cards=trains_on_gpu(str(cfg.trainer.accelerator)), vllm_version=installed_vllm())
     if problems:
         raise ConfigError("; ".join(problems))
 

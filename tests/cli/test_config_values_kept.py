@@ -48,9 +48,6 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
 * ``rollout.marked_check_every`` (1): every weight sync also serves the marked actor first, so
   that an engine not serving the version just sent is refused whatever the learning rate
   (``rollout/sync_probe.py``, "The marked check"); the weights every rollout samples are unchanged.
-* ``rollout.enforce_eager`` of the report's colocated runs on the Qwen3.6-27B hybrid (false ->
-  true, ``conf/rollout/vllm_gpu_hybrid.yaml``): with CUDA graphs, vLLM 0.26's in-process engine
-  faults there under LoRA sync, which the start refuses (``rollout/engine_checks.py``).
 """
 
 from __future__ import annotations
@@ -130,12 +127,6 @@ def _flat(node, prefix: str = "") -> dict:
 #: 27B hybrid's 0.28 in two steps, within 11% of 0.3 (``conf/rollout/vllm_gpu.yaml``).
 CHANGED = {"rollout.max_logprob_gap": (0.05, 1.0)}
 
-#: The report's colocated runs on the hybrid, whose engine runs eager now (module doc): (before, now).
-EAGER_HYBRID_RUNS = {"r28-base-cost-2gpu", "r28-continued-cost-8gpu-n32", "r28-continued-cost-8gpu-t49152-memory",
-                     "r28-continued-cost-8gpu-t49152-n16-memory", "r28-continued-cost-8gpu-t49152-tp8-memory",
-                     "r28-continued-cost-8gpu-t73728-memory"}
-EAGER_CHANGE = {"rollout.enforce_eager": (False, True)}
-
 #: Experiments written after the snapshot (they had no earlier composition to keep).
 NEWER_EXPERIMENTS = {"h200-tiny", "h200-8b"}
 #: Group files written after the snapshot, likewise (the one-card separate layout and its GPU server).
@@ -168,15 +159,8 @@ def test_composed_values_are_the_snapshots(case, monkeypatch):
     now = _flat(OmegaConf.to_container(compose(SNAPSHOT[case]["overrides"] + FIXED)))
     changed = {key: (value, now.get(MOVED.get(key, key), "<absent>")) for key, value in before.items()
                if key not in REMOVED and now.get(MOVED.get(key, key), "<absent>") != value}
-    on_purpose = {**CHANGED, **(EAGER_CHANGE if _experiment(SNAPSHOT[case]) in EAGER_HYBRID_RUNS else {})}
-    changed = {key: values for key, values in changed.items() if on_purpose.get(key) != values}
+    changed = {key: values for key, values in changed.items() if CHANGED.get(key) != values}
     assert changed == {}, changed
     assert not (REMOVED | set(MOVED)) & set(now)
     new = {key: now[key] for key in set(now) - set(before)}
     assert new == {**ADDED, **derived(now)}
-
-
-def _experiment(case: dict):
-    """The experiment a snapshot case composes (None: the default config)."""
-    first = case["overrides"][0] if case["overrides"] else ""
-    return first.split("=", 1)[1] if first.startswith("experiment=") else None

@@ -57,3 +57,15 @@ def test_the_accelerator_is_lightnings_but_beside_an_in_process_engine_on_gpus(m
     assert environment.trains_on_gpu(str(cfg.trainer.accelerator)) == on_gpu
     chosen = build_accelerator(cfg)
     assert isinstance(chosen, expected) if isinstance(expected, type) else chosen == expected
+
+
+def test_what_fit_builds_beside_an_in_process_engine_is_what_the_engine_accepts(monkeypatch, tmp_path):
+    """The accelerator chosen for a GPU run with the in-process engine and CUDA graphs passes the
+    engine's own check (``rollout/engine_checks.py``); Lightning's in its place would not."""
+    from atlas_lightning.rollout.engine_checks import accelerator_refusal
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = compose(["experiment=tiny-cpu", f"paths.root={tmp_path}", "trainer.accelerator=gpu", "rollout.engine=vllm",
+                   "rollout.enforce_eager=false"])
+    assert accelerator_refusal(cfg, build_accelerator(cfg)) is None
+    assert accelerator_refusal(cfg, CUDAAccelerator()) is not None

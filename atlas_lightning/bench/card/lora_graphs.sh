@@ -1,11 +1,12 @@
 # The hybrid's LoRA step with CUDA graphs through fit_trace (the start's refusal skipped): as fit runs
 # it now (cuBLAS's workspaces kept), then with Lightning's set-up freeing them (the suspected cause).
-# $1 = cap s for each; after setup.sh. bench README, "Ninth attempt"; run/accelerator.py.
+# $1 = cap s for each; then the variants to run (default: kept cleared; a cold machine's first call
+# has room for one). After setup.sh. bench README, "Ninth attempt"; run/accelerator.py.
 source atlas_lightning/bench/card/env.sh
-cap=$1; C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
+cap=$1; shift; variants=${*:-kept cleared}; C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
 mkdir -p $C && cp -r .carry/cache/* $C/
 python3 -c "from atlas_lightning.bench.step_suite import link_checkout_packages as l; l()"
-for variant in kept cleared; do
+for variant in $variants; do
   switch=$([ $variant = cleared ] && echo --lightning-clears-workspaces)
   rm -rf /tmp/runs/lg-$variant
   timeout -s KILL $cap python3 -m atlas_lightning.bench.fit_trace $switch -- --out $OUT/lg-$variant \
