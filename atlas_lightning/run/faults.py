@@ -113,7 +113,8 @@ def _fault_stop(err: Exception, checkpoints: Path, last_step: Callable[[], int])
     if isinstance(err, CheckpointWriteError) or (isinstance(err, OSError) and err.errno in DISK_ERRORS):
         what = "a checkpoint could not be written" if isinstance(err, CheckpointWriteError) else \
             "a file of the run could not be written"
-        return _stopped("write", what, err, checkpoints, last_step(), hint=_space_hint(err, checkpoints))
+        return _stopped("write", what, err, checkpoints, last_step(),
+                        hint=_space_hint(err, checkpoints) or _free_space(checkpoints))
     return None
 
 
@@ -132,6 +133,33 @@ def _space_hint(err: BaseException, checkpoints: Path) -> Optional[str]:
             return f"give this user write permission on {err.filename or 'the folder named'} before resuming"
         err = err.__cause__
     return None
+
+
+def _free_space(checkpoints: Path) -> Optional[str]:
+    """The free space of ``checkpoints``' file system, against the last complete checkpoint's size,
+    where the error does not say why the write failed: torch's writers raise a full disk as a
+    ``RuntimeError`` of their own (``unexpected pos 704 vs 598`` from its zip writer), no errno."""
+    import shutil
+
+    from atlas_lightning.store.checkpoints import latest_complete
+
+    folder = Path(checkpoints)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    last = latest_complete(checkpoints)
+    size = sum(f.stat().st_size for f in last.rglob("*") if f.is_file()) if last is not None else 0
+    said = f"the file system of {checkpoints} has {_amount(free)} free"
+    if free < size:
+        return f"{said}, less than the last checkpoint's {_amount(size)}: free space there before resuming"
+    return said + (f" (the last checkpoint took {_amount(size)})" if last is not None else "")
+
+
+def _amount(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
 def _stopped(cause: str, what: str, err: BaseException, checkpoints: Path, step: int,

@@ -42,6 +42,30 @@ def test_a_checkpoint_that_could_not_be_written_is_the_write_stop(tmp_path):
     assert "free space on the file system of" in str(stop)
 
 
+def test_a_write_failing_without_an_errno_names_the_free_space(tmp_path, monkeypatch):
+    """torch's zip writer reports a full disk as a ``RuntimeError`` with no errno: the stop measures
+    the free space against the last complete checkpoint and says to free it when it is short."""
+    import shutil
+    from collections import namedtuple
+
+    from atlas_lightning.store.checkpoints import MARKER
+
+    last = tmp_path / "global_step_6"
+    (last / "lightning").mkdir(parents=True)
+    (last / "lightning" / "state.ckpt").write_bytes(b"x" * 3 * 2**20)
+    (last / MARKER).write_text("{}")
+    error = CheckpointWriteError("the checkpoint of step 7 could not be written (rank 0: RuntimeError: "
+                                 "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598)")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 2**40 - 2**20, 2**20))
+    stop = _stop(tmp_path, error)
+    assert stop.cause == "write"
+    assert (f"the file system of {tmp_path} has 1.0 MiB free, less than the last checkpoint's 3.0 MiB: free "
+            f"space there before resuming") in str(stop)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 2**39, 2**39))
+    assert f"the file system of {tmp_path} has 512.0 GiB free (the last checkpoint took 3.0 MiB)" in str(_stop(tmp_path, error))
+
+
 def test_another_os_error_is_no_write_stop(tmp_path):
     with pytest.raises(FileNotFoundError), stops_cleanly(tmp_path, last_step=lambda: 7):
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", "x")
