@@ -1,4 +1,5 @@
-# The device call after the wheel transfers: install, check, assets, the 27B-shaped hybrid folder (README.md here).
+# The device call after the wheel transfers: install, check, assets, the 27B-shaped hybrid folder
+# (its first $LAYERS decoder layers, 16 unless set; README.md here).
 T0=$(date +%s); t() { echo "[setup $(( $(date +%s) - T0 ))s] $*"; }
 mkdir -p /tmp/dw && cp .device-wheels/vllm/c8/* /tmp/dw/
 source .device-wheels/install.sh > $OUT/install.log 2>&1; tail -1 $OUT/install.log
@@ -15,7 +16,7 @@ python3 -c "from atlas_lightning.models.linear_kernels import fla_problem as p; 
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 mkdir -p ~/.cache/atlas-lightning && cp -r .carry/cache/* ~/.cache/atlas-lightning/ && t assets
 if [ -z "$NO_HYBRID_FOLDER" ]; then  # NO_HYBRID_FOLDER=1: a call that runs no 27B-shaped step saves ~55 s
-  python3 -c "from pathlib import Path; from atlas_lightning.bench.step import build_model_folder as b; b('qwen3_6_27b', Path('/tmp/qwen3_6_27b'), Path.home() / '.cache/atlas-lightning/tiny-model', 16)" > $OUT/folder.log 2>&1
+  python3 -c "from pathlib import Path; from atlas_lightning.bench.step import build_model_folder as b; b('qwen3_6_27b', Path('/tmp/qwen3_6_27b'), Path.home() / '.cache/atlas-lightning/tiny-model', ${LAYERS:-16})" > $OUT/folder.log 2>&1
   t folder; tail -3 $OUT/folder.log; du -sh /tmp/qwen3_6_27b; df -h /tmp | tail -1
 fi
 if [ -n "$ADAPTER_TESTS" ]; then
