@@ -10,7 +10,7 @@ trainer, is. On the 16-layer Qwen3.6-27B shape under LoRA sync that was a CUDA i
 access at the engine's first request after its first wake, which aborted the process (six tries
 over two sessions); with the accelerator ``fit`` builds (``run/accelerator.InProcessEngineCUDA``,
 which keeps the workspaces) the same run trained two steps, and with Lightning's set-up put back in
-the same session it faulted again (bench README, "Tenth attempt"). A run that faults nowhere may
+the same session it faulted again (the tenth attempt in ``bench/README.md``). A run that faults nowhere may
 still have had its replays write into memory the trainer held: the dense 8B's merged sync never
 faulted, which proves nothing.
 

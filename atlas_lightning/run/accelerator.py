@@ -7,7 +7,7 @@ and its ``teardown`` call ``_clear_cuda_memory``: ``torch._C._cuda_clearCublasWo
 stream. vLLM's eager warm-up before its capture makes one for the capture stream in PyTorch's
 default pool, and every captured GEMM that uses workspace keeps that raw address: once freed (and
 then released by any ``empty_cache``, or handed to the trainer) a graph replay writes where
-nothing, or the trainer, now is. Shown on an H100 (bench README, "Tenth attempt"): the 16-layer
+nothing, or the trainer, now is. Shown on an H100 (the tenth attempt in ``bench/README.md``): the 16-layer
 Qwen3.6-27B shape under LoRA sync with CUDA graphs trained two steps with this accelerator and
 faulted (a CUDA illegal memory access at the first request after the first wake) with Lightning's
 set-up put back, in the same session. The engine refuses to start beside an accelerator that
