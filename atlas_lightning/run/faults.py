@@ -146,12 +146,12 @@ def _free_space(checkpoints: Path) -> Optional[str]:
     folder = Path(checkpoints)
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
-    try:
+    try:  # a stop's hint: nothing here may raise in its place
         free = shutil.disk_usage(folder).free
+        last = latest_complete(checkpoints)
+        size = sum(f.stat().st_size for f in last.rglob("*") if f.is_file()) if last is not None else 0
     except OSError:
         return None
-    last = latest_complete(checkpoints)
-    size = sum(f.stat().st_size for f in last.rglob("*") if f.is_file()) if last is not None else 0
     said = f"the file system of {checkpoints} has {_amount(free)} free"
     if free < size:
         return f"{said}, less than the last checkpoint's {_amount(size)}: free space there before resuming"
