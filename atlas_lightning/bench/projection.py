@@ -309,7 +309,7 @@ def assumptions(m: Measured, ran_layers: int, record_layers: int) -> list[str]:
                  "and host work, the same on every card)")
               + f" x TP efficiency {TP_EFFICIENCY}, at the measured concurrency ({m.concurrency or '?'} requests); "
               "two engines")
-    by_adapter_size = ("the merged sync by the weight bytes an engine's card receives (27B over TP4 / the measured "
+    sync_and_checkpoint = ("the merged sync by the weight bytes an engine's card receives (27B over TP4 / the measured "
                        "model; the gather across 8 ranks not measured), the checkpoint" if m.weight_sync == "merged"
                        else "LoRA sync and the checkpoint")
     return [
@@ -322,7 +322,7 @@ def assumptions(m: Measured, ran_layers: int, record_layers: int) -> list[str]:
         f"(H200 at {H200_MEASURED_TFLOPS:.0f} TFLOP/s measured, A100 at {A100_TFLOPS:.0f} nominal)",
         decode,
         "prefill of prompts and tool responses once each, at the forward-only MFU on an engine's 4 cards",
-        f"sleep/wake scaled by weight bytes per card and HBM, {by_adapter_size} (every step, as the report) by "
+        f"sleep/wake scaled by weight bytes per card and HBM, {sync_and_checkpoint} (every step, as the report) by "
         "adapter size, records and the rest by trajectories; validation out",
     ] + [UNMEASURED[name] for name in ("rest_s", "checkpoint_s") if name in m.assumed]
 

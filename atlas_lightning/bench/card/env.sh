@@ -6,6 +6,6 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MO
 # engine's init on the hybrid (108-118 s) is mostly the profile run's cold Triton compilation.
 export TRITON_CACHE_DIR=/tmp/cache/triton VLLM_CACHE_ROOT=/tmp/cache/vllm
 # No core files: an aborted process (the hybrid's graph fault, exit 134) may otherwise leave one of
-# tens of GB on the machine's disk, which the next folder or checkpoint then lacks (bench README,
-# "Tenth attempt").
+# tens of GB on the machine's disk, which the next folder or checkpoint then lacks (the tenth
+# attempt in bench/README.md).
 ulimit -c 0

@@ -1,7 +1,8 @@
-# The hybrid's LoRA step with CUDA graphs through fit_trace (the start's refusal skipped): as fit runs
-# it now (cuBLAS's workspaces kept), then with Lightning's set-up freeing them (the suspected cause).
+# The hybrid's LoRA step with CUDA graphs through fit_trace: as fit runs it (cuBLAS's workspaces
+# kept), then with Lightning's set-up freeing them (the cause of the fault, shown in the tenth attempt).
 # $1 = cap s for each; then the variants to run (default: kept cleared; a cold machine's first call
-# has room for one). After setup.sh. bench README, "Ninth attempt"; run/accelerator.py.
+# has room for one); LAYERS as setup.sh built the folder (16 unless set). After setup.sh. bench
+# README, "Ninth attempt"; run/accelerator.py.
 source atlas_lightning/bench/card/env.sh
 cap=$1; shift; variants=${*:-kept cleared}; C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
 mkdir -p $C && cp -r .carry/cache/* $C/
@@ -10,7 +11,7 @@ for variant in $variants; do
   switch=$([ $variant = cleared ] && echo --lightning-clears-workspaces)
   rm -rf /tmp/runs/lg-$variant
   timeout -s KILL $cap python3 -m atlas_lightning.bench.fit_trace $switch -- --out $OUT/lg-$variant \
-    --build qwen3_6_27b --layers 16 --model-dir /tmp/qwen3_6_27b --tokenizer-from $C/tiny-model --replay-step 2 -- \
+    --build qwen3_6_27b --layers ${LAYERS:-16} --model-dir /tmp/qwen3_6_27b --tokenizer-from $C/tiny-model --replay-step 2 -- \
     experiment=h200-8b name=lg-$variant model.path=/tmp/qwen3_6_27b model.linear_attention_kernel=fla \
     rollout.weight_sync=lora rollout.enforce_eager=false paths.root=/tmp/runs/lg-$variant logger.mode=disabled \
     paths.cache=$C trainer.val_every=0 callbacks.validation.val_on_last_step=false \
