@@ -229,6 +229,12 @@ class RolloutConfig(LoopLimits):
     #: (Blackwell), or ``auto``: ``triton`` on GPUs, nothing passed on CPU (vLLM's CPU kernel);
     #: ``rollout/engines/args.py`` says why. Attention-only models ignore it.
     gdn_prefill_backend: str = "auto"
+    #: The dtype a hybrid's engine keeps each sequence's Gated DeltaNet state in between steps
+    #: (vLLM's ``mamba_ssm_cache_dtype``): ``float32`` (the trainer's, which carries the state in
+    #: float32 through a sequence), ``bfloat16``, ``float16``, or ``auto``: the checkpoint's own
+    #: ``mamba_ssm_dtype`` (Qwen3.5/3.6 checkpoints say float32), else the model's dtype. GPU
+    #: engines only (``rollout/engines/args.py`` says why); attention-only models ignore it.
+    mamba_ssm_cache_dtype: str = "float32"
     #: Ceiling on the gap between trainer and engine log-probs on the probe (nats/token). The
     #: bound actually applied is ``logprob_gap_factor`` times the gap measured at the run's first
     #: sync (the engine's numerical noise, weights verified by digest), never above this ceiling.

@@ -251,6 +251,7 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "rollout.max_retries": Int(0),
     "rollout.cpu_kvcache_gib": Int(1),
     "rollout.gdn_prefill_backend": OneOf(("auto", "triton", "flashinfer", "cutedsl")),
+    "rollout.mamba_ssm_cache_dtype": OneOf(("auto", "float32", "bfloat16", "float16")),
     "rollout.max_logprob_gap": Real(0.0, low_open=True),
     "rollout.logprob_gap_factor": Real(1.0),
     "rollout.marked_check_every": Int(0),

@@ -28,6 +28,9 @@ NAMED_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
         max_position_embeddings=262144, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        # as the published checkpoints' config.json has it: vLLM then keeps the Gated DeltaNet
+        # state in float32 between steps (rollout/engines/args.py)
+        mamba_ssm_dtype="float32",
     )),
     "tiny": ("qwen3", dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

@@ -60,6 +60,8 @@ and ``sync_id`` are the resumable state (``state_dict``), kept in the module's c
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import math
 import shutil
 import time
@@ -74,6 +76,8 @@ from atlas_lightning.rollout.digest import WeightDigest, bucket_digest, dtype_na
 from atlas_lightning.rollout.engine import AdapterVersion, EngineError
 from atlas_lightning.rollout.sync_probe import (MovementCheck, Reading, WeightSyncError, mark_shift, probe_scale,
                                                 rounding_floor)
+
+log = logging.getLogger(__name__)
 
 #: The two ways the actor reaches the engines (``rollout.weight_sync``).
 KINDS = ("lora", "merged")
@@ -172,7 +176,12 @@ def check_held(sent, report, version: int, sent_tensors: Optional[int] = None, d
         dtype = form.get("dtype")
         if isinstance(dtype, list):
             raise WeightSyncError(f"weight sync v{version}: the engine holds the adapter in several dtypes {dtype}")
-        expected = lora_digest(sent, dtype=dtype_named(dtype), scale_b=bool(form.get("scale_b")), device=device)
+        held = dict(dtype=dtype_named(dtype), scale_b=bool(form.get("scale_b")))
+        expected = lora_digest(sent, **held, device=device)
+        if report.digest.total != expected.total and device is not None and str(device) != "cpu":
+            # the held form made on the card differs from vLLM's, made on the host: judge by the host's
+            _warn_card_held_form()
+            expected = lora_digest(sent, **held)
     else:
         expected = sent
     if form.get("kind") != "buckets" and report.tensor_count != len(expected):
@@ -182,6 +191,12 @@ def check_held(sent, report, version: int, sent_tensors: Optional[int] = None, d
     if report.digest.total != expected.total:
         raise WeightSyncError(f"weight sync v{version}: what the engine holds ({report.held}) is not what the "
                               f"trainer sent: {'; '.join(expected.differences(report.digest))}")
+
+
+@functools.cache
+def _warn_card_held_form() -> None:
+    log.warning("weight sync: the adapter's held form computed on the card differs from the host's (vLLM's); "
+                "each LoRA sync now computes it on the host too (slower, as exact)")
 
 
 def check_probe_logprobs(logprobs: Any, step: int, where: str = "the engine's probe") -> None:

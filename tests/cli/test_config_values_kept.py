@@ -45,6 +45,8 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
   rollout (``callbacks/validation.py``); off, validation runs alone, as every snapshot's did.
 * ``rollout.gdn_prefill_backend`` (``auto``): vLLM's Gated DeltaNet prefill kernel for hybrid
   models (``rollout/engines/args.py``); attention-only models, every snapshot's, ignore it.
+* ``rollout.mamba_ssm_cache_dtype`` (``float32``): the dtype a hybrid's GPU engine keeps its
+  Gated DeltaNet state in (``rollout/engines/args.py``); attention-only models ignore it.
 * ``rollout.marked_check_every`` (1): every weight sync also serves the marked actor first, so
   that an engine not serving the version just sent is refused whatever the learning rate
   (``rollout/sync_probe.py``, "The marked check"); the weights every rollout samples are unchanged.
@@ -76,7 +78,8 @@ ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.de
          "algorithm.off_policy_loss": "none", "algorithm.behav_imp_weight_cap": 5.0,
          "algorithm.behav_imp_weight_mode": "truncate", "layout.staleness_policy": "wait",
          "layout.partial_rollouts": False, "layout.share_cards": False,
-         "rollout.gdn_prefill_backend": "auto", "rollout.marked_check_every": 1}
+         "rollout.gdn_prefill_backend": "auto", "rollout.marked_check_every": 1,
+         "rollout.mamba_ssm_cache_dtype": "float32"}
 
 
 def derived(now: dict) -> dict:

@@ -80,6 +80,23 @@ def test_tensor_digest_is_the_same_in_chunks_and_segments(monkeypatch):
     assert digest.tensor_digest(t) == whole == _reference_digest(t)
 
 
+def test_named_digests_in_batches_are_each_tensors_own(monkeypatch):
+    """Small tensors digested together (several batches: a cap of 3 rows) give each its own
+    tensor_digest, its definition: a word's weight is its place in its own tensor."""
+    from atlas_lightning.rollout import digest
+
+    monkeypatch.setitem(digest._BATCH_ROWS, "cpu", 3)
+    g = torch.Generator().manual_seed(3)
+    named = [(f"t{i}", torch.randn(n, generator=g).to(dtype)) for i, (n, dtype) in
+             enumerate([(5, torch.bfloat16), (2**16, torch.bfloat16), (2**16 + 1, torch.bfloat16),
+                        (70_000, torch.float32), (3, torch.float32), (4 * 2**16, torch.bfloat16)])]
+    named += [("bytes", torch.tensor([1, 2, 3], dtype=torch.uint8)), ("empty", torch.zeros(0, 2))]
+    got = digest_named(iter(named)).entries
+    assert got == {name: _reference_digest(t) for name, t in named}
+    with pytest.raises(ValueError, match="names given twice: 't0'"):
+        digest_named([("t0", named[0][1]), ("t0", named[0][1])])
+
+
 def test_one_bit_anywhere_changes_the_digest_and_is_named():
     modules = _modules()
     sent = lora_digest(modules)
@@ -164,6 +181,32 @@ def test_an_engine_in_another_dtype_is_compared_in_its_dtype():
     report.digest = unscaled  # an engine that did not apply the scaling it says it did
     with pytest.raises(WeightSyncError, match="lora_B differs"):
         check_held(modules, report, 1)
+
+
+def test_a_held_form_made_on_the_card_that_differs_is_judged_by_the_hosts(monkeypatch):
+    """The trainer computes the engine's form where its tensors are; should that ever round
+    otherwise than vLLM's host computation, the host's form decides: a faithful engine passes,
+    an unfaithful one is still named. (A device other than the host, simulated: ``cpu:0``.)"""
+    from atlas_lightning.rollout import digest
+
+    modules = _modules()
+    held = lora_digest(modules, dtype=torch.bfloat16, scale_b=True)
+    form = {"kind": "lora", "dtype": "bfloat16", "scale_b": True}
+    computed = []
+    host_form = digest.held_form
+
+    def card_form(a, b, scaling, dtype, device="cpu"):
+        computed.append(str(device))
+        a_held, b_held = host_form(a, b, scaling, dtype, "cpu")
+        return (a_held, b_held + 1) if str(device) != "cpu" else (a_held, b_held)  # one rounding off
+
+    monkeypatch.setattr(digest, "held_form", card_form)
+    check_held(modules, SyncReport(tensor_count=len(held), digest=held, form=form), 1, device=torch.device("cpu", 0))
+    assert {"cpu:0", "cpu"} <= set(computed)
+    wrong = lora_digest(modules, dtype=torch.bfloat16, scale_b=False)
+    with pytest.raises(WeightSyncError, match="lora_B differs"):
+        check_held(modules, SyncReport(tensor_count=len(wrong), digest=wrong, form=form), 1,
+                   device=torch.device("cpu", 0))
 
 
 def test_merged_tensors_digest_by_name():

@@ -85,6 +85,35 @@ def test_the_gdn_prefill_kernel_is_a_rollout_key(tmp_path, capsys):
         EngineArgs(**{**args.__dict__, "gdn_prefill_backend": "fla"}).vllm_kwargs(on_cpu=False)
 
 
+def test_the_hybrids_state_dtype_is_a_rollout_key(tmp_path, capsys):
+    """``rollout.mamba_ssm_cache_dtype`` reaches a GPU engine as vLLM's ``mamba_ssm_cache_dtype``:
+    float32 unless set (the trainer's state dtype), a named dtype as it is, ``auto`` not at all
+    (vLLM reads the checkpoint's ``mamba_ssm_dtype``); a CPU engine is never given it; a dtype
+    vLLM does not have is refused naming the key, before anything is written (exit 2)."""
+    from atlas_lightning.cli import main
+    from atlas_lightning.config import ConfigError
+
+    args = EngineArgs.from_config(compose(["experiment=h200-8b"]))
+    assert args.vllm_kwargs(on_cpu=False)["mamba_ssm_cache_dtype"] == "float32"
+    assert "mamba_ssm_cache_dtype" not in args.vllm_kwargs(on_cpu=True)
+    half = EngineArgs.from_config(compose(["experiment=h200-8b", "rollout.mamba_ssm_cache_dtype=bfloat16"]))
+    assert half.vllm_kwargs(on_cpu=False)["mamba_ssm_cache_dtype"] == "bfloat16"
+    auto = EngineArgs.from_config(compose(["experiment=h200-8b", "rollout.mamba_ssm_cache_dtype=auto"]))
+    assert "mamba_ssm_cache_dtype" not in auto.vllm_kwargs(on_cpu=False)
+    with pytest.raises(ConfigError, match=r"rollout.mamba_ssm_cache_dtype='fp32': is not one of auto, float32"):
+        compose(["experiment=tiny-cpu", "rollout.mamba_ssm_cache_dtype=fp32"])
+    assert main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path}", "rollout.mamba_ssm_cache_dtype=fp32"]) == 2
+    assert "rollout.mamba_ssm_cache_dtype" in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+def test_the_production_shape_says_its_state_dtype_as_its_checkpoints_do():
+    """The Qwen3.6-27B shape's folders carry ``mamba_ssm_dtype: float32`` in their text config,
+    as the published checkpoints do (vLLM reads it when the key is ``auto``)."""
+    from atlas_lightning.bench.shapes import checkpoint_config, shape_by_name
+
+    assert checkpoint_config(shape_by_name("qwen3_6_27b"), 4).to_dict()["text_config"]["mamba_ssm_dtype"] == "float32"
+
+
 def test_the_engines_lora_rank_is_the_shape_the_run_resolved():
     """The engines' LoRA slot is sized from the actor's shape as the run's start-up resolved it
     (``RunFacts.lora``, handed down), not read again: a shape handed in wins over ``model.lora``

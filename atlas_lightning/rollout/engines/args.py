@@ -22,6 +22,14 @@ architecture ``Qwen3_5ForConditionalGeneration``):
   prefill, and the device wheel set cannot build it ("SM90 GDN prefill DSL kernel is
   unavailable", seen on the H200); the Triton/FLA kernels run. On CPU nothing is passed: vLLM
   takes its CPU kernel whatever is asked;
+* each sequence's Gated DeltaNet state is kept between engine steps in
+  ``rollout.mamba_ssm_cache_dtype`` (vLLM's ``mamba_ssm_cache_dtype``; ``float32`` unless set).
+  The trainer carries the state in float32 through a whole sequence; an engine that keeps it in
+  bfloat16 rounds it at every decoded token and at every prefix-cache block boundary of a
+  prefill, a rounding that compounds over the Gated DeltaNet layers. vLLM's own default for a
+  Qwen3.5/3.6 checkpoint is its ``mamba_ssm_dtype`` (float32 in the published ones), else the
+  model's dtype; ``auto`` leaves it to vLLM, and so does a CPU engine (vLLM's CPU kernel was
+  never run here with a float32 state);
 * every engine is started ``language_model_only``: the agent sends text alone, so vLLM builds
   no vision tower (its weights in the folder are skipped: no memory, no encoder profiling,
   no image processor needed). Attention-only models ignore both.
@@ -84,6 +92,8 @@ class EngineArgs:
     lora_rank: Optional[int]
     #: ``rollout.gdn_prefill_backend``: ``auto`` or one of ``VLLM_GDN_PREFILL_KERNELS`` (module doc).
     gdn_prefill_backend: str = "auto"
+    #: ``rollout.mamba_ssm_cache_dtype``: ``auto`` (vLLM's choice) or a dtype (module doc).
+    mamba_ssm_cache_dtype: str = "float32"
 
     @classmethod
     def from_config(cls, cfg: Any, actor_lora: Optional[LoraShape] = None) -> "EngineArgs":
@@ -108,6 +118,7 @@ class EngineArgs:
             cpu_kvcache_gib=int(r.cpu_kvcache_gib),
             lora_rank=lora_rank,
             gdn_prefill_backend=str(r.gdn_prefill_backend),
+            mamba_ssm_cache_dtype=str(r.mamba_ssm_cache_dtype),
         )
 
     def vllm_kwargs(self, *, on_cpu: bool) -> dict[str, Any]:
@@ -129,6 +140,8 @@ class EngineArgs:
         )
         if kernel is not None:
             kwargs["gdn_prefill_backend"] = kernel
+        if self.mamba_ssm_cache_dtype != "auto" and not on_cpu:
+            kwargs["mamba_ssm_cache_dtype"] = self.mamba_ssm_cache_dtype
         if on_cpu:
             # vLLM 0.32 rewinds a seeded request's generator (set_offset) when a chunked prefill
             # discards its sampled token, and CPU generators refuse that ("CPU Generator does not

@@ -74,19 +74,16 @@ def _held_lora(worker, lora_id: int) -> Optional[dict]:
     module name) of the LoRA factors it holds for ``lora_id``, exactly as held, with their dtype
     and whether ``B`` carries its scaling (vLLM folds it in on load); None if it holds none.
     Packed modules (``qkv_proj``, ``gate_up_proj``) are named by their parts."""
-    from atlas_lightning.rollout.digest import canonical_module, tensor_digest
+    from atlas_lightning.rollout.digest import canonical_module, digest_named
 
     manager = worker.model_runner.lora_manager._adapter_manager
     model = manager.get_adapter(lora_id)
     if model is None:
         return None
     # vLLM keeps an adapter's factors in host memory (copied into the card's slots when active):
-    # digested on the worker's card, one tensor at a time, as the trainer digests what it sent
+    # digested on the worker's card, in batches, as the trainer digests what it sent
     device = getattr(worker, "device", None)
-
-    def digest(tensor: torch.Tensor) -> str:
-        return tensor_digest(tensor.to(device) if device is not None else tensor)
-    entries, dtypes, folded = {}, set(), True
+    held, dtypes, folded = [], set(), True
     for module_name, weights in model.loras.items():
         packed = isinstance(weights.lora_a, list)
         names = manager.packed_modules.get(module_name, []) if packed else [module_name]
@@ -99,9 +96,10 @@ def _held_lora(worker, lora_id: int) -> Optional[dict]:
             if a is None:  # a part without LoRA
                 continue
             key = canonical_module(name)
-            entries[f"{key}.lora_A"], entries[f"{key}.lora_B"] = digest(a), digest(b)
+            held += [(f"{key}.lora_A", a), (f"{key}.lora_B", b)]
             dtypes.add(str(a.dtype).removeprefix("torch."))
             folded = folded and scaling == 1
+    entries = digest_named((name, tensor if device is None else tensor.to(device)) for name, tensor in held).entries
     return {"entries": entries, "dtype": dtypes.pop() if len(dtypes) == 1 else sorted(dtypes), "scale_b": folded}
 
 
