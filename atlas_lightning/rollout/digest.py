@@ -112,7 +112,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     three integers per 2^31 words. Same bytes, same string, on any device."""
     words, mask = _words(tensor)
     device, n = words.device, words.numel()
-    head = f"{str(tensor.dtype).removeprefix('torch.')}{tuple(tensor.shape)}:"
+    head = _head(tensor)
     if n == 0:
         return head + "0.0.0"
     column_weights = _column_weights(device)
@@ -171,10 +171,11 @@ def digest_named(named: Iterable[tuple[str, torch.Tensor]]) -> WeightDigest:
     never held whole: at most one batch (16 MiB of words on a card) is held at once."""
     digests: dict[str, str] = {}
     batch: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-    batch_rows = 0
+    batch_rows, seen = 0, set()
     for name, tensor in named:
-        if name in digests or any(name == held for held, _, _ in batch):
+        if name in seen:
             raise ValueError(f"digest_named: names given twice: {name!r}")
+        seen.add(name)
         words, mask = _words(tensor)
         rows, cap = -(-words.numel() // _ROW), _BATCH_ROWS.get(words.device.type, _CHUNK_ROWS)
         if mask != 0xFFFF or rows == 0 or rows > cap:  # bytes, empty, or large: alone
@@ -212,9 +213,13 @@ def _batch_digests(batch: list[tuple[str, torch.Tensor, torch.Tensor]]) -> dict[
     # exact in int64: a batch holds far fewer than 2^15 rows of terms below 2^48 each
     running = terms.cumsum(0)[last]
     sums = torch.cat([running[:1], running[1:] - running[:-1]]).tolist()
-    return {name: f"{str(tensor.dtype).removeprefix('torch.')}{tuple(tensor.shape)}:"
-                  + ".".join(f"{value:x}" for value in values)
+    return {name: _head(tensor) + ".".join(f"{value:x}" for value in values)
             for (name, tensor, _), values in zip(batch, sums)}
+
+
+def _head(tensor: torch.Tensor) -> str:
+    """A digest's ``<dtype><shape>:`` prefix."""
+    return f"{str(tensor.dtype).removeprefix('torch.')}{tuple(tensor.shape)}:"
 
 
 def bucket_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
