@@ -12,3 +12,5 @@ timeout -s KILL $cap python3 -m atlas_lightning.bench.step --out $OUT/h-$sync --
 echo "exit $?"
 cat $OUT/h-$sync/step_bench.md 2>/dev/null
 grep -E "Error|error:|StartingCheck|took .* seconds to fall asleep|Sleep mode freed|Available KV|init engine" $OUT/h-$sync.log | cut -c1-300 | tail -25
+# the Gated DeltaNet state's dtype in the engine (rollout.mamba_ssm_cache_dtype), as vLLM took it
+grep -o -E "'mamba_ssm_cache_dtype': '[a-z0-9]+'|mamba_ssm_cache_dtype=[a-z0-9]+" $OUT/h-$sync.log | sort | uniq -c | head -3
