@@ -2,7 +2,8 @@
 how they ran before (one tensor at a time; the engine's form made on the host; the marked
 actor drawn on the host). CUDA only; nothing but torch and this package.
 
-    python -m atlas_lightning.bench.sync_checks [--shape qwen3_6_27b] [--layers 16] [--rank 64]
+    atlas-lightning bench sync-checks [--shape qwen3_6_27b] [--layers 16] [--rank 64]
+    python -m atlas_lightning.bench.sync_checks                               # the same
 
 The actor adapter of the shape's first ``layers`` decoder layers (every all-linear target, A and
 B in float32 as peft keeps them beside a bf16 base) is made on the card, then, each timed twice
@@ -95,7 +96,7 @@ def measure(modules) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m atlas_lightning.bench.sync_checks",
+    parser = argparse.ArgumentParser(prog="atlas-lightning bench sync-checks",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3_6_27b")
     parser.add_argument("--layers", type=int, default=16)

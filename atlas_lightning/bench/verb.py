@@ -29,6 +29,7 @@ BENCHMARKS = {
     "elementwise-kernels": ("elementwise_kernels", "the fused norm, SwiGLU and rotary kernels against torch's ops"),
     "merge-packing": ("merge_packing", "where the merged-weight packing pass spends its time"),
     "digest-cost": ("digest_cost", "what the weight sync's exact digests cost"),
+    "sync-checks": ("sync_checks", "the LoRA sync's checks on a card: batched digests, the held form on the card"),
     "build-time": ("build_time", "the model build's start-up on the card: random, from a folder, the old host path"),
 }
 
