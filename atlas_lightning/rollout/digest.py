@@ -27,7 +27,11 @@ merged weights (16.4 GB of bf16 on the GPU, 16 threads: ``bench/digest_cost.py``
 tensor at a time on both sides of the in-process merged sync, 55 s of a 179 s RL step on the
 H200 (``bench/results/step-h200-run2-b-merged.*``): the copies to the host dominated. The
 fingerprint reads each tensor on its own device (one float64 conversion and one matrix product
-a pass); on this repository's 2-core CPU machine 0.6 GB/s (sha256: 1.7 GB/s a thread).
+a pass); on this repository's 2-core CPU machine 0.6 GB/s (sha256: 1.7 GB/s a thread). Small
+tensors are digested in batches (``digest_named``): a LoRA sync digests a few hundred factors
+several times, and one at a time each paid its launches and a read by the host (the held check
+took 0.25 s a load for the 16-layer 27B hybrid's r64 adapter on an H100;
+``bench/sync_checks.py`` measures both ways).
 
 Who calls it: the weight sync (``rollout/sync.py``: what was sent), the engines (what they hold), tests.
 """
