@@ -12,8 +12,8 @@ Order of work:
    (``timing_s/wake``; ``timing_s/update_weights`` is the rest of the sync, and
    ``memory/peak_allocated_gib/update_weights`` its peak on CUDA);
 1. export, from ``model`` through the model-level functions of ``models/``: with ``kind="lora"``
-   the actor adapter as a PEFT folder ``adapter_folder/syncK`` (rank 0 writes; the newest
-   ``keep_versions`` are kept); with ``kind="merged"`` the adapter merged into the base, in
+   the actor adapter as a PEFT folder ``adapter_folder/syncK``, in the model's dtype, the one
+   the engines hold it in (rank 0 writes; the newest ``keep_versions`` are kept); with ``kind="merged"`` the adapter merged into the base, in
    buckets of at most ``bucket_mb`` MiB, offered to the engine as ``MergedWeights``
    (``rollout/engine.py``). How merged weights arrive is the engine's (``Engine.load_merged``):
    an in-process engine reads them as a stream of named tensors, the separate layout's shared
@@ -85,19 +85,24 @@ KINDS = ("lora", "merged")
 # ----------------------------------------------------------------------------- what is sent
 
 
-def export_actor_adapter(model, folder: Path, into: Any = None) -> dict:
+def export_actor_adapter(model, folder: Path, into: Any = None, dtype: Any = None) -> dict:
     """Write ``model``'s actor adapter to ``folder`` (PEFT layout, tensors named as the base
     checkpoint names them: vLLM ignores a Qwen3.5/3.6 adapter named otherwise) for the engines
     and return what was sent: ``{PEFT module name: (A, B, scaling)}``, full tensors on every rank
     (digested by ``rollout.digest.lora_digest``, which names a module from ``layers.<i>.`` on),
     the scaling from the adapter's own config. ``into``: the host buffers the folder is written
-    from (``models.adapters.HostBuffers``, kept for the run), else new host memory. Collective;
-    rank 0 writes."""
+    from (``models.adapters.HostBuffers``, kept for the run), else new host memory. ``dtype``:
+    the tensors cast to it first (the engines' LoRA dtype, the model's: vLLM casts what it loads
+    to it, so the folder need carry no more; peft's float32 masters beside a bf16 base are twice
+    the bytes to write, read back and load), else as the trainer holds them. Collective; rank 0
+    writes."""
     from atlas_lightning.models.adapters import save_adapter
     from atlas_lightning.models.weights import adapter_state
     from atlas_lightning.rollout.digest import lora_modules
 
     state = adapter_state(model, "actor")  # gathered once: what is written is what is digested as sent
+    if dtype is not None:
+        state = {name: tensor.to(dtype) for name, tensor in state.items()}
     save_adapter(model, "actor", folder, checkpoint_names=True, into=into, state=state)
     config = model.peft_model.peft_config["actor"]
     scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
@@ -313,7 +318,8 @@ class WeightSync:
         if self.kind == "lora":
             folder = self.adapter_folder / f"sync{self.sync_id}"
             with self._part("export"):
-                sent = export_actor_adapter(model, folder, into=self._export_buffers(device))
+                sent = export_actor_adapter(model, folder, into=self._export_buffers(device),
+                                            dtype=dtype_named(self.dtype))
                 dist_utils.barrier()
             with self._part("folder_check"):
                 check_folder(folder, sent, version, device)

@@ -346,6 +346,31 @@ def test_the_marked_actor_moves_every_lora_b_randomly_and_is_restored_exactly(ti
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
+def test_the_engines_adapter_is_written_in_the_dtype_the_engine_holds_it_in(tiny_model_dir, tmp_path):
+    """The sync writes the engines' adapter in the model's dtype (peft's float32 masters cast):
+    the folder holds that dtype, and the engine's form of it (cast, then B scaled, as vLLM loads
+    it) is byte for byte the form of the masters: nothing the engine keeps is lost."""
+    import torch
+    from safetensors.torch import load_file
+
+    from atlas_lightning.rollout.digest import lora_digest
+    from atlas_lightning.rollout.sync import export_actor_adapter
+    from tests.model_builds import actor_critic
+
+    model = actor_critic(str(tiny_model_dir), {"rank": 4, "alpha": 8}, dtype="float32")
+    with torch.no_grad():
+        for param in model.actor_parameters():
+            param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(5)) * 0.1)
+    masters = export_actor_adapter(model, tmp_path / "masters")
+    cast = export_actor_adapter(model, tmp_path / "cast", dtype=torch.bfloat16)
+    written = load_file(str(tmp_path / "cast" / "adapter_model.safetensors"))
+    assert written and {t.dtype for t in written.values()} == {torch.bfloat16}
+    assert {a.dtype for a, _, _ in cast.values()} == {torch.bfloat16}
+    held = dict(dtype=torch.bfloat16, scale_b=True)
+    assert lora_digest(cast, **held).total == lora_digest(masters, **held).total
+    assert lora_digest(cast).total != lora_digest(masters).total  # as written, they differ
+
+
 def test_a_starting_check_failure_exits_2_with_its_message_and_no_traceback(monkeypatch, capsys, tmp_path):
     from atlas_lightning import cli
     from atlas_lightning.run import verbs
