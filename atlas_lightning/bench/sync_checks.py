@@ -13,7 +13,10 @@ B in float32 as peft keeps them beside a bf16 base) is made on the card, then, e
   ``tensor_digest`` a tensor against ``digest_named`` (batched);
 - ``as_held``: the digest of the adapter as vLLM holds it (bf16, B scaled by alpha / r: the held
   check's), the form made on the host and copied back against made on the card;
-- ``mark``: the marked actor's draw for every ``lora_B``, on the host and copied against on the card.
+- ``mark``: the marked actor's draw for every ``lora_B``, on the host and copied against on the card;
+- ``export``: the adapter copied to the host and written as a safetensors file, then read back
+  onto the card (the export and the folder check's read), in float32 (peft's masters, as before)
+  against bf16 (the engines' dtype, as now), under ``$TMPDIR``.
 
 Each pair must give the same digests (the card's held form byte for byte the host's, vLLM's):
 a difference is printed and the exit code is 1. The figures go to stdout as JSON.
@@ -92,7 +95,21 @@ def measure(modules) -> dict:
 
     out["mark_host_s"], _ = timed(draw_on_host)
     out["mark_card_s"], _ = timed(draw_on_card)
+    for dtype in (torch.float32, torch.bfloat16):
+        out[f"export_{str(dtype).removeprefix('torch.')}_s"], _ = timed(lambda: export_round_trip(tensors, dtype))
     return out
+
+
+def export_round_trip(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+    """``tensors`` in ``dtype`` to the host, written as one safetensors file, read back onto the card."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/adapter_model.safetensors"
+        save_file({name: t.to(dtype).cpu() for name, t in tensors}, path)
+        load_file(path, device="cuda")
 
 
 def main(argv: list[str] | None = None) -> int:
