@@ -13,9 +13,9 @@ Order of work:
    ``memory/peak_allocated_gib/update_weights`` its peak on CUDA);
 1. export, from ``model`` through the model-level functions of ``models/``: with ``kind="lora"``
    the actor adapter as a PEFT folder ``adapter_folder/syncK``, in the model's dtype, the one
-   the engines hold it in (rank 0 writes; the newest ``keep_versions`` are kept); with ``kind="merged"`` the adapter merged into the base, in
-   buckets of at most ``bucket_mb`` MiB, offered to the engine as ``MergedWeights``
-   (``rollout/engine.py``). How merged weights arrive is the engine's (``Engine.load_merged``):
+   the engines hold it in (rank 0 writes; the newest ``keep_versions`` are kept); with
+   ``kind="merged"`` the adapter merged into the base, in buckets of at most ``bucket_mb`` MiB,
+   offered to the engine as ``MergedWeights`` (``rollout/engine.py``). How merged weights arrive is the engine's (``Engine.load_merged``):
    an in-process engine reads them as a stream of named tensors, the separate layout's shared
    server as packed buckets through vLLM's weight-transfer API; the sync digests whichever it read;
 2. load: each engine serves version ``K`` (a LoRA id never used before: ``sync_id``);
@@ -184,9 +184,10 @@ def check_held(sent, report, version: int, sent_tensors: Optional[int] = None, d
         held = dict(dtype=dtype_named(dtype), scale_b=bool(form.get("scale_b")))
         expected = lora_digest(sent, **held, device=device)
         if report.digest.total != expected.total and device is not None and str(device) != "cpu":
-            # the held form made on the card differs from vLLM's, made on the host: judge by the host's
-            _warn_card_held_form()
+            # vLLM makes its form on the host: the host's judges (and names what differs)
             expected = lora_digest(sent, **held)
+            if report.digest.total == expected.total:
+                _warn_card_held_form()
     else:
         expected = sent
     if form.get("kind") != "buckets" and report.tensor_count != len(expected):
