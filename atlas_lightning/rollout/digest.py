@@ -114,7 +114,12 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     matrix product (every product and partial sum is an integer below 2^48, which float64 holds
     exactly in any summation order), the rows' sums are combined in int64, and the host reads
     three integers per 2^31 words. Same bytes, same string, on any device."""
-    words, mask = _words(tensor)
+    return _words_digest(tensor, *_words(tensor))
+
+
+def _words_digest(tensor: torch.Tensor, words: torch.Tensor, mask: int) -> str:
+    """``tensor_digest(tensor)`` from its ``_words`` already read (a contiguous copy, for a view
+    that is not, is made once)."""
     device, n = words.device, words.numel()
     head = _head(tensor)
     if n == 0:
@@ -174,7 +179,7 @@ def digest_named(named: Iterable[tuple[str, torch.Tensor]]) -> WeightDigest:
     ``_BATCH_ROWS`` rows on one device at a time (``_batch_digests``). A stream of copies is
     never held whole: at most one batch (16 MiB of words on a card) is held at once."""
     digests: dict[str, str] = {}
-    batch: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    batch: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
     batch_rows, seen = 0, set()
     for name, tensor in named:
         if name in seen:
@@ -183,30 +188,30 @@ def digest_named(named: Iterable[tuple[str, torch.Tensor]]) -> WeightDigest:
         words, mask = _words(tensor)
         rows, cap = -(-words.numel() // _ROW), _BATCH_ROWS.get(words.device.type, _CHUNK_ROWS)
         if mask != 0xFFFF or rows == 0 or rows > cap:  # bytes, empty, or large: alone
-            digests[name] = tensor_digest(tensor)
+            digests[name] = _words_digest(tensor, words, mask)
             continue
         if batch and (batch_rows + rows > cap or words.device != batch[0][2].device):
             digests.update(_batch_digests(batch))
             batch, batch_rows = [], 0
-        batch.append((name, tensor, words))
+        batch.append((name, tensor, words, rows))
         batch_rows += rows
     if batch:
         digests.update(_batch_digests(batch))
     return WeightDigest(digests)
 
 
-def _batch_digests(batch: list[tuple[str, torch.Tensor, torch.Tensor]]) -> dict[str, str]:
-    """``tensor_digest`` of each ``(name, tensor, its 16-bit words)`` of ``batch`` (all on one
-    device, at most ``_CHUNK_ROWS`` rows in all), computed together: each tensor's words start a
-    row of their own in one zero-padded buffer (so a word's weight is its position in its own
-    tensor), one matrix product gives every row's two sums, running sums over the rows give each
-    tensor's, and the host reads them once. Why: a LoRA sync digests hundreds of small factors
-    several times, and one at a time each paid about ten launches and a read by the host."""
+def _batch_digests(batch: list[tuple[str, torch.Tensor, torch.Tensor, int]]) -> dict[str, str]:
+    """``tensor_digest`` of each ``(name, tensor, its 16-bit words, their rows)`` of ``batch``
+    (all on one device, at most ``_CHUNK_ROWS`` rows in all), computed together: each tensor's
+    words start a row of their own in one zero-padded buffer (so a word's weight is its position
+    in its own tensor), one matrix product gives every row's two sums, running sums over the rows
+    give each tensor's, and the host reads them once. Why: a LoRA sync digests hundreds of small
+    factors several times, and one at a time each paid about ten launches and a read by the host."""
     device = batch[0][2].device
-    rows = [-(-words.numel() // _ROW) for _, _, words in batch]
+    rows = [count for _, _, _, count in batch]
     buffer = torch.zeros(sum(rows) * _ROW, dtype=torch.int16, device=device)
     start = 0
-    for (_, _, words), count in zip(batch, rows):
+    for _, _, words, count in batch:
         buffer[start:start + words.numel()].copy_(words)
         start += count * _ROW
     per_row = (_unsigned_float64(buffer, 0xFFFF).view(-1, _ROW) @ _column_weights(device)).to(torch.int64)
@@ -218,7 +223,7 @@ def _batch_digests(batch: list[tuple[str, torch.Tensor, torch.Tensor]]) -> dict[
     running = terms.cumsum(0)[last]
     sums = torch.cat([running[:1], running[1:] - running[:-1]]).tolist()
     return {name: _head(tensor) + ".".join(f"{value:x}" for value in values)
-            for (name, tensor, _), values in zip(batch, sums)}
+            for (name, tensor, _, _), values in zip(batch, sums)}
 
 
 def _head(tensor: torch.Tensor) -> str:
