@@ -11,7 +11,8 @@ from collections import Counter
 import pytest
 
 from atlas_lightning.reward.summary import step_summary
-from atlas_lightning.callbacks.figures import TRAIN_FIGURES, VAL_FIGURES, FiguresCallback
+from atlas_lightning.callbacks.figures import FiguresCallback
+from atlas_lightning.callbacks.plots import TRAIN_FIGURES, VAL_FIGURES
 from atlas_lightning.config import run_dirs
 from atlas_lightning.env.terminal import TERMINAL_REASONS
 from atlas_lightning.store.records import read_record
@@ -25,9 +26,10 @@ def _counts_on_disk(artifacts, partition, step):
     return Counter(read_record(p).episode["terminal_reason"] for p in folder.glob("*_*.json"))
 
 
-def test_figures_and_terminal_reason_history(tmp_path, h, chat):
+@pytest.mark.parametrize("background", [False, True], ids=["in the step", "in the background"])
+def test_figures_and_terminal_reason_history(tmp_path, h, chat, background):
     cfg = h.make_cfg(tmp_path, total_steps=4)
-    figures = h.callback(cfg, "figures", every_n_steps=3)
+    figures = h.callback(cfg, "figures", every_n_steps=3, background=background)
     h.fit(cfg, chat, [h.callback(cfg, "artifacts"), h.callback(cfg, "validation", val_every=2), figures])
     artifacts = run_dirs(cfg)["artifacts"]
 
@@ -116,13 +118,15 @@ def test_a_figure_set_is_cheap(tmp_path):
         assert all(Path(path).is_file() and Path(path).stat().st_size > 0 for path in paths)
 
 
-@pytest.mark.parametrize("kwargs", [{"every_n_steps": 0}, {"every_n_steps": 1.5}, {"dpi": 5}])
+@pytest.mark.parametrize("kwargs", [{"every_n_steps": 0}, {"every_n_steps": 1.5}, {"dpi": 5}, {"background": 1},
+                                    {"background": "yes"}])
 def test_bad_arguments_are_refused(kwargs):
     with pytest.raises(ValueError, match="FiguresCallback"):
         FiguresCallback(artifacts="artifacts", **kwargs)
 
 
-def test_figures_reach_wandb(tmp_path, h, chat, monkeypatch):
+@pytest.mark.parametrize("background", [False, True], ids=["in the step", "in the background"])
+def test_figures_reach_wandb(tmp_path, h, chat, monkeypatch, background):
     """With the project's W&B logger (offline here), every figure is logged as an image."""
     from atlas_lightning.loggers.wandb_logger import build_loggers
 
@@ -130,8 +134,8 @@ def test_figures_reach_wandb(tmp_path, h, chat, monkeypatch):
     wandb = pytest.importorskip("wandb")
     cfg = h.make_cfg(tmp_path, total_steps=2, extra=["logger.mode=offline"])
     try:
-        trainer = h.make_trainer([h.callback(cfg, "validation", val_every=2), h.callback(cfg, "figures")],
-                                 logger=build_loggers(cfg))
+        trainer = h.make_trainer([h.callback(cfg, "validation", val_every=2),
+                                  h.callback(cfg, "figures", background=background)], logger=build_loggers(cfg))
         trainer.fit(h.ScriptedModule(cfg), datamodule=h.ScriptedDataModule(cfg, chat))
     finally:
         wandb.finish()
@@ -140,6 +144,30 @@ def test_figures_reach_wandb(tmp_path, h, chat, monkeypatch):
     expected = {f"train_figures/{n}": 2 for n in TRAIN_FIGURES}  # steps 1 and 2
     expected.update({f"val_figures/{n}": 2 for n in VAL_FIGURES})  # steps 0 and 2
     assert dict(logged) == expected
+
+
+def test_background_images_are_logged_before_the_next_steps_metrics(tmp_path, h, chat, monkeypatch):
+    """W&B drops a row logged below a step it already has: a step's figures drawn in the
+    background are logged at their own step, before the next step logs its metrics."""
+    import atlas_lightning.callbacks.figures as figures_module
+
+    logged = []
+    monkeypatch.setattr(figures_module, "log_image", lambda trainer, key, path, step: logged.append((step, key)))
+
+    class LoggingModule(h.ScriptedModule):
+        """Logs each step's metrics at the step, as ``PPOModule.training_step`` does."""
+
+        def training_step(self, batch, batch_idx):
+            output = super().training_step(batch, batch_idx)
+            logged.append((batch.step, "metrics"))
+            return output
+
+    cfg = h.make_cfg(tmp_path, total_steps=3)
+    figures = h.callback(cfg, "figures", background=True)
+    h.make_trainer([figures]).fit(LoggingModule(cfg), datamodule=h.ScriptedDataModule(cfg, chat))
+    steps = [step for step, _ in logged]
+    assert steps == sorted(steps)
+    assert Counter(steps) == {step: 1 + len(TRAIN_FIGURES) for step in (1, 2, 3)}
 
 
 def test_the_separate_layout_adds_a_staleness_figure(tmp_path):
@@ -162,3 +190,80 @@ def test_the_separate_layout_adds_a_staleness_figure(tmp_path):
     paths = figures.draw(None, "train", tmp_path / "train_figures", 3)
     assert sorted(Path(p).name for p in paths) == sorted(f"{n}.png" for n in TRAIN_FIGURES + ("staleness",))
     assert (tmp_path / "train_figures" / "staleness.png").read_bytes()[:8] == PNG
+
+
+def _history(steps: int = 3) -> list[dict]:
+    figures = FiguresCallback(artifacts="unused")
+    row = {"benchmark": "gpqa", "subsets": {}, "acc": 1.0, "objective": 1.0, "cost": 0.0, "cost_usd": 0.25,
+           "explores": 2, "score": 1.0, "terminal_reason": "submitted"}
+    for step in range(1, steps + 1):
+        figures._add("train", step_summary(step, [row, {**row, "acc": 0.0, "terminal_reason": "max_turns"}]))
+    return figures.history["train"]
+
+
+def test_the_background_process_draws_what_the_step_would(tmp_path):
+    """The spawned process writes byte for byte the PNGs the run's own process writes."""
+    from atlas_lightning.callbacks.drawing import BackgroundDrawing
+    from atlas_lightning.callbacks.plots import draw_partition
+
+    history = _history()
+    here = draw_partition(history, "train", tmp_path / "here", 80)
+    drawing = BackgroundDrawing()
+    try:
+        drawing.submit(3, history, "train", tmp_path / "there", 80)
+        assert drawing.pending_step == 3
+        step, there = drawing.wait()
+    finally:
+        drawing.close()
+    assert step == 3 and drawing.pending_step is None and drawing.wait() is None
+    assert [p.name for p in there] == [p.name for p in here] == [f"{n}.png" for n in TRAIN_FIGURES]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(here, there))
+
+
+def test_a_dead_drawing_process_loses_no_figure(tmp_path, caplog):
+    """The drawing process killed: the pending figures and every later set are drawn in the run's
+    own process, with one warning."""
+    import os
+    import signal
+
+    from atlas_lightning.callbacks.drawing import BackgroundDrawing
+
+    drawing = BackgroundDrawing()
+    try:
+        drawing.submit(1, _history(1), "train", tmp_path / "one", 80)
+        drawing.wait()
+        for pid in list(drawing._pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        for step in (2, 3):
+            drawing.submit(step, _history(step), "train", tmp_path / str(step), 80)
+            assert drawing.wait()[0] == step
+            assert all((tmp_path / str(step) / f"{n}.png").read_bytes()[:8] == PNG for n in TRAIN_FIGURES)
+    finally:
+        drawing.close()
+    assert sum("drawing process ended" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_drawing_that_fails_fails_where_it_is_waited_for(tmp_path):
+    """A bug in a figure (here a history without its means) is raised by ``wait``, as drawing in
+    the step would raise it."""
+    from atlas_lightning.callbacks.drawing import BackgroundDrawing
+
+    broken = [{k: v for k, v in h.items() if k != "mean"} for h in _history()]
+    drawing = BackgroundDrawing()
+    try:
+        drawing.submit(3, broken, "train", tmp_path, 80)
+        with pytest.raises(KeyError, match="mean"):
+            drawing.wait()
+    finally:
+        drawing.close()
+
+
+def test_auto_draws_in_the_step_on_a_cpu(tmp_path, h, chat):
+    """``background: auto`` (the configured default) keeps the drawing in the step when training
+    on a CPU, where a second process would take the training's cores."""
+    cfg = h.make_cfg(tmp_path, total_steps=1)
+    figures = h.callback(cfg, "figures")
+    assert figures.background == "auto"
+    h.fit(cfg, chat, [figures])
+    assert figures._drawing is None and figures._in_background is False
+    assert (run_dirs(cfg)["artifacts"] / "train_figures" / "reward.png").read_bytes()[:8] == PNG
