@@ -7,7 +7,8 @@ card's host leaves idle. It is started with ``spawn`` (never ``fork``: the run h
 and the engine's threads) on the first ``submit``, imports only ``callbacks/plots.py`` (matplotlib)
 and lives until ``close``.
 
-Contract: at most one drawing is pending. ``submit`` hands it a history (plain, picklable
+Contract: at most one drawing is pending. The process ignores SIGINT (Ctrl-C reaches the whole
+process group; the run waits for a pending drawing after an interrupt). ``submit`` hands it a history (plain, picklable
 summaries) and returns at once; ``wait`` returns ``(step, paths)`` once the files are written,
 re-raising whatever the drawing raised (a bug: the figures are pure functions of the history).
 If the process itself dies (killed, out of memory), ``wait`` draws the pending set in this
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import signal
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -51,7 +53,10 @@ class BackgroundDrawing:
         future: Optional[Future] = None
         if not self._broken:
             if self._pool is None:
-                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+                # Ctrl-C reaches the whole process group: the run decides what happens to a pending
+                # drawing (it waits for it), so the drawing process ignores SIGINT
+                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
             try:
                 future = self._pool.submit(draw_partition, *args)
             except BrokenProcessPool as err:

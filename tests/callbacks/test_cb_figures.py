@@ -243,6 +243,27 @@ def test_a_dead_drawing_process_loses_no_figure(tmp_path, caplog):
     assert sum("drawing process ended" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_ctrl_c_leaves_the_drawing_to_the_run(tmp_path):
+    """Ctrl-C reaches the whole process group: the drawing process goes on, and the run (which
+    waits for it after the interrupt) gets its figures."""
+    import os
+    import signal
+
+    from atlas_lightning.callbacks.drawing import BackgroundDrawing
+
+    drawing = BackgroundDrawing()
+    try:
+        drawing.submit(1, _history(1), "train", tmp_path / "one", 80)
+        drawing.wait()
+        drawing.submit(2, _history(40), "train", tmp_path / "two", 80)
+        for pid in list(drawing._pool._processes):
+            os.kill(pid, signal.SIGINT)
+        assert drawing.wait()[0] == 2 and not drawing._broken
+    finally:
+        drawing.close()
+    assert all((tmp_path / "two" / f"{n}.png").read_bytes()[:8] == PNG for n in TRAIN_FIGURES)
+
+
 def test_a_drawing_that_fails_fails_where_it_is_waited_for(tmp_path):
     """A bug in a figure (here a history without its means) is raised by ``wait``, as drawing in
     the step would raise it."""
