@@ -7,12 +7,13 @@ card's host leaves idle. It is started with ``spawn`` (never ``fork``: the run h
 and the engine's threads) on the first ``submit``, imports only ``callbacks/plots.py`` (matplotlib)
 and lives until ``close``.
 
-Contract: at most one drawing is pending. The process ignores SIGINT (Ctrl-C reaches the whole
-process group; the run waits for a pending drawing after an interrupt). ``submit`` hands it a history (plain, picklable
+Contract: at most one drawing is pending. ``submit`` hands it a history (plain, picklable
 summaries) and returns at once; ``wait`` returns ``(step, paths)`` once the files are written,
 re-raising whatever the drawing raised (a bug: the figures are pure functions of the history).
-If the process itself dies (killed, out of memory), ``wait`` draws the pending set in this
-process, warns once, and every later ``submit`` draws here too: the files are never lost.
+If the process itself dies (killed, out of memory, or unable to import the drawing), ``wait``
+draws the pending set in this process, warns once, and every later ``submit`` draws here too:
+the files are never lost. The process ignores SIGINT: Ctrl-C reaches the whole process group,
+and the run, not the drawing, decides what follows (it waits for a pending drawing).
 """
 
 from __future__ import annotations
