@@ -136,6 +136,21 @@ def rendezvous_environment_per_test():
 
 
 @pytest.fixture(autouse=True)
+def same_signal_handlers_per_test():
+    """Each test ends with the SIGINT and SIGTERM handlers it began with. Lightning answers a
+    ``KeyboardInterrupt`` inside ``fit`` by ignoring SIGINT for the rest of the process (its
+    ``_call_and_handle_interrupt``); a later test in the same worker that counts on Ctrl-C
+    would then see nothing."""
+    import signal
+
+    saved = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for number, handler in saved.items():
+        if handler is not None and signal.getsignal(number) is not handler:
+            signal.signal(number, handler)
+
+
+@pytest.fixture(autouse=True)
 def same_global_random_state_per_test():
     """Each test starts from the same state of Python's, numpy's and torch's global generators,
     whatever ran before it in its worker. Which tests share a worker changes from run to run

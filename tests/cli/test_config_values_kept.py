@@ -47,6 +47,8 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
   models (``rollout/engines/args.py``); attention-only models, every snapshot's, ignore it.
 * ``rollout.mamba_ssm_cache_dtype`` (``float32``): the dtype a hybrid's GPU engine keeps its
   Gated DeltaNet state in (``rollout/engines/args.py``); attention-only models ignore it.
+* ``callbacks.figures.background`` (``auto``): the training figures drawn in a process of their
+  own when training on a GPU (``callbacks/drawing.py``); the figures themselves are unchanged.
 * ``rollout.marked_check_every`` (1): every weight sync also serves the marked actor first, so
   that an engine not serving the version just sent is refused whatever the learning rate
   (``rollout/sync_probe.py``, "The marked check"); the weights every rollout samples are unchanged.
@@ -110,6 +112,8 @@ def derived(now: dict) -> dict:
         out["callbacks.checkpoint.background"] = True
     if "callbacks.validation._target_" in now:  # validation riding with the next rollout: off
         out["callbacks.validation.overlap"] = False
+    if "callbacks.figures._target_" in now:  # figures drawn in a process of their own on a GPU
+        out["callbacks.figures.background"] = "auto"
     return out
 
 
