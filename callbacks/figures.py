@@ -127,6 +127,7 @@ class FiguresCallback(RLCallback):
                                else self.background)
         if self._in_background and trainer.is_global_zero and self._drawing is None:
             self._drawing = BackgroundDrawing()
+            self._drawing.start()  # its start-up overlaps the model's build and the engine's
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:

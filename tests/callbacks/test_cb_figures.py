@@ -210,8 +210,12 @@ def test_the_background_process_draws_what_the_step_would(tmp_path):
     here = draw_partition(history, "train", tmp_path / "here", 80)
     drawing = BackgroundDrawing()
     try:
+        drawing.start()  # as the callback's setup does: the process starts before the first drawing
+        pool = drawing._pool
+        assert len(pool._processes) == 1 and drawing.pending_step is None
+        drawing.start()
         drawing.submit(3, history, "train", tmp_path / "there", 80)
-        assert drawing.pending_step == 3
+        assert drawing._pool is pool and len(pool._processes) == 1 and drawing.pending_step == 3
         step, there = drawing.wait()
     finally:
         drawing.close()
