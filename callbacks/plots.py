@@ -182,8 +182,3 @@ def draw_partition(history: Sequence[Mapping], partition: str, folder: Path, dpi
     label = "train" if partition == "train" else "validation"
     return [save_figure(_DRAW[name](history, f"{label}: {name.replace('_', ' ')}"), Path(folder) / f"{name}.png", dpi)
             for name in figure_names(partition, history)]
-
-
-def ready() -> bool:
-    """True: what drawing needs is imported (the background process's first task)."""
-    return True

@@ -211,11 +211,11 @@ def test_the_background_process_draws_what_the_step_would(tmp_path):
     drawing = BackgroundDrawing()
     try:
         drawing.start()  # as the callback's setup does: the process starts before the first drawing
-        pool = drawing._pool
-        assert len(pool._processes) == 1 and drawing.pending_step is None
+        child = drawing._child
+        assert child.poll() is None and drawing.pending_step is None
         drawing.start()
         drawing.submit(3, history, "train", tmp_path / "there", 80)
-        assert drawing._pool is pool and len(pool._processes) == 1 and drawing.pending_step == 3
+        assert drawing._child is child and drawing.pending_step == 3
         step, there = drawing.wait()
     finally:
         drawing.close()
@@ -236,15 +236,29 @@ def test_a_dead_drawing_process_loses_no_figure(tmp_path, caplog):
     try:
         drawing.submit(1, _history(1), "train", tmp_path / "one", 80)
         drawing.wait()
-        for pid in list(drawing._pool._processes):
-            os.kill(pid, signal.SIGKILL)
+        os.kill(drawing._child.pid, signal.SIGKILL)
         for step in (2, 3):
             drawing.submit(step, _history(step), "train", tmp_path / str(step), 80)
             assert drawing.wait()[0] == step
             assert all((tmp_path / str(step) / f"{n}.png").read_bytes()[:8] == PNG for n in TRAIN_FIGURES)
     finally:
         drawing.close()
-    assert sum("drawing process ended" in r.getMessage() for r in caplog.records) == 1
+    assert sum("drawing process is gone" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_drawing_process_that_cannot_start_loses_no_figure(tmp_path, monkeypatch, caplog):
+    """No interpreter to start the child with: the figures are drawn in the run's own process,
+    with one warning."""
+    from atlas_lightning.callbacks.drawing import BackgroundDrawing
+
+    monkeypatch.setattr("sys.executable", str(tmp_path / "no-python"))
+    drawing = BackgroundDrawing()
+    drawing.start()
+    drawing.submit(2, _history(2), "train", tmp_path, 80)
+    assert drawing.wait()[0] == 2 and drawing._broken
+    drawing.close()
+    assert all((tmp_path / f"{n}.png").read_bytes()[:8] == PNG for n in TRAIN_FIGURES)
+    assert sum("drawing process is gone" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_ctrl_c_leaves_the_drawing_to_the_run(tmp_path):
@@ -260,8 +274,7 @@ def test_ctrl_c_leaves_the_drawing_to_the_run(tmp_path):
         drawing.submit(1, _history(1), "train", tmp_path / "one", 80)
         drawing.wait()
         drawing.submit(2, _history(40), "train", tmp_path / "two", 80)
-        for pid in list(drawing._pool._processes):
-            os.kill(pid, signal.SIGINT)
+        os.kill(drawing._child.pid, signal.SIGINT)
         assert drawing.wait()[0] == 2 and not drawing._broken
     finally:
         drawing.close()
