@@ -30,6 +30,7 @@ BENCHMARKS = {
     "merge-packing": ("merge_packing", "where the merged-weight packing pass spends its time"),
     "digest-cost": ("digest_cost", "what the weight sync's exact digests cost"),
     "sync-checks": ("sync_checks", "the LoRA sync's checks on a card: batched digests, the held form on the card"),
+    "depth-rounding": ("depth_rounding", "what bf16 costs the log-probs against float32 by depth: hybrid and dense"),
     "build-time": ("build_time", "the model build's start-up on the card: random, from a folder, the old host path"),
 }
 

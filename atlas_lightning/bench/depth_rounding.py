@@ -1,0 +1,122 @@
+"""What bf16 costs the per-token log-prob against float32, by depth: a hybrid Gated DeltaNet +
+attention model (Qwen3.5's layout, three Gated DeltaNet layers to one attention layer) and a dense
+one (Qwen3's) of the same width, random weights, transformers' own modules. Runs on a CPU.
+
+    atlas-lightning bench depth-rounding > depth-rounding.json          # about 3 CPU-minutes
+    atlas-lightning bench depth-rounding --depths 24 --sublayers        # which sublayer carries it
+
+For each depth L it builds the model once (seeded), takes float32 log-probs of fixed random tokens
+as the reference and reports the mean and largest |bf16 - float32| per token, and that mean over
+sqrt(L). ``--sublayers`` also runs the hybrid with one kind of sublayer at a time (Gated DeltaNet
+mixers, attention, MLPs, norms) in float32 inside the bf16 model.
+
+Why: the trainer's and the engine's log-probs on the 27B hybrid part by 0.052 at 16 layers and
+0.065 at 24 (bench README, "Twelfth attempt"), more with depth, where the dense 8B's stay at
+0.053. Both sides run in bf16, each with its own roundings; if each is off float32 by e, they are
+off each other by about sqrt(2) e. Seen on this machine's CPU (2026-12-07,
+``bench/results/depth-rounding-cpu.json``): the hybrid's bf16 error is 0.0029-0.0031 x sqrt(L)
+from 4 to 32 layers, the dense model's stays at 0.0064-0.0089; at 24 layers the MLPs in float32
+take 18% of it away, the Gated DeltaNet mixers 9%, attention and norms nothing. So the growth is
+how the hybrid carries roundings from layer to layer, not one kernel's: 16 -> 24 layers predicts a
+gap 1.22 times larger (the card measured 1.24), and the 64-layer model's about twice the 16
+layers'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Callable, Iterable
+
+import torch
+
+#: a narrow model: the depth, not the width, is what is asked about
+WIDTH = dict(hidden_size=512, intermediate_size=1536, vocab_size=8192, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=128)
+HYBRID = dict(linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64)
+
+
+def build(kind: str, layers: int) -> torch.nn.Module:
+    """A seeded random ``kind`` (``hybrid`` or ``dense``) causal LM of ``layers`` layers, float32."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "hybrid":
+        types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+        types[-1] = "full_attention"  # at least one (transformers' cache needs it): the same below 4 layers
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(num_hidden_layers=layers, layer_types=types, **WIDTH, **HYBRID))
+    return Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, **WIDTH))
+
+
+def token_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Each next token's log-prob under ``model``, in float32."""
+    with torch.no_grad():
+        logprobs = model(input_ids=ids).logits.float().log_softmax(-1)
+    return logprobs[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def in_float32(module: torch.nn.Module) -> None:
+    """Run float32 ``module`` inside a bf16 model: its floating inputs cast up, its outputs down."""
+
+    def cast(x, dtype):
+        return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+
+    def before(mod, args, kwargs):
+        return tuple(cast(a, torch.float32) for a in args), {k: cast(v, torch.float32) for k, v in kwargs.items()}
+
+    def after(mod, args, kwargs, out):
+        return tuple(cast(o, torch.bfloat16) for o in out) if isinstance(out, tuple) else cast(out, torch.bfloat16)
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after, with_kwargs=True)
+
+
+def rounding(kind: str, layers: int, ids: torch.Tensor,
+             kept: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] = lambda layer: ()) -> dict:
+    """|bf16 - float32| per token for ``kind`` at ``layers``, with ``kept(layer)``'s modules in
+    float32 (their weights the reference's, never rounded to bf16)."""
+    reference_model = build(kind, layers).eval()
+    reference = token_logprobs(reference_model, ids)
+    model = build(kind, layers).eval().to(torch.bfloat16)
+    names = {id(module): name for name, module in model.named_modules()}
+    originals = dict(reference_model.named_modules())
+    for layer in model.model.layers:
+        for module in kept(layer):
+            module.float().load_state_dict(originals[names[id(module)]].state_dict())
+            in_float32(module)
+    gap = (token_logprobs(model, ids) - reference).abs()
+    return {"model": kind, "layers": layers, "mean": gap.mean().item(), "max": gap.max().item(),
+            "mean_over_sqrt_layers": gap.mean().item() / math.sqrt(layers)}
+
+
+SUBLAYERS = {
+    "gated_deltanet": lambda layer: [layer.linear_attn] if hasattr(layer, "linear_attn") else [],
+    "attention": lambda layer: [layer.self_attn] if hasattr(layer, "self_attn") else [],
+    "mlp": lambda layer: [layer.mlp],
+    "norms": lambda layer: [layer.input_layernorm, layer.post_attention_layernorm],
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="atlas-lightning bench depth-rounding", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16, 24, 32])
+    parser.add_argument("--sequences", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=384)
+    parser.add_argument("--sublayers", action="store_true", help="also the hybrid with each sublayer kind in float32")
+    args = parser.parse_args(argv)
+    if min(args.depths) < 1 or args.sequences < 1 or args.tokens < 2:
+        print("atlas-lightning bench depth-rounding: --depths >= 1, --sequences >= 1, --tokens >= 2", file=sys.stderr)
+        return 2
+    ids = torch.randint(0, WIDTH["vocab_size"], (args.sequences, args.tokens), generator=torch.Generator().manual_seed(1))
+    rows = [rounding(kind, layers, ids) for kind in ("hybrid", "dense") for layers in args.depths]
+    if args.sublayers:
+        for name, kept in SUBLAYERS.items():
+            rows += [{**rounding("hybrid", layers, ids, kept), "float32": name} for layers in args.depths]
+    print(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
