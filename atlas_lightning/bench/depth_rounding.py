@@ -11,8 +11,8 @@ sqrt(L). ``--sublayers`` also runs the hybrid with one kind of sublayer at a tim
 mixers, attention, MLPs, norms) in float32 inside the bf16 model.
 
 Why: the trainer's and the engine's log-probs on the 27B hybrid part by 0.052 at 16 layers and
-0.065 at 24 (bench README, "Twelfth attempt"), more with depth, where the dense 8B's stay at
-0.053. Both sides run in bf16, each with its own roundings; if each is off float32 by e, they are
+0.065 at 24 (``bench/results/h100-27b24-lora-graphs-512.json``), more with depth, where the
+dense 8B's stay at 0.053. Both sides run in bf16, each with its own roundings; if each is off float32 by e, they are
 off each other by about sqrt(2) e. Seen on this machine's CPU (2026-12-07,
 ``bench/results/depth-rounding-cpu.json``): the hybrid's bf16 error is 0.0029-0.0031 x sqrt(L)
 from 4 to 32 layers, the dense model's stays at 0.0064-0.0089; at 24 layers the MLPs in float32
