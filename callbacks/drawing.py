@@ -73,7 +73,7 @@ class BackgroundDrawing:
         drawing must have been waited for."""
         if self._pending is not None:
             raise RuntimeError(f"BackgroundDrawing: step {self._pending[0]}'s figures are still pending")
-        args = ([dict(h) for h in history], partition, Path(folder), dpi)
+        args = (list(history), partition, Path(folder), dpi)
         self.start()
         if self._child is not None:
             try:

@@ -15,9 +15,10 @@ Order of work:
    the actor adapter as a PEFT folder ``adapter_folder/syncK``, in the model's dtype, the one
    the engines hold it in (rank 0 writes; the newest ``keep_versions`` are kept); with
    ``kind="merged"`` the adapter merged into the base, in buckets of at most ``bucket_mb`` MiB,
-   offered to the engine as ``MergedWeights`` (``rollout/engine.py``). How merged weights arrive is the engine's (``Engine.load_merged``):
-   an in-process engine reads them as a stream of named tensors, the separate layout's shared
-   server as packed buckets through vLLM's weight-transfer API; the sync digests whichever it read;
+   offered to the engine as ``MergedWeights`` (``rollout/engine.py``). How merged weights
+   arrive is the engine's (``Engine.load_merged``): an in-process engine reads them as a stream
+   of named tensors, the separate layout's shared server as packed buckets through vLLM's
+   weight-transfer API; the sync digests whichever it read;
 2. load: each engine serves version ``K`` (a LoRA id never used before: ``sync_id``);
 3. verify, exactly (``rollout/digest.py``: a fingerprint per tensor over dtype, shape and
    bytes, computed on the tensor's device): with LoRA, the exported folder against what the

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -64,18 +65,12 @@ def test_sigterm_outside_lightnings_loop_raises_terminated_and_the_handler_is_re
 
 
 _SIGNALLED_COMMAND = """
-import os, signal, sys, time
+import signal, sys
 from atlas_lightning.run.exit_codes import exit_code
+from tests.run.test_interrupts import _signal_self
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as a shell starts a command
-
-def action():
-    os.kill(os.getpid(), {number})
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline:
-        time.sleep(0.01)  # the handler runs in the main thread as soon as the signal is seen
-
-sys.exit(exit_code("atlas-lightning fit", action))
+sys.exit(exit_code("atlas-lightning fit", lambda: _signal_self({number})))
 """
 
 
@@ -87,7 +82,7 @@ def test_a_signal_before_any_fit_is_answered_with_its_exit_code(received, code):
     import subprocess
 
     done = subprocess.run([sys.executable, "-c", _SIGNALLED_COMMAND.format(number=int(received))],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
     assert done.returncode == code, done.stderr
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("atlas-lightning fit: stopped: interrupted by SIG") and "no RL step was under way" in line
