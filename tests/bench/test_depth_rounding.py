@@ -44,3 +44,15 @@ def test_a_sublayer_kept_in_float32_computes_in_float32():
 def test_bad_options_exit_2(capsys):
     assert depth_rounding.main(["--depths", "0"]) == 2
     assert "--depths >= 1" in capsys.readouterr().err
+
+
+def test_full_width_is_the_report_models_shapes():
+    hybrid, dense = depth_rounding.config("hybrid", 8, "full"), depth_rounding.config("dense", 8, "full")
+    assert (hybrid.hidden_size, hybrid.num_hidden_layers, hybrid.linear_num_value_heads) == (5120, 8, 48)
+    assert hybrid.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    assert (dense.hidden_size, dense.num_hidden_layers, dense.model_type) == (4096, 8, "qwen3")
+
+
+def test_sublayers_at_full_width_are_refused(capsys):
+    assert depth_rounding.main(["--width", "full", "--sublayers"]) == 2
+    assert "--width narrow only" in capsys.readouterr().err
