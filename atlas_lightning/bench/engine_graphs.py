@@ -45,11 +45,8 @@ def _generate(engine, prompt: list[int], count: int, max_tokens: int) -> int:
     """``count`` sampled requests of ``prompt``, to the end; the tokens generated."""
     from atlas_lightning.rollout.engine import GenerationRequest, SamplingSpec
 
-    for index in range(count):
-        engine.submit(GenerationRequest(f"graphs-{index}", tuple(prompt), SamplingSpec(max_tokens=max_tokens, seed=index)))
-    done = []
-    while len(done) < count:
-        done.extend(engine.poll())
+    done = engine.generate([GenerationRequest(f"graphs-{index}", tuple(prompt), SamplingSpec(max_tokens=max_tokens, seed=index))
+                            for index in range(count)])
     failed = [result.error for result in done if result.error]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")

@@ -101,16 +101,12 @@ def _generate(engine, prompts: list[list[int]], max_tokens: int, temperature: fl
     """Each prompt's sampled answer (seed: its index), in the prompts' order; a failed request raises."""
     from atlas_lightning.rollout.engine import GenerationRequest, SamplingSpec
 
-    for index, prompt in enumerate(prompts):
-        spec = SamplingSpec(max_tokens=max_tokens, temperature=temperature, seed=index)
-        engine.submit(GenerationRequest(f"gap-{index}", tuple(prompt), spec))
-    done = {}
-    while len(done) < len(prompts):
-        done.update((result.request_id, result) for result in engine.poll())
-    failed = [result.error for result in done.values() if result.error]
+    results = engine.generate([GenerationRequest(f"gap-{index}", tuple(prompt), SamplingSpec(
+        max_tokens=max_tokens, temperature=temperature, seed=index)) for index, prompt in enumerate(prompts)])
+    failed = [result.error for result in results if result.error]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(prompts)} requests failed: {failed[0]}")
-    return [done[f"gap-{index}"] for index in range(len(prompts))]
+    return results
 
 
 def engine_phase(path: Path, overrides: list[str], requests: int, prompt_tokens: int, max_tokens: int) -> None:
