@@ -26,7 +26,10 @@ from 4 to 32 layers, the dense model's stays at 0.0064-0.0089; at 24 layers the 
 take 18% of it away, the Gated DeltaNet mixers 9%, attention and norms nothing. So the growth is
 how the hybrid carries roundings from layer to layer, not one kernel's: 16 -> 24 layers predicts a
 gap 1.22 times larger (the card measured 1.24), and the 64-layer model's about twice the 16
-layers'.
+layers'. At the full widths on an H100 (``bench/results/depth-rounding-full-h100.json``, 8-32
+layers) both kinds grow as sqrt(L), the hybrid by 0.015-0.016 and the dense 8B shape by
+0.024-0.026: here the weights are rounded too, which the engine and the trainer never differ by
+(both hold the checkpoint's bf16 weights); ``bench gap-sources`` measures that compute-only part.
 """
 
 from __future__ import annotations
@@ -167,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     vocab = min(config(kind, 1, args.width).vocab_size for kind in ("hybrid", "dense"))
     ids = torch.randint(0, vocab, (args.sequences, args.tokens), generator=torch.Generator().manual_seed(1))
     rows = _rows(args, ids.to(args.device))
-    print(json.dumps({"torch": torch.__version__, "width": args.width, "device": args.device, "rows": rows}, indent=1))
+    card = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None
+    print(json.dumps({"torch": torch.__version__, "width": args.width, "device": args.device, "card": card,
+                      "rows": rows}, indent=1))
     return 0
 
 

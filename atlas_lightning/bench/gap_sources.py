@@ -36,6 +36,13 @@ One caution: a checkpoint stored in bf16 (as released ones are) gives the float3
 very weights both sides run; one stored in float32 (the tiny model) has its weights rounded to
 bf16 once, for both sides alike, an error they share, so there engine-vs-trainer comes out below
 sqrt(2) times the others (the tiny model in bf16 on a CPU: 0.015 against 0.017 and 0.019).
+
+Seen on an H100 (2026-12-07, ``bench/results/h100-gap-sources-*.json``, bf16 folders): at 16, 24
+and 32 hybrid layers engine-vs-trainer 0.052, 0.065, 0.075, engine-vs-reference 0.044, 0.055,
+0.063, trainer-vs-reference 0.049, 0.060, 0.072 with fla and 0.048, 0.060, 0.070 with torch's
+kernel; the dense 8B shape (36 layers) 0.061, 0.047, 0.055. Both sides' bf16, growing as sqrt(L),
+no kernel wrong; engine-vs-trainer below sqrt(2) times the others, so part of the two sides'
+rounding is shared.
 """
 
 from __future__ import annotations
