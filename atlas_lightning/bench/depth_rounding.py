@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = min(config(kind, 1, args.width).vocab_size for kind in ("hybrid", "dense"))
     ids = torch.randint(0, vocab, (args.sequences, args.tokens), generator=torch.Generator().manual_seed(1))
     rows = _rows(args, ids.to(args.device))
-    card = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None
+    card = torch.cuda.get_device_name(args.device) if torch.device(args.device).type == "cuda" else None
     print(json.dumps({"torch": torch.__version__, "width": args.width, "device": args.device, "card": card,
                       "rows": rows}, indent=1))
     return 0

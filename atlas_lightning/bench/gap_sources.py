@@ -257,12 +257,18 @@ def _skip_torch_variant(trainer: dict) -> Optional[str]:
     return None
 
 
+def scored_temperatures(data: dict) -> list[float]:
+    """The temperatures every source is compared at: the rollout's, then 1 (the engine's prefill's)
+    where that differs."""
+    return [data["temperature"]] + ([1.0] if data["temperature"] != 1.0 else [])
+
+
 def trainer_phase(cfg, data: dict, batch: int) -> tuple[dict, dict]:
     """Every variant's scores: ``({(variant, temperature): (N,) log-probs}, {variant: facts})``."""
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    temperatures = sorted({data["temperature"], 1.0})
+    temperatures = scored_temperatures(data)
     scores, facts = {}, {}
     for name in VARIANTS:
         skipped = _skip_torch_variant(facts["trainer"]) if name == "trainer_torch" else None
@@ -377,8 +383,7 @@ def run(args: argparse.Namespace) -> int:
     engine_done = time.monotonic()
     scores, variants = trainer_phase(cfg, data, args.score_batch)
     scores.update(engine_scores(data))
-    temperatures = [data["temperature"]] + ([1.0] if data["temperature"] != 1.0 else [])
-    rows = pairs(scores, temperatures)
+    rows = pairs(scores, scored_temperatures(data))
     seconds = {"compose": composed - started, "engine_phase": engine_done - composed,
                "trainer_phase": time.monotonic() - engine_done, "total": time.monotonic() - started}
     result = report(cfg, args, data, variants, rows, seconds)
