@@ -9,7 +9,8 @@ groups, or the trainer whose group it was. The next engine then fails to start (
 
 Contract (who calls it: ``vllm_engine.VLLMEngine``, and tests that drive ``vllm.LLM`` directly):
 
-- ``start_llm(**kwargs)`` builds ``vllm.LLM(**kwargs)`` and counts it live in this process.
+- ``start_llm(**kwargs)`` builds ``vllm.LLM(**kwargs)`` and counts it live in this process; torch's
+  warnings about Triton kernels it cannot analyse come as one line (``compile_warnings``).
 - ``shut_down_llm(llm)`` ends that engine now: its worker, scheduler and caches. vLLM's own
   process groups (shared by every in-process engine) end with the last live engine; torch's
   default process group ends with them only if the first of the live engines made it (an
@@ -23,6 +24,8 @@ from typing import Any
 from unittest import mock
 
 import torch
+
+from atlas_lightning.rollout.engines.compile_warnings import summarise_kernel_analysis_failures
 
 #: ids of the live ``vllm.LLM`` instances started here.
 _live: set[int] = set()
@@ -39,6 +42,7 @@ def start_llm(**kwargs: Any):
     global _default_group_was_there
     from vllm import LLM
 
+    summarise_kernel_analysis_failures()  # the engine's first compile may otherwise log a traceback a kernel
     if not _live:
         _default_group_was_there = _default_group_exists()
     llm = LLM(**kwargs)
