@@ -7,7 +7,8 @@ needs beside it; seen for vLLM's ``_fused_qk_rmsnorm_rope_gate_kernel``), that a
 torch logs a warning with the whole ``CompilationError`` traceback, once per kernel and per
 compiled shape: 28 tracebacks on the hybrid's engine. torch then treats every argument of that
 kernel as written, which is correct (it only orders and keeps more buffers than it needs), and
-generation is unchanged (bench README, "Thirteenth attempt").
+generation is unchanged (atlas_lightning/bench/README.md, "The 27B hybrid through `fit`", its
+thirteenth attempt).
 
 Contract: ``summarise_kernel_analysis_failures()`` (idempotent) installs a filter on the logger
 torch uses (``torch._dynamo``). The first such warning of the process passes as one line naming
