@@ -103,6 +103,13 @@ class ModelConfig:
     #: Tokens a chunk when computing log-probs/entropy/values from hidden states, so that
     #: full-vocabulary logits never exist for a whole micro-batch.
     logprob_chunk_tokens: int = 4096
+    #: The lm_head's output dtype, in the trainer and in every engine alike (vLLM's
+    #: ``head_dtype``): ``model`` (logits in ``dtype``, rounded before the log-softmax, as verl
+    #: computes them: the report's numerics) or ``float32`` (the bf16 product accumulated into
+    #: float32 logits, never rounded: the trainer and the engine then no longer round logits of
+    #: 20-40 to a grid of 0.125-0.25, which MiniMax-M1 and NeMo-RL found the largest part of
+    #: their gap on trained models; ``models/logprobs.py``).
+    head_dtype: str = "model"
     attn_implementation: str = "sdpa"
     #: ``packed`` (sequences concatenated, no padding; every layer kind sees the sequence
     #: boundaries), ``padded`` (right-padded rows) or ``auto`` (packed).

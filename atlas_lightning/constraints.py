@@ -211,6 +211,7 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
         (OneOf((None, "all-linear")), Items(_MODULE_NAME, min_length=1, unique=True)),
         "null (model.lora's), 'all-linear' or a non-empty list of module names"),
     "model.logprob_chunk_tokens": Int(1),
+    "model.head_dtype": OneOf(("model", "float32")),
     "model.attn_implementation": OneOf(("sdpa", "sdpa_varlen", "eager", "flash_attention_2", "flash_attention_3")),
     "model.sequence_layout": OneOf(("auto", "packed", "padded")),
     "model.linear_attention_kernel": OneOf(("auto", "fla", "torch")),

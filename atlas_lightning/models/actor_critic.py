@@ -183,6 +183,8 @@ class ActorCritic(nn.Module):
         if missing:
             raise ValueError(f"no LoRA spec for {', '.join(missing)} (one a role: {', '.join(ADAPTERS)})")
         self.logprob_chunk_tokens = chunk_tokens
+        #: ``model.head_dtype=float32``: logits never rounded to the weights' dtype (``logprobs.py``)
+        self.float32_head = str(getattr(config, "head_dtype", "model")) == "float32"
         #: Where the base was built (the training device): every kernel choice below is made for it.
         self.built_on = next(base.parameters()).device
         self.base_path = str(getattr(base.config, "_name_or_path", "") or f"<in-memory {type(base).__name__}>")
@@ -404,6 +406,7 @@ class ActorCritic(nn.Module):
                 temperature=temperature,
                 compute_entropy=compute_entropy,
                 bias=head.bias,
+                float32_head=self.float32_head,
             )
 
     def _scoring_hidden_states(self, packed: PackedBatch) -> Tensor:

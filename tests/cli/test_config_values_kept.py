@@ -52,6 +52,8 @@ Only these differ from the snapshot, each on purpose, and nothing else may:
 * ``rollout.marked_check_every`` (1): every weight sync also serves the marked actor first, so
   that an engine not serving the version just sent is refused whatever the learning rate
   (``rollout/sync_probe.py``, "The marked check"); the weights every rollout samples are unchanged.
+* ``model.head_dtype`` (``model``): the lm_head's output dtype in the trainer and the engines
+  (``models/logprobs.py``); ``model`` computes logits as every snapshot's runs did.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ ADDED = {"plan.card_gib": 80.0, "trainer.memory_check_generation": True, "hub.de
          "algorithm.behav_imp_weight_mode": "truncate", "layout.staleness_policy": "wait",
          "layout.partial_rollouts": False, "layout.share_cards": False,
          "rollout.gdn_prefill_backend": "auto", "rollout.marked_check_every": 1,
-         "rollout.mamba_ssm_cache_dtype": "float32"}
+         "rollout.mamba_ssm_cache_dtype": "float32", "model.head_dtype": "model"}
 
 
 def derived(now: dict) -> dict:

@@ -76,6 +76,43 @@ def test_bf16_gradients_follow_autograd_through_a_bf16_head():
     torch.testing.assert_close(grad.float(), grad_ref.float(), rtol=2e-2, atol=2e-2)
 
 
+def _large_logits(n=23, hidden=64, vocab=200, seed=1):
+    """bf16 hidden states and head whose logits reach 20-40, as a trained model's top tokens do."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) * (8.0 / hidden ** 0.5)
+    return h.bfloat16(), w.bfloat16(), torch.randint(0, vocab, (n,), generator=g)
+
+
+def test_a_float32_head_never_rounds_the_logits_and_the_default_rounds_them_as_verl():
+    """``float32_head``: the log-probs of the exact product of the bf16 operands (float64
+    reference), where the default rounds each logit to bf16 first (verl's numerics), which at
+    logits of 20-40 moves a log-prob by hundredths."""
+    h, w, t = _large_logits()
+    exact = torch.log_softmax(h.double() @ w.double().T, -1).gather(-1, t[:, None])[:, 0]
+    rounded = torch.log_softmax((h.double() @ w.double().T).bfloat16().double(), -1).gather(-1, t[:, None])[:, 0]
+    assert (h.double() @ w.double().T).abs().max() > 20
+    with torch.no_grad():
+        fp32_head, _ = token_logprobs_and_entropy(h, w, t, chunk_tokens=5, float32_head=True)
+        default, _ = token_logprobs_and_entropy(h, w, t, chunk_tokens=5)
+    assert (fp32_head.double() - exact).abs().max() < 1e-4
+    assert (default.double() - exact).abs().mean() > 1e-2
+    torch.testing.assert_close(default.double(), rounded, rtol=0, atol=1e-4)
+
+
+def test_a_float32_heads_gradients_follow_autograd_through_the_exact_product():
+    h, w, t = _large_logits()
+    h16 = h.clone().requires_grad_(True)
+    lp, ent = token_logprobs_and_entropy(h16, w, t, chunk_tokens=4, float32_head=True)
+    (grad,) = torch.autograd.grad(lp.sum() + 0.5 * ent.sum(), h16)
+    h_ref = h.float().requires_grad_(True)
+    lp_ref, ent_ref = _reference(h_ref, w.float(), t, 1.0)
+    (grad_ref,) = torch.autograd.grad(lp_ref.sum() + 0.5 * ent_ref.sum(), h_ref)
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(lp.detach(), lp_ref.detach(), rtol=0, atol=1e-4)
+    torch.testing.assert_close(grad.float(), grad_ref, rtol=2e-2, atol=2e-2)
+
+
 def test_temperature_changes_the_distribution_like_dividing_logits():
     h, w, t = _inputs()
     with torch.no_grad():

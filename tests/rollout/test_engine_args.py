@@ -106,6 +106,47 @@ def test_the_hybrids_state_dtype_is_a_rollout_key(tmp_path, capsys):
     assert "rollout.mamba_ssm_cache_dtype" in capsys.readouterr().err and not any(tmp_path.iterdir())
 
 
+def test_the_head_dtype_is_one_key_for_the_trainer_and_every_engine(tmp_path, capsys):
+    """``model.head_dtype`` reaches an engine, CPU or GPU, as vLLM's ``hf_overrides`` head dtype
+    (nothing passed for ``model``, verl's numerics and the default) and the trainer as its
+    ``float32_head`` (``tests/models/test_actor_critic_head.py``); a value neither has is refused
+    naming the key, before anything is written."""
+    from atlas_lightning.cli import main
+    from atlas_lightning.config import ConfigError
+
+    default = EngineArgs.from_config(compose(["experiment=h200-8b"]))
+    assert default.head_dtype == "model"
+    assert "hf_overrides" not in default.vllm_kwargs(on_cpu=False) and "hf_overrides" not in default.vllm_kwargs(on_cpu=True)
+    cfg = compose(["experiment=h200-8b", "model.head_dtype=float32"])
+    wide = EngineArgs.from_config(cfg)
+    for on_cpu in (True, False):
+        assert wide.vllm_kwargs(on_cpu=on_cpu)["hf_overrides"] == {"head_dtype": "float32"}
+    with pytest.raises(ConfigError, match=r"model.head_dtype='bfloat16': is not one of model, float32"):
+        compose(["experiment=tiny-cpu", "model.head_dtype=bfloat16"])
+    assert main(["fit", "experiment=tiny-cpu", f"paths.root={tmp_path}", "model.head_dtype=fp32"]) == 2
+    assert "model.head_dtype" in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+def test_an_engine_that_rounds_its_logits_otherwise_is_named():
+    """``head_dtype_problem``: None when the engine's logits dtype is the one asked for (``model``:
+    the model's dtype), else a message naming the key, what the engine holds and what was asked."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from atlas_lightning.rollout.engines.vllm_engine import head_dtype_problem
+
+    def engine(head):
+        return SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16, head_dtype=head))
+
+    assert head_dtype_problem(engine(torch.float32), "float32") is None
+    assert head_dtype_problem(engine(torch.bfloat16), "model") is None
+    fell_back = head_dtype_problem(engine(torch.bfloat16), "float32")
+    assert "model.head_dtype=float32" in fell_back and "torch.bfloat16" in fell_back and "not float32" in fell_back
+    assert "not bfloat16" in head_dtype_problem(engine(torch.float32), "model")
+    assert "the model dtype" in head_dtype_problem(SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16)), "float32")
+
+
 def test_the_production_shape_says_its_state_dtype_as_its_checkpoints_do():
     """The Qwen3.6-27B shape's folders carry ``mamba_ssm_dtype: float32`` in their text config,
     as the published checkpoints do (vLLM reads it when the key is ``auto``)."""
@@ -154,7 +195,8 @@ def test_requests_in_flight_a_training_rank(overrides, ranks, each):
 @pytest.mark.vllm
 @pytest.mark.parametrize("on_cpu", [True, False], ids=["cpu", "gpu"])
 @pytest.mark.parametrize("lora_rank", [8, None], ids=["lora", "merged"])
-def test_server_flags_are_the_in_process_engines_arguments(on_cpu, lora_rank):
+@pytest.mark.parametrize("head_dtype", ["model", "float32"])
+def test_server_flags_are_the_in_process_engines_arguments(on_cpu, lora_rank, head_dtype):
     """``vllm serve``'s own parser turns the server's flags into vLLM's engine arguments: each
     equals what ``VLLMEngine`` passes to ``vllm.LLM`` (as the server's entry point parses them)."""
     pytest.importorskip("vllm")
@@ -166,7 +208,7 @@ def test_server_flags_are_the_in_process_engines_arguments(on_cpu, lora_rank):
 
     args = EngineArgs(model="/models/m", dtype="float32", max_model_len=3072, tensor_parallel_size=2, max_num_seqs=48,
                       seed=7, gpu_memory_utilization=0.45, enable_sleep_mode=False, enforce_eager=True,
-                      cpu_kvcache_gib=1, lora_rank=lora_rank)
+                      cpu_kvcache_gib=1, lora_rank=lora_rank, head_dtype=head_dtype)
     parsed = AsyncEngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).parse_args(
         engine_flags(args, on_cpu=on_cpu)))
     wanted = args.vllm_kwargs(on_cpu=on_cpu)

@@ -34,6 +34,10 @@ architecture ``Qwen3_5ForConditionalGeneration``):
   no vision tower (its weights in the folder are skipped: no memory, no encoder profiling,
   no image processor needed). Attention-only models ignore both.
 
+The lm_head's output dtype is ``model.head_dtype``, the trainer's (``models/logprobs.py``), passed
+as ``hf_overrides={"head_dtype": "float32"}`` when not ``model``: both sides must compute logits
+alike, or the one that keeps float32 logits parts from the other by the other's rounding.
+
 Pure Python (no torch, no vLLM): ``planning`` imports it. Who calls it: ``rollout.factory``,
 ``rollout.separate``, ``rollout.datamodule``, ``planning.estimate``, tests.
 """
@@ -94,6 +98,9 @@ class EngineArgs:
     gdn_prefill_backend: str = "auto"
     #: ``rollout.mamba_ssm_cache_dtype``: ``auto`` (vLLM's choice) or a dtype (module doc).
     mamba_ssm_cache_dtype: str = "float32"
+    #: ``model.head_dtype``: ``model`` or ``float32``, the trainer's (``models/logprobs.py``); the
+    #: engine gets it as vLLM's ``hf_overrides={"head_dtype": ...}`` (0.26 and 0.32 honour it).
+    head_dtype: str = "model"
 
     @classmethod
     def from_config(cls, cfg: Any, actor_lora: Optional[LoraShape] = None) -> "EngineArgs":
@@ -119,6 +126,7 @@ class EngineArgs:
             lora_rank=lora_rank,
             gdn_prefill_backend=str(r.gdn_prefill_backend),
             mamba_ssm_cache_dtype=str(r.mamba_ssm_cache_dtype),
+            head_dtype=str(cfg.model.head_dtype),
         )
 
     def vllm_kwargs(self, *, on_cpu: bool) -> dict[str, Any]:
@@ -140,6 +148,8 @@ class EngineArgs:
         )
         if kernel is not None:
             kwargs["gdn_prefill_backend"] = kernel
+        if self.head_dtype != "model":
+            kwargs["hf_overrides"] = {"head_dtype": self.head_dtype}
         if self.mamba_ssm_cache_dtype != "auto" and not on_cpu:
             kwargs["mamba_ssm_cache_dtype"] = self.mamba_ssm_cache_dtype
         if on_cpu:

@@ -46,12 +46,14 @@ def log_tail(path: Path, lines: int = 20) -> str:
 def engine_flags(args: EngineArgs, *, on_cpu: bool) -> list[str]:
     """``args`` as ``vllm serve`` flags: each of vLLM's engine arguments (``args.vllm_kwargs``)
     as ``--name-with-dashes value``; a boolean as ``--name`` or ``--no-name`` (vLLM's CLI makes
-    both of every boolean engine argument)."""
+    both of every boolean engine argument); a mapping (``hf_overrides``) as JSON, which vLLM's CLI parses."""
     flags = []
     for name, value in args.vllm_kwargs(on_cpu=on_cpu).items():
         flag = name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(f"--{flag}" if value else f"--no-{flag}")
+        elif isinstance(value, dict):
+            flags += [f"--{flag}", json.dumps(value)]
         else:
             flags += [f"--{flag}", str(value)]
     return flags

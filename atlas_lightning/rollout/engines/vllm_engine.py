@@ -69,6 +69,23 @@ def prepare_cpu_environment(kvcache_gib: int, threads: Optional[int] = None) -> 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+def head_dtype_problem(engine, wanted: str) -> Optional[str]:
+    """None when ``engine`` (a ``vllm.LLMEngine``) computes its logits in ``wanted``
+    (``model.head_dtype``: ``model`` is the model's dtype), else what is wrong. vLLM falls back to
+    the model's dtype, with a warning only, on a platform without float32, and a vLLM before the
+    generation models' ``head_dtype`` ignores the override: either would leave the trainer's
+    float32 logits against the engine's rounded ones."""
+    config = engine.model_config
+    held = getattr(config, "head_dtype", None)
+    expected = config.dtype if wanted == "model" else getattr(torch, wanted)
+    if held == expected:
+        return None
+    return (f"model.head_dtype={wanted}: the vLLM engine computes its logits in {held or 'the model dtype'}, "
+            f"not {str(expected).removeprefix('torch.')}; the trainer and the engine would round logits "
+            f"differently (set model.head_dtype=model, or use a vLLM that honours head_dtype for "
+            f"generation models)")
+
+
 def _held_lora(worker, lora_id: int) -> Optional[dict]:
     """Runs inside the vLLM worker: the digest (``digest.WeightDigest`` entries, by canonical
     module name) of the LoRA factors it holds for ``lora_id``, exactly as held, with their dtype
@@ -164,6 +181,10 @@ class VLLMEngine(Engine):
         held_before = card_holdings.storages(card) if card is not None else set()
         self.llm = start_llm(**kwargs)
         self._engine = self.llm.llm_engine
+        problem = head_dtype_problem(self._engine, args.head_dtype)
+        if problem:
+            shut_down_llm(self.llm)
+            raise EngineError(problem)
         # what a failed wake tells apart from the trainer's holdings (card_holdings.py)
         self._own_bytes = torch.cuda.memory_allocated(card) - allocated if card is not None else 0
         self._own_storages = frozenset(card_holdings.storages(card) - held_before) if card is not None else frozenset()
