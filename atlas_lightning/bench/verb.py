@@ -32,6 +32,8 @@ BENCHMARKS = {
     "sync-checks": ("sync_checks", "the LoRA sync's checks on a card: batched digests, the held form on the card"),
     "depth-rounding": ("depth_rounding", "what bf16 costs the log-probs against float32 by depth: hybrid and dense"),
     "build-time": ("build_time", "the model build's start-up on the card: random, from a folder, the old host path"),
+    "head-dtype": ("head_dtype", "what model.head_dtype changes in the trainer's log-probs and costs, "
+                                 "against a float64 reference"),
     "gap-sources": ("gap_sources", "where the trainer's and the engine's log-probs part: each against a float32 "
                                    "reference"),
 }
