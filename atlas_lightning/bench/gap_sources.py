@@ -351,7 +351,7 @@ def report(cfg, args: argparse.Namespace, data: dict, variants: dict, rows: list
 
     trainer = variants["trainer"]
     return {
-        "model": {"path": str(cfg.model.path), "dtype": str(cfg.model.dtype),
+        "model": {"path": str(cfg.model.path), "dtype": str(cfg.model.dtype), "head_dtype": str(cfg.model.head_dtype),
                   "attn_implementation": str(cfg.model.attn_implementation), "layers": trainer["layers"],
                   "layer_types": trainer["layer_types"]},
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,

@@ -70,6 +70,7 @@ def test_the_reference_scores_the_engines_tokens_as_transformers_does(gap_run, t
 def test_the_engine_in_float32_agrees_with_the_reference(gap_run):
     report, scores_file = gap_run
     assert report["model"]["dtype"] == "float32"  # tiny-cpu's: every side runs float32
+    assert report["model"]["head_dtype"] == "model"  # the logits as verl computes them, unless set
     gaps = {(row["a"], row["b"], row["temperature"]): row for row in report["pairs"]}
     for pair in (("engine_sampled", "reference", TEMPERATURE), ("engine_prefill", "reference", 1.0)):
         assert gaps[pair]["mean"] < 1e-4 and gaps[pair]["max"] < 1e-3, gaps[pair]
