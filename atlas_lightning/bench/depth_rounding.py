@@ -43,6 +43,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from .gap_sources import exact_float32
+
 #: a narrow model: the depth, not the width, is what is asked about
 WIDTH = dict(hidden_size=512, intermediate_size=1536, vocab_size=8192, num_attention_heads=4,
              num_key_value_heads=2, head_dim=128)
@@ -165,11 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.sublayers and args.width == "full":
         print("atlas-lightning bench depth-rounding: --sublayers copies each model: --width narrow only", file=sys.stderr)
         return 2
-    # the reference is float32 itself: no TF32 in its matmuls or convolutions (cuDNN's default allows it)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     vocab = min(config(kind, 1, args.width).vocab_size for kind in ("hybrid", "dense"))
     ids = torch.randint(0, vocab, (args.sequences, args.tokens), generator=torch.Generator().manual_seed(1))
-    rows = _rows(args, ids.to(args.device))
+    with exact_float32():  # the reference is float32 itself: no TF32 (cuDNN's default allows it)
+        rows = _rows(args, ids.to(args.device))
     card = torch.cuda.get_device_name(args.device) if torch.device(args.device).type == "cuda" else None
     print(json.dumps({"torch": torch.__version__, "width": args.width, "device": args.device, "card": card,
                       "rows": rows}, indent=1))

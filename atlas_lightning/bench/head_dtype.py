@@ -24,13 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from atlas_lightning.models.logprobs import token_logprobs_and_entropy
 from atlas_lightning.store.files import atomic_write_json
+
+from .measure import repeat
 
 HEADS = ("model", "float32")
 
@@ -55,25 +56,22 @@ def reference(h, w, targets, rows: int = 512) -> tuple[torch.Tensor, float]:
 
 
 def measure(h, w, targets, exact, *, head_dtype: str, chunk: int, reps: int) -> dict:
-    """One head dtype: its distance from ``exact`` and the best forward + backward of ``reps``."""
+    """One head dtype: its distance from ``exact`` and the best forward + backward of ``reps``
+    (after one warm-up, ``measure.repeat``), with their peak on a card."""
     hidden = h.clone().requires_grad_(True)
-    on_card = h.is_cuda
-    seconds = []
-    for _ in range(reps + 1):  # the first is a warm-up
+    last = {}
+
+    def forward_backward() -> None:
         hidden.grad = None
-        if on_card:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        started = time.perf_counter()
         log_probs, entropy = token_logprobs_and_entropy(hidden, w, targets, chunk_tokens=chunk,
                                                         float32_head=head_dtype == "float32")
         (log_probs.sum() + entropy.sum()).backward()
-        if on_card:
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - started)
-    gap = (log_probs.detach().double() - exact).abs()
-    return {"mean_abs_gap": gap.mean().item(), "max_abs_gap": gap.max().item(), "seconds": min(seconds[1:]),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if on_card else None}
+        last["log_probs"] = log_probs.detach()
+
+    timing = repeat(h.device, forward_backward, reps)
+    gap = (last["log_probs"].double() - exact).abs()
+    return {"mean_abs_gap": gap.mean().item(), "max_abs_gap": gap.max().item(), "seconds": min(timing["times_s"]),
+            "peak_gib": timing["peak_gib"]}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
