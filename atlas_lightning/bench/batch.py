@@ -55,16 +55,27 @@ def _micro_step(runner, inputs: PPOInputs, indices, total: float) -> None:
 
 
 class ActorUpdate:
-    """One actor update over ``micro_batches`` (module doc) for a runner; ``warm_up`` then ``__call__``."""
+    """One actor update for a runner as ``PPOModule._update`` makes it: ``epochs`` passes over
+    ``mini_batches`` (each a list of micro-batches of trajectory indices; its loss normalised by its
+    own loss tokens, then clipping and one AdamW step). The sampled batch is one mini-batch, one
+    epoch. ``warm_up`` then ``__call__``."""
 
-    def __init__(self, runner, inputs: PPOInputs, micro_batches: list[list[int]]) -> None:
-        self.runner, self.inputs, self.micro_batches = runner, inputs, micro_batches
+    def __init__(self, runner, inputs: PPOInputs, mini_batches: list[list[list[int]]], epochs: int = 1) -> None:
+        self.runner, self.inputs, self.mini_batches, self.epochs = runner, inputs, mini_batches, epochs
+        #: one epoch's micro-batches, in the order they run
+        self.micro_batches = [micro for mini in mini_batches for micro in mini]
         self.params = _actor_parameters(runner)
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-6)
         optimizer_state.allocate(self.optimizer)  # its moments made first, as PPOModule makes them
-        self.total = float(inputs.response_mask.sum())
-        tokens = [sum(int(inputs.sequences[i].numel()) for i in mb) for mb in micro_batches]
-        self.largest = micro_batches[max(range(len(tokens)), key=tokens.__getitem__)]
+        self.totals = [float(inputs.response_mask[[i for micro in mini for i in micro]].sum()) for mini in mini_batches]
+        self.total = max(self.totals)
+        tokens = [sum(int(inputs.sequences[i].numel()) for i in mb) for mb in self.micro_batches]
+        self.largest = self.micro_batches[max(range(len(tokens)), key=tokens.__getitem__)]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the update computes: every sequence, once an epoch."""
+        return self.epochs * sum(int(self.inputs.sequences[i].numel()) for micro in self.micro_batches for i in micro)
 
     def _step(self) -> None:
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
@@ -87,13 +98,15 @@ class ActorUpdate:
         self.events = [torch.cuda.Event(enable_timing=True)] if cuda else []
         if cuda:
             self.events[0].record()
-        for indices in self.micro_batches:
-            _micro_step(self.runner, self.inputs, indices, self.total)
-            if cuda:  # the allocator's host-side count: no sync
-                self.running_peak_gib.append(round(measure.peak_gib(self.runner.device), 2))
-                self.events.append(torch.cuda.Event(enable_timing=True))
-                self.events[-1].record()
-        self._step()
+        for _ in range(self.epochs):
+            for mini, total in zip(self.mini_batches, self.totals):
+                for indices in mini:
+                    _micro_step(self.runner, self.inputs, indices, total)
+                    if cuda:  # the allocator's host-side count: no sync
+                        self.running_peak_gib.append(round(measure.peak_gib(self.runner.device), 2))
+                        self.events.append(torch.cuda.Event(enable_timing=True))
+                        self.events[-1].record()
+                self._step()
 
     def micro_step_s(self) -> list[float]:
         """Seconds of each micro-step of the last ``__call__`` (after a sync)."""
@@ -104,9 +117,10 @@ def timed_update(update: ActorUpdate, flops: float, peak_tflops) -> dict:
     device = update.runner.device
     measure.reset_peak(device)
     seconds = measure.timed(device, update)
-    tokens = update.inputs.num_tokens
+    tokens = update.tokens
     entry = {"seconds": seconds, "tokens_per_s": tokens / seconds, "useful_tflops": flops / seconds / 1e12,
-             "peak_gib": measure.peak_gib(device), "micro_batches": len(update.micro_batches),
+             "peak_gib": measure.peak_gib(device), "epochs": update.epochs,
+             "mini_batches": len(update.mini_batches), "micro_batches": len(update.micro_batches),
              "micro_batch_tokens": [sum(int(update.inputs.sequences[i].numel()) for i in mb)
                                     for mb in update.micro_batches],
              "micro_batch_sequences": [len(mb) for mb in update.micro_batches],

@@ -173,9 +173,12 @@ def _ran_text(update: dict, label) -> str:
 
 
 def _batch_lines(model: str, batch: dict) -> list[str]:
+    source = batch.get("source", "sampled")
+    source = "sampled" if source == "sampled" else (f"the batch fit trained on ({source}), {batch.get('epochs')} "
+                                                    f"epochs x {batch.get('mini_batches')} mini-batches")
     lines = [f"{model}: {batch.get('sequences')} sequences, {batch.get('real_tokens')} real tokens (longest "
              f"{batch.get('longest')}), {batch.get('layers')} layers, cap {batch.get('cap_gib')} GiB; "
-             f"speedup {_f(batch.get('speedup'), 2)}x", "",
+             f"speedup {_f(batch.get('speedup'), 2)}x; {source}", "",
              "| path | micro-batches | s | tokens/s | useful MFU | peak GiB | plan |", "|---|---|---|---|---|---|---|"]
     for path in ("ours", "baseline"):
         entry = batch.get(path, {})

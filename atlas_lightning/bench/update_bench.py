@@ -23,6 +23,14 @@ own (``update.OursRunner``). ``--memory-margin-gib`` (full stack) and ``--batch-
 lower the free memory planned for, as an engine beside the trainer would; the batch takes the
 largest of ``--batch-budgets`` whose plan fits. The JSON keeps the choice (``recompute_choice``,
 the batch's ``choice``). Off CUDA no card is sized: every layer checkpointed, as ``fit`` there.
+
+``--batch-from artifacts/<name>/train/step_N``: the batch update replays the batch ``fit`` trained
+on at that step (``recorded_batch.py``: its token ids and loss masks, one card's share), with the
+run's update shape (``ppo_epochs`` x mini-batches, the micro-batch budget
+``ppo_max_token_len_per_gpu``) and model keys (``recorded_batch.MODEL_KEYS``: LoRA, dtype, head
+dtype, kernels; they replace ``--rank``, ``--chunk`` and ``--elementwise-kernels``), so its MFU and
+``fit``'s ``update_actor`` MFU of that step are figures of the same work. The model's shape is still
+``--models``' (and ``--layers``'): the step's model must have it.
 """
 
 from __future__ import annotations
@@ -50,11 +58,12 @@ from .flops import FORMULA, model_flops
 from .logprob_memory import measure_logprob_memory
 from .plan_check import plan_tensors_gib
 from .probes import autotune_probe, fla_configs, profile_micro_step
+from .recorded_batch import RecordedBatchError, read_recorded_batch
 from .report import markdown
 from .shapes import build_model, shape_by_name, transformers_config
 from .sync import measure_weight_sync
 from .update import BaselineRunner, OursRunner, fit_budget_plan, fit_model_config, fit_run_config, plan_record, update_fn
-from .workload import ppo_inputs, sample_batch, sample_micro_batch
+from .workload import ppo_inputs, recorded_ppo_inputs, sample_batch, sample_micro_batch
 
 #: Our options measured in the sweep: (name, fused LoRA, attention, per-layer recompute rule:
 #: a ``models/recompute.py`` policy for every layer, or ``half``: the first half ``layer``).
@@ -119,6 +128,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="our path's norm/SwiGLU/rotary kernels (model.elementwise_kernels; models/fused_kernels.py)")
     p.add_argument("--paths", default="ours,baseline", help="which of ours, baseline the update and batch run")
     p.add_argument("--batch-sequences", type=int, default=32, help="trajectories of the batch benchmark")
+    p.add_argument("--batch-from", default=None, metavar="STEP_FOLDER",
+                   help="replay the batch fit trained on at artifacts/<name>/train/step_N, with that run's "
+                        "epochs, mini-batches and micro-batch budget, in place of --batch-sequences sampled ones")
     p.add_argument("--batch-cap-gib", type=float, default=60.0,
                    help="the batch update's plan is made for at most this much free memory (an engine beside the "
                         "trainer would hold the rest), and its warm-up peak must stay within it (0: the card as found)")
@@ -136,6 +148,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--md", default=None, help="markdown output (default: --out with .md)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.recorded_batch = None
+    if args.batch_from:  # read before anything runs: a folder that cannot be replayed exits 2
+        try:
+            args.recorded_batch = read_recorded_batch(args.batch_from)
+        except RecordedBatchError as err:
+            p.error(f"--batch-from: {err}")
     if args.tiny:
         args.device = args.device or "cpu"
         if args.models == "dense8b,qwen3_6_27b":
@@ -146,6 +164,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.chunk = min(args.chunk, 128)
         args.sweep_layers = min(args.sweep_layers, 2)
         args.bucket_mb = 1
+    if args.recorded_batch is not None:
+        # the run's LoRA rank and log-prob chunk (its other model keys: Bench.model_keys)
+        args.rank = int(args.recorded_batch.model_keys["lora"]["rank"])
+        args.chunk = int(args.recorded_batch.model_keys["logprob_chunk_tokens"])
+        for name in args.models.split(","):
+            try:
+                vocab = shape_by_name(name).vocab_size
+            except ValueError as err:
+                p.error(f"--models: {err}")
+            if args.recorded_batch.largest_token_id >= vocab:
+                p.error(f"--batch-from {args.batch_from}: token id {args.recorded_batch.largest_token_id} is outside "
+                        f"{name}'s vocabulary of {vocab}: the step was trained on another model")
     return args
 
 
@@ -161,7 +191,7 @@ class Bench:
                                  *(sys.argv[1:] if argv is None else argv)]),
             "environment": self._environment(),
             "useful_flops_formula": FORMULA,
-            "settings": {k: v for k, v in vars(args).items()},
+            "settings": {k: v for k, v in vars(args).items() if k != "recorded_batch"},
             "models": {},
         }
         self.layers = dict(item.split("=") for item in args.layers.split(",") if item)
@@ -268,9 +298,16 @@ class Bench:
         chunk and kernels, and ``keys``), random weights of ``shape``'s first ``layers`` layers;
         ``tiers``: ``auto``'s plans per micro-batch size (``_fit_plan``), as ``fit`` gives them."""
         model_cfg = fit_model_config(self.args.rank, self.args.chunk, layer_recompute=layer_recompute,
-                                     elementwise_kernels=self.args.elementwise_kernels, **keys)
+                                     **{**self.model_keys, **keys})
         return OursRunner(model_cfg, transformers_config(shape, layers), budget or self.args.tokens,
                           device=self.device, seed=self.args.seed, tiers=tiers)
+
+    @property
+    def model_keys(self) -> dict:
+        """``model.*`` keys of our path's build and plan: ``--elementwise-kernels``, or all of a
+        recorded run's (``recorded_batch.MODEL_KEYS``)."""
+        recorded = self.args.recorded_batch
+        return dict(recorded.model_keys) if recorded is not None else {"elementwise_kernels": self.args.elementwise_kernels}
 
     def _shape_only(self, shape, layers: int, attention: str):
         """``shape``'s model on the meta device: what the FLOP counts read (no weights)."""
@@ -302,7 +339,7 @@ class Bench:
         free = min([measured] + ([cap_gib * GIB] if cap_gib else []) + ([total - margin_gib * GIB] if margin_gib else []))
 
         def config_for(budget: int):
-            return fit_run_config(self.args.rank, self.args.chunk, budget, elementwise_kernels=self.args.elementwise_kernels)
+            return fit_run_config(self.args.rank, self.args.chunk, budget, **self.model_keys)
 
         budget, tiers, tried = fit_budget_plan(budgets, config_for, transformers_config(shape, layers), free=free,
                                                card=total)
@@ -457,17 +494,31 @@ class Bench:
         capacity = torch.cuda.get_device_properties(self.device).total_memory
         return 0.5 * (capacity - torch.cuda.memory_allocated(self.device))
 
-    def run_batch(self, name: str, shape, layers: int) -> dict:
-        """The batch benchmark (``batch.py``): ours under ``auto``'s plan at the largest of
-        ``--batch-budgets`` whose plan fits (``_fit_plan``, the card's free memory capped to
-        ``--batch-cap-gib``), then the baseline."""
+    def _batch_inputs(self, shape) -> tuple:
+        """``(inputs, mini-batches of trajectory indices, epochs, budgets, what it is)``: the
+        recorded batch with its run's update shape (``--batch-from``), else ``--batch-sequences``
+        sampled ones as one mini-batch, one epoch, under ``--batch-budgets``."""
+        recorded = self.args.recorded_batch
+        if recorded is not None:
+            inputs = recorded_ppo_inputs(recorded, self.device, seed=self.args.seed)
+            about = {"source": recorded.source, "world_size": recorded.world_size}
+            return inputs, recorded.mini_batch_indices(), recorded.epochs, [recorded.budget], about
         trajectories = sample_batch(self.args.seed, self.args.batch_sequences, scale=self.scale)
         inputs = ppo_inputs(trajectories, shape.vocab_size, self.device, seed=self.args.seed)
+        longest = max(int(s.numel()) for s in inputs.sequences)
+        budgets = [b for b in (int(x) for x in self.args.batch_budgets.split(",")) if longest <= b <= self.args.tokens]
+        return inputs, [list(range(len(trajectories)))], 1, budgets or [self.args.tokens], {"source": "sampled"}
+
+    def run_batch(self, name: str, shape, layers: int) -> dict:
+        """The batch benchmark (``batch.py``): ours under ``auto``'s plan at the largest of the
+        budgets whose plan fits (``_fit_plan``, the card's free memory capped to
+        ``--batch-cap-gib``), then the baseline; the batch and its shape from ``_batch_inputs``."""
+        inputs, chunks, epochs, budgets, about = self._batch_inputs(shape)
         seq_lens = [int(s.numel()) for s in inputs.sequences]
         scored = sum(n - p for n, p in zip(seq_lens, inputs.prompt_lengths))
         out: dict = {"layers": layers, "sequences": len(seq_lens), "real_tokens": sum(seq_lens),
-                     "longest": max(seq_lens), "loss_tokens": int(inputs.response_mask.sum()), "cap_gib": self.args.batch_cap_gib}
-        budgets = [b for b in (int(x) for x in self.args.batch_budgets.split(",")) if max(seq_lens) <= b <= self.args.tokens]
+                     "longest": max(seq_lens), "loss_tokens": int(inputs.response_mask.sum()),
+                     "cap_gib": self.args.batch_cap_gib, "mini_batches": len(chunks), "epochs": epochs, **about}
         cap = self.args.batch_cap_gib or None
         peak_tflops = self.peak_tflops
 
@@ -475,10 +526,10 @@ class Bench:
             def make():
                 attention = "sdpa_varlen" if path == "ours" else "sdpa"
                 bare = self._shape_only(shape, layers, attention)
-                out.setdefault("flops", model_flops(bare, self.args.rank).train_step("actor", seq_lens, scored))
+                out.setdefault("flops", epochs * model_flops(bare, self.args.rank).train_step("actor", seq_lens, scored))
                 if path == "ours":
                     runner = self._ours(shape, layers, plan, budget, tiers=tiers)
-                    micro = runner.micro_batches(inputs, update=True)
+                    cut = lambda rows: runner.micro_batches(rows, update=True)  # noqa: E731
                     info = {"budget": budget, "layer_recompute": runner.model.layer_recompute,
                             "recompute_tiers": len(tiers), "elementwise_kernels": runner.model.elementwise_kernels,
                             "attention_length_bucket": runner.model.attention_length_bucket}
@@ -486,9 +537,10 @@ class Bench:
                     base = build_model(shape, device=self.device, dtype=self.dtype, attn_implementation=attention,
                                        layers=layers, seed=self.args.seed)
                     runner = BaselineRunner(base, self.args.rank, self.args.tokens, logits_bytes_limit=self._logits_limit())
-                    micro = runner.micro_batches(inputs)
+                    cut = runner.micro_batches
                     info = {"micro_batch_sequences": runner.micro_batch_size(inputs)}
-                return runner, ActorUpdate(runner, inputs, micro), info
+                minis = [[[chunk[i] for i in micro] for micro in cut(inputs.rows(chunk))] for chunk in chunks if chunk]
+                return runner, ActorUpdate(runner, inputs, minis, epochs), info
             return make
 
         for path in self.paths:
@@ -496,8 +548,8 @@ class Bench:
                 out[path] = {"skipped": "deadline"}
                 continue
             if path == "ours":
-                out["choice"], tiers = self._fit_plan(shape, layers, budgets or [self.args.tokens], cap_gib=cap)
-                plan, budget = out["choice"]["plan"], out["choice"].get("tokens", max(budgets or [self.args.tokens]))
+                out["choice"], tiers = self._fit_plan(shape, layers, budgets, cap_gib=cap)
+                plan, budget = out["choice"]["plan"], out["choice"].get("tokens", max(budgets))
                 attempts = [("auto" if plan else "every layer checkpointed", build(plan, tiers, budget, path))]
                 if tiers:  # the plan's warm-up over the cap: every layer checkpointed at the same budget
                     attempts.append(("every layer checkpointed", build(None, [], budget, path)))

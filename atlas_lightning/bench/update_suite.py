@@ -20,8 +20,10 @@ autotuning and the compiled kernels then serve every step):
 ``dense-torch`` (only when named): our dense batch again with ``--elementwise-kernels torch``
 (the fused kernels' share); ``--elementwise-kernels`` sets our path's kernels everywhere,
 ``--dense-cap-gib`` the free memory the dense plan is made for, at most, ``--batch-repeats`` how many times ours updates the
-same batch (the second: every attention length bucket seen). ``--tiny``: the same steps on toy
-shapes on CPU (the plumbing).
+same batch (the second: every attention length bucket seen), ``--batch-from
+artifacts/<name>/train/step_N`` the dense batch is the one ``fit`` trained on at that step (with
+its run's epochs, mini-batches and budget: the same work as that step's ``update_actor``).
+``--tiny``: the same steps on toy shapes on CPU (the plumbing).
 
 Each step writes ``$OUT/<run>-<step>.json`` and ``.md`` as it goes; a step starts only if the time
 left allows, and the last lines printed are the summary table. Sets
@@ -48,6 +50,7 @@ FLA_TEST = Path(__file__).resolve().parents[2] / "tests" / "models" / "test_line
 def _steps(args: argparse.Namespace) -> list[tuple[str, list[str], int, int]]:
     """(label, update benchmark arguments, seconds a step needs to start, seconds it leaves to
     the steps after it), every step the suite knows."""
+    recorded = ["--batch-from", args.batch_from] if args.batch_from else []
     steps = [
         ("27b", ["--models", "qwen3_6_27b", "--layers", "qwen3_6_27b=16", "--sweep-layers", "4",
                  "--sweep", "ours,ours_none", "--sweep-warmup", "0", "--reps", "1", "--paths", "ours",
@@ -55,12 +58,12 @@ def _steps(args: argparse.Namespace) -> list[tuple[str, list[str], int, int]]:
         ("dense", ["--models", "dense8b", "--sweep-layers", "4", "--sweep", "ours,ours_none,ours_mixer,ours_mlp",
                    "--sweep-warmup", "0", "--sections", "peak,batch,profile", "--batch-sequences", "32",
                    "--batch-cap-gib", str(args.dense_cap_gib), "--elementwise-kernels", args.elementwise_kernels,
-                   "--batch-repeats", str(args.batch_repeats)], 100, 0),
+                   "--batch-repeats", str(args.batch_repeats), *recorded], 100, 0),
         # ours alone with PyTorch's element-wise ops: the same plan, for the fused kernels' share
         ("dense-torch", ["--models", "dense8b", "--sweep-layers", "4", "--sweep", "ours,ours_none,ours_mixer,ours_mlp",
                          "--sweep-warmup", "0", "--sections", "peak,batch", "--batch-sequences", "32",
                          "--batch-cap-gib", str(args.dense_cap_gib), "--elementwise-kernels", "torch",
-                         "--paths", "ours"], 80, 0),
+                         "--paths", "ours", *recorded], 80, 0),
         ("27b-baseline", ["--models", "qwen3_6_27b", "--layers", "qwen3_6_27b=16", "--sweep-layers", "0",
                           "--reps", "1", "--baseline-warmup", "0", "--paths", "baseline",
                           "--sections", "peak,update"], 55, 0),
@@ -87,6 +90,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list]:
     p.add_argument("--batch-repeats", type=int, default=1, help="timed updates of ours on the dense batch")
     p.add_argument("--dense-cap-gib", type=float, default=60.0,
                    help="the free memory the dense batch's plan is made for, at most (--batch-cap-gib)")
+    p.add_argument("--batch-from", default=None, metavar="STEP_FOLDER",
+                   help="the dense batch is the one fit trained on at artifacts/<name>/train/step_N, with that "
+                        "run's epochs, mini-batches and budget (update_bench --batch-from)")
     args = p.parse_args(argv)
     steps = _steps(args)
     if args.only:

@@ -17,6 +17,9 @@ Length mix (documented in ``bench/README.md``; all numbers scale with ``scale`` 
 Token ids are uniform over the vocabulary (random weights make their values irrelevant to
 speed; zeros would not be: METHOD.md). PPO inputs (old log-probs, advantages, values,
 returns) are random in verl's ``(bs, response_length)`` layout, so the real loss functions run.
+
+``recorded_ppo_inputs``: instead of the mix, the token ids and loss masks of a batch ``fit``
+trained on (``recorded_batch.py``), the PPO numbers random as above.
 """
 
 from __future__ import annotations
@@ -101,6 +104,14 @@ class PPOInputs:
     def num_tokens(self) -> int:
         return sum(int(s.numel()) for s in self.sequences)
 
+    def rows(self, indices: list[int]) -> "PPOInputs":
+        """The trajectories ``indices`` alone (a mini-batch), in that order."""
+        at = torch.as_tensor(indices, device=self.response_mask.device)
+        return PPOInputs(sequences=[self.sequences[i] for i in indices],
+                         prompt_lengths=[self.prompt_lengths[i] for i in indices],
+                         **{name: getattr(self, name)[at] for name in
+                            ("response_mask", "old_log_prob", "advantages", "values", "returns")})
+
 
 def ppo_inputs(trajectories: list[Trajectory], vocab_size: int, device: torch.device, seed: int = 0) -> PPOInputs:
     gen = torch.Generator().manual_seed(seed)
@@ -111,14 +122,31 @@ def ppo_inputs(trajectories: list[Trajectory], vocab_size: int, device: torch.de
         mask[i, : t.response_len] = 1.0
         for start, end in t.tool_spans:
             mask[i, start:end] = 0.0
-    shape = (len(trajectories), width)
+    return _with_ppo_numbers(seqs, [t.prompt_len for t in trajectories], mask, device, gen)
+
+
+def recorded_ppo_inputs(batch, device: torch.device, seed: int = 0) -> PPOInputs:
+    """PPO inputs of a batch ``fit`` trained on (``recorded_batch.RecordedBatch``): its own token
+    ids and loss masks, the PPO numbers random as above."""
+    width = max(len(m) for m in batch.response_masks)
+    mask = torch.zeros(len(batch.response_masks), width)
+    for i, row in enumerate(batch.response_masks):
+        mask[i, : len(row)] = torch.from_numpy(row)
+    seqs = [torch.from_numpy(s) for s in batch.sequences]
+    return _with_ppo_numbers(seqs, list(batch.prompt_lengths), mask, device, torch.Generator().manual_seed(seed))
+
+
+def _with_ppo_numbers(seqs: list[Tensor], prompt_lengths: list[int], mask: Tensor, device: torch.device,
+                      gen: torch.Generator) -> PPOInputs:
+    """The sequences and loss mask with random old log-probs, advantages, values and returns."""
+    shape = tuple(mask.shape)
     old = -torch.rand(shape, generator=gen) * 3.0
     adv = torch.randn(shape, generator=gen)
     values = torch.randn(shape, generator=gen)
     returns = values + torch.randn(shape, generator=gen) * 0.5
     return PPOInputs(
         sequences=seqs,
-        prompt_lengths=[t.prompt_len for t in trajectories],
+        prompt_lengths=prompt_lengths,
         response_mask=mask.to(device),
         old_log_prob=(old * mask).to(device),
         advantages=(adv * mask).to(device),

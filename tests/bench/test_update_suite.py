@@ -24,6 +24,15 @@ def test_steps_selected_and_refused(monkeypatch, tmp_path):
     assert exit_.value.code == 2 and not (tmp_path / "out").exists()
 
 
+def test_the_recorded_batch_goes_to_the_dense_steps_alone():
+    steps = dict((label, argv) for label, argv, *_ in update_suite.parse_args(
+        ["--only", "27b,dense,dense-torch", "--batch-from", "/runs/b/artifacts/h200-8b/train/step_1"])[1])
+    for label in ("dense", "dense-torch"):
+        at = steps[label].index("--batch-from")
+        assert steps[label][at + 1] == "/runs/b/artifacts/h200-8b/train/step_1"
+    assert "--batch-from" not in steps["27b"]
+
+
 def test_tiny_swaps_in_toy_shapes():
     args, steps = update_suite.parse_args(["--tiny", "--only", "27b,dense"])
     for _, argv, needs, keep in steps:
