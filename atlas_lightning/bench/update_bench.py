@@ -627,3 +627,7 @@ def main(argv=None) -> int:
     results = bench.run()
     print(markdown(results), flush=True)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -62,3 +62,12 @@ def test_pure_python_benchmarks_start_without_torch(name):
             "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch imported'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("module", sorted({module for module, _ in verb.BENCHMARKS.values()}))
+def test_every_benchmark_module_runs_alone(module):
+    """``python -m atlas_lightning.bench.<module>`` (the verb's module doc, the card scripts) runs its
+    ``main``: the module ends in an ``if __name__ == "__main__"`` block that calls it."""
+    tree = ast.parse((BENCH / f"{module}.py").read_text())
+    guards = [node for node in tree.body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
+    assert guards and "main(" in ast.unparse(guards[-1]), f"{module}.py: no __main__ block calling main"
