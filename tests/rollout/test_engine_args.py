@@ -14,6 +14,7 @@ from atlas_lightning.rollout.engines.args import (
     EngineArgs,
     client_in_flight,
     lora_rank_slot,
+    refused_arguments,
 )
 
 
@@ -214,3 +215,20 @@ def test_server_flags_are_the_in_process_engines_arguments(on_cpu, lora_rank, he
     wanted = args.vllm_kwargs(on_cpu=on_cpu)
     assert {name: getattr(parsed, name) for name in wanted} == wanted
     assert bool(parsed.enable_lora) == (lora_rank is not None)  # vLLM's default is None
+
+
+#: vLLM 0.26's refusal on an H100 (the 32-layer hybrid, rollout.gpu_memory_utilization=0.45), verbatim
+MAMBA_REFUSAL = ("max_num_seqs (256) exceeds available Mamba cache blocks (158). Each decode sequence requires one "
+                 "Mamba cache block, so CUDA graph capture cannot proceed. Please lower max_num_seqs to at most 158 "
+                 "or increase gpu_memory_utilization.")
+
+
+def test_an_engine_refusal_is_named_in_the_configs_keys():
+    kwargs = EngineArgs.from_config(compose(["experiment=h200-8b", "rollout.gpu_memory_utilization=0.45"])
+                                    ).vllm_kwargs(on_cpu=False)
+    assert refused_arguments(MAMBA_REFUSAL, kwargs) == [
+        "rollout.max_in_flight (vLLM's max_num_seqs=256)", "rollout.gpu_memory_utilization (vLLM's gpu_memory_utilization=0.45)"]
+    # a word of vLLM's, not a part of another name: mamba_ssm_cache_dtype does not name dtype
+    assert refused_arguments("mamba_ssm_cache_dtype='float16' is not supported", kwargs) == [
+        "rollout.mamba_ssm_cache_dtype (vLLM's mamba_ssm_cache_dtype='float32')"]
+    assert refused_arguments("the model's architecture is not supported", kwargs) == []

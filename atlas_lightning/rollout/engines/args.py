@@ -61,6 +61,27 @@ VLLM_GDN_PREFILL_KERNELS = ("triton", "flashinfer", "cutedsl")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+#: vLLM's engine arguments that a config key sets, by vLLM's name: a refusal at the engine's start
+#: names them in vLLM's words (``refused_arguments``)
+CONFIG_KEYS = {
+    "max_num_seqs": "rollout.max_in_flight", "gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "max_model_len": "rollout.max_model_len", "tensor_parallel_size": "layout.engine_tp",
+    "max_lora_rank": "model.lora.rank", "dtype": "model.dtype", "enable_sleep_mode": "rollout.enable_sleep_mode",
+    "mamba_ssm_cache_dtype": "rollout.mamba_ssm_cache_dtype", "gdn_prefill_backend": "rollout.gdn_prefill_backend",
+    "enforce_eager": "rollout.enforce_eager", "hf_overrides": "model.head_dtype",
+}
+
+
+def refused_arguments(message: str, kwargs: dict[str, Any]) -> list[str]:
+    """``"<vLLM name>=<value> (<config key>)"`` for each engine argument of ``kwargs`` that a
+    config key sets (``CONFIG_KEYS``) and ``message`` (vLLM's refusal) names as a word; empty when
+    it names none (then the refusal is not about this config's values)."""
+    import re
+
+    return [f"{key} (vLLM's {name}={kwargs[name]!r})" for name, key in CONFIG_KEYS.items()
+            if name in kwargs and re.search(rf"(?<![A-Za-z0-9_]){name}(?![A-Za-z0-9_])", message)]
+
+
 def lora_rank_slot(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
     for slot in VLLM_LORA_RANKS:

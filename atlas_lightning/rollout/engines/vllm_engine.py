@@ -6,6 +6,9 @@ Contract:
   the same point: engine construction is collective. With ``layout.engine_tp > 1`` the
   ranks of a TP group form one engine (``external_launcher``) and must feed identical requests.
 - Its arguments are ``args.EngineArgs`` (built once from the config, the same a server gets).
+  vLLM checks some of them only as it starts, against the card (a hybrid's state slots for
+  ``max_num_seqs`` requests): its refusal naming arguments a config key sets is a ``ConfigError``
+  naming those keys (``_started``).
 - It is kept out of the LightningModule's submodules, so FSDP and checkpoints never see it.
 - LoRA: each sync gets a new ``lora_int_id`` (the worker caches adapters by id; the same id
   with a new folder would silently serve the old adapter), and the previous one is removed.
@@ -51,7 +54,7 @@ from atlas_lightning.rollout.engine import (
     SyncReport,
 )
 from atlas_lightning.rollout.engines.adapter_folder import check_adapter_folder
-from atlas_lightning.rollout.engines.args import EngineArgs
+from atlas_lightning.rollout.engines.args import EngineArgs, refused_arguments
 from atlas_lightning.rollout.engines.failure import FailureGuard
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,24 @@ def prepare_cpu_environment(kvcache_gib: int, threads: Optional[int] = None) -> 
     threads = threads or torch.get_num_threads()
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def _started(kwargs: dict):
+    """``start_llm(**kwargs)``; a ``ValueError`` of vLLM's that names arguments a config key sets
+    (``args.refused_arguments``: vLLM checks its arguments, and what they leave on this card, as it
+    starts) becomes a ``ConfigError`` naming those keys (exit 2, no traceback). Any other error
+    propagates as it is."""
+    from atlas_lightning.config import ConfigError
+    from atlas_lightning.errors import first_line
+
+    try:
+        return start_llm(**kwargs)
+    except ValueError as err:
+        named = refused_arguments(str(err), kwargs)
+        if not named:
+            raise
+        raise ConfigError(f"the rollout engine refused {'; '.join(named)} at its start; vLLM says: "
+                          f"{first_line(err, 500)}") from None
 
 
 def head_dtype_problem(engine, wanted: str) -> Optional[str]:
@@ -179,7 +200,7 @@ class VLLMEngine(Engine):
         card = self._card
         allocated = torch.cuda.memory_allocated(card) if card is not None else 0
         held_before = card_holdings.storages(card) if card is not None else set()
-        self.llm = start_llm(**kwargs)
+        self.llm = _started(kwargs)
         self._engine = self.llm.llm_engine
         problem = head_dtype_problem(self._engine, args.head_dtype)
         if problem:
