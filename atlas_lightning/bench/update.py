@@ -166,6 +166,9 @@ class OursRunner:
         self.device = torch.device(device)
         self.model = build_actor_critic(model_cfg, seed=seed, device=self.device, random_base=shape)
         self.budget = budget
+        #: a micro-step's fixed cost in tokens of work, as the update's packer takes it (``PPOModule``
+        #: starts at ``MICRO_STEP_TOKENS`` and then takes its run's measured one)
+        self.micro_step_tokens = float(micro_batches.MICRO_STEP_TOKENS)
         self.recompute_shares = apply_tiers(self.model, tiers)
         #: one ``(tokens, layers replayed whole, mixers replayed)`` an update micro-step under tiers
         self.replays: list[tuple[int, int, int]] = []
@@ -181,7 +184,8 @@ class OursRunner:
         predicted work (at its starting micro-step cost)."""
         lengths = [int(s.numel()) for s in inputs.sequences]
         layout, budget = self.model.sequence_layout, budget or self.budget
-        count = micro_batches.count(lengths, budget, layout, self.recompute_shares if update else ())
+        count = micro_batches.count(lengths, budget, layout, self.recompute_shares if update else (),
+                                    step_tokens=self.micro_step_tokens)
         return micro_batches.cut(lengths, budget, layout, max(count, 1))
 
     def use_recompute_for(self, inputs: PPOInputs, indices: Sequence[int]) -> list[str]:

@@ -131,6 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-from", default=None, metavar="STEP_FOLDER",
                    help="replay the batch fit trained on at artifacts/<name>/train/step_N, with that run's "
                         "epochs, mini-batches and micro-batch budget, in place of --batch-sequences sampled ones")
+    p.add_argument("--micro-step-tokens", type=float, default=None,
+                   help="a micro-step's fixed cost in tokens of work for the update's cut (default: fit's starting "
+                        "figure; a step's perf/<role>_micro_step_fixed_s over its seconds a token gives fit's later one)")
     p.add_argument("--batch-cap-gib", type=float, default=60.0,
                    help="the batch update's plan is made for at most this much free memory (an engine beside the "
                         "trainer would hold the rest), and its warm-up peak must stay within it (0: the card as found)")
@@ -299,8 +302,11 @@ class Bench:
         ``tiers``: ``auto``'s plans per micro-batch size (``_fit_plan``), as ``fit`` gives them."""
         model_cfg = fit_model_config(self.args.rank, self.args.chunk, layer_recompute=layer_recompute,
                                      **{**self.model_keys, **keys})
-        return OursRunner(model_cfg, transformers_config(shape, layers), budget or self.args.tokens,
-                          device=self.device, seed=self.args.seed, tiers=tiers)
+        runner = OursRunner(model_cfg, transformers_config(shape, layers), budget or self.args.tokens,
+                            device=self.device, seed=self.args.seed, tiers=tiers)
+        if self.args.micro_step_tokens is not None:
+            runner.micro_step_tokens = self.args.micro_step_tokens
+        return runner
 
     @property
     def model_keys(self) -> dict:

@@ -22,7 +22,13 @@ count).
   about 0.1 s at an update's ~10K tokens/s on one card; the 8B step on an H100 (bench README, run
   5 against run 4) put it near 0.12 s. It is the start only: after each role's update the module
   takes the run's own, ``fixed / per_work`` of ``MicroTimer.fixed_cost`` over that update's
-  micro-steps (timed with ``work`` as their work), where a fit can be made.
+  micro-steps (timed with ``work`` as their work), where a fit can be made and its fixed cost is
+  above zero (``measured_step_tokens``). A fit whose intercept comes out at zero or below says the
+  seconds are not linear in the work over that spread (smaller micro-batches run at a lower rate),
+  not that a micro-step costs nothing. Taken as zero, it made ``fit`` cut the 8B step's
+  mini-batches into 14 micro-batches a pass where the update benchmark, on the same batch at the
+  starting cost, cut 12 and ran 6% faster (bench README, "Run 9"; how much of that the cut
+  accounts for was not measured apart).
 
 Who calls it: ``PPOModule._plan`` (every pass: ``count`` on each rank, then ``cut`` at the count
 all ranks take) and the update benchmark's ``OursRunner`` (one card). Pure Python.
@@ -56,6 +62,15 @@ def replayed_share(shares: Sequence[tuple[int, float]], tokens: int) -> float:
 def work(tokens: int, share: float) -> float:
     """A micro-batch's work in tokens of a forward (module doc), its fixed cost left out."""
     return tokens * (USEFUL_PASSES + share)
+
+
+def measured_step_tokens(fit: tuple[float, float] | None, current: float) -> float:
+    """A micro-step's fixed cost in tokens of work from ``MicroTimer.fixed_cost``'s ``(fixed s,
+    s per unit of work)``: ``fixed / per_work`` where the fit says it is above zero, else
+    ``current`` (module doc)."""
+    if fit is None or fit[0] <= 0 or fit[1] <= 0:
+        return current
+    return fit[0] / fit[1]
 
 
 def cheapest_count(lengths: Sequence[int], fewest: int, layout: str, shares: Sequence[tuple[int, float]],

@@ -77,7 +77,8 @@ from atlas_lightning.algorithms import ppo
 from atlas_lightning.algorithms.functional import masked_mean, masked_whiten
 from atlas_lightning.algorithms.kl import apply_kl_penalty, kl_penalty
 from atlas_lightning.ppo import micro_batches
-from atlas_lightning.ppo.micro_batches import MICRO_STEP_TOKENS, apply_tiers, layout_tokens, replayed_share, work
+from atlas_lightning.ppo.micro_batches import (MICRO_STEP_TOKENS, apply_tiers, layout_tokens, measured_step_tokens,
+                                              replayed_share, work)
 from atlas_lightning.models.packing import PackedBatch, pack_sequences
 from atlas_lightning.ppo import optimizer_state, rng_state
 from atlas_lightning.ppo.micro_timing import MicroTimer
@@ -612,9 +613,8 @@ class PPOModule(L.LightningModule):
             + (list(BEHAVIOUR_METRICS) if role == "actor" and _decoupled(cfg) else [])
         out = mean_over_ranks({key: history.get(key, []) for key in keys})
         out.update(mean_over_ranks(timer.metrics(role)))
-        fit = timer.fixed_cost()
-        if fit is not None and self.recompute_shares:  # the packer's micro-step cost, measured (micro_batches.py)
-            self.micro_step_tokens = fit[0] / fit[1]
+        if self.recompute_shares:  # the packer's micro-step cost, measured (micro_batches.py)
+            self.micro_step_tokens = measured_step_tokens(timer.fixed_cost(), self.micro_step_tokens)
         if replays:
             out.update(mean_over_ranks(replays))
         out[f"{role}/skipped_steps"] = float(self.skipped_optimizer_steps[role])

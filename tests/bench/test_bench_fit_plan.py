@@ -120,6 +120,9 @@ def test_the_update_is_cut_as_the_ppo_module_cuts_it():
     assert runner.micro_batches(inputs) == PPOModule._plan(module, lengths, budget) and len(runner.micro_batches(inputs)) == len(fewest)
     plain = _runner((), budget)
     assert plain.micro_batches(inputs, update=True) == [list(mb) for mb in fewest] and not plain.model.recompute_tiers
+    # a later step of fit, its micro-step cost measured: the benchmark cuts as fit then cuts
+    runner.micro_step_tokens = module.micro_step_tokens = 0.0
+    assert runner.micro_batches(inputs, update=True) == PPOModule._plan(module, lengths, budget, update=True)
 
 
 def test_ours_runs_each_micro_batch_under_its_sizes_plan():

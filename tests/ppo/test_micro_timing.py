@@ -57,3 +57,13 @@ def test_a_micro_steps_fixed_cost_is_the_intercept_over_its_work():
     narrow._work = [1000.0, 990.0, 980.0]
     assert few.fixed_cost() is None and narrow.fixed_cost() is None
     assert narrow.metrics("critic")["perf/critic_micro_step_fixed_s"] == []
+
+
+def test_only_a_fixed_cost_above_zero_replaces_the_packers():
+    """A fit whose intercept is zero (clamped from below) says the seconds are not linear in the
+    work, not that micro-steps are free: the packer keeps the cost it had."""
+    from atlas_lightning.ppo.micro_batches import MICRO_STEP_TOKENS, measured_step_tokens
+
+    assert measured_step_tokens((0.12, 1e-5), MICRO_STEP_TOKENS) == pytest.approx(12_000)
+    assert measured_step_tokens((0.0, 1e-5), 3_000.0) == 3_000.0
+    assert measured_step_tokens(None, MICRO_STEP_TOKENS) == MICRO_STEP_TOKENS
