@@ -27,8 +27,8 @@ count).
   seconds are not linear in the work over that spread (smaller micro-batches run at a lower rate),
   not that a micro-step costs nothing. Taken as zero, it made ``fit`` cut the 8B step's
   mini-batches into 14 micro-batches a pass where the update benchmark, on the same batch at the
-  starting cost, cut 12 and ran 6% faster (bench README, "Run 9"; how much of that the cut
-  accounts for was not measured apart).
+  starting cost, cut 12 and ran 6% faster; how much of that the cut accounts for was not
+  measured apart (its run 9: atlas_lightning/bench/README.md, "On one H200: the whole RL step, run by run").
 
 Who calls it: ``PPOModule._plan`` (every pass: ``count`` on each rank, then ``cut`` at the count
 all ranks take) and the update benchmark's ``OursRunner`` (one card). Pure Python.
