@@ -151,12 +151,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--md", default=None, help="markdown output (default: --out with .md)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    args.recorded_batch = None
-    if args.batch_from:  # read before anything runs: a folder that cannot be replayed exits 2
-        try:
-            args.recorded_batch = read_recorded_batch(args.batch_from)
-        except RecordedBatchError as err:
-            p.error(f"--batch-from: {err}")
     if args.tiny:
         args.device = args.device or "cpu"
         if args.models == "dense8b,qwen3_6_27b":
@@ -167,19 +161,29 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.chunk = min(args.chunk, 128)
         args.sweep_layers = min(args.sweep_layers, 2)
         args.bucket_mb = 1
-    if args.recorded_batch is not None:
-        # the run's LoRA rank and log-prob chunk (its other model keys: Bench.model_keys)
-        args.rank = int(args.recorded_batch.model_keys["lora"]["rank"])
-        args.chunk = int(args.recorded_batch.model_keys["logprob_chunk_tokens"])
-        for name in args.models.split(","):
-            try:
-                vocab = shape_by_name(name).vocab_size
-            except ValueError as err:
-                p.error(f"--models: {err}")
-            if args.recorded_batch.largest_token_id >= vocab:
-                p.error(f"--batch-from {args.batch_from}: token id {args.recorded_batch.largest_token_id} is outside "
-                        f"{name}'s vocabulary of {vocab}: the step was trained on another model")
+    args.recorded_batch = _recorded_batch(args, p.error) if args.batch_from else None
     return args
+
+
+def _recorded_batch(args: argparse.Namespace, refuse):
+    """``--batch-from``'s batch, read before anything runs; its run's LoRA rank and log-prob chunk
+    set on ``args`` (its other model keys: ``Bench.model_keys``). ``refuse(message)`` (argparse's
+    error: exit 2) for a folder that cannot be replayed or tokens outside a model's vocabulary."""
+    try:
+        recorded = read_recorded_batch(args.batch_from)
+    except RecordedBatchError as err:
+        refuse(f"--batch-from: {err}")
+    args.rank = int(recorded.model_keys["lora"]["rank"])
+    args.chunk = int(recorded.model_keys["logprob_chunk_tokens"])
+    for name in args.models.split(","):
+        try:
+            vocab = shape_by_name(name).vocab_size
+        except ValueError as err:
+            refuse(f"--models: {err}")
+        if recorded.largest_token_id >= vocab:
+            refuse(f"--batch-from {args.batch_from}: token id {recorded.largest_token_id} is outside {name}'s "
+                   f"vocabulary of {vocab}: the step was trained on another model")
+    return recorded
 
 
 class Bench:
