@@ -133,7 +133,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "epochs, mini-batches and micro-batch budget, in place of --batch-sequences sampled ones")
     p.add_argument("--micro-step-tokens", type=float, default=None,
                    help="a micro-step's fixed cost in tokens of work for the update's cut (default: fit's starting "
-                        "figure; a step's perf/<role>_micro_step_fixed_s over its seconds a token gives fit's later one)")
+                        "figure, ppo/micro_batches.MICRO_STEP_TOKENS; 0: the cut of a fit that measured none)")
     p.add_argument("--batch-cap-gib", type=float, default=60.0,
                    help="the batch update's plan is made for at most this much free memory (an engine beside the "
                         "trainer would hold the rest), and its warm-up peak must stay within it (0: the card as found)")
