@@ -14,6 +14,7 @@ from atlas_lightning.rollout.engines.args import (
     EngineArgs,
     client_in_flight,
     lora_rank_slot,
+    refusal_message,
     refused_arguments,
 )
 
@@ -232,3 +233,13 @@ def test_an_engine_refusal_is_named_in_the_configs_keys():
     assert refused_arguments("mamba_ssm_cache_dtype='float16' is not supported", kwargs) == [
         "rollout.mamba_ssm_cache_dtype (vLLM's mamba_ssm_cache_dtype='float32')"]
     assert refused_arguments("the model's architecture is not supported", kwargs) == []
+
+
+def test_a_servers_log_is_read_for_its_last_refusal():
+    """A server's log names arguments on its command line too; only a line reporting an error is a refusal."""
+    kwargs = EngineArgs.from_config(compose(["experiment=h200-8b"])).vllm_kwargs(on_cpu=False)
+    log = "\n".join(["$ python -m vllm... --dtype bfloat16 --max-num-seqs 256", "INFO loading the model",
+                     f"[rank0]: ValueError: {MAMBA_REFUSAL}", "[rank0]: the process exits"])
+    assert refusal_message(log, kwargs).startswith(
+        "the rollout engine refused rollout.max_in_flight (vLLM's max_num_seqs=256); rollout.gpu_memory_utilization")
+    assert refusal_message("$ python -m vllm --dtype bfloat16\nFatal Python error: init_fs_encoding", kwargs) is None

@@ -295,6 +295,20 @@ def test_server_that_never_starts_names_its_log(tiny_engine_args, tmp_path):
     assert "Fatal Python error" in str(failed.value)  # the log's last lines are quoted
 
 
+def test_server_refusing_its_arguments_names_the_config_key(tiny_engine_args, tmp_path):
+    """A real server that exits refusing an argument at its start (a context longer than the
+    model's positions) is a config error naming the key, as an in-process engine's refusal is."""
+    pytest.importorskip("vllm")
+    from atlas_lightning.config import ConfigError
+    from atlas_lightning.rollout.engines.server_process import VLLMServer
+
+    with pytest.raises(ConfigError) as refused:
+        VLLMServer(tiny_engine_args(max_model_len=1_000_000), log_path=tmp_path / "server.log", start_timeout_s=300)
+    message = str(refused.value)
+    assert message.startswith("the rollout engine refused rollout.max_model_len (vLLM's max_model_len=1000000)")
+    assert "max_position_embeddings" in message and "server.log" in message
+
+
 def test_absent_server_raises():
     from atlas_lightning.rollout.engines.server_engine import ServerEngine
     from atlas_lightning.rollout.engines.server_http import free_port

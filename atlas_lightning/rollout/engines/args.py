@@ -82,6 +82,21 @@ def refused_arguments(message: str, kwargs: dict[str, Any]) -> list[str]:
             if name in kwargs and re.search(rf"(?<![A-Za-z0-9_]){name}(?![A-Za-z0-9_])", message)]
 
 
+def refusal_message(text: str, kwargs: dict[str, Any]) -> Optional[str]:
+    """The config error for an engine that refused its arguments as it started: ``text`` is vLLM's
+    error (``TypeName: message`` of an in-process engine, or a server's log tail), whose last line
+    that reports an error and names an argument of ``kwargs`` that a config key sets is taken (the
+    log's other lines, its command line among them, name arguments without refusing them); None
+    when no line does."""
+    errors = [line for line in text.splitlines() if "error" in line.lower() and not line.startswith("$ ")]
+    for line in reversed(errors):
+        named = refused_arguments(line, kwargs)
+        if named:
+            said = " ".join(line.split())[:500]
+            return f"the rollout engine refused {'; '.join(named)} at its start; vLLM says: {said}"
+    return None
+
+
 def lora_rank_slot(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
     for slot in VLLM_LORA_RANKS:

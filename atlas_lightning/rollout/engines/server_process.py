@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from atlas_lightning.rollout.engine import EngineError
-from atlas_lightning.rollout.engines.args import EngineArgs
+from atlas_lightning.rollout.engines.args import EngineArgs, refusal_message
 from atlas_lightning.rollout.engines.server_http import HTTP_ERRORS, free_port, http_call
 
 log = logging.getLogger(__name__)
@@ -167,9 +167,21 @@ class VLLMServer:
             self.wait_until_healthy()
 
     def wait_until_healthy(self, timeout_s: Optional[float] = None) -> None:
-        """Return once ``/health`` answers 200; on exit or timeout, close and raise ``EngineError``."""
+        """Return once ``/health`` answers 200; on exit or timeout, close and raise ``EngineError``,
+        or ``ConfigError`` naming the keys when the server exited refusing arguments a config key
+        sets (``args.refusal_message`` on its log's end), as an in-process engine's refusal is."""
         try:
             self._wait_healthy(self.start_timeout_s if timeout_s is None else timeout_s)
+        except EngineError:
+            exited = self.process is not None and self.process.poll() is not None
+            self.close()
+            on_cpu = not torch.cuda.is_available()
+            refusal = refusal_message(log_tail(self.log_path, 60), self.args.vllm_kwargs(on_cpu=on_cpu))
+            if refusal is None or not exited:
+                raise
+            from atlas_lightning.config import ConfigError
+
+            raise ConfigError(f"{refusal} (server log {self.log_path})") from None
         except BaseException:
             self.close()
             raise

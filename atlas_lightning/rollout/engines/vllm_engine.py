@@ -54,7 +54,7 @@ from atlas_lightning.rollout.engine import (
     SyncReport,
 )
 from atlas_lightning.rollout.engines.adapter_folder import check_adapter_folder
-from atlas_lightning.rollout.engines.args import EngineArgs, refused_arguments
+from atlas_lightning.rollout.engines.args import EngineArgs, refusal_message
 from atlas_lightning.rollout.engines.failure import FailureGuard
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def prepare_cpu_environment(kvcache_gib: int, threads: Optional[int] = None) -> 
 
 def _started(kwargs: dict):
     """``start_llm(**kwargs)``; a ``ValueError`` of vLLM's that names arguments a config key sets
-    (``args.refused_arguments``: vLLM checks its arguments, and what they leave on this card, as it
+    (``args.refusal_message``: vLLM checks its arguments, and what they leave on this card, as it
     starts) becomes a ``ConfigError`` naming those keys (exit 2, no traceback). Any other error
     propagates as it is."""
     from atlas_lightning.config import ConfigError
@@ -83,11 +83,10 @@ def _started(kwargs: dict):
     try:
         return start_llm(**kwargs)
     except ValueError as err:
-        named = refused_arguments(str(err), kwargs)
-        if not named:
+        refusal = refusal_message(f"{type(err).__name__}: {first_line(err, 2000)}", kwargs)
+        if refusal is None:
             raise
-        raise ConfigError(f"the rollout engine refused {'; '.join(named)} at its start; vLLM says: "
-                          f"{first_line(err, 500)}") from None
+        raise ConfigError(refusal) from None
 
 
 def head_dtype_problem(engine, wanted: str) -> Optional[str]:
