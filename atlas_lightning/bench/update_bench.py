@@ -28,7 +28,8 @@ the batch's ``choice``). Off CUDA no card is sized: every layer checkpointed, as
 on at that step (``recorded_batch.py``: its token ids and loss masks, one card's share), with the
 run's update shape (``ppo_epochs`` x mini-batches, the micro-batch budget
 ``ppo_max_token_len_per_gpu``) and model keys (``recorded_batch.MODEL_KEYS``: LoRA, dtype, head
-dtype, kernels; they replace ``--rank``, ``--chunk`` and ``--elementwise-kernels``), so its MFU and
+dtype, kernels; they replace ``--rank`` and ``--chunk``; ``--elementwise-kernels``, where given,
+still sets the element-wise kernels), so its MFU and
 ``fit``'s ``update_actor`` MFU of that step are figures of the same work. The model's shape is still
 ``--models``' (and ``--layers``'): the step's model must have it.
 """
@@ -124,8 +125,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "one-time costs then count against the baseline)")
     p.add_argument("--sections", default="peak,logprob,update,forward,sync",
                    help="of peak, logprob, update, forward, sync, autotune, profile, batch")
-    p.add_argument("--elementwise-kernels", default="auto", choices=("auto", "liger", "torch"),
-                   help="our path's norm/SwiGLU/rotary kernels (model.elementwise_kernels; models/fused_kernels.py)")
+    p.add_argument("--elementwise-kernels", default=None, choices=("auto", "liger", "torch"),
+                   help="our path's norm/SwiGLU/rotary kernels (model.elementwise_kernels; models/fused_kernels.py; "
+                        "default auto, or with --batch-from the run's)")
     p.add_argument("--paths", default="ours,baseline", help="which of ours, baseline the update and batch run")
     p.add_argument("--batch-sequences", type=int, default=32, help="trajectories of the batch benchmark")
     p.add_argument("--batch-from", default=None, metavar="STEP_FOLDER",
@@ -314,10 +316,14 @@ class Bench:
 
     @property
     def model_keys(self) -> dict:
-        """``model.*`` keys of our path's build and plan: ``--elementwise-kernels``, or all of a
-        recorded run's (``recorded_batch.MODEL_KEYS``)."""
+        """``model.*`` keys of our path's build and plan: a recorded run's (``recorded_batch.MODEL_KEYS``)
+        or ``auto`` kernels, with ``--elementwise-kernels`` over them where given (``update_suite``'s
+        ``dense-torch`` step measures the fused kernels' share on a recorded batch too)."""
         recorded = self.args.recorded_batch
-        return dict(recorded.model_keys) if recorded is not None else {"elementwise_kernels": self.args.elementwise_kernels}
+        keys = dict(recorded.model_keys) if recorded is not None else {"elementwise_kernels": "auto"}
+        if self.args.elementwise_kernels is not None:
+            keys["elementwise_kernels"] = self.args.elementwise_kernels
+        return keys
 
     def _shape_only(self, shape, layers: int, attention: str):
         """``shape``'s model on the meta device: what the FLOP counts read (no weights)."""

@@ -51,13 +51,14 @@ def _steps(args: argparse.Namespace) -> list[tuple[str, list[str], int, int]]:
     """(label, update benchmark arguments, seconds a step needs to start, seconds it leaves to
     the steps after it), every step the suite knows."""
     recorded = ["--batch-from", args.batch_from] if args.batch_from else []
+    kernels = ["--elementwise-kernels", args.elementwise_kernels] if args.elementwise_kernels else []
     steps = [
         ("27b", ["--models", "qwen3_6_27b", "--layers", "qwen3_6_27b=16", "--sweep-layers", "4",
                  "--sweep", "ours,ours_none", "--sweep-warmup", "0", "--reps", "1", "--paths", "ours",
                  "--sections", "peak,update,autotune,profile"], 60, 140),
         ("dense", ["--models", "dense8b", "--sweep-layers", "4", "--sweep", "ours,ours_none,ours_mixer,ours_mlp",
                    "--sweep-warmup", "0", "--sections", "peak,batch,profile", "--batch-sequences", "32",
-                   "--batch-cap-gib", str(args.dense_cap_gib), "--elementwise-kernels", args.elementwise_kernels,
+                   "--batch-cap-gib", str(args.dense_cap_gib), *kernels,
                    "--batch-repeats", str(args.batch_repeats), *recorded], 100, 0),
         # ours alone with PyTorch's element-wise ops: the same plan, for the fused kernels' share
         ("dense-torch", ["--models", "dense8b", "--sweep-layers", "4", "--sweep", "ours,ours_none,ours_mixer,ours_mlp",
@@ -85,8 +86,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list]:
     p.add_argument("--tiny", action="store_true", help="CPU plumbing check on toy shapes")
     p.add_argument("--only", default="",
                    help="comma-separated steps to run (27b, dense, dense-torch, 27b-baseline; default all but dense-torch)")
-    p.add_argument("--elementwise-kernels", default="auto", choices=("auto", "liger", "torch"),
-                   help="our path's norm/SwiGLU/rotary kernels (model.elementwise_kernels)")
+    p.add_argument("--elementwise-kernels", default=None, choices=("auto", "liger", "torch"),
+                   help="our path's norm/SwiGLU/rotary kernels (model.elementwise_kernels; default auto, or with "
+                        "--batch-from the run's)")
     p.add_argument("--batch-repeats", type=int, default=1, help="timed updates of ours on the dense batch")
     p.add_argument("--dense-cap-gib", type=float, default=60.0,
                    help="the free memory the dense batch's plan is made for, at most (--batch-cap-gib)")

@@ -131,6 +131,12 @@ def test_the_benchmark_builds_the_runs_model_keys(tmp_path, build, monkeypatch):
     (model_cfg,) = built
     assert model_cfg.head_dtype == "float32" and model_cfg.lora.rank == 4 and model_cfg.logprob_chunk_tokens == 96
     assert model_cfg.dtype == read_recorded_batch(folder).model_keys["dtype"]
+    assert model_cfg.elementwise_kernels == read_recorded_batch(folder).model_keys["elementwise_kernels"]
+    # an explicit --elementwise-kernels still sets ours (update_suite's dense-torch step)
+    args = update_bench.parse_args(["--tiny", "--models", "tiny", "--batch-from", str(folder),
+                                    "--elementwise-kernels", "torch"])
+    update_bench.Bench(args)._ours(update_bench.shape_by_name("tiny"), 1, None)
+    assert built[-1].elementwise_kernels == "torch" and built[-1].head_dtype == "float32"
 
 
 @pytest.mark.parametrize("damage, named", [

@@ -31,6 +31,9 @@ def test_the_recorded_batch_goes_to_the_dense_steps_alone():
         at = steps[label].index("--batch-from")
         assert steps[label][at + 1] == "/runs/b/artifacts/h200-8b/train/step_1"
     assert "--batch-from" not in steps["27b"]
+    # the recorded run's kernels unless named; dense-torch names torch's
+    assert "--elementwise-kernels" not in steps["dense"]
+    assert steps["dense-torch"][steps["dense-torch"].index("--elementwise-kernels") + 1] == "torch"
 
 
 def test_tiny_swaps_in_toy_shapes():
