@@ -44,6 +44,7 @@ Pure Python (no torch, no vLLM): ``planning`` imports it. Who calls it: ``rollou
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -76,8 +77,6 @@ def refused_arguments(message: str, kwargs: dict[str, Any]) -> list[str]:
     """``"<vLLM name>=<value> (<config key>)"`` for each engine argument of ``kwargs`` that a
     config key sets (``CONFIG_KEYS``) and ``message`` (vLLM's refusal) names as a word; empty when
     it names none (then the refusal is not about this config's values)."""
-    import re
-
     return [f"{key} (vLLM's {name}={kwargs[name]!r})" for name, key in CONFIG_KEYS.items()
             if name in kwargs and re.search(rf"(?<![A-Za-z0-9_]){name}(?![A-Za-z0-9_])", message)]
 

@@ -122,7 +122,7 @@ class VLLMServer:
         self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
-        on_cpu = not torch.cuda.is_available()
+        self.on_cpu = on_cpu = not torch.cuda.is_available()
         flags = engine_flags(args, on_cpu=on_cpu) + [
             "--host", host, "--port", str(self.port),
             # one request line per completion would drown the log that errors quote
@@ -175,8 +175,7 @@ class VLLMServer:
         except EngineError:
             exited = self.process is not None and self.process.poll() is not None
             self.close()
-            on_cpu = not torch.cuda.is_available()
-            refusal = refusal_message(log_tail(self.log_path, 60), self.args.vllm_kwargs(on_cpu=on_cpu))
+            refusal = refusal_message(log_tail(self.log_path, 60), self.args.vllm_kwargs(on_cpu=self.on_cpu))
             if refusal is None or not exited:
                 raise
             from atlas_lightning.config import ConfigError
