@@ -143,6 +143,10 @@ class StepBenchCallback(L.Callback):
         self.responses: dict[int, list[int]] = {}
         self.generated: dict[int, int] = {}
         self.peak_tflops: Optional[float] = None
+        #: by step: the card's bf16 matmul rate measured at the step's end (``card_rate_after``)
+        self.card_tflops: dict[int, Optional[float]] = {}
+        #: by step: seconds the benchmark itself spent inside it, taken out of its wall time
+        self.excluded_s: dict[int, float] = {}
         self.ended: Optional[float] = None
         self.replayed: dict[str, Any] = {"done": False, "why": "not run yet"}
 
@@ -230,6 +234,9 @@ class StepBenchCallback(L.Callback):
         self.lengths[batch.step] = batch.sequence_lengths()
         self.responses[batch.step] = [len(r.response_ids) for r in batch.records]
         self.generated[batch.step] = int(batch.stats.generated_tokens)
+        started = time.monotonic()
+        self.card_tflops[batch.step] = card_rate_after()
+        self.excluded_s[batch.step] = time.monotonic() - started
         if self.replay and batch.step == self.replay_step:
             # now, so that a run cut short keeps it; its seconds are taken out of the step's wall time
             started = time.monotonic()
@@ -286,11 +293,29 @@ class StepBenchCallback(L.Callback):
                               ride_tail_s=self.ride_tail_s, lengths=self.lengths,
                               rollout_s=self.rollout_s, training_step_s=self.training_step_s,
                               generated=self.generated, replayed=self.replayed, responses=self.responses,
-                              peak_tflops=self.peak_tflops, build=self.build)
+                              peak_tflops=self.peak_tflops, build=self.build, card_tflops=self.card_tflops,
+                              excluded_s=self.excluded_s)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "step_bench.json").write_text(json.dumps(report, indent=1) + "\n")
         (self.out / "step_bench.md").write_text(markdown(report) + "\n")
         return report
+
+
+def card_rate_after() -> Optional[float]:
+    """The card's bf16 matmul rate (TFLOP/s) now, at a step's end; None off CUDA, or where the
+    card has no room left for the measurement's three 8192-square matrices. Why: the step's MFU
+    is reckoned on the rate measured at set-up, before the engine ran; a card that runs slower
+    by the update (its clocks, its power) shows here, apart from what the code does."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from .measure import matmul_peak
+
+    try:
+        return matmul_peak(torch.device("cuda"), reps=10)["tflops"]
+    except torch.OutOfMemoryError:
+        return None
 
 
 def _history(trainer) -> dict[int, dict[str, float]]:
@@ -487,7 +512,9 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
                  peak_tflops: Optional[float] = None, build: Optional[dict] = None,
                  callback_start_s: Optional[dict[int, dict[str, float]]] = None,
                  ride_tail_s: Optional[dict[int, float]] = None, rollout_s: Optional[dict[int, float]] = None,
-                 training_step_s: Optional[dict[int, float]] = None) -> dict:
+                 training_step_s: Optional[dict[int, float]] = None,
+                 card_tflops: Optional[dict[int, Optional[float]]] = None,
+                 excluded_s: Optional[dict[int, float]] = None) -> dict:
     """The benchmark's figures (module doc) from what the run logged and the callback timed;
     ``build``: the ``bench/shapes.py`` shape and layer count the model was built from (None: a
     model folder the benchmark did not write); ``callback_start_s``: the part of ``callback_s``
@@ -495,7 +522,9 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
     seconds at the end of the next step's ``gen`` (both place a ridden validation's seconds in the
     next step; absent: its logged marginal is costed, nothing set apart there); ``rollout_s``,
     ``training_step_s``: by step, the seconds of its rollout call and its ``training_step``
-    (``other_parts``: where ``other`` lies)."""
+    (``other_parts``: where ``other`` lies); ``card_tflops``: by step, the card's matmul rate at
+    its end (``card_rate_after``; the update phases' MFU on it beside the set-up rate's);
+    ``excluded_s``: by step, the benchmark's own seconds inside it, out of its wall time."""
     steps = sorted(s for s in rollout_start if s in lengths)
     responses = responses or {}
     val_every = int(cfg.trainer.val_every) or int(cfg.trainer.total_steps)
@@ -507,6 +536,8 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
         wall = end - rollout_start[step] if end is not None else None
         if wall is not None and replayed.get("step") == step:
             wall -= replayed.get("excluded_s", 0.0)
+        if wall is not None:
+            wall -= (excluded_s or {}).get(step, 0.0)
         phases = {p: logged.get(f"timing_s/{p}") for p in PHASES if f"timing_s/{p}" in logged}
         callbacks = dict(callback_s.get(step, {}))
         validation = validation_seconds(step, set(steps), history, callback_s, callback_start_s or {},
@@ -536,6 +567,11 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
             if peak_tflops:
                 row["useful_mfu"] = {p: f / phases[p] / (peak_tflops * 1e12) for p, f in flops.items()
                                      if phases.get(p)}
+            rate = (card_tflops or {}).get(step)
+            row["card_tflops_after"] = rate
+            if rate:
+                row["useful_mfu_at_card_rate_after"] = {p: f / phases[p] / (rate * 1e12) for p, f in flops.items()
+                                                        if phases.get(p)}
         row.update(_micro_batch_figures(cfg, lengths[step], logged))
         rows.append(row)
     if replayed.get("done"):

@@ -107,6 +107,7 @@ def markdown(report: dict) -> str:
             lines.append(f"| other (loop, hand-over{': ' + where if where else ''}) | {_fmt(row['other_s'], '.2f')} | "
                          f"{_fmt(row['other_s'] / wall * 100)}% | | | |")
         lines += _micro_step_lines(row)
+        lines += _card_rate_lines(row, report.get("peak_bf16_tflops"))
         if row.get("sync_s"):
             lines += ["", "weight sync by part (s): " + ", ".join(f"{name} {seconds:.2f}"
                                                                 for name, seconds in row["sync_s"].items())]
@@ -138,6 +139,18 @@ def markdown(report: dict) -> str:
     lines += ["", "versions: " + ", ".join(f"{k} {v}" for k, v in env.items())]
     return "\n".join(lines)
 
+
+
+def _card_rate_lines(row: dict, at_setup: Optional[float]) -> list[str]:
+    """The card's matmul rate at the step's end beside the set-up rate the MFU column uses, and
+    the updates' MFU on it: a card slower by then shows apart from the code."""
+    rate = row.get("card_tflops_after")
+    if not rate:
+        return []
+    mfu = row.get("useful_mfu_at_card_rate_after") or {}
+    updates = ", ".join(f"{p} {mfu[p]:.1%}" for p in ("update_critic", "update_actor") if p in mfu)
+    return ["", f"the card's bf16 matmul rate at the step's end: {rate:.1f} TFLOP/s (at set-up, the MFU column's: "
+                f"{_fmt(at_setup)})" + (f"; useful MFU on it: {updates}" if updates else "")]
 
 
 def _micro_step_lines(row: dict) -> list[str]:

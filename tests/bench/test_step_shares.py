@@ -73,3 +73,27 @@ def test_other_is_split_between_the_rollout_call_the_training_step_and_the_loop(
     assert row["other_s"] == pytest.approx(3.0)
     assert row["other_parts"] == pytest.approx({"rollout": 1.0, "training_step": 0.5, "loop": 1.5})
     assert row["sync_s"] == {"export": 1.25}
+
+
+def test_the_cards_rate_at_the_steps_end_gives_the_updates_mfu_beside_the_set_up_rates(orchestrator_dir):
+    """A card at half its set-up matmul rate by the step's end doubles the updates' MFU reckoned
+    on that rate; the seconds spent measuring it are the benchmark's, out of the step's wall."""
+    from atlas_lightning.bench.step_markdown import markdown
+
+    cfg = compose(["experiment=tiny-cpu", "trainer.total_steps=1", f"model.path={orchestrator_dir}"])
+    phases = {"gen": 10.0, "update_critic": 30.0, "update_actor": 30.0}
+    report = build_report(cfg, {1: {f"timing_s/{p}": s for p, s in phases.items()}}, rollout_start={1: 0.0},
+                          ended=100.0, callback_s={}, lengths={1: [100, 200]}, generated={1: 150}, replayed={},
+                          responses={1: [50, 100]}, peak_tflops=800.0, card_tflops={1: 400.0},
+                          excluded_s={1: 5.0})
+    row = report["steps"][0]
+    assert row["wall_s"] == pytest.approx(95.0)
+    assert row["card_tflops_after"] == 400.0
+    for phase in ("update_critic", "update_actor"):
+        assert row["useful_mfu_at_card_rate_after"][phase] == pytest.approx(2 * row["useful_mfu"][phase])
+    assert "matmul rate at the step's end: 400.0 TFLOP/s (at set-up, the MFU column's: 800.0)" in markdown(report)
+    # off CUDA nothing is measured, and nothing is said
+    bare = build_report(cfg, {1: {f"timing_s/{p}": s for p, s in phases.items()}}, rollout_start={1: 0.0},
+                        ended=100.0, callback_s={}, lengths={1: [100, 200]}, generated={1: 150}, replayed={},
+                        responses={1: [50, 100]}, peak_tflops=800.0, card_tflops={1: None})
+    assert "useful_mfu_at_card_rate_after" not in bare["steps"][0] and "step's end" not in markdown(bare)
