@@ -4,12 +4,16 @@
   runner; the device time of every kernel, summed by category (``CATEGORIES``: GEMMs, the
   attention kernels, fla's Gated DeltaNet kernels, its conv, norms, element-wise and copies),
   and the top kernels by name. Profiling first is what chooses the next change (``bench/NOTES.md``).
+* ``profile_call``: the same over any call, with the card's idle share of its wall: the update
+  benchmark's whole update (section ``update-profile``) and ``fit``'s (the step benchmark's
+  ``profile_update_step``), so that the two are compared kernel by kernel and gap by gap.
 * ``autotune_probe``: one actor micro-step on a micro-batch of a NEW length (the update's
   sequences less the last one) after the update ran: its seconds, and how many autotune entries
   fla's kernels added (``models/fla_tuning.tuned_entries``): 0 when no length re-tunes.
 * ``fla_configs``: the config each fla autotuner chose, per key (what a pinned table would hold).
 
-Who calls it: ``update_bench.py``. CUDA only (on CPU they return ``{"skipped": ...}``).
+Who calls it: ``update_bench.py``, ``step.py`` (``profile_call``). CUDA only (on CPU they return ``{"skipped": ...}``;
+``profile_call`` is called on CUDA only).
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ from __future__ import annotations
 import re
 import time
 from collections import defaultdict
+from typing import Callable, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 #: Kernel-name patterns, first match wins (lower-case names).
 CATEGORIES = (
@@ -56,17 +63,29 @@ def profile_micro_step(runner, inputs, indices=None, top: int = 20) -> dict:
     """(module doc) ``indices``: the micro-batch's sequences (default: all of ``inputs``)."""
     if runner.device.type != "cuda":
         return {"skipped": "CPU"}
-    from torch.profiler import ProfilerActivity, profile
-
     indices = list(range(len(inputs.sequences))) if indices is None else list(indices)
     runner.zero_grad()
+    _, summary = profile_call(lambda: actor_micro_step(runner, inputs, indices), top=top, host_ops=True)
+    runner.zero_grad()
+    return summary
+
+
+def profile_call(fn: Callable[[], T], top: int = 20, host_ops: bool = False) -> tuple[T, dict]:
+    """``fn()`` under ``torch.profiler`` on CUDA: its result and where the card's time went.
+    ``wall_s_under_profiler`` (synchronised before and after), ``device_s`` (every kernel's
+    seconds, summed), ``idle_share`` (``1 - device_s / wall``: the card waiting on the host, its
+    launches and reads; kernels on several streams at once would make it negative), by category
+    and the ``top`` kernels. ``host_ops``: record the host's operators too (more overhead on the
+    host: off where the idle share is the question)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host_ops else [])
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
-        actor_micro_step(runner, inputs, indices)
+        result = fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    runner.zero_grad()
     by_kernel: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", None)
@@ -78,8 +97,8 @@ def profile_micro_step(runner, inputs, indices=None, top: int = 20) -> dict:
     for name, seconds in by_kernel.items():
         by_category[_category(name)] += seconds
     total = sum(by_kernel.values())
-    return {
-        "wall_s_under_profiler": wall, "device_s": total,
+    return result, {
+        "wall_s_under_profiler": wall, "device_s": total, "idle_share": 1.0 - total / wall if wall else None,
         "categories": {k: {"s": v, "share": v / total if total else 0.0}
                        for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": k[:120], "s": v, "category": _category(k)}

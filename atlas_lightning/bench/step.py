@@ -58,6 +58,12 @@ Memory beside the plan: ``atlas-lightning plan``'s per-phase tensors for the sam
 configured token budgets and at the micro-batch sizes the step really ran (the planner's own
 partition of the step's sequence lengths).
 
+Where the updates' time goes (``profile_update_step``: ``+callbacks.step_bench.profile_update_step=N``):
+step N's critic and actor updates (``PPOModule._update``) run under ``torch.profiler``
+(``probes.profile_call``): their kernels by category and the card's idle share, beside what the
+update benchmark's ``update-profile`` section measures on the same batch. A diagnostic: the
+profiler's own costs are in step N's figures.
+
 Output: ``DIR/step_bench.json`` (rewritten after every step, so a run cut short keeps what it
 measured; with the model ``--build`` wrote, ``build``: its shape and ``--layers``, and the card's
 HBM where ``bench/cards.py`` knows it, what ``bench/projection.py`` scales from) and
@@ -123,8 +129,12 @@ class StepBenchCallback(L.Callback):
     """Times every phase of every RL step of a ``fit`` (module doc); writes ``out``."""
 
     def __init__(self, out: str, replay_step: int = 1, replay: bool = True, build: Optional[str] = None,
-                 layers: Optional[int] = None) -> None:
+                 layers: Optional[int] = None, profile_update_step: Optional[int] = None) -> None:
         self.out = Path(out)
+        #: the step whose updates run under the profiler (module doc), and what it found, by role
+        self.profile_update_step = None if profile_update_step is None else int(profile_update_step)
+        self.update_profile: dict[str, dict] = {}
+        self._step_now: Optional[int] = None
         # the model the step runs, when ``--build`` wrote it (the projection scales from it)
         self.build = {"shape": build, "layers": None if layers is None else int(layers)} if build else None
         self.replay_step = int(replay_step)
@@ -178,6 +188,8 @@ class StepBenchCallback(L.Callback):
         dm.rollout = timed_rollout
         if pl_module is not None:
             self._time_training_step(pl_module)
+            if self.profile_update_step is not None and torch.cuda.is_available():
+                self._profile_updates(pl_module)
 
         take = getattr(dm, "take_validation", None)
 
@@ -202,6 +214,7 @@ class StepBenchCallback(L.Callback):
         training_step = pl_module.training_step
 
         def timed_training_step(batch, *args, **kwargs):
+            self._step_now = batch.step
             started = time.monotonic()
             try:
                 return training_step(batch, *args, **kwargs)
@@ -209,6 +222,21 @@ class StepBenchCallback(L.Callback):
                 self.training_step_s[batch.step] = time.monotonic() - started
 
         pl_module.training_step = timed_training_step
+
+    def _profile_updates(self, pl_module) -> None:
+        """``pl_module._update`` of step ``profile_update_step`` run under the profiler, each
+        role's summary into ``update_profile`` (module doc)."""
+        from .probes import profile_call
+
+        update = pl_module._update
+
+        def profiled_update(role, *args, **kwargs):
+            if self._step_now != self.profile_update_step:
+                return update(role, *args, **kwargs)
+            out, self.update_profile[role] = profile_call(lambda: update(role, *args, **kwargs))
+            return out
+
+        pl_module._update = profiled_update
 
     def _time_hook(self, callback, hook: str, step_of, part: Optional[dict] = None) -> None:
         """``callback``'s ``hook`` timed into ``callback_s`` under the step ``step_of(args)``
@@ -295,6 +323,8 @@ class StepBenchCallback(L.Callback):
                               generated=self.generated, replayed=self.replayed, responses=self.responses,
                               peak_tflops=self.peak_tflops, build=self.build, card_tflops=self.card_tflops,
                               excluded_s=self.excluded_s)
+        if self.update_profile:
+            report["update_profile"] = {"step": self.profile_update_step, **self.update_profile}
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "step_bench.json").write_text(json.dumps(report, indent=1) + "\n")
         (self.out / "step_bench.md").write_text(markdown(report) + "\n")

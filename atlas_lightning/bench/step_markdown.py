@@ -126,6 +126,7 @@ def markdown(report: dict) -> str:
                       f"validation and checkpoint; {_fmt(rate['amortised'], ',.0f')} with them amortised over "
                       f"their periods; {_fmt(rate.get('report_periods'), ',.0f')} over the report's (a checkpoint "
                       "every step, validation every 5)", ""]
+    lines += _profile_lines(report.get("update_profile") or {})
     plain = report.get("plain_generate", {})
     if plain.get("done"):
         lines.append(f"plain vllm.LLM.generate on step {plain['step']}'s {plain['requests']} requests: "
@@ -139,6 +140,20 @@ def markdown(report: dict) -> str:
     lines += ["", "versions: " + ", ".join(f"{k} {v}" for k, v in env.items())]
     return "\n".join(lines)
 
+
+
+def _profile_lines(profile: dict) -> list[str]:
+    """Each profiled update (``StepBenchCallback``'s ``profile_update_step``): its wall under the
+    profiler, its kernels' seconds, the card's idle share and the largest categories."""
+    lines = []
+    for role in ("critic", "actor"):
+        summary = profile.get(role)
+        if not summary:
+            continue
+        top = ", ".join(f"{name} {part['s']:.2f} s" for name, part in list(summary["categories"].items())[:5])
+        lines.append(f"step {profile['step']}'s update_{role} under the profiler: {summary['wall_s_under_profiler']:.2f} s, "
+                     f"kernels {summary['device_s']:.2f} s, the card idle {summary['idle_share']:.1%} ({top})")
+    return lines + [""] if lines else []
 
 
 def _card_rate_lines(row: dict, at_setup: Optional[float]) -> list[str]:

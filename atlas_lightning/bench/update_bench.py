@@ -58,7 +58,7 @@ from .batch import ActorUpdate, run_with_fallbacks, timed_update
 from .flops import FORMULA, model_flops
 from .logprob_memory import measure_logprob_memory
 from .plan_check import plan_tensors_gib
-from .probes import autotune_probe, fla_configs, profile_micro_step
+from .probes import autotune_probe, fla_configs, profile_call, profile_micro_step
 from .recorded_batch import RecordedBatchError, read_recorded_batch
 from .report import markdown
 from .shapes import build_model, shape_by_name, transformers_config
@@ -124,7 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="untimed baseline updates before the timed ones (0 saves device time; the first update's "
                         "one-time costs then count against the baseline)")
     p.add_argument("--sections", default="peak,logprob,update,forward,sync",
-                   help="of peak, logprob, update, forward, sync, autotune, profile, batch")
+                   help="of peak, logprob, update, forward, sync, autotune, profile, batch, update-profile (the "
+                        "batch's whole update under the profiler: kernels and the card's idle share)")
     p.add_argument("--elementwise-kernels", default=None, choices=("auto", "liger", "torch"),
                    help="our path's norm/SwiGLU/rotary kernels (model.elementwise_kernels; models/fused_kernels.py; "
                         "default auto, or with --batch-from the run's)")
@@ -601,6 +602,12 @@ class Bench:
                 prof.update(profile_micro_step(runner, inputs, update.largest))
                 self.log(f"{name} batch profile: " + ", ".join(f"{k} {v['share']:.0%}" for k, v in
                                                                prof.get("categories", {}).items()))
+        if path == "ours" and "update-profile" in self.sections and self.device.type == "cuda" \
+                and not self.out_of_time():
+            with measure.section(entry, "update_profile", self.device) as prof:
+                prof.update(profile_call(update)[1])
+                self.log(f"{name} batch update profiled: {prof['wall_s_under_profiler']:.2f} s, kernels "
+                         f"{prof['device_s']:.2f} s, the card idle {prof['idle_share']:.1%}")
         return entry
 
     # ------------------------------------------------------------------ driver

@@ -97,3 +97,37 @@ def test_the_cards_rate_at_the_steps_end_gives_the_updates_mfu_beside_the_set_up
                         ended=100.0, callback_s={}, lengths={1: [100, 200]}, generated={1: 150}, replayed={},
                         responses={1: [50, 100]}, peak_tflops=800.0, card_tflops={1: None})
     assert "useful_mfu_at_card_rate_after" not in bare["steps"][0] and "step's end" not in markdown(bare)
+
+
+def test_only_the_named_steps_updates_run_under_the_profiler_and_the_report_says_what_it_found(monkeypatch):
+    """``profile_update_step=2``: step 1's and 3's updates run as they are, step 2's critic and
+    actor each through ``probes.profile_call``; the report and its markdown carry each role's
+    kernels and the card's idle share. (The profiler itself needs a card: stood in for here.)"""
+    from atlas_lightning.bench import probes
+    from atlas_lightning.bench.step import StepBenchCallback
+    from atlas_lightning.bench.step_markdown import _profile_lines
+
+    profiled = []
+
+    def fake_profile_call(fn, top=20, host_ops=False):
+        profiled.append(True)
+        return fn(), {"wall_s_under_profiler": 10.0, "device_s": 9.0, "idle_share": 0.1,
+                      "categories": {"gemm": {"s": 6.0, "share": 6 / 9}, "copies": {"s": 3.0, "share": 1 / 3}}}
+
+    monkeypatch.setattr(probes, "profile_call", fake_profile_call)
+
+    class Module:
+        def _update(self, role, data, nonfinite):
+            return {f"{role}/ran": data}
+
+    module, callback = Module(), StepBenchCallback(out="/tmp/x", profile_update_step=2)
+    callback._profile_updates(module)
+    for step in (1, 2, 3):
+        callback._step_now = step
+        assert module._update("critic", step, {}) == {"critic/ran": step}
+        assert module._update("actor", step, {}) == {"actor/ran": step}
+    assert len(profiled) == 2 and set(callback.update_profile) == {"critic", "actor"}
+    lines = _profile_lines({"step": 2, **callback.update_profile})
+    assert lines[1] == ("step 2's update_actor under the profiler: 10.00 s, kernels 9.00 s, the card idle 10.0% "
+                        "(gemm 6.00 s, copies 3.00 s)")
+    assert _profile_lines({}) == []
