@@ -74,18 +74,20 @@ def profile_call(fn: Callable[[], T], top: int = 20, host_ops: bool = False) -> 
     """``fn()`` under ``torch.profiler`` on CUDA: its result and where the card's time went.
     ``wall_s_under_profiler`` (synchronised before and after), ``device_s`` (every kernel's
     seconds, summed), ``idle_share`` (``1 - device_s / wall``: the card waiting on the host, its
-    launches and reads; kernels on several streams at once would make it negative), by category
-    and the ``top`` kernels. ``host_ops``: record the host's operators too (more overhead on the
+    launches and reads; kernels on several streams at once would make it negative), the caching
+    allocator's retries and driver calls meanwhile, by category and the ``top`` kernels. ``host_ops``: record the host's operators too (more overhead on the
     host: off where the idle share is the question)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host_ops else [])
     torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         result = fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
+    after = torch.cuda.memory_stats()
     by_kernel: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", None)
@@ -99,6 +101,9 @@ def profile_call(fn: Callable[[], T], top: int = 20, host_ops: bool = False) -> 
     total = sum(by_kernel.values())
     return result, {
         "wall_s_under_profiler": wall, "device_s": total, "idle_share": 1.0 - total / wall if wall else None,
+        # the caching allocator's trips to the driver meanwhile (each cudaFree waits on the card)
+        "allocator": {key: after.get(key, 0) - before.get(key, 0)
+                      for key in ("num_alloc_retries", "num_device_alloc", "num_device_free")},
         "categories": {k: {"s": v, "share": v / total if total else 0.0}
                        for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": k[:120], "s": v, "category": _category(k)}

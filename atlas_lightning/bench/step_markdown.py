@@ -152,8 +152,13 @@ def _profile_lines(profile: dict) -> list[str]:
             continue
         top = ", ".join(f"{name} {part['s']:.2f} s" for name, part in list(summary["categories"].items())[:5])
         lines.append(f"step {profile['step']}'s update_{role} under the profiler: {summary['wall_s_under_profiler']:.2f} s, "
-                     f"kernels {summary['device_s']:.2f} s, the card idle {summary['idle_share']:.1%} ({top})")
+                     f"kernels {summary['device_s']:.2f} s, the card idle {summary['idle_share']:.1%} ({top}); "
+                     f"the allocator: {_fmt_counts(summary.get('allocator') or {})}")
     return lines + [""] if lines else []
+
+
+def _fmt_counts(counts: dict) -> str:
+    return ", ".join(f"{key} {value}" for key, value in counts.items()) or "-"
 
 
 def _card_rate_lines(row: dict, at_setup: Optional[float]) -> list[str]:

@@ -607,7 +607,7 @@ class Bench:
             with measure.section(entry, "update_profile", self.device) as prof:
                 prof.update(profile_call(update)[1])
                 self.log(f"{name} batch update profiled: {prof['wall_s_under_profiler']:.2f} s, kernels "
-                         f"{prof['device_s']:.2f} s, the card idle {prof['idle_share']:.1%}")
+                         f"{prof['device_s']:.2f} s, the card idle {prof['idle_share']:.1%}, allocator {prof['allocator']}")
         return entry
 
     # ------------------------------------------------------------------ driver

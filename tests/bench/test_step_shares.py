@@ -129,5 +129,5 @@ def test_only_the_named_steps_updates_run_under_the_profiler_and_the_report_says
     assert len(profiled) == 2 and set(callback.update_profile) == {"critic", "actor"}
     lines = _profile_lines({"step": 2, **callback.update_profile})
     assert lines[1] == ("step 2's update_actor under the profiler: 10.00 s, kernels 9.00 s, the card idle 10.0% "
-                        "(gemm 6.00 s, copies 3.00 s)")
+                        "(gemm 6.00 s, copies 3.00 s); the allocator: -")
     assert _profile_lines({}) == []
