@@ -55,6 +55,8 @@ from atlas_lightning.store.checkpoints import MARKER, checkpoint_step, is_comple
 
 PROGRAM = "atlas-lightning bench step-suite"
 STAGES = ("a", "kr", "merged", "b", "h", "hm")
+#: The stages that run the step benchmark (``step.py``): its callback's overrides join their own.
+STEP_BENCH_STAGES = ("merged", "b", "h", "hm")
 #: the experiment each stage's fit composes on
 STAGE_EXPERIMENTS = {"a": "h200-tiny", "kr": "h200-tiny", "merged": "h200-tiny", "b": "h200-8b", "h": "h200-8b",
                      "hm": "h200-8b"}
@@ -332,14 +334,20 @@ def split_overrides(option: str, text: str) -> list[str]:
 
 def check_overrides(suite: Suite, opts: argparse.Namespace) -> None:
     """The user's overrides (``--extra``, ``--b-extra``, ``--h-extra``) composed on each chosen
-    stage's experiment with the suite's common overrides: a ``ConfigError`` naming the options and the key
-    before anything is written or started (each stage's ``fit`` would refuse them, one by one)."""
+    stage's experiment with the suite's common overrides, and the step benchmark's own where the
+    stage runs it (so that ``+callbacks.step_bench.KEY=...`` sets its callback's options): a
+    ``ConfigError`` naming the options and the key before anything is written or started (each
+    stage's ``fit`` would refuse them, one by one)."""
     from atlas_lightning.config import ConfigError, compose
+
+    from .step import bench_overrides
 
     own = {"b": ("--b-extra", opts.b_extra), "h": ("--h-extra", opts.h_extra), "hm": ("--h-extra", opts.h_extra)}
     for stage in opts.stages:
         option, text = own.get(stage, (None, ""))
         more = split_overrides(option, text) if option else []
+        if stage in STEP_BENCH_STAGES:
+            more += bench_overrides(suite.out / stage, 1, None, None)
         try:
             compose([f"experiment={STAGE_EXPERIMENTS[stage]}", *suite.common, *more])
         except ConfigError as err:

@@ -126,3 +126,16 @@ def test_the_hybrid_stages_run_the_step_benchmark_on_the_27b_checkpoint(tmp_path
         assert {"experiment=h200-8b", "model.path=/tmp/qwen3_6_27b", "model.linear_attention_kernel=fla",
                 f"rollout.weight_sync={sync}", "logger.mode=disabled", "trainer.total_steps=3"} <= set(overrides)
         assert overrides[-1] == "trainer.total_steps=3"
+
+
+def test_a_stage_override_may_set_the_step_benchmarks_own_options_and_a_bad_one_is_still_refused(tmp_path):
+    """``--b-extra +callbacks.step_bench.profile_update_step=2`` is checked as stage ``b`` runs
+    it, with the step benchmark's callback (its target) composed in: it passes; an option the
+    callback does not take is still a config error naming the stage."""
+    from atlas_lightning.config import ConfigError
+
+    suite = Suite(out=tmp_path / "out", cache=tmp_path / "cache", runs=tmp_path / "runs", extra=[])
+    step_suite.check_overrides(suite, step_suite.parse_args(
+        ["b", "--b-extra", "+callbacks.step_bench.profile_update_step=2 trainer.total_steps=2"]))
+    with pytest.raises(ConfigError, match="stage b"):
+        step_suite.check_overrides(suite, step_suite.parse_args(["b", "--b-extra", "trainer.total_steps=-1"]))
