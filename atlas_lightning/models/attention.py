@@ -28,6 +28,16 @@ importing this module and the model is built with ``attn_implementation="sdpa_va
   (80-110 ms forward + backward on an H200, ~32 new lengths a 32-trajectory batch: 8.7 s of a
   33 s update, ``bench/NOTES.md`` run 15); bucketed, a few graphs serve every length.
 
+* every SDPA backend enabled for these calls (``_every_backend``), PyTorch's own choice among
+  them, whatever the process set: vLLM's CUDA platform module turns cuDNN's attention off for the
+  whole process when it is imported (``torch.backends.cuda.enable_cudnn_sdp(False)``, a crash
+  workaround for some diffusers models), so ``fit``, which imports vLLM for its engine, trained
+  on FlashAttention-2 where the update benchmark (no vLLM) ran cuDNN's Hopper kernels: about 10%
+  of an 8B micro-step's kernel time there, and the 8B update in ``fit`` 8-11% slower than the
+  benchmark on the same batch
+  (atlas_lightning/bench/README.md, "Run 10").
+  The flags are restored after each call, so vLLM's own calls keep its choice.
+
 The mask function registered with it returns ``None`` (no mask is built), so a mask that
 transformers would have made is never materialised.
 """
@@ -39,13 +49,24 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 NAME = "sdpa_varlen"
 SEQ_LENS_KWARG = "atlas_seq_lens"
 
 
+#: Every scaled-dot-product-attention backend this PyTorch has (module doc: ``_every_backend``).
+EVERY_BACKEND = [backend for name, backend in SDPBackend.__members__.items() if name != "ERROR"]
+
+
 def _no_mask(*args, **kwargs) -> None:
     return None
+
+
+def _every_backend():
+    """The trainer's attention calls with every SDPA backend enabled, PyTorch choosing among them
+    as where nothing was switched off; the process's flags restored after (module doc)."""
+    return sdpa_kernel(EVERY_BACKEND)
 
 
 def sdpa_varlen_attention_forward(
@@ -62,7 +83,13 @@ def sdpa_varlen_attention_forward(
     ``(B, Hkv, L, D)``; returns ``(B, L, Hq, D)`` and no weights (module doc for the layouts)."""
     if dropout:
         raise ValueError(f"{NAME}: attention dropout {dropout} is not supported (training runs without it)")
-    seq_lens: Optional[Sequence[int]] = kwargs.get(SEQ_LENS_KWARG)
+    with _every_backend():
+        return _attend(module, query, key, value, scaling, kwargs.get(SEQ_LENS_KWARG))
+
+
+def _attend(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling: Optional[float],
+            seq_lens: Optional[Sequence[int]]) -> tuple[Tensor, None]:
+    """``sdpa_varlen_attention_forward``'s work, one call per packed sequence (module doc)."""
     bucket = int(getattr(module, BUCKET_ATTR, 0) or 0)
     gqa = query.shape[1] != key.shape[1]
     if seq_lens is None:

@@ -1,0 +1,56 @@
+"""The trainer's attention chooses its kernel as PyTorch would where nothing was switched off
+(``models/attention.py``): vLLM's CUDA platform module turns cuDNN's attention off for the whole
+process at import, which put ``fit`` on other kernels than the update benchmark. Here that switch
+is made as vLLM makes it; every call of ``sdpa_varlen`` still sees every backend enabled, packed
+and padded, forward and a checkpointed layer's replay in the backward, and the process's flags
+are as vLLM left them after each call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from atlas_lightning.models import attention
+
+#: Each backend's flag: what reads it, what sets it.
+FLAGS = (("cudnn_sdp_enabled", "enable_cudnn_sdp"), ("flash_sdp_enabled", "enable_flash_sdp"),
+         ("mem_efficient_sdp_enabled", "enable_mem_efficient_sdp"), ("math_sdp_enabled", "enable_math_sdp"))
+
+
+def _flags() -> tuple[bool, ...]:
+    return tuple(getattr(torch.backends.cuda, read)() for read, _ in FLAGS)
+
+
+@pytest.fixture
+def cudnn_switched_off():
+    before = _flags()
+    torch.backends.cuda.enable_cudnn_sdp(False)  # what vllm/platforms/cuda.py does at import
+    yield
+    for (_, setter), value in zip(FLAGS, before):
+        getattr(torch.backends.cuda, setter)(value)
+
+
+def test_every_backend_is_enabled_inside_the_trainers_attention_and_the_process_flags_are_kept(
+        cudnn_switched_off, monkeypatch):
+    seen = []
+    original = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(_flags())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    module = torch.nn.Module()
+    lengths = (3, 5)
+    q, k, v = (torch.randn(1, 2, sum(lengths), 4, requires_grad=True) for _ in range(3))
+
+    def layer(q, k, v):
+        return attention.sdpa_varlen_attention_forward(module, q, k, v, None, **{attention.SEQ_LENS_KWARG: lengths})[0]
+
+    checkpoint(layer, q, k, v, use_reentrant=False).sum().backward()  # forward, then its replay
+    attention.sdpa_varlen_attention_forward(module, q[:, :, :4], k[:, :, :4], v[:, :, :4], None)  # padded rows
+    assert len(seen) == 2 * len(lengths) + 1
+    assert all(flags == (True, True, True, True) for flags in seen), seen
+    assert _flags()[0] is False  # vLLM's choice, for vLLM's own calls
