@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from atlas_lightning.child_process import dying_with_parent
 from atlas_lightning.errors import InputError
 from atlas_lightning.run.exit_codes import exit_code
 from atlas_lightning.store.learning_curve import read_step, summarize, val_steps
@@ -104,10 +105,12 @@ class Suite:
             handle.write("".join(line[:400] + "\n" for line in text))
 
     def start(self, command: list[str], log: Path, *, append: bool = False) -> subprocess.Popen:
-        """``command`` in its own process group (a SIGKILL reaches vLLM's children too), output to ``log``."""
+        """``command`` in its own process group (a SIGKILL reaches vLLM's children too), output to
+        ``log``; SIGKILLed too if the suite itself dies (``child_process.dying_with_parent``: a
+        suite killed by an outer cap left its ``fit`` holding the card)."""
         with log.open("a" if append else "w") as handle:
-            return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=self.env,
-                                    start_new_session=True)
+            return subprocess.Popen(dying_with_parent(command, signal.SIGKILL), stdout=handle,
+                                    stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
 
     def run(self, command: list[str], log: Path, cap_s: float, *, append: bool = False) -> int:
         """``command`` to its end or SIGKILLed at ``cap_s`` seconds; its exit code."""

