@@ -34,8 +34,8 @@ importing this module and the model is built with ``attn_implementation="sdpa_va
   workaround for some diffusers models), so ``fit``, which imports vLLM for its engine, trained
   on FlashAttention-2 where the update benchmark (no vLLM) ran cuDNN's Hopper kernels: about 10%
   of an 8B micro-step's kernel time there, and the 8B update in ``fit`` 8-11% slower than the
-  benchmark on the same batch
-  (atlas_lightning/bench/README.md, "Run 10").
+  benchmark on the same batch (run 10 in
+  atlas_lightning/bench/README.md, "On one H200: the whole RL step, run by run").
   The flags are restored after each call, so vLLM's own calls keep its choice.
 
 The mask function registered with it returns ``None`` (no mask is built), so a mask that
