@@ -325,6 +325,9 @@ class StepBenchCallback(L.Callback):
                               excluded_s=self.excluded_s)
         if self.update_profile:
             report["update_profile"] = {"step": self.profile_update_step, **self.update_profile}
+        model = getattr(pl_module, "model", None)
+        if hasattr(model, "attention_backends"):  # the kernels fit's attention ran, as the update benchmark reports its own
+            report["attention_backends"] = model.attention_backends()
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "step_bench.json").write_text(json.dumps(report, indent=1) + "\n")
         (self.out / "step_bench.md").write_text(markdown(report) + "\n")

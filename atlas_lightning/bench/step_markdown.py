@@ -137,6 +137,8 @@ def markdown(report: dict) -> str:
     else:
         lines.append(f"plain vllm.LLM.generate: not measured ({plain.get('why')})")
     env = report.get("environment", {})
+    if "attention_backends" in report:
+        lines += ["", f"the trainer's attention ran (SDPA's backend): {', '.join(report['attention_backends']) or '-'}"]
     lines += ["", "versions: " + ", ".join(f"{k} {v}" for k, v in env.items())]
     return "\n".join(lines)
 

@@ -597,6 +597,9 @@ class Bench:
                     timed["recompute_per_micro_step"] = runner.take_replays()
                 self.log(f"{name} batch {path}{label}: {timed['seconds']:.2f} s, {timed['tokens_per_s']:.0f} "
                          f"tok/s, MFU {timed.get('useful_mfu', 0):.3f}, peak {timed['peak_gib']}")
+        if isinstance(runner, OursRunner):  # what fit's step report shows beside its own figures
+            entry["attention_backends"] = runner.model.attention_backends()
+            self.log(f"{name} batch {path}: attention ran {', '.join(entry['attention_backends']) or '-'}")
         if path == "ours" and "profile" in self.sections and not self.out_of_time():
             with measure.section(entry, "profile", self.device) as prof:
                 prof.update(profile_micro_step(runner, inputs, update.largest))

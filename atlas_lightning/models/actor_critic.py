@@ -231,8 +231,7 @@ class ActorCritic(nn.Module):
         if bucket is None:
             bucket = 1024 if self.built_on.type == "cuda" and self.varlen_attention else 0
         self.attention_length_bucket = int(bucket)
-        attention.set_length_bucket([m for layer in self.decoder_layers() for m in layer.modules()
-                                     if hasattr(m, "q_proj") and hasattr(m, "o_proj")], self.attention_length_bucket)
+        attention.set_length_bucket(self._attention_modules(), self.attention_length_bucket)
         #: ``liger`` (fused RMSNorm, SwiGLU product and rotary kernels) or ``torch`` (``fused_kernels.py``).
         self.elementwise_kernels = resolve_elementwise_kernels(config.elementwise_kernels, self.built_on.type)
         if self.elementwise_kernels == "liger":  # before the mixer checkpoints bind the attention forward they replay
@@ -267,6 +266,16 @@ class ActorCritic(nn.Module):
     def hf_model(self) -> nn.Module:
         """The transformers causal LM (LoRA layers injected in place)."""
         return self.peft_model.base_model.model
+
+    def _attention_modules(self) -> list[nn.Module]:
+        """The decoder layers' softmax-attention modules (those with ``q_proj`` and ``o_proj``)."""
+        return [m for layer in self.decoder_layers() for m in layer.modules() if hasattr(m, "q_proj")
+                and hasattr(m, "o_proj")]
+
+    def attention_backends(self) -> list[str]:
+        """The SDPA backends this model's attention ran (``attention.chosen_backends``; empty
+        before its first forward, or without ``sdpa_varlen``)."""
+        return attention.chosen_backends(self._attention_modules())
 
     def decoder_layers(self) -> nn.ModuleList:
         """The decoder's layer list: FSDP2 units and gradient-checkpointing units."""

@@ -37,6 +37,9 @@ importing this module and the model is built with ``attn_implementation="sdpa_va
   benchmark on the same batch (run 10 in
   atlas_lightning/bench/README.md, "On one H200: the whole RL step, run by run").
   The flags are restored after each call, so vLLM's own calls keep its choice.
+* the backend each attention module's first call ran is kept on the module (``chosen_backends``;
+  ``ActorCritic.attention_backends``): the step benchmark and the update benchmark report it, so
+  that a run whose attention took other kernels than the benchmark's shows it.
 
 The mask function registered with it returns ``None`` (no mask is built), so a mask that
 transformers would have made is never materialised.
@@ -93,7 +96,7 @@ def _attend(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     bucket = int(getattr(module, BUCKET_ATTR, 0) or 0)
     gqa = query.shape[1] != key.shape[1]
     if seq_lens is None:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        out = _sdpa(module, query, key, value, scaling, gqa)
         return out.transpose(1, 2).contiguous(), None
     if query.shape[0] != 1 or sum(seq_lens) != query.shape[2]:
         raise ValueError(
@@ -104,7 +107,8 @@ def _attend(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     for length in seq_lens:
         end = start + int(length)
         outputs.append(
-            _causal(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], scaling, gqa, bucket)
+            _causal(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], scaling, gqa,
+                    bucket)
             .transpose(1, 2)  # (B, l, Hq, D): the flash kernels' own memory layout, so no copy
         )
         start = end
@@ -117,7 +121,8 @@ def _attend(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, 
 BUCKET_ATTR = "_atlas_length_bucket"
 
 
-def _causal(query: Tensor, key: Tensor, value: Tensor, scaling, gqa: bool, bucket: int) -> Tensor:
+def _causal(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling, gqa: bool,
+            bucket: int) -> Tensor:
     """Causal SDPA of one sequence ``(B, H, l, D)``; with ``bucket`` > 0 the three are padded at the
     end to a multiple of it and the output cut back to ``l`` rows. Exact: causality keeps every
     real query away from the padded keys after it. Why: cuDNN's attention (PyTorch's choice on
@@ -126,11 +131,29 @@ def _causal(query: Tensor, key: Tensor, value: Tensor, scaling, gqa: bool, bucke
     length = query.shape[2]
     padded = -(-length // bucket) * bucket if bucket > 0 else length
     if padded == length:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        return _sdpa(module, query, key, value, scaling, gqa)
     pad = (0, 0, 0, padded - length)
-    out = F.scaled_dot_product_attention(F.pad(query, pad), F.pad(key, pad), F.pad(value, pad), is_causal=True,
-                                         scale=scaling, enable_gqa=gqa)
-    return out[:, :, :length]
+    return _sdpa(module, F.pad(query, pad), F.pad(key, pad), F.pad(value, pad), scaling, gqa)[:, :, :length]
+
+
+#: The attribute of an attention module holding the SDPA backend its first call ran (``chosen_backends``).
+BACKEND_ATTR = "_atlas_sdpa_backend"
+
+
+def _sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling, gqa: bool) -> Tensor:
+    """Causal SDPA, the module's first call recording which backend PyTorch's dispatch takes for
+    these very tensors and flags (``torch._fused_sdp_choice``, the check SDPA itself makes)."""
+    if getattr(module, BACKEND_ATTR, None) is None:
+        choice = torch._fused_sdp_choice(query, key, value, None, 0.0, True, scale=scaling, enable_gqa=gqa)
+        setattr(module, BACKEND_ATTR, SDPBackend(choice).name)
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+
+
+def chosen_backends(modules) -> list[str]:
+    """The SDPA backends the attention ``modules`` ran at their first calls (sorted, each once;
+    empty before any call): what a report shows beside its figures, so that two runs whose
+    attention took different kernels show it."""
+    return sorted({getattr(m, BACKEND_ATTR) for m in modules if getattr(m, BACKEND_ATTR, None) is not None})
 
 
 def set_length_bucket(modules, bucket: int) -> int:

@@ -37,6 +37,7 @@ def test_tiny_run_writes_json_and_markdown(tmp_path, capsys):
     for path in ("ours", "baseline"):
         assert batch[path]["update"]["tokens_per_s"] > 0, batch[path]
     assert batch["ours"]["attempts"][0]["attempt"] == "every layer checkpointed"  # no card to size on CPU, as fit
+    assert batch["ours"]["attention_backends"] == ["FLASH_ATTENTION"]  # PyTorch's CPU flash kernel, as it ran
     sync = model["ours"]["weight_sync"]
     assert sync["merged_packs"]["bytes"] == sync["merged_cat"]["bytes"] > 0
     assert {r["kind"] for r in results["logprob_memory"]} == {"chunked", "full"}

@@ -54,3 +54,36 @@ def test_every_backend_is_enabled_inside_the_trainers_attention_and_the_process_
     assert len(seen) == 2 * len(lengths) + 1
     assert all(flags == (True, True, True, True) for flags in seen), seen
     assert _flags()[0] is False  # vLLM's choice, for vLLM's own calls
+
+
+def test_each_attention_module_records_the_backend_its_first_call_ran(cudnn_switched_off):
+    """What ``chosen_backends`` reports is the dispatch's own answer for the call's tensors under
+    the trainer's flags (here PyTorch's CPU flash kernel), once a module; none before a call."""
+    from torch.nn.attention import SDPBackend
+
+    modules = [torch.nn.Module(), torch.nn.Module()]
+    assert attention.chosen_backends(modules) == []
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    torch.backends.cuda.enable_flash_sdp(False)  # switched off for the process: the trainer's call still has it
+    attention.sdpa_varlen_attention_forward(modules[0], q, k, v, None, **{attention.SEQ_LENS_KWARG: (2, 4)})
+    with attention._every_backend():
+        expected = SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, True, enable_gqa=True)).name
+    assert attention.chosen_backends(modules) == [expected] == ["FLASH_ATTENTION"]
+
+
+def test_the_model_reports_the_backend_every_attention_layer_ran(tiny_model_dir, cudnn_switched_off):
+    """``ActorCritic.attention_backends``: nothing before a pass; after one, what each attention
+    layer of the model (built with ``sdpa_varlen``, as ``conf/model/tiny.yaml`` builds it) ran."""
+    from atlas_lightning.config import LoraConfig
+    from atlas_lightning.models.packing import pack_sequences
+    from tests.model_builds import actor_critic
+
+    model = actor_critic(tiny_model_dir, LoraConfig(rank=4, alpha=8, dropout=0.0, target_modules="all-linear"),
+                         attn_implementation="sdpa_varlen")
+    assert model.varlen_attention and model.attention_backends() == []
+    sequences = [torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 5)]
+    with torch.no_grad():
+        model.actor_forward(pack_sequences(sequences, [2, 3]), temperature=1.0)
+    layers = model._attention_modules()
+    assert layers and all(getattr(m, attention.BACKEND_ATTR) == "FLASH_ATTENTION" for m in layers)
+    assert model.attention_backends() == ["FLASH_ATTENTION"]
