@@ -98,7 +98,10 @@ def code_revision() -> dict[str, Any]:
 
 
 def host_description(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
-    """This rank's host and card."""
+    """This rank's host and card, and what its model's ``auto`` keys became there: ``model``
+    (``ActorCritic.resolved_keys``: kernels, attention bucket, recompute plan) and ``recompute``
+    (``model.checkpoint_layers=auto``'s choice on this card: the free memory it measured, the
+    room, the predicted peak; ``run/recompute.py``), where the module has them."""
     device = pl_module.device
     if device.type == "cuda":
         import torch
@@ -106,8 +109,15 @@ def host_description(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[s
         name = torch.cuda.get_device_name(device)
     else:
         name = platform.processor() or platform.machine() or device.type
-    return {"rank": trainer.global_rank, "local_rank": trainer.local_rank, "node_rank": trainer.node_rank,
-            "hostname": socket.gethostname(), "device": str(device), "device_name": name}
+    entry = {"rank": trainer.global_rank, "local_rank": trainer.local_rank, "node_rank": trainer.node_rank,
+             "hostname": socket.gethostname(), "device": str(device), "device_name": name}
+    model = getattr(pl_module, "model", None)
+    if hasattr(model, "resolved_keys"):
+        entry["model"] = model.resolved_keys()
+    choice = getattr(getattr(pl_module, "checkpoint_layers_for", None), "choice", None)
+    if choice is not None:
+        entry["recompute"] = choice.to_dict()
+    return entry
 
 
 def _previous_launches(path: Path) -> list:

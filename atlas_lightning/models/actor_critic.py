@@ -277,6 +277,16 @@ class ActorCritic(nn.Module):
         before its first forward, or without ``sdpa_varlen``)."""
         return attention.chosen_backends(self._attention_modules())
 
+    def resolved_keys(self) -> dict[str, Any]:
+        """What the model's ``auto`` keys became where it was built: its kernels, its attention
+        length bucket and its recompute plan (policies counted; the micro-batch sizes of its
+        tiers). The run's record keeps it (``run.json``, each rank's entry)."""
+        return {"built_on": str(self.built_on), "elementwise_kernels": self.elementwise_kernels,
+                "linear_attention_kernel": self.linear_attention_kernel,
+                "attention_length_bucket": self.attention_length_bucket,
+                "layer_recompute": {p: self.layer_recompute.count(p) for p in sorted(set(self.layer_recompute))},
+                "recompute_tiers": [int(tokens) for tokens, _ in self.recompute_tiers]}
+
     def decoder_layers(self) -> nn.ModuleList:
         """The decoder's layer list: FSDP2 units and gradient-checkpointing units."""
         layers = getattr(self.hf_model.base_model, "layers", None)

@@ -220,3 +220,35 @@ def test_rank_zero_work_returns_or_raises_its_own_error():
     assert on_rank_zero(lambda: {"acc": 1.0}, "work") == {"acc": 1.0}
     with pytest.raises(KeyError, match="missing"):
         on_rank_zero(lambda: {}["missing"], "work")
+
+
+def test_each_ranks_entry_records_what_its_models_auto_keys_became(tiny_model_dir):
+    """``run.json``'s rank entries (``host_description``): the model's resolved kernels, attention
+    bucket and recompute plan, and ``checkpoint_layers=auto``'s choice on the card with the free
+    memory it measured (what ``bench/card/same_batch.sh`` plans a replay of the step for)."""
+    from types import SimpleNamespace
+
+    from atlas_lightning.callbacks.artifacts import host_description
+    from atlas_lightning.config import LoraConfig, compose
+    from atlas_lightning.planning import planned_shape
+    from atlas_lightning.run.recompute import choose_for
+    from tests.model_builds import actor_critic
+
+    model = actor_critic(tiny_model_dir, LoraConfig(rank=4, alpha=8, dropout=0.0, target_modules="all-linear"),
+                         attn_implementation="sdpa_varlen")
+    cfg = compose(["experiment=tiny-cpu", f"model.path={tiny_model_dir}"])
+    gib = 2.0**30
+    choice = choose_for(cfg, planned_shape(cfg), free=20 * gib, card=24 * gib)[0]
+    module = SimpleNamespace(device=torch.device("cpu"), model=model, checkpoint_layers_for=SimpleNamespace(choice=choice))
+    entry = host_description(SimpleNamespace(global_rank=0, local_rank=0, node_rank=0), module)
+    layers = len(model.decoder_layers())
+    # built without gradient checkpointing (the test builder's default): no layer replays anything
+    assert entry["model"] == {"built_on": "cpu", "elementwise_kernels": "torch", "linear_attention_kernel": None,
+                              "attention_length_bucket": 0, "layer_recompute": {"none": layers},
+                              "recompute_tiers": []}
+    assert entry["recompute"]["free_gib"] == pytest.approx(20.0) and entry["recompute"]["layers"] == layers
+    assert json.loads(json.dumps(entry)) == entry  # as run.json holds it
+    # a module without a model or a choice (a scripted one) records its host alone
+    bare = host_description(SimpleNamespace(global_rank=0, local_rank=0, node_rank=0),
+                            SimpleNamespace(device=torch.device("cpu")))
+    assert "model" not in bare and "recompute" not in bare
