@@ -566,11 +566,9 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
     for i, step in enumerate(steps):
         logged = history.get(step, {})
         end = rollout_start.get(steps[i + 1]) if i + 1 < len(steps) else ended
-        wall = end - rollout_start[step] if end is not None else None
-        if wall is not None and replayed.get("step") == step:
-            wall -= replayed.get("excluded_s", 0.0)
-        if wall is not None:
-            wall -= (excluded_s or {}).get(step, 0.0)
+        # the benchmark's own seconds inside the step (the replay, the card's rate) are not the step's
+        own = (excluded_s or {}).get(step, 0.0) + (replayed.get("excluded_s", 0.0) if replayed.get("step") == step else 0.0)
+        wall = end - rollout_start[step] - own if end is not None else None
         phases = {p: logged.get(f"timing_s/{p}") for p in PHASES if f"timing_s/{p}" in logged}
         callbacks = dict(callback_s.get(step, {}))
         validation = validation_seconds(step, set(steps), history, callback_s, callback_start_s or {},
@@ -596,15 +594,7 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
         row["sync_s"] = {k[len("sync_s/"):]: v for k, v in logged.items() if k.startswith("sync_s/")}
         flops = phase_flops(cfg, lengths[step], responses.get(step, [])) if step in responses else None
         if flops:
-            row["useful_tflop"] = {p: f / 1e12 for p, f in flops.items() if p in phases}
-            if peak_tflops:
-                row["useful_mfu"] = {p: f / phases[p] / (peak_tflops * 1e12) for p, f in flops.items()
-                                     if phases.get(p)}
-            rate = (card_tflops or {}).get(step)
-            row["card_tflops_after"] = rate
-            if rate:
-                row["useful_mfu_at_card_rate_after"] = {p: f / phases[p] / (rate * 1e12) for p, f in flops.items()
-                                                        if phases.get(p)}
+            row.update(_flop_figures(flops, phases, peak_tflops, (card_tflops or {}).get(step)))
         row.update(_micro_batch_figures(cfg, lengths[step], logged))
         rows.append(row)
     if replayed.get("done"):
@@ -625,6 +615,22 @@ def build_report(cfg, history: dict[int, dict[str, float]], *, rollout_start: di
         "build": build, "environment": _environment(), "peak_bf16_tflops": peak_tflops, "steps": rows,
         "plain_generate": replayed,
     }
+
+
+def _flop_figures(flops: dict[str, float], phases: dict[str, float], peak_tflops: Optional[float],
+                  card_rate: Optional[float]) -> dict[str, Any]:
+    """A step's useful TFLOP a phase and its MFU on the set-up rate ``peak_tflops`` and on the
+    card's rate at the step's end ``card_rate`` (``card_rate_after``; None: not measured)."""
+    def mfu(rate: float) -> dict[str, float]:
+        return {p: f / phases[p] / (rate * 1e12) for p, f in flops.items() if phases.get(p)}
+
+    figures: dict[str, Any] = {"useful_tflop": {p: f / 1e12 for p, f in flops.items() if p in phases},
+                               "card_tflops_after": card_rate}
+    if peak_tflops:
+        figures["useful_mfu"] = mfu(peak_tflops)
+    if card_rate:
+        figures["useful_mfu_at_card_rate_after"] = mfu(card_rate)
+    return figures
 
 
 def _environment() -> dict[str, Any]:
