@@ -12,8 +12,8 @@
   fla's kernels added (``models/fla_tuning.tuned_entries``): 0 when no length re-tunes.
 * ``fla_configs``: the config each fla autotuner chose, per key (what a pinned table would hold).
 
-Who calls it: ``update_bench.py``, ``step.py`` (``profile_call``). CUDA only (on CPU they return ``{"skipped": ...}``;
-``profile_call`` is called on CUDA only).
+Who calls it: ``update_bench.py``, ``step.py`` (``profile_call``). CUDA only: on CPU they return
+``{"skipped": ...}``, and ``profile_call`` is called on CUDA alone.
 """
 
 from __future__ import annotations
@@ -75,8 +75,10 @@ def profile_call(fn: Callable[[], T], top: int = 20, host_ops: bool = False) -> 
     ``wall_s_under_profiler`` (synchronised before and after), ``device_s`` (every kernel's
     seconds, summed), ``idle_share`` (``1 - device_s / wall``: the card waiting on the host, its
     launches and reads; kernels on several streams at once would make it negative), the caching
-    allocator's retries and driver calls meanwhile, by category and the ``top`` kernels. ``host_ops``: record the host's operators too (more overhead on the
-    host: off where the idle share is the question)."""
+    allocator's retries and driver calls meanwhile, by category and the ``top`` kernels.
+    ``host_ops``: record the host's operators too (more overhead on the host: off where the idle
+    share is the question). Its own processing takes tens of seconds over a whole update's
+    kernels (about 100,000 for the 8B): a step that profiles needs that much more time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host_ops else [])
