@@ -144,9 +144,18 @@ def _sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, sc
     """Causal SDPA, the module's first call recording which backend PyTorch's dispatch takes for
     these very tensors and flags (``torch._fused_sdp_choice``, the check SDPA itself makes)."""
     if getattr(module, BACKEND_ATTR, None) is None:
-        choice = torch._fused_sdp_choice(query, key, value, None, 0.0, True, scale=scaling, enable_gqa=gqa)
-        setattr(module, BACKEND_ATTR, SDPBackend(choice).name)
+        setattr(module, BACKEND_ATTR, _backend_name(query, key, value, scaling, gqa))
     return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+
+
+def _backend_name(query: Tensor, key: Tensor, value: Tensor, scaling, gqa: bool) -> str:
+    """The name of the SDPA backend these tensors dispatch to under the current flags; a record,
+    never a reason to stop: ``unknown`` where PyTorch's private check is not there to ask."""
+    try:
+        choice = torch._fused_sdp_choice(query, key, value, None, 0.0, True, scale=scaling, enable_gqa=gqa)
+        return SDPBackend(choice).name
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return "unknown"
 
 
 def chosen_backends(modules) -> list[str]:
