@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -38,6 +39,9 @@ SHAPE_KEYS = ("train_batch_size", "ppo_mini_batch_size", "ppo_epochs", "ppo_max_
 MODEL_KEYS = ("dtype", "lora", "critic_lora", "gradient_checkpointing", "logprob_chunk_tokens", "head_dtype",
               "attn_implementation", "sequence_layout", "linear_attention_kernel", "elementwise_kernels",
               "attention_length_bucket", "fused_lora", "lean_activations")
+#: what the run's model resolved ``auto`` to (``ActorCritic.resolved_keys``) that a replay must
+#: match to run the step's kernels (its recompute plan is the benchmark's own, sized for its card)
+RESOLVED_KEYS = ("elementwise_kernels", "linear_attention_kernel", "attention_length_bucket")
 
 
 class RecordedBatchError(ValueError):
@@ -57,6 +61,17 @@ class RecordedBatch:
     budget: int
     world_size: int
     model_keys: dict
+    #: what rank 0's model resolved its ``auto`` keys to in the run (``run.json``'s rank entry,
+    #: ``ActorCritic.resolved_keys``); None where the run did not record it
+    resolved: Optional[dict] = None
+
+    def differs_from(self, resolved: dict) -> dict[str, tuple]:
+        """The keys a model built here resolved otherwise than the run's (``{key: (here, run's)}``;
+        empty where they agree or the run recorded none): a replay on another card or with
+        ``--elementwise-kernels`` may run other kernels than the step did."""
+        run = self.resolved or {}
+        return {key: (resolved.get(key), run[key]) for key in RESOLVED_KEYS
+                if key in run and resolved.get(key) != run[key]}
 
     @property
     def largest_token_id(self) -> int:
@@ -69,8 +84,9 @@ class RecordedBatch:
         return _contiguous_chunks(len(self.sequences), self.mini_batches)
 
 
-def _run_settings(run_json: Path) -> tuple[dict[str, int], int, dict]:
-    """``(algorithm keys of SHAPE_KEYS, world size, model keys of MODEL_KEYS)`` from the run's ``run.json``."""
+def _run_settings(run_json: Path) -> tuple[dict[str, int], int, dict, Optional[dict]]:
+    """``(algorithm keys of SHAPE_KEYS, world size, model keys of MODEL_KEYS, rank 0's resolved
+    model keys or None)`` from the run's ``run.json``."""
     try:
         run = json.loads(run_json.read_text())
     except FileNotFoundError:
@@ -92,7 +108,10 @@ def _run_settings(run_json: Path) -> tuple[dict[str, int], int, dict]:
     absent = [key for key in MODEL_KEYS if key not in model]
     if absent:
         raise RecordedBatchError(f"{run_json}: config.model lacks {', '.join(absent)}")
-    return {key: algorithm[key] for key in SHAPE_KEYS}, world, {key: model[key] for key in MODEL_KEYS}
+    ranks = (run.get("hosts") or {}).get("ranks") or [{}]
+    resolved = ranks[0].get("model") if isinstance(ranks[0], dict) else None
+    return ({key: algorithm[key] for key in SHAPE_KEYS}, world, {key: model[key] for key in MODEL_KEYS},
+            resolved if isinstance(resolved, dict) else None)
 
 
 def read_recorded_batch(step_folder: str | Path) -> RecordedBatch:
@@ -109,7 +128,7 @@ def read_recorded_batch(step_folder: str | Path) -> RecordedBatch:
     missing = [name for name in ("prompt_ids", "response_ids", "response_mask") if name not in arrays]
     if missing:
         raise RecordedBatchError(f"{tensors_path}: holds no {', '.join(missing)}")
-    shape, world, model_keys = _run_settings(folder.parent.parent / "run.json")
+    shape, world, model_keys, resolved = _run_settings(folder.parent.parent / "run.json")
     count = len(arrays["uid"]) // world
     if count < 1:
         raise RecordedBatchError(f"{tensors_path}: {len(arrays['uid'])} trajectories for {world} ranks")
@@ -125,5 +144,5 @@ def read_recorded_batch(step_folder: str | Path) -> RecordedBatch:
         response_masks=[np.asarray(m, dtype=np.float32) for m in masks],
         mini_batches=shape["train_batch_size"] // shape["ppo_mini_batch_size"],
         epochs=shape["ppo_epochs"], budget=shape["ppo_max_token_len_per_gpu"], world_size=world,
-        model_keys=model_keys,
+        model_keys=model_keys, resolved=resolved,
     )

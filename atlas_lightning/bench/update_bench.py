@@ -600,6 +600,7 @@ class Bench:
         if isinstance(runner, OursRunner):  # what fit's step report shows beside its own figures
             entry["attention_backends"] = runner.model.attention_backends()
             self.log(f"{name} batch {path}: attention ran {', '.join(entry['attention_backends']) or '-'}")
+            self._against_the_run(name, entry, runner.model.resolved_keys())
         if path == "ours" and "profile" in self.sections and not self.out_of_time():
             with measure.section(entry, "profile", self.device) as prof:
                 prof.update(profile_micro_step(runner, inputs, update.largest))
@@ -612,6 +613,17 @@ class Bench:
                 self.log(f"{name} batch update profiled: {prof['wall_s_under_profiler']:.2f} s, kernels "
                          f"{prof['device_s']:.2f} s, the card idle {prof['idle_share']:.1%}, allocator {prof['allocator']}")
         return entry
+
+    def _against_the_run(self, name: str, entry: dict, resolved: dict) -> None:
+        """Where the batch is a run's (``--batch-from``): the kernels our model resolved here
+        against those the run's model resolved (``run.json``), each difference logged and kept
+        (``resolved_unlike_the_run``): the replay then measured other kernels than the step ran."""
+        recorded = self.args.recorded_batch
+        if recorded is None:
+            return
+        entry["resolved_unlike_the_run"] = {key: list(pair) for key, pair in recorded.differs_from(resolved).items()}
+        for key, (here, there) in entry["resolved_unlike_the_run"].items():
+            self.log(f"{name} batch: {key} resolved to {here!r} here, {there!r} in the run: not the step's kernels")
 
     # ------------------------------------------------------------------ driver
     @property

@@ -42,9 +42,11 @@ def _record(build, index: int, prompt: int, turn: int, tool: int, high_id: int):
                         ground_truth=question.ground_truth, **arrays)
 
 
-def write_run(tmp_path, build, *, world: int = 1, high_id: int = 512, algorithm: dict | None = None):
-    """A run's artifacts as ``fit`` writes them: ``run.json`` (``ArtifactDumpCallback``) and
-    ``train/step_1`` (``write_step_folder``) of SHAPES' trajectories; the step folder."""
+def write_run(tmp_path, build, *, world: int = 1, high_id: int = 512, algorithm: dict | None = None,
+              resolved: dict | None = None):
+    """A run's artifacts as ``fit`` writes them: ``run.json`` (``ArtifactDumpCallback``; ``resolved``:
+    rank 0's model entry, ``ActorCritic.resolved_keys``) and ``train/step_1`` (``write_step_folder``)
+    of SHAPES' trajectories; the step folder."""
     algorithm = {"train_batch_size": 6, "ppo_mini_batch_size": 2, "ppo_epochs": 2,
                  "ppo_max_token_len_per_gpu": 400, **(algorithm or {})}
     cfg = compose(["experiment=tiny-cpu", f"paths.root={tmp_path}", "name=run", "model.head_dtype=float32",
@@ -52,7 +54,8 @@ def write_run(tmp_path, build, *, world: int = 1, high_id: int = 512, algorithm:
                    *(f"algorithm.{key}={value}" for key, value in algorithm.items())])
     artifacts = tmp_path / "artifacts" / "run"
     ArtifactDumpCallback(artifacts, "run", config=OmegaConf.to_container(cfg, resolve=True)).write_run_json(
-        [{"hostname": "h", "rank": r} for r in range(world)], world)
+        [{"hostname": "h", "rank": r, **({"model": resolved} if resolved and r == 0 else {})} for r in range(world)],
+        world)
     records = [_record(build, i, *shape, high_id) for i, shape in enumerate(SHAPES)]
     return write_step_folder(artifacts / "train", 1, records), records
 
@@ -118,6 +121,18 @@ def test_the_tiny_bench_replays_the_recorded_batch(tmp_path, build):
     assert batch["ours"]["attempts"][0]["budget"] == 400
     settings = json.loads(out.read_text())["settings"]
     assert (settings["rank"], settings["chunk"]) == (4, 96)  # the run's LoRA rank and chunk
+
+
+@pytest.mark.parametrize("elementwise, unlike", [("torch", {}), ("liger", {"elementwise_kernels": ["torch", "liger"]})])
+def test_a_replay_says_where_its_kernels_resolved_otherwise_than_the_runs(tmp_path, build, elementwise, unlike):
+    """The run recorded what its model's ``auto`` keys became; a replay here (a CPU: torch's
+    kernels) that resolves otherwise says so in its entry, and nothing where they agree."""
+    folder, _ = write_run(tmp_path, build, resolved={"elementwise_kernels": elementwise, "linear_attention_kernel": None,
+                                                     "attention_length_bucket": 0})
+    out = tmp_path / "bench.json"
+    assert update_bench.main(["--tiny", "--models", "tiny", "--sweep-layers", "0", "--sections", "batch",
+                              "--paths", "ours", "--batch-from", str(folder), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["models"]["tiny"]["batch"]["ours"]["resolved_unlike_the_run"] == unlike
 
 
 def test_the_benchmark_builds_the_runs_model_keys(tmp_path, build, monkeypatch):
