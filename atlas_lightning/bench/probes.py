@@ -81,10 +81,9 @@ def profile_call(fn: Callable[[], T], top: int = 20, host_ops: bool = False) -> 
     kernels (about 100,000 for the 8B): a step that profiles needs that much more time."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host_ops else [])
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()
-    with profile(activities=activities) as prof:
+    with profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host_ops else [])) as prof:
         start = time.perf_counter()
         result = fn()
         torch.cuda.synchronize()
