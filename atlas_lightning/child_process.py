@@ -5,11 +5,11 @@ starter that is SIGKILLed, which can run nothing on its way out: a ``vllm serve`
 ``fit`` under the step suite, then keeps its card, and the next command on that card runs out of
 memory (a profiled step killed by the call's cap left its ``fit`` holding 63 GiB: the
 twenty-ninth session in atlas_lightning/bench/card/README.md, "One H200 session's commands").
-``dying_with_parent`` prefixes a
-Python command with a ``python -c`` prologue that asks the kernel to signal the child when its
-parent dies (``prctl(PR_SET_PDEATHSIG)``, kept across ``exec``), exits at once if the parent is
-already gone, then ``exec``s the command with the same interpreter. Linux only; elsewhere the
-command is returned as it was.
+
+``dying_with_parent`` prefixes a Python command with a ``python -c`` prologue that asks the kernel
+to signal the child when its parent dies (``prctl(PR_SET_PDEATHSIG)``, kept across ``exec``),
+exits at once if the parent is already gone, then ``exec``s the command with the same
+interpreter. Linux only; elsewhere the command is returned as it was.
 
 The kernel sends the signal when the THREAD that started the child ends: start such children
 from a thread that lives as long as they should (the main one).
