@@ -153,7 +153,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="bench.json")
     p.add_argument("--md", default=None, help="markdown output (default: --out with .md)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--beside-vllm", action="store_true",
+                   help="import vLLM's platform module first, as fit's engine does, so the update runs under what "
+                        "vLLM sets process-wide at import (0.26 on CUDA: cuDNN's attention off)")
     args = p.parse_args(argv)
+    args.vllm = _import_vllm_platform(p.error) if args.beside_vllm else None
     if args.tiny:
         args.device = args.device or "cpu"
         if args.models == "dense8b,qwen3_6_27b":
@@ -166,6 +170,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.bucket_mb = 1
     args.recorded_batch = _recorded_batch(args, p.error) if args.batch_from else None
     return args
+
+
+def _import_vllm_platform(refuse) -> str:
+    """``--beside-vllm``: vLLM's platform module for this machine imported, as ``fit`` imports it for
+    its engine before the trainer's first update, so that whatever vLLM sets process-wide at import
+    holds here too (0.26's CUDA platform switches cuDNN's attention off; ``models/attention.py``
+    keeps the trainer's choice). Returns vLLM's version and platform; ``refuse(message)`` (argparse's
+    error: exit 2) where vLLM cannot be imported."""
+    try:
+        import vllm
+        from vllm.platforms import current_platform  # resolving it imports the platform's module
+    except (ImportError, RuntimeError) as err:
+        refuse(f"--beside-vllm: vLLM cannot be imported here ({type(err).__name__}: {err})")
+    return f"{vllm.__version__} ({type(current_platform).__name__})"
 
 
 def _recorded_batch(args: argparse.Namespace, refuse):
@@ -212,7 +230,12 @@ class Bench:
         import transformers
 
         env = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-               "python": platform.python_version()}
+               "python": platform.python_version(),
+               # the attention backends the process allows (vLLM's import may have switched one off)
+               "sdpa_enabled": {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")()
+                                for name in ("flash", "mem_efficient", "cudnn", "math")}}
+        if self.args.vllm:
+            env["vllm"] = self.args.vllm
         if torch.cuda.is_available():
             env["gpu"] = torch.cuda.get_device_name()
             env["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / measure.GIB

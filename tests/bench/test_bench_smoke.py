@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
 
 import pytest
 import torch
@@ -44,6 +46,29 @@ def test_tiny_run_writes_json_and_markdown(tmp_path, capsys):
     text = out.with_suffix(".md").read_text()
     assert "| tiny | ours |" in text and "| tiny | baseline |" in text
     assert text in capsys.readouterr().out
+
+
+def test_beside_vllm_runs_after_vllm_s_platform_import_and_records_it(tmp_path):
+    """``--beside-vllm`` (``same_batch.sh`` passes it): the update runs in a process that imported
+    vLLM's platform as ``fit`` does, and the record names vLLM and the attention flags it left."""
+    vllm = pytest.importorskip("vllm")
+    out = tmp_path / "bench.json"
+    assert main(["--tiny", "--models", "tiny", "--sweep-layers", "0", "--sections", "batch", "--paths", "ours",
+                 "--batch-sequences", "4", "--beside-vllm", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert re.fullmatch(rf"{re.escape(vllm.__version__)} \(\w+Platform\)", results["environment"]["vllm"])
+    assert results["environment"]["sdpa_enabled"]["cudnn"] == torch.backends.cuda.cudnn_sdp_enabled()
+    assert results["models"]["tiny"]["batch"]["ours"]["update"]["tokens_per_s"] > 0
+
+
+def test_beside_vllm_without_vllm_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    out = tmp_path / "bench.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--tiny", "--models", "tiny", "--sections", "batch", "--beside-vllm", "--out", str(out)])
+    assert exit_info.value.code == 2
+    assert "--beside-vllm: vLLM cannot be imported here" in capsys.readouterr().err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_hybrid"])
