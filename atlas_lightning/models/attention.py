@@ -34,7 +34,8 @@ importing this module and the model is built with ``attn_implementation="sdpa_va
   workaround for some diffusers models), so ``fit``, which imports vLLM for its engine, trained
   on FlashAttention-2 where the update benchmark (no vLLM) ran cuDNN's Hopper kernels: about 10%
   of an 8B micro-step's kernel time there, and the 8B update in ``fit`` 8-11% slower than the
-  benchmark on the same batch (run 10 in
+  benchmark on the same batch; on an H200 the benchmark's own batch took 18-19% longer under
+  vLLM's flag without this scope, and the same time with it (runs 10 and 11 in
   atlas_lightning/bench/README.md, "On one H200: the whole RL step, run by run").
   The flags are restored after each call, so vLLM's own calls keep its choice.
 * the backend each attention module's first call ran is kept on the module (``chosen_backends``;
