@@ -165,10 +165,7 @@ class StepBenchCallback(L.Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         import torch
 
-        if torch.cuda.is_available():  # the card's bf16 matmul rate, the MFU denominator
-            from .measure import matmul_peak
-
-            self.peak_tflops = matmul_peak(torch.device("cuda"), reps=10)["tflops"]
+        self.peak_tflops = card_matmul_rate()  # the MFU denominator
         dm = trainer.datamodule
         if dm is None or getattr(dm, "engine", None) is None:
             raise ValueError("StepBenchCallback needs the RolloutDataModule's engine (fit builds it in setup)")
@@ -334,19 +331,27 @@ class StepBenchCallback(L.Callback):
         return report
 
 
-def card_rate_after() -> Optional[float]:
-    """The card's bf16 matmul rate (TFLOP/s) now, at a step's end; None off CUDA, or where the
-    card has no room left for the measurement's three 8192-square matrices. Why: the step's MFU
-    is reckoned on the rate measured at set-up, before the engine ran; a card that runs slower
-    by the update (its clocks, its power) shows here, apart from what the code does."""
+def card_matmul_rate() -> Optional[float]:
+    """The card's bf16 matmul rate (TFLOP/s) now (``measure.matmul_peak``, 10 repetitions); None
+    off CUDA. One measurement for set-up and each step's end, so the two rates compare."""
     import torch
 
     if not torch.cuda.is_available():
         return None
     from .measure import matmul_peak
 
+    return matmul_peak(torch.device("cuda"), reps=10)["tflops"]
+
+
+def card_rate_after() -> Optional[float]:
+    """``card_matmul_rate`` at a step's end; None also where the card has no room left for the
+    measurement's three 8192-square matrices. Why: the step's MFU is reckoned on the rate
+    measured at set-up, before the engine ran; a card that runs slower by the update (its
+    clocks, its power) shows here, apart from what the code does."""
+    import torch
+
     try:
-        return matmul_peak(torch.device("cuda"), reps=10)["tflops"]
+        return card_matmul_rate()
     except torch.OutOfMemoryError:
         return None
 
