@@ -5,7 +5,6 @@
 source atlas_lightning/bench/card/env.sh
 cap=$1; shift
 C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
-python3 -c "from atlas_lightning.bench.step_suite import link_checkout_packages as l; l()"
 common="experiment=h200-8b model.path=/tmp/qwen3_6_27b rollout.enforce_eager=false paths.cache=$C paths.root=/tmp/runs/graphs"
 try() {  # label, PYTHONPATH, order, extra overrides
   label=$1; path=$2; order=$3; shift 3

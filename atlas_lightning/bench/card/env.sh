@@ -9,3 +9,6 @@ export TRITON_CACHE_DIR=/tmp/cache/triton VLLM_CACHE_ROOT=/tmp/cache/vllm
 # tens of GB on the machine's disk, which the next folder or checkpoint then lacks (the tenth
 # attempt in bench/README.md).
 ulimit -c 0
+# Uninstalled, the checkout's callbacks/ and conf/ are linked into the package, so that every call
+# that sources this file imports atlas_lightning.conf (a call without it fails in seconds).
+python3 -c "from atlas_lightning.bench.step_suite import link_checkout_packages as l; l()"

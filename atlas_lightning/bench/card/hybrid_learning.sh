@@ -22,7 +22,6 @@ A_STEPS=${A_STEPS:-6}; half=$(( A_STEPS / 2 )); A_MIN=${A_MIN:-$(( 200 + 35 * A_
 if [ ! -d /tmp/site-fla ] || [ ! -d $C/sample-data ]; then
   echo "no /tmp/site-fla or $C/sample-data: run setup.sh on this machine first"; exit 3
 fi
-python3 -c "from atlas_lightning.bench.step_suite import link_checkout_packages as l; l()"
 more=""; [ $# -gt 0 ] && more=$(printf ' %q' "$@")
 
 if [ -f $M/sft_summary.json ]; then

@@ -6,7 +6,6 @@
 source atlas_lightning/bench/card/env.sh
 cap=$1; shift; variants=${*:-kept cleared}; C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
 mkdir -p $C && cp -r .carry/cache/* $C/
-python3 -c "from atlas_lightning.bench.step_suite import link_checkout_packages as l; l()"
 for variant in $variants; do
   switch=$([ $variant = cleared ] && echo --lightning-clears-workspaces)
   rm -rf /tmp/runs/lg-$variant

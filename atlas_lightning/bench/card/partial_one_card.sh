@@ -6,7 +6,6 @@ source atlas_lightning/bench/card/env.sh
 cap=$1; shift
 C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
 R=/tmp/runs/onecard
-python3 -c "from atlas_lightning.bench.step_suite import link_checkout_packages as l; l()"
 rm -rf $R
 timeout -s KILL $cap python3 -m atlas_lightning.cli fit experiment=h200-tiny name=onecard-partial \
   layout=separate_one_card rollout=vllm_server_gpu layout.partial_rollouts=true algorithm.off_policy_loss=decoupled \

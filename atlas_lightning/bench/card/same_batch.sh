@@ -7,7 +7,6 @@
 # options (--models, --layers, --deadline-s, ...). Needs setup.sh's environment.
 source atlas_lightning/bench/card/env.sh
 log=$1; folder=$2; tag=$3; shift 3
-python3 -c "from atlas_lightning.bench.step_suite import link_checkout_packages as l; l()"
 # the free memory auto's choice measured, as the run recorded it (run.json beside train/: each
 # rank's "recompute"); else fit's line "model.checkpoint_layers=auto: ... = F GiB free of a C GiB card"
 free=$(python3 -c "import json, sys; ranks = json.load(open(sys.argv[1]))['hosts']['ranks']; \
