@@ -6,7 +6,6 @@
 source atlas_lightning/bench/card/env.sh
 sync=$1; cap=$2; shift 2
 start=$(date +%s); step_cap=$((cap - 100))
-export ATLAS_LIGHTNING_CACHE=$HOME/.cache/atlas-lightning
 rm -rf /tmp/runs/b
 timeout -s KILL $((step_cap + 10)) python3 -m atlas_lightning.bench.step_suite b --out $OUT/suite --b-s $step_cap \
   --b-extra "trainer.total_steps=2 rollout.enforce_eager=false trainer.save_every=1 callbacks.validation.overlap=true rollout.weight_sync=$sync $*"

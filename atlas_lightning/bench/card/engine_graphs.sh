@@ -4,7 +4,6 @@
 # Prints the last line each process reached, its exit code and each traceback's frames.
 source atlas_lightning/bench/card/env.sh
 cap=$1; shift
-C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
 common="experiment=h200-8b model.path=/tmp/qwen3_6_27b rollout.enforce_eager=false paths.cache=$C paths.root=/tmp/runs/graphs"
 try() {  # label, PYTHONPATH, order, extra overrides
   label=$1; path=$2; order=$3; shift 3

@@ -1,6 +1,8 @@
 # Sourced by each device call after setup.sh: fla's Triton 3.7.1 first, then the extras, then vLLM's set.
 export PYTHONPATH=/tmp/site-fla:/tmp/site-extra:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export VLLM_ATTENTION_BACKEND=${VLLM_ATTENTION_BACKEND:-FLASH_ATTN}
+# The assets setup.sh copied (tiny-model, sample-data): $C, and fit's paths.cache by default.
+C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
 # Compiled kernels kept in /tmp, which survives between calls while the machine stays warm: the
 # engine's init on the hybrid (108-118 s) is mostly the profile run's cold Triton compilation.

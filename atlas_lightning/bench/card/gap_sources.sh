@@ -5,7 +5,6 @@
 # names (a second run on the same folder, e.g. GAP_TAG=f32head with model.head_dtype=float32)
 source atlas_lightning/bench/card/env.sh
 cap=$1; shift
-C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
 L=${LAYERS:-16}${GAP_TAG:+-$GAP_TAG}
 timeout -s KILL $cap python3 -m atlas_lightning.bench.gap_sources $GAP_OPTIONS --out $OUT/gap-$L.json --scores $OUT/gap-$L-scores.json -- \
   experiment=h200-8b model.path=/tmp/qwen3_6_27b model.linear_attention_kernel=fla rollout.weight_sync=lora \

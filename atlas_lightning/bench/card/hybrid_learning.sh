@@ -16,7 +16,6 @@ source atlas_lightning/bench/card/env.sh
 T0=$(date +%s); cap=$1; shift
 left() { echo $(( cap - $(date +%s) + T0 )); }
 t() { echo "[hybrid-learning $(( $(date +%s) - T0 ))s, $(left)s left] $*"; }
-C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
 M=$C/tiny-hybrid-orchestrator; WARM=/tmp/cache/hybrid-learning-warm
 A_STEPS=${A_STEPS:-6}; half=$(( A_STEPS / 2 )); A_MIN=${A_MIN:-$(( 200 + 35 * A_STEPS ))}
 if [ ! -d /tmp/site-fla ] || [ ! -d $C/sample-data ]; then

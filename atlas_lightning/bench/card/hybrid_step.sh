@@ -2,7 +2,6 @@
 # LAYERS as setup.sh built the folder (16 unless set)
 source atlas_lightning/bench/card/env.sh
 sync=$1; cap=$2; shift 2
-C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
 timeout -s KILL $cap python3 -m atlas_lightning.bench.step --out $OUT/h-$sync --build qwen3_6_27b --layers ${LAYERS:-16} \
   --model-dir /tmp/qwen3_6_27b --tokenizer-from $C/tiny-model --replay-step 2 -- \
   experiment=h200-8b name=h200-27b-$sync model.path=/tmp/qwen3_6_27b model.linear_attention_kernel=fla \

@@ -4,7 +4,7 @@
 # has room for one); LAYERS as setup.sh built the folder (16 unless set). After setup.sh. bench
 # README, "Ninth attempt"; run/accelerator.py.
 source atlas_lightning/bench/card/env.sh
-cap=$1; shift; variants=${*:-kept cleared}; C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
+cap=$1; shift; variants=${*:-kept cleared}
 mkdir -p $C && cp -r .carry/cache/* $C/
 for variant in $variants; do
   switch=$([ $variant = cleared ] && echo --lightning-clears-workspaces)

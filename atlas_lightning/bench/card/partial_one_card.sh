@@ -4,7 +4,6 @@
 # interruption costs, the idle shares, staleness and drops per step (the run export's history.csv).
 source atlas_lightning/bench/card/env.sh
 cap=$1; shift
-C=$HOME/.cache/atlas-lightning; export ATLAS_LIGHTNING_CACHE=$C
 R=/tmp/runs/onecard
 rm -rf $R
 timeout -s KILL $cap python3 -m atlas_lightning.cli fit experiment=h200-tiny name=onecard-partial \
