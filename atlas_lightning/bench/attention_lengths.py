@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from atlas_lightning.store.atomic import atomic_write_text
 
 
 def step(length: int, backend) -> float:
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.items():
         print(name, json.dumps({k: ([round(x * 1000, 1) for x in v] if isinstance(v, list) else v) for k, v in r.items()}))
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        atomic_write_text(args.out, json.dumps(results, indent=1) + "\n")
     return 0
 
 

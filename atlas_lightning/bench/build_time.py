@@ -32,6 +32,7 @@ import torch
 from . import measure
 from .shapes import shape_by_name, transformers_config
 from .update import fit_model_config
+from atlas_lightning.store.atomic import atomic_write_text
 
 
 def _timed_build(label: str, device: torch.device, build) -> dict[str, Any]:
@@ -85,8 +86,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     result = measure_builds(args.shape, args.layers, args.folder, device, args.host)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
     return 0
 
 

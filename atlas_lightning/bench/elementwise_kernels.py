@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
+
+from atlas_lightning.store.atomic import atomic_write_text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['kernel']:45s} {r['torch_ms']:9.3f} {r['fused_ms']:9.3f} {r['torch_ms'] / r['fused_ms']:8.2f} "
               f"{r['gb_one_pass']:9.3f} {r['fused_tb_s']:6.2f}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"tokens": T, "rows": rows}, indent=1))
+        atomic_write_text(args.out, json.dumps({"tokens": T, "rows": rows}, indent=1) + "\n")
     return 0
 
 

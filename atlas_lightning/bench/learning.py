@@ -34,6 +34,7 @@ from pathlib import Path
 
 from atlas_lightning.run.exit_codes import exit_code
 from atlas_lightning.store.learning_curve import read_step, summarize, val_steps
+from atlas_lightning.store.atomic import atomic_write_text
 
 EXPERIMENT = "tiny-cpu"
 
@@ -122,7 +123,7 @@ def learn(args: argparse.Namespace) -> int:
             seconds = train(args.root, seed, args.overrides)
             done = args.root / "outputs" / name / "learning_done.json"
             if seconds:
-                done.write_text(json.dumps({"train_seconds": seconds}) + "\n", encoding="utf-8")
+                atomic_write_text(done, json.dumps({"train_seconds": seconds}) + "\n")
             else:
                 seconds = json.loads(done.read_text())["train_seconds"]
         steps = val_steps(Path(args.root) / "artifacts" / name)
@@ -131,7 +132,7 @@ def learn(args: argparse.Namespace) -> int:
         result = summarize({step: read_step(folder) for step, folder in steps.items()})
         result["train_seconds"] = seconds
         results["seeds"][seed] = result
-    (args.root / "learning.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    atomic_write_text(args.root / "learning.json", json.dumps(results, indent=2) + "\n")
     print(markdown(results))
     return 0
 

@@ -30,6 +30,7 @@ from atlas_lightning.bench.update import fit_model_config
 from atlas_lightning.models import merge_kernel
 from atlas_lightning.models.build import build_actor_critic
 from atlas_lightning.models.weights import merged_weight_packs
+from atlas_lightning.store.atomic import atomic_write_text
 
 #: Run 7 (bench/NOTES.md) timed 64x256/8, 128x128/8, 128x256/8, 64x128/4, 32x256/4 and 64x512/8:
 #: 64x128 with 4 warps won (73% of copy bandwidth); these are its neighbours.
@@ -118,8 +119,7 @@ def measure(args: argparse.Namespace) -> None:
         synchronize()
     print(prof.key_averages().table(sort_by=("cuda_time_total" if device.type == "cuda" else "cpu_time_total"), row_limit=20), flush=True)
     print(json.dumps(out), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    atomic_write_text(args.out, json.dumps(out, indent=1) + "\n")
 
 
 def launch_costs(packs, rate, device, reps: int) -> dict:

@@ -86,6 +86,7 @@ from atlas_lightning.run.exit_codes import exit_code, report
 
 from .step_markdown import markdown
 from .step_names import CHECKPOINT_CALLBACKS, VALIDATION_CALLBACK
+from atlas_lightning.store.atomic import atomic_write_text
 
 GIB = 2**30
 #: Phases of one step as the run logs them (``timing_s/<phase>``), in the order they run.
@@ -326,8 +327,8 @@ class StepBenchCallback(L.Callback):
         if hasattr(model, "attention_backends"):  # the kernels fit's attention ran, as the update benchmark reports its own
             report["attention_backends"] = model.attention_backends()
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "step_bench.json").write_text(json.dumps(report, indent=1) + "\n")
-        (self.out / "step_bench.md").write_text(markdown(report) + "\n")
+        atomic_write_text(self.out / "step_bench.json", json.dumps(report, indent=1) + "\n")
+        atomic_write_text(self.out / "step_bench.md", markdown(report) + "\n")
         return report
 
 

@@ -53,6 +53,7 @@ from atlas_lightning.errors import InputError
 from atlas_lightning.run.exit_codes import exit_code
 from atlas_lightning.store.learning_curve import read_step, summarize, val_steps
 from atlas_lightning.store.checkpoints import MARKER, checkpoint_step, is_complete, step_dir
+from atlas_lightning.store.atomic import atomic_write_text
 
 PROGRAM = "atlas-lightning bench step-suite"
 STAGES = ("a", "kr", "merged", "b", "h", "hm")
@@ -183,7 +184,7 @@ def kill_resume(suite: Suite, label: str, name: str, at: int, cap_s: float, over
         suite.note(f"{label}: no step-{at} checkpoint before the cap, or the run ended (exit {code})")
         suite.failed(log, code)
     result = run_summary(root, name)
-    (suite.out / f"{label}.json").write_text(json.dumps(result, indent=1) + "\n")
+    atomic_write_text(suite.out / f"{label}.json", json.dumps(result, indent=1) + "\n")
     with log.open("a") as handle:
         handle.write("learning: " + json.dumps(result.get("learning", {}), indent=1)[:3000] + "\n")
     suite.note(f"{label}: done")

@@ -22,6 +22,7 @@ from pathlib import Path
 from atlas_lightning.demo.tiny_model import MODEL_FILES
 from atlas_lightning.demo.tiny_orchestrator import SUMMARY_FILE
 from atlas_lightning.store.files import sha256_file
+from atlas_lightning.store.atomic import atomic_write_text
 
 #: The package folder holding the shipped files.
 SHIPPED = Path(__file__).resolve().parent / "tiny_orchestrator_model"
@@ -46,6 +47,5 @@ def install_shipped_model(out: str | Path) -> dict:
     if digests != shipped_digests():
         raise OSError(f"{out}: the copy of the shipped tiny orchestrator does not match it (a full disk?)")
     summary = json.loads((SHIPPED / SUMMARY_FILE).read_text(encoding="utf-8"))
-    (out / SUMMARY_FILE).write_text(json.dumps({**summary, "installed_from": "the shipped build"}, indent=2) + "\n",
-                                    encoding="utf-8")
+    atomic_write_text(out / SUMMARY_FILE, json.dumps({**summary, "installed_from": "the shipped build"}, indent=2) + "\n")
     return {"out": str(out), "files": digests}
