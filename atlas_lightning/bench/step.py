@@ -64,6 +64,12 @@ step N's critic and actor updates (``PPOModule._update``) run under ``torch.prof
 update benchmark's ``update-profile`` section measures on the same batch. A diagnostic: the
 profiler's own costs are in step N's figures.
 
+Around the steps (``fit_edges_s``, added once ``fit`` returns): its opening, from the call of
+``fit`` to the first rollout (the engine's start, the trainer's build, the starting sync and its
+checks, a step-0 validation), and its closing, from the end of training to ``fit``'s return (the
+last checkpoint's wait, the engine's shutdown, the closing summary). A user waits for both; no step
+holds them.
+
 Output: ``DIR/step_bench.json`` (rewritten after every step, so a run cut short keeps what it
 measured; with the model ``--build`` wrote, ``build``: its shape and ``--layers``, and the card's
 HBM where ``bench/cards.py`` knows it, what ``bench/projection.py`` scales from) and
@@ -159,6 +165,10 @@ class StepBenchCallback(L.Callback):
         #: by step: seconds the benchmark itself spent inside it, taken out of its wall time
         self.excluded_s: dict[int, float] = {}
         self.ended: Optional[float] = None
+        #: wall-clock stamps (``time.time()``) of the first rollout's start and of the end of
+        #: training, for ``fit_edges_s`` (measured against ``fit``'s call and return)
+        self.first_rollout_at: Optional[float] = None
+        self.ended_at: Optional[float] = None
         self.replayed: dict[str, Any] = {"done": False, "why": "not run yet"}
 
     # -- wiring -----------------------------------------------------------------------------
@@ -175,6 +185,8 @@ class StepBenchCallback(L.Callback):
         rollout = dm.rollout
 
         def timed_rollout(step: int):
+            if self.first_rollout_at is None:
+                self.first_rollout_at = time.time()
             self.rollout_start[step] = time.monotonic()
             self.recorder.label = f"train{step}" if step == self.replay_step else None
             try:
@@ -273,6 +285,7 @@ class StepBenchCallback(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.ended = time.monotonic()
+        self.ended_at = time.time()
         if trainer.global_rank == 0:
             report = self._write(trainer, pl_module)
             print(markdown(report), file=sys.stderr)
@@ -321,6 +334,7 @@ class StepBenchCallback(L.Callback):
                               generated=self.generated, replayed=self.replayed, responses=self.responses,
                               peak_tflops=self.peak_tflops, build=self.build, card_tflops=self.card_tflops,
                               excluded_s=self.excluded_s)
+        report["fit_stamps"] = {"first_rollout_at": self.first_rollout_at, "train_ended_at": self.ended_at}
         if self.update_profile:
             report["update_profile"] = {"step": self.profile_update_step, **self.update_profile}
         model = getattr(pl_module, "model", None)
@@ -745,6 +759,25 @@ def bench_overrides(out: Path, replay_step: int, build: Optional[str], layers: O
             f"+callbacks.step_bench.out={out}", f"+callbacks.step_bench.replay_step={replay_step}", *built]
 
 
+def add_fit_edges(out: Path, called: float, returned: float) -> Optional[dict]:
+    """Add ``fit_edges_s`` (module doc) to rank 0's report under ``out``, from the wall-clock
+    times ``fit`` was called and returned and the stamps the callback wrote; the markdown is
+    rewritten with it. None (nothing written) on another rank, or where no report exists."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    path = out / "step_bench.json"
+    if getattr(rank_zero_only, "rank", 0) != 0 or not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    stamps = report.get("fit_stamps") or {}
+    first, ended = stamps.get("first_rollout_at"), stamps.get("train_ended_at")
+    report["fit_edges_s"] = {"opening": None if first is None else first - called,
+                             "closing": None if ended is None else returned - ended}
+    atomic_write_text(path, json.dumps(report, indent=1) + "\n")
+    atomic_write_text(out / "step_bench.md", markdown(report) + "\n")
+    return report["fit_edges_s"]
+
+
 def _build_and_fit(args: argparse.Namespace, program: str) -> int:
     """``--build``'s model folder, then ``fit`` on the overrides with the benchmark's callback; a
     clean stop part-way prints its line, then the steps measured (``step_bench.md``). A bad option
@@ -762,10 +795,12 @@ def _build_and_fit(args: argparse.Namespace, program: str) -> int:
         print(f"model folder {args.model_dir} ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
     from atlas_lightning.run.verbs import fit  # after compose: a bad override is refused before fit's imports load
 
+    called = time.time()
     try:
         code = fit(cfg)
     except RunStopped as err:  # a clean stop part-way (``run/faults.py``): its line, then the steps measured
         code = report(program, err)
+    add_fit_edges(out, called, time.time())
     report_file = out / "step_bench.md"
     if report_file.is_file():
         print(report_file.read_text())

@@ -127,6 +127,11 @@ def markdown(report: dict) -> str:
                       f"their periods; {_fmt(rate.get('report_periods'), ',.0f')} over the report's (a checkpoint "
                       "every step, validation every 5)", ""]
     lines += _profile_lines(report.get("update_profile") or {})
+    edges = report.get("fit_edges_s")
+    if edges:
+        lines += [f"fit around its steps: opening {_fmt(edges.get('opening'), '.1f')} s (its call to the first rollout: "
+                  f"the engine's start, the trainer's build, the starting sync), closing {_fmt(edges.get('closing'), '.1f')} "
+                  "s (the end of training to its return: the last checkpoint's wait, the engine's shutdown)", ""]
     plain = report.get("plain_generate", {})
     if plain.get("done"):
         lines.append(f"plain vllm.LLM.generate on step {plain['step']}'s {plain['requests']} requests: "

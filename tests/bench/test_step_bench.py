@@ -7,6 +7,7 @@ what the report holds is."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -18,12 +19,14 @@ def test_one_step_is_timed_phase_by_phase_and_compared_with_plain_generate(tiny_
     from atlas_lightning.bench.step import main
 
     out = tmp_path / "bench"
+    started = time.monotonic()
     code = main(["--out", str(out), "--", "experiment=tiny-cpu", f"model.path={tiny_model_dir}",
                  f"data.root={sample_data_dir}", f"paths.root={tmp_path}", "name=stepbench", "logger.mode=disabled",
                  "trainer.total_steps=1", "trainer.val_before_train=false", "trainer.save_every=0",
                  "data.val_max_questions=1", "rollout.val_n=1", "rollout.n=2", "algorithm.train_batch_size=2",
                  "algorithm.ppo_mini_batch_size=1", "rollout.max_tokens_per_turn=16", "rollout.max_turns=3"])
     assert code == 0
+    elapsed = time.monotonic() - started
     report = json.loads((out / "step_bench.json").read_text())
     assert [row["step"] for row in report["steps"]] == [1]
     row = report["steps"][0]
@@ -46,4 +49,10 @@ def test_one_step_is_timed_phase_by_phase_and_compared_with_plain_generate(tiny_
     plain = report["plain_generate"]
     assert plain["done"] and plain["step"] == 1 and plain["generated_tokens"] == row["generated_tokens"]
     assert plain["gen_vs_plain"] > 0
-    assert "| gen (card used) |" in (out / "step_bench.md").read_text()
+    # what the user waits for outside the steps: the engine's start and the trainer's build before
+    # the first rollout, the closing after training; with the step, within the whole call
+    edges = report["fit_edges_s"]
+    assert edges["opening"] > 0 and edges["closing"] >= 0
+    assert edges["opening"] + row["wall_s"] + edges["closing"] < elapsed
+    text = (out / "step_bench.md").read_text()
+    assert "| gen (card used) |" in text and "fit around its steps: opening" in text
