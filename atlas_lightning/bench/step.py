@@ -276,6 +276,8 @@ class StepBenchCallback(L.Callback):
         self.card_tflops[batch.step] = card_rate_after()
         self.excluded_s[batch.step] = time.monotonic() - started
         if self.replay and batch.step == self.replay_step:
+            if trainer.global_rank == 0:  # first the step's figures: a cap that falls in the replay keeps them
+                self._write(trainer, pl_module)
             # now, so that a run cut short keeps it; its seconds are taken out of the step's wall time
             started = time.monotonic()
             self.replayed = self._replay()
