@@ -764,7 +764,8 @@ def bench_overrides(out: Path, replay_step: int, build: Optional[str], layers: O
 def add_fit_edges(out: Path, called: float, returned: float) -> Optional[dict]:
     """Add ``fit_edges_s`` (module doc) to rank 0's report under ``out``, from the wall-clock
     times ``fit`` was called and returned and the stamps the callback wrote; the markdown is
-    rewritten with it. None (nothing written) on another rank, or where no report exists."""
+    rewritten with it. None (nothing written) on another rank, or where no report of this call
+    exists (none, or one an earlier run left in ``out``, whose first rollout precedes ``called``)."""
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
     path = out / "step_bench.json"
@@ -773,6 +774,8 @@ def add_fit_edges(out: Path, called: float, returned: float) -> Optional[dict]:
     report = json.loads(path.read_text())
     stamps = report.get("fit_stamps") or {}
     first, ended = stamps.get("first_rollout_at"), stamps.get("train_ended_at")
+    if first is None or first < called:
+        return None
     report["fit_edges_s"] = {"opening": None if first is None else first - called,
                              "closing": None if ended is None else returned - ended}
     atomic_write_text(path, json.dumps(report, indent=1) + "\n")

@@ -5,9 +5,11 @@ built by hand here so that every share can be checked against arithmetic done in
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from atlas_lightning.bench.step import build_report
+from atlas_lightning.bench.step import add_fit_edges, build_report
 from atlas_lightning.config import compose
 
 
@@ -131,3 +133,18 @@ def test_only_the_named_steps_updates_run_under_the_profiler_and_the_report_says
     assert lines[1] == ("step 2's update_actor under the profiler: 10.00 s, kernels 9.00 s, the card idle 10.0% "
                         "(gemm 6.00 s, copies 3.00 s); the allocator: -")
     assert _profile_lines({}) == []
+
+
+def test_fit_edges_are_added_to_this_call_s_report_only(tmp_path):
+    """``add_fit_edges``: the opening and closing from the callback's stamps and fit's call and
+    return; a report an earlier run left in the folder is not touched."""
+    report = {"name": "r", "steps": [], "plain_generate": {}, "environment": {},
+              "fit_stamps": {"first_rollout_at": 1_000.0, "train_ended_at": 1_300.0}}
+    path = tmp_path / "step_bench.json"
+    path.write_text(json.dumps(report))
+    assert add_fit_edges(tmp_path, called=1_100.0, returned=1_400.0) is None  # an earlier run's report
+    assert "fit_edges_s" not in json.loads(path.read_text())
+    assert add_fit_edges(tmp_path, called=880.0, returned=1_315.5) == {"opening": 120.0, "closing": 15.5}
+    assert json.loads(path.read_text())["fit_edges_s"] == {"opening": 120.0, "closing": 15.5}
+    assert "opening 120.0 s" in (tmp_path / "step_bench.md").read_text()
+    assert add_fit_edges(tmp_path / "none", called=0.0, returned=1.0) is None
