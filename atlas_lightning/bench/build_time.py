@@ -29,10 +29,11 @@ from typing import Any, Optional
 
 import torch
 
+from atlas_lightning.store.atomic import atomic_write_text
+
 from . import measure
 from .shapes import shape_by_name, transformers_config
 from .update import fit_model_config
-from atlas_lightning.store.atomic import atomic_write_text
 
 
 def _timed_build(label: str, device: torch.device, build) -> dict[str, Any]:

@@ -89,10 +89,10 @@ from typing import Any, Optional
 import lightning as L
 
 from atlas_lightning.run.exit_codes import exit_code, report
+from atlas_lightning.store.atomic import atomic_write_text
 
 from .step_markdown import markdown
 from .step_names import CHECKPOINT_CALLBACKS, VALIDATION_CALLBACK
-from atlas_lightning.store.atomic import atomic_write_text
 
 GIB = 2**30
 #: Phases of one step as the run logs them (``timing_s/<phase>``), in the order they run.
@@ -342,7 +342,6 @@ class StepBenchCallback(L.Callback):
         model = getattr(pl_module, "model", None)
         if hasattr(model, "attention_backends"):  # the kernels fit's attention ran, as the update benchmark reports its own
             report["attention_backends"] = model.attention_backends()
-        self.out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.out / "step_bench.json", json.dumps(report, indent=1) + "\n")
         atomic_write_text(self.out / "step_bench.md", markdown(report) + "\n")
         return report
@@ -776,8 +775,7 @@ def add_fit_edges(out: Path, called: float, returned: float) -> Optional[dict]:
     first, ended = stamps.get("first_rollout_at"), stamps.get("train_ended_at")
     if first is None or first < called:
         return None
-    report["fit_edges_s"] = {"opening": None if first is None else first - called,
-                             "closing": None if ended is None else returned - ended}
+    report["fit_edges_s"] = {"opening": first - called, "closing": None if ended is None else returned - ended}
     atomic_write_text(path, json.dumps(report, indent=1) + "\n")
     atomic_write_text(out / "step_bench.md", markdown(report) + "\n")
     return report["fit_edges_s"]
