@@ -14,8 +14,10 @@ shape, 50-90 us of Python each against ~38 us of device work). ``merge_lora_many
 to ``GROUP_SLOTS`` row-major merges at once (a whole 512 MB bucket: 28 launches for the 8B
 shape), each merge a slot of the kernel's tuple arguments, so Triton still knows every
 pointer's alignment and that the inner strides are 1 (a table of pointers read in the kernel
-lost both and ran 3.5x slower, bench/NOTES.md runs 5-6). Each tuple length compiles once per
-process (~12 s for the 8B shape's first sync; Triton's disk cache serves later runs).
+lost both and ran 3.5x slower, bench/NOTES.md runs 5-6). Every launch is padded to
+``GROUP_SLOTS`` slots, so the kernel compiles once per process and specialisation, not once per
+number of merges (unpadded, the first merged sync of the 8B shape spent 10-16 s compiling the
+lengths its buckets end with; Triton's disk cache serves later runs).
 
 Arithmetic (the same formula as the ``addmm`` fallback): the factors are cast to ``out``'s
 dtype after ``B`` is scaled by ``s`` in its own dtype, the product accumulates in fp32, W is
@@ -174,16 +176,32 @@ def _groupable(job: MergeJob) -> bool:
             and all(t.is_contiguous() for t in job[:3]) and job.out.is_contiguous())
 
 
+def _slot_arguments(jobs: Sequence[MergeJob]) -> dict:
+    """The grouped kernel's tuple arguments for 1..GROUP_SLOTS jobs, always ``GROUP_SLOTS``
+    slots long. Triton compiles a kernel once per tuple length, so a launch of every length
+    (buckets end with whatever merges are left) would compile up to ``GROUP_SLOTS`` times on a
+    fresh machine. An empty slot repeats the first job's tensors (the same alignment, so the
+    same specialisation) with zero rows and columns: it owns no tiles and is never read."""
+    if not 1 <= len(jobs) <= GROUP_SLOTS:
+        raise ValueError(f"a grouped launch carries 1..{GROUP_SLOTS} merges, not {len(jobs)}")
+    empty = GROUP_SLOTS - len(jobs)
+    first = jobs[0]
+    return {"ws": tuple(j.weight for j in jobs) + (first.weight,) * empty,
+            "bs": tuple(j.lora_b for j in jobs) + (first.lora_b,) * empty,
+            "as_": tuple(j.lora_a for j in jobs) + (first.lora_a,) * empty,
+            "outs": tuple(j.out for j in jobs) + (first.out,) * empty,
+            "ms": tuple(j.weight.shape[0] for j in jobs) + (0,) * empty,
+            "ns": tuple(j.weight.shape[1] for j in jobs) + (0,) * empty,
+            "scalings": tuple(float(j.scaling) for j in jobs) + (0.0,) * empty}
+
+
 def _launch_group(jobs: Sequence[MergeJob]) -> None:
     """One launch of ``_merge_group_kernel`` for 1..GROUP_SLOTS row-major jobs of one rank,
     device and dtype (each job's tensors and sizes a slot of the kernel's tuple arguments)."""
     meta = _tile_arguments(jobs[0].weight, jobs[0].lora_a.shape[0])
     tiles = sum(triton.cdiv(j.weight.shape[0], meta["BLOCK_M"]) * triton.cdiv(j.weight.shape[1], meta["BLOCK_N"])
                 for j in jobs)
-    _merge_group_kernel[(tiles,)](
-        tuple(j.weight for j in jobs), tuple(j.lora_b for j in jobs), tuple(j.lora_a for j in jobs),
-        tuple(j.out for j in jobs), tuple(j.weight.shape[0] for j in jobs), tuple(j.weight.shape[1] for j in jobs),
-        tuple(float(j.scaling) for j in jobs), jobs[0].lora_a.shape[0], **meta)
+    _merge_group_kernel[(tiles,)](**_slot_arguments(jobs), K=jobs[0].lora_a.shape[0], **meta)
 
 
 def merge_lora_many(jobs: Sequence[MergeJob]) -> None:

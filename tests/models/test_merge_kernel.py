@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from atlas_lightning.models.merge_kernel import GROUP_SLOTS, MergeJob, merge_lora, merge_lora_many, rounding_bound
+from atlas_lightning.models.merge_kernel import GROUP_SLOTS, MergeJob, _slot_arguments, merge_lora, merge_lora_many, rounding_bound
 
 CASES = [((48, 80), 5), ((130, 70), 16), ((64, 64), 64), ((17, 300), 8)]
 
@@ -67,6 +67,23 @@ def test_fallback_is_the_rounded_sum():
     for dtype in (torch.float32, torch.bfloat16):
         _check(dtype)
         _check_grouped(dtype)
+
+
+def test_every_grouped_launch_has_one_tuple_length():
+    """Triton compiles once per tuple length: a launch of 3 merges is padded to ``GROUP_SLOTS``
+    slots, the empty ones the first job's tensors with no rows or columns (no tiles)."""
+    jobs = [MergeJob(torch.zeros(32 * (i + 1), 48), torch.zeros(32 * (i + 1), 4), torch.zeros(4, 48), 0.5 + i,
+                     torch.zeros(32 * (i + 1), 48)) for i in range(3)]
+    slots = _slot_arguments(jobs)
+    assert {len(v) for v in slots.values()} == {GROUP_SLOTS}
+    assert slots["ms"] == (32, 64, 96) + (0,) * (GROUP_SLOTS - 3) and slots["ns"][:3] == (48, 48, 48)
+    assert set(slots["ns"][3:]) == {0} and slots["scalings"][:3] == (0.5, 1.5, 2.5)
+    assert all(t is jobs[0].weight for t in slots["ws"][3:]) and all(t is jobs[0].out for t in slots["outs"][3:])
+    full = _slot_arguments(jobs * (GROUP_SLOTS // 3) + jobs[:GROUP_SLOTS % 3])
+    assert 0 not in full["ms"]
+    for count in (0, GROUP_SLOTS + 1):
+        with pytest.raises(ValueError, match="carries"):
+            _slot_arguments((jobs * GROUP_SLOTS)[:count])
 
 
 def test_shapes_that_do_not_chain_are_refused():
