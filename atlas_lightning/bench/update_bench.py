@@ -520,11 +520,8 @@ class Bench:
                     fwd_inputs = self._inputs(shape, self.args.forward_tokens, self.args.seed + 1)
                     fwd.update(self.measure_forward(runner, fwd_inputs, flops, f"{name} {path}"))
                 self.save()
-            if path == "ours" and "sync" in self.sections and not self.out_of_time():
-                with measure.section(entry, "weight_sync", self.device) as sync:
-                    sync.update(measure_weight_sync(runner.model, self.device, self.args.bucket_mb * 2**20,
-                                                    self.results.get("copy_bandwidth", {}).get("gbps")))
-                    self.log(f"{name} weight sync: {json.dumps(sync)[:400]}")
+            if path == "ours":
+                self._sync_section(name, entry, runner)
         del runner, base
         return entry
 
@@ -635,7 +632,20 @@ class Bench:
                 prof.update(profile_call(update)[1])
                 self.log(f"{name} batch update profiled: {prof['wall_s_under_profiler']:.2f} s, kernels "
                          f"{prof['device_s']:.2f} s, the card idle {prof['idle_share']:.1%}, allocator {prof['allocator']}")
+        if path == "ours":  # after the updates: the adapters are no longer zero, so the merge's check bites
+            self._sync_section(name, entry, runner)
         return entry
+
+    def _sync_section(self, name: str, entry: dict, runner) -> None:
+        """The ``sync`` section: the weight sync's paths timed and the merge kernel checked on
+        this model (``sync.measure_weight_sync``), into ``entry["weight_sync"]``."""
+        if "sync" not in self.sections or self.out_of_time():
+            return
+        with measure.section(entry, "weight_sync", self.device) as sync:
+            sync.update(measure_weight_sync(runner.model, self.device, self.args.bucket_mb * 2**20,
+                                            self.results.get("copy_bandwidth", {}).get("gbps")))
+            self.log(f"{name} weight sync: kernel check {json.dumps(sync.get('kernel_check'))}; "
+                     f"{json.dumps({k: v for k, v in sync.items() if k != 'kernel_check'})[:300]}")
 
     def _against_the_run(self, name: str, entry: dict, resolved: dict) -> None:
         """Where the batch is a run's (``--batch-from``): the kernels our model resolved here

@@ -42,6 +42,11 @@ def test_tiny_run_writes_json_and_markdown(tmp_path, capsys):
     assert batch["ours"]["attention_backends"] == ["FLASH_ATTENTION"]  # PyTorch's CPU flash kernel, as it ran
     sync = model["ours"]["weight_sync"]
     assert sync["merged_packs"]["bytes"] == sync["merged_cat"]["bytes"] > 0
+    # the batch's model is checked too, after its updates (adapters no longer zero): every merge
+    # within one rounding of the float64 reference, the grouped launch giving the per-linear bits
+    check = batch["ours"]["weight_sync"]["kernel_check"]
+    assert check["linears"] > 0 and check["grouped_equals_per_linear"]
+    assert 0 < check["merge_error_in_bounds"] <= 1 and check["grouped_error_in_bounds"] <= 1
     assert {r["kind"] for r in results["logprob_memory"]} == {"chunked", "full"}
     text = out.with_suffix(".md").read_text()
     assert "| tiny | ours |" in text and "| tiny | baseline |" in text
