@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ from . import attention  # noqa: F401  (registers sdpa_varlen before a base asks
 from atlas_lightning.errors import InputError, first_line
 
 from .actor_critic import ACTOR, CRITIC, ActorCritic
-from .adapters import adapter_lora_config, load_adapter
+from .adapters import AdapterMismatchError, adapter_lora_config, load_adapter
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -242,6 +242,17 @@ def _refuse_missing(path: str, info: dict) -> None:
                                f"from random values; the folder is incomplete (a shard or tensors left out)")
 
 
+@contextmanager
+def _peft_refusal(folder) -> Iterator[None]:
+    """peft's refusal to put ``folder``'s LoRA on this base (a ``target_modules`` that matches no
+    module: ``ValueError``) as an ``AdapterMismatchError`` naming the folder's config file."""
+    try:
+        yield
+    except ValueError as err:
+        raise AdapterMismatchError(f"{folder}: adapter_config.json does not fit this base model: "
+                                   f"{first_line(err)}") from None
+
+
 def check_starting_adapters(model_cfg: Any, folders: dict) -> None:
     """Each starting adapter (``{role: adapters.AdapterFolder}``, read) checked as
     ``build_actor_critic`` checks it when it loads it (``adapters.check_adapter_tensors``: LoRA
@@ -266,10 +277,12 @@ def check_starting_adapters(model_cfg: Any, folders: dict) -> None:
         base = AutoModelForCausalLM.from_pretrained(path, config=causal_lm_config(path), device_map="meta")
     names, _ = name_map(base, path)
     roles = list(folders)
-    peft_model = get_peft_model(base, peft_lora_config(adapter_lora_config(folders[roles[0]].folder)),
-                                adapter_name=roles[0])
+    with _peft_refusal(folders[roles[0]].folder):
+        peft_model = get_peft_model(base, peft_lora_config(adapter_lora_config(folders[roles[0]].folder)),
+                                    adapter_name=roles[0])
     for role in roles[1:]:
-        peft_model.add_adapter(role, peft_lora_config(adapter_lora_config(folders[role].folder)))
+        with _peft_refusal(folders[role].folder):
+            peft_model.add_adapter(role, peft_lora_config(adapter_lora_config(folders[role].folder)))
     hidden = base.get_output_embeddings().weight.shape[1]
     meta = SimpleNamespace(peft_model=peft_model, checkpoint_names=names, _tuner_layers=tuner_layers(peft_model),
                            value_head=nn.Linear(hidden, 1, dtype=torch.float32, device="meta"))

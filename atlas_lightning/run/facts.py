@@ -153,7 +153,10 @@ def _check_starting_adapters(cfg: DictConfig) -> dict:
     shape = read_model_shape(cfg.model.path) if folders else None
     for role, folder in folders.items():
         source = starting_adapter_source(cfg, role)
-        lora = read_lora_shape(folder)  # its adapter_config.json first, refused as lora_shapes refuses it
+        try:  # its adapter_config.json first, refused as lora_shapes refuses it
+            lora = read_lora_shape(folder)
+        except InputError as err:
+            raise _named(err, source, folder) from None
         unmatched = unmatched_lora_targets(lora.target_modules if isinstance(lora.target_modules, tuple) else None,
                                            linear_module_names(cfg.model.path))
         if unmatched:  # peft skips a target that matches nothing when another matches: the config lies

@@ -24,6 +24,7 @@ Who calls it: ``ppo.module`` (the starting folders), ``models.build`` (through i
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -126,6 +127,12 @@ def shape_from_adapter_config(saved: dict, where: str) -> LoraShape:
         targets = tuple(sorted({t.split(".")[-1] for t in targets}))
     elif not (isinstance(targets, str) and targets):
         raise AdapterConfigError(f"{where}: field target_modules={targets!r} names no module")
+    elif targets != "all-linear":
+        try:  # a string is peft's regex, full-matched against every module's name
+            re.compile(targets)
+        except re.error as err:
+            raise AdapterConfigError(f"{where}: field target_modules={targets!r} is not a regular expression "
+                                     f"({err})") from None
     patterns = {}
     for key in ("rank_pattern", "alpha_pattern"):
         value = saved.get(key) or {}

@@ -43,6 +43,11 @@ DAMAGED = {
                                 "init_lora_weights='pissa', which rewrites the base weights"),
     "target_of_no_module": ("actor", _config(lambda d: d.update(target_modules=d["target_modules"] + ["nope_proj"])),
                             "target_modules name nope_proj, which is no module of the base"),
+    # a string is peft's regex over full module names: one that matches nothing, one that is no regex
+    "regex_of_no_module": ("actor", _config(lambda d: d.update(target_modules=r".*\.nope_proj")),
+                           "adapter_config.json does not fit this base model: Target modules .*\\.nope_proj not found"),
+    "target_that_is_no_regex": ("critic", _config(lambda d: d.update(target_modules="([")),
+                                "field target_modules='([' is not a regular expression"),
     "layers_the_tensors_exceed": ("actor", _config(lambda d: d.update(layers_to_transform=[0])),
                                   "in the folder but not here"),
     "fan_in_fan_out": ("actor", _config(lambda d: d.update(fan_in_fan_out=True)),
@@ -102,6 +107,7 @@ def test_a_damaged_or_unsupported_adapter_is_refused_at_the_start(saved, cfg_of,
     with pytest.raises(InputError) as refused:
         _start_checks(cfg_of(f"model.{role}_adapter={folder}"))
     assert message in str(refused.value) and str(folder) in str(refused.value), str(refused.value)
+    assert str(refused.value).startswith(f"model.{role}_adapter={folder}"), str(refused.value)
 
 
 def test_what_the_build_refuses_is_refused_by_check_inputs_before_anything_is_written(saved, cfg_of, tmp_path):
