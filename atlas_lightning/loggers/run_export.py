@@ -38,6 +38,7 @@ from typing import Any, Mapping, Optional, Union
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
+from atlas_lightning.errors import InputError
 from atlas_lightning.store.atomic import atomic_write_text
 
 HISTORY_NAME = "history.csv"
@@ -45,6 +46,38 @@ SUMMARY_NAME = "summary.json"
 CONFIG_NAME = "config.json"
 #: Columns that are not metrics, in this order at the front of ``history.csv``.
 RESERVED_COLUMNS = ("_step", "_runtime", "_timestamp")
+
+
+class HistoryError(InputError):
+    """A run's ``history.csv`` that cannot be read back; names the file and the line."""
+
+
+def read_history(path: Path) -> tuple[list[str], dict[int, dict[str, Any]]]:
+    """``history.csv`` as ``RunExportLogger`` wrote it: its metric columns in order and its rows
+    by RL step. ``HistoryError`` naming the file and line where it cannot be read (a run that
+    continues this id would otherwise rewrite the file without the rows it lost)."""
+    columns: list[str] = []
+    rows: dict[int, dict[str, Any]] = {}
+    line = 1
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            header = reader.fieldnames or []
+            if not header or header[0] != "_step":
+                raise HistoryError(f"{path}: not a run export history (its first column must be _step, got "
+                                   f"{header[:1]}); repair it or move it away")
+            columns = [name for name in header if name not in RESERVED_COLUMNS]
+            for line, raw in enumerate(reader, start=2):
+                if None in raw or any(cell is None for cell in raw.values()):
+                    raise ValueError(f"{len(header)} columns expected")
+                row: dict[str, Any] = {"_step": int(raw["_step"])}
+                row.update((name, float(cell)) for name, cell in raw.items() if name != "_step" and cell != "")
+                rows.setdefault(row["_step"], {}).update(row)
+    except HistoryError:
+        raise
+    except (OSError, csv.Error, UnicodeDecodeError, TypeError, ValueError) as err:
+        raise HistoryError(f"{path}, line {line}: unreadable ({err}); repair it or move it away") from None
+    return columns, rows
 
 
 def _as_float(name: str, value: Any) -> float:
@@ -156,7 +189,7 @@ class RunExportLogger(Logger):
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        if self._rows:
+        if self._rows and self._loaded:  # never rewrite a history that could not be read back
             self._write_all()
         else:
             self._write_config()
@@ -183,29 +216,14 @@ class RunExportLogger(Logger):
     # ------------------------------------------------------------------ files
 
     def _load_existing(self) -> None:
-        """Continue an existing ``history.csv`` (a resumed run logging into the same id)."""
+        """Continue an existing ``history.csv`` (a resumed run logging into the same id). Taken
+        whole or not at all: an unreadable file raises ``HistoryError`` and stays as it is."""
         if self._loaded:
             return
-        self._loaded = True
         path = self.log_dir / HISTORY_NAME
-        if not path.exists():
-            return
-        with open(path, newline="", encoding="utf-8") as handle:
-            reader = csv.DictReader(handle)
-            header = reader.fieldnames or []
-            if not header or header[0] != "_step":
-                raise ValueError(f"{path}: not a run export history (first column must be _step, got {header[:1]})")
-            self._columns = [name for name in header if name not in RESERVED_COLUMNS]
-            for line, raw in enumerate(reader, start=2):
-                try:
-                    step = int(raw["_step"])
-                    row = {"_step": step}
-                    for name, cell in raw.items():
-                        if name != "_step" and cell not in ("", None):
-                            row[name] = float(cell)
-                except (TypeError, ValueError) as err:
-                    raise ValueError(f"{path}, line {line}: unreadable value ({err})") from None
-                self._rows.setdefault(step, {}).update(row)
+        if path.exists():
+            self._columns, self._rows = read_history(path)
+        self._loaded = True
 
     def _write_config(self) -> None:
         path = self.log_dir / CONFIG_NAME

@@ -13,6 +13,7 @@ Who calls it: ``run/verbs.py`` (fit, validate), ``run/memory_check.py`` (no spli
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional
@@ -83,6 +84,7 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     folders = run_dirs(cfg)
     check_writable(folders)
     _check_checkpoint_entries(folders["checkpoints"])
+    _check_run_history(cfg)
     _check_separate_layout(cfg)
     check_machine(cfg)
     check_model_folder(cfg.model.path)
@@ -168,6 +170,18 @@ def _check_starting_adapters(cfg: DictConfig) -> dict:
         except (InputError, ShapeError, FileNotFoundError) as err:
             raise _named(err, source, folder) from None
     return read
+
+
+def _check_run_history(cfg: DictConfig) -> None:
+    """The export a run continues (``WANDB_RUN_ID`` naming an id whose ``runs/<name>/<id>/history.csv``
+    exists: ``loggers/run_export.py`` reads it back and rewrites it with every step) must read back
+    whole; refused here, before anything is written, rather than at the first logged metric."""
+    from atlas_lightning.loggers.run_export import HISTORY_NAME, read_history
+
+    run_id = os.environ.get("WANDB_RUN_ID")
+    path = Path(str(cfg.paths.runs)) / run_id / HISTORY_NAME if run_id else None
+    if path is not None and path.is_file():
+        read_history(path)
 
 
 def _named(err: Exception, source: str, folder) -> ConfigError:

@@ -799,3 +799,22 @@ def test_a_max_logprob_gap_below_the_dtypes_rounding_exits_2_before_anything_is_
     assert len(err) == 1 and f"config error: {refused}: " in err[0], err
     assert "use model.dtype=float32" in err[0] and "rollout.max_logprob_gap to " in err[0]
     assert not root.exists()
+
+
+def test_a_damaged_history_of_the_run_id_it_continues_exits_2_before_anything_is_written(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """``WANDB_RUN_ID`` names an id whose export exists: the run would read its ``history.csv``
+    back and rewrite it at the first logged metric, after the run's config and logs are written,
+    losing the rows it could not read. Refused at the start instead, naming the file and line."""
+    root = tmp_path / "root"
+    history = root / "runs" / "run" / "abc123" / "history.csv"
+    history.parent.mkdir(parents=True)
+    history.write_text("_step,_runtime,_timestamp,reward/mean\n1,0.1,1.0,0.5\n2,0.2,2.0,0.x\n")
+    monkeypatch.setenv("WANDB_RUN_ID", "abc123")
+    before = sorted(p for p in root.rglob("*"))
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}", "name=run", "logger.mode=disabled",
+                 f"model.path={write_fake_model_folder(tmp_path / 'model')}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"{history}, line 3: unreadable" in err and "Traceback" not in err
+    assert sorted(p for p in root.rglob("*")) == before and history.read_text().endswith("0.x\n")

@@ -89,6 +89,29 @@ def test_bad_input_is_refused_with_its_name(tmp_path):
         RunExportLogger(tmp_path, "bad", {}).log_metrics({"a": 1.0}, step=2)
 
 
+@pytest.mark.parametrize("damage, line", [
+    (lambda text: text.replace("\n1,", "\nx1,", 1), 2),             # a step that is no number
+    (lambda text: text.replace(",2.0", ",2.O", 1), 3),                 # a value that is no number
+    (lambda text: text[: text.rindex(",")], 3),                        # a tail cut mid-row
+])
+def test_a_damaged_history_is_refused_by_line_and_left_as_it_was(tmp_path, damage, line):
+    """A resumed logger must not rewrite a history it could not read whole: the rows it could not
+    read would be gone. The error names the file and line; the file and summary stay as they were."""
+    from atlas_lightning.errors import InputError
+
+    first = RunExportLogger(tmp_path, "same", {})
+    first.log_metrics({"x/y": 1.0, "z": 5.0}, step=1)
+    first.log_metrics({"x/y": 2.0, "z": 6.0}, step=2)
+    history, summary = tmp_path / "same" / "history.csv", tmp_path / "same" / "summary.json"
+    history.write_text(damage(history.read_text()))
+    before = (history.read_bytes(), summary.read_bytes())
+    second = RunExportLogger(tmp_path, "same", {})
+    with pytest.raises(InputError, match=rf"history.csv, line {line}: unreadable .*repair it or move it away"):
+        second.log_metrics({"x/y": 3.0}, step=3)
+    second.finalize("failed")
+    assert (history.read_bytes(), summary.read_bytes()) == before
+
+
 def test_only_rank_zero_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(rank_zero_only, "rank", 1)
     logger = RunExportLogger(tmp_path, "id3", {"a": 1})
