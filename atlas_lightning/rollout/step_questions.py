@@ -29,6 +29,7 @@ in-flight steps with the steps this run samples, and the data module
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from functools import cached_property
 from typing import Callable, Optional
 
@@ -36,6 +37,7 @@ from omegaconf import DictConfig
 
 from atlas_lightning.config import ConfigError
 from atlas_lightning.env.episode import Episode, RuntimeConfig
+from atlas_lightning.errors import first_line
 from atlas_lightning.questions.loader import QuestionSplits
 from atlas_lightning.questions.sampler import QuestionSampler, sampling_digest
 from atlas_lightning.questions.schema import Question
@@ -55,8 +57,10 @@ def chat_format(cfg: DictConfig) -> ChatFormat:
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     except Exception as err:  # the library's error for a damaged tokenizer, whatever its type
-        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"model.path={cfg.model.path}: its tokenizer cannot be loaded ({first})") from None
+        present = sorted(p.name for p in Path(str(cfg.model.path)).glob("*") if p.is_file()
+                         and (p.name.startswith(("tokenizer", "vocab", "merges", "spiece")) or p.suffix == ".model"))
+        raise ConfigError(f"model.path={cfg.model.path}: its tokenizer cannot be loaded from "
+                          f"{', '.join(present) or 'no tokenizer file'} ({first_line(err)})") from None
     try:
         chat = ChatFormat(tokenizer)
         chat.check_template()

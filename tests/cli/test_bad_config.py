@@ -818,3 +818,24 @@ def test_a_damaged_history_of_the_run_id_it_continues_exits_2_before_anything_is
     assert code == 2, err
     assert f"{history}, line 3: unreadable" in err and "Traceback" not in err
     assert sorted(p for p in root.rglob("*")) == before and history.read_text().endswith("0.x\n")
+
+
+def test_a_tokenizer_config_without_its_vocabulary_is_named_with_the_files_there(tiny_model_dir, sample_data_dir,
+                                                                                  tmp_path, capsys):
+    """``tokenizer_config.json`` left, ``tokenizer.json`` gone: transformers' refusal spans lines
+    (the first alone ends in "one of: "); the refusal names the tokenizer files the folder holds
+    and transformers' reasons in one line, before anything is written."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "tokenizer.json").unlink()
+    assert (model / "tokenizer_config.json").is_file()
+    root = tmp_path / "root"
+    code = main(["fit", "experiment=tiny-cpu", f"paths.root={root}", f"model.path={model}",
+                 f"data.root={sample_data_dir}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"model.path={model}: its tokenizer cannot be loaded from tokenizer_config.json (" in err
+    assert "(1) a `tokenizers` library serialization file" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and not root.exists()
