@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import os
 import platform
 import socket
@@ -42,12 +43,15 @@ import lightning as L
 
 from atlas_lightning import distributed
 from atlas_lightning.config import redacted, redacted_argv
+from atlas_lightning.errors import first_line
 from atlas_lightning.store.lora_shapes import LoraShape
 from atlas_lightning.store.records import FILE_VERSION, utc_now
 from atlas_lightning.distributed import on_rank_zero
 from atlas_lightning.store.files import atomic_write_json, json_safe
 from atlas_lightning.store.step_folder import gather_step, remove_stale_temporaries, write_step_folder
 from atlas_lightning.ppo.step_output import read_step_output
+
+log = logging.getLogger(__name__)
 
 RUN_JSON = "run.json"
 #: Distributions whose versions ``run.json`` records (the first installed name of each entry).
@@ -121,12 +125,23 @@ def host_description(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[s
 
 
 def _previous_launches(path: Path) -> list:
+    """The launches an earlier ``run.json`` at ``path`` recorded (none where there is none). One
+    that cannot be read back is not overwritten: it is kept beside as
+    ``run.json.unreadable-<UTC time>``, with a warning, and the new record starts afresh."""
+    if not path.is_file():
+        return []
     try:
         previous = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        launches = previous.get("launches", []) if isinstance(previous, dict) else None
+        if not isinstance(launches, list):
+            raise ValueError("no object with a list of launches")
+    except (OSError, ValueError) as err:
+        kept = path.with_name(f"{path.name}.unreadable-{utc_now().replace(':', '')}")
+        os.replace(path, kept)
+        log.warning("%s cannot be read back (%s): kept as %s; run.json records this launch afresh", path,
+                    first_line(err), kept.name)
         return []
-    launches = previous.get("launches") if isinstance(previous, dict) else None
-    return list(launches) if isinstance(launches, list) else []
+    return list(launches)
 
 
 class ArtifactDumpCallback(L.Callback):

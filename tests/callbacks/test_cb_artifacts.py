@@ -145,6 +145,23 @@ def test_a_relaunch_keeps_the_earlier_launches(tmp_path, h):
     assert run["hosts"]["hostnames"] == ["node-a", "node-b"]
 
 
+@pytest.mark.parametrize("damaged", ['{"launches": [{"pid": 1}', '[1, 2]', '{"launches": 3}'])
+def test_a_relaunch_over_an_unreadable_run_json_keeps_it_beside(tmp_path, h, caplog, damaged):
+    """The earlier launches it held are not overwritten: the file is kept as
+    ``run.json.unreadable-<time>``, a warning names both, and the new record starts afresh."""
+    cfg = h.make_cfg(tmp_path)
+    callback = h.callback(cfg, "artifacts")
+    path = callback.artifacts / "run.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(damaged)
+    with caplog.at_level("WARNING"):
+        callback.write_run_json([{"rank": 0, "hostname": "node-a"}], 1)
+    kept = sorted(path.parent.glob("run.json.unreadable-*"))
+    assert len(kept) == 1 and kept[0].read_text() == damaged
+    assert len(json.loads(path.read_text())["launches"]) == 1
+    assert f"{path} cannot be read back" in caplog.text and kept[0].name in caplog.text
+
+
 def _records(h, chat, tmp_path, step=1):
     dm = h.ScriptedDataModule(h.make_cfg(tmp_path), chat)
     return dm.rollout(step).records
