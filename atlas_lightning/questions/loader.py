@@ -83,7 +83,7 @@ def _check_mapping(columns: Mapping[str, str], subset_columns: Sequence[str]) ->
 
 def _read_table(path: Path, label: str) -> pa.Table:
     if not path.is_file():
-        raise DataError(f"{label}: no such file ({path})")
+        raise DataError(f"{label}: {'a folder, not a parquet file' if path.is_dir() else 'no such file'} ({path})")
     try:
         return pq.read_table(path)
     except (pa.ArrowException, OSError) as err:

@@ -308,6 +308,8 @@ def test_truncated_empty_and_absent_files(tmp_path, gpqa_questions):
     _refused(tmp_path, r"^gpqa/train.parquet: no questions \(0 rows\)")
 
     _refused(tmp_path, r"^lcb/val_full.parquet: no such file", benchmark="lcb", split="val_full")
+    (tmp_path / "lcb" / "val_full.parquet").mkdir(parents=True)
+    _refused(tmp_path, r"^lcb/val_full.parquet: a folder, not a parquet file", benchmark="lcb", split="val_full")
 
 
 def test_unknown_benchmark_and_bad_split(tmp_path):
