@@ -16,7 +16,9 @@ is needed to read a run's curves.
 Every file is rewritten whole and atomically (temporary file in the same folder, then
 ``os.replace``) after each ``log_metrics`` call: a reader never sees a torn file, and a run killed
 mid-step keeps every earlier row. A logger pointed at an existing folder (a resumed run with the
-same id) reads ``history.csv`` back and continues it.
+same id) reads ``history.csv`` back and continues it; one it cannot read whole is refused
+(``HistoryError``, by file and line) and never rewritten, and ``run/facts.py`` refuses it at the
+start of a run that continues that id.
 
 Who calls it: ``atlas_lightning.loggers.wandb_logger.build_loggers`` creates it; the module calls
 ``log_metrics(metrics, step=rl_step)`` on every logger. Only rank 0 writes (Lightning's

@@ -29,8 +29,8 @@ in-flight steps with the steps this run samples, and the data module
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from functools import cached_property
+from pathlib import Path
 from typing import Callable, Optional
 
 from omegaconf import DictConfig
