@@ -474,13 +474,14 @@ def test_the_checks_return_what_they_read_once(tmp_path, cfg_of, sample_data_dir
 
 
 def test_a_starting_adapter_without_a_lora_shape_is_refused_before_anything_is_written(tmp_path, cfg_of):
+    from atlas_lightning.errors import InputError
     from atlas_lightning.run.facts import check_inputs
-    from atlas_lightning.store.lora_shapes import AdapterConfigError
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"r": 4}))
-    with pytest.raises(AdapterConfigError, match="field lora_alpha=None is not a positive number"):
+    with pytest.raises(InputError, match=rf"^model.actor_adapter={adapter}: .*field lora_alpha=None is not a positive "
+                                         r"number"):
         check_inputs(cfg_of(f"model.actor_adapter={adapter}"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # nothing written
 
