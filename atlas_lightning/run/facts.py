@@ -153,18 +153,16 @@ def _check_starting_adapters(cfg: DictConfig) -> dict:
 
     folders, read = starting_adapters(cfg), {}
     shape = read_model_shape(cfg.model.path) if folders else None
+    modules = linear_module_names(cfg.model.path) if folders else set()
     for role, folder in folders.items():
         source = starting_adapter_source(cfg, role)
-        try:  # its adapter_config.json first, refused as lora_shapes refuses it
+        try:  # its adapter_config.json first, refused as lora_shapes refuses it; then its tensors
             lora = read_lora_shape(folder)
-        except InputError as err:
-            raise _named(err, source, folder) from None
-        unmatched = unmatched_lora_targets(lora.target_modules if isinstance(lora.target_modules, tuple) else None,
-                                           linear_module_names(cfg.model.path))
-        if unmatched:  # peft skips a target that matches nothing when another matches: the config lies
-            raise ConfigError(f"{source}={folder}: its adapter_config.json's target_modules name "
-                              f"{', '.join(unmatched)}, which is no module of the base {cfg.model.path}")
-        try:
+            unmatched = unmatched_lora_targets(lora.target_modules if isinstance(lora.target_modules, tuple) else None,
+                                               modules)
+            if unmatched:  # peft skips a target that matches nothing when another matches: the config lies
+                raise ConfigError(f"{source}={folder}: its adapter_config.json's target_modules name "
+                                  f"{', '.join(unmatched)}, which is no module of the base {cfg.model.path}")
             read[role] = read_adapter_folder(folder, role)
             check_adapter(cfg, shape, role, Path(folder))
         except (InputError, ShapeError, FileNotFoundError) as err:
