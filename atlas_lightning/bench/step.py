@@ -342,8 +342,7 @@ class StepBenchCallback(L.Callback):
         model = getattr(pl_module, "model", None)
         if hasattr(model, "attention_backends"):  # the kernels fit's attention ran, as the update benchmark reports its own
             report["attention_backends"] = model.attention_backends()
-        atomic_write_text(self.out / "step_bench.json", json.dumps(report, indent=1) + "\n")
-        atomic_write_text(self.out / "step_bench.md", markdown(report) + "\n")
+        save_report(self.out, report)
         return report
 
 
@@ -760,6 +759,12 @@ def bench_overrides(out: Path, replay_step: int, build: Optional[str], layers: O
             f"+callbacks.step_bench.out={out}", f"+callbacks.step_bench.replay_step={replay_step}", *built]
 
 
+def save_report(out: Path, report: dict) -> None:
+    """``report`` as ``out/step_bench.json`` and its table as ``out/step_bench.md``, each atomically."""
+    atomic_write_text(out / "step_bench.json", json.dumps(report, indent=1) + "\n")
+    atomic_write_text(out / "step_bench.md", markdown(report) + "\n")
+
+
 def add_fit_edges(out: Path, called: float, returned: float) -> Optional[dict]:
     """Add ``fit_edges_s`` (module doc) to rank 0's report under ``out``, from the wall-clock
     times ``fit`` was called and returned and the stamps the callback wrote; the markdown is
@@ -776,8 +781,7 @@ def add_fit_edges(out: Path, called: float, returned: float) -> Optional[dict]:
     if first is None or first < called:
         return None
     report["fit_edges_s"] = {"opening": first - called, "closing": None if ended is None else returned - ended}
-    atomic_write_text(path, json.dumps(report, indent=1) + "\n")
-    atomic_write_text(out / "step_bench.md", markdown(report) + "\n")
+    save_report(out, report)
     return report["fit_edges_s"]
 
 
