@@ -395,13 +395,22 @@ def test_a_resume_whose_tensors_do_not_fit_its_adapters_is_refused_before_anythi
     _refused_once_changed(tmp_path, cfg_of, change, message, distributed)
 
 
-def _refused_once_changed(tmp_path, cfg_of, change, message: str, distributed: bool) -> None:
-    """A resumable state is accepted at start-up; ``change`` of it is refused with ``message``."""
+@pytest.mark.parametrize("distributed", [False, True], ids=["one_file", "distributed"])
+def test_the_whole_resumable_state_is_accepted(tmp_path, cfg_of, distributed):
+    """The control of the refusals below: ``resumable_state`` unchanged, in either layout, resumes.
+    Each refusal then comes from its own change alone."""
     from atlas_lightning.run.facts import check_inputs
 
     folder = _checkpoint(tmp_path / "elsewhere", 3)
     _write_state(folder, resumable_state(), distributed)
-    check_inputs(cfg_of(f"trainer.resume={folder}"))  # whole: accepted
+    assert check_inputs(cfg_of(f"trainer.resume={folder}")).start.resume == folder
+
+
+def _refused_once_changed(tmp_path, cfg_of, change, message: str, distributed: bool) -> None:
+    """``change`` of a resumable state (accepted whole: the test above) is refused with ``message``."""
+    from atlas_lightning.run.facts import check_inputs
+
+    folder = _checkpoint(tmp_path / "elsewhere", 3)
     _write_state(folder, change(resumable_state()), distributed)
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_inputs(cfg_of(f"trainer.resume={folder}"))
