@@ -66,8 +66,9 @@ def check_hub_online(what: str) -> None:
 
 
 def _check_server_answers(url: str) -> None:
-    """The running vLLM server ``rollout.server_url`` names answers ``/health`` (the run would
-    otherwise write its files and stop at its first request)."""
+    """The running vLLM server ``rollout.server_url`` names answers ``/health``, and ``/v1/models``
+    with the base model it serves (the run would otherwise write its files and stop at its
+    engine's first request)."""
     from atlas_lightning.config import redacted_text
     from atlas_lightning.rollout.engines.server_http import HTTP_ERRORS, http_call
 
@@ -80,6 +81,19 @@ def _check_server_answers(url: str) -> None:
     if status != 200:
         raise ConfigError(f"rollout.server_url={redacted_text(url)}: /health answered {status}, not 200: the server "
                           f"is not ready to serve")
+    # what the engine asks first, asked here: an answer that is no vLLM server's stops the run now,
+    # before its files are written, not at the engine's construction
+    from atlas_lightning.rollout.engine import EngineError
+    from atlas_lightning.rollout.engines.server_engine import base_card, model_cards
+
+    key = f"rollout.server_url={redacted_text(url)}"
+    try:
+        status, body = http_call(url, "GET", "/v1/models", timeout=10.0)
+        base_card(key, model_cards(key, status, body))
+    except HTTP_ERRORS as err:
+        raise ConfigError(f"{key}: /v1/models did not answer ({type(err).__name__})") from None
+    except EngineError as err:
+        raise ConfigError(f"{redacted_text(str(err))}: is it a vLLM server?") from None
 
 
 def check_hub_token(what: str, otherwise: str) -> None:

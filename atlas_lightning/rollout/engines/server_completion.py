@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from atlas_lightning.rollout.engine import GenerationRequest, GenerationResult
-from atlas_lightning.rollout.engines.server_http import error_message
+from atlas_lightning.rollout.engines.server_http import error_message, quoted
 from atlas_lightning.rollout.reply_check import tokens_problem
 
 #: The finish reasons of a completed generation (anything else is an error).
@@ -88,7 +88,7 @@ class ReplyCheck:
 
 
 def _malformed(event: Any) -> str:
-    return f"malformed stream event: {str(event)[:500]}"
+    return f"malformed stream event: {quoted(event)}"
 
 
 class StreamedCompletion:
@@ -120,7 +120,7 @@ class StreamedCompletion:
             choice = event["choices"][0]
             token_ids, values = choice_tokens(choice)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
-            self.error = f"malformed stream chunk ({err!r}): {str(event)[:500]}"
+            self.error = f"malformed stream chunk ({quoted(repr(err), 80)}): {quoted(event)}"
             return
         problem = self.check.identity_problem(event) if self.check is not None else None
         if problem is None and self.finish_reason is not None and token_ids:

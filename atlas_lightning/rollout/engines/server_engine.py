@@ -51,7 +51,7 @@ from atlas_lightning.rollout.engine import (
 from atlas_lightning.rollout.engines.server_completion import (FINISHED, ID_PREFIX, ReplyCheck, StreamedCompletion,
                                                                choice_tokens)
 from atlas_lightning.rollout.engines.server_http import (HTTP_ERRORS, Exchange, error_message, http_call,
-                                                         http_stream, is_gone)
+                                                         http_stream, is_gone, quoted)
 from atlas_lightning.rollout.engines.server_process import VLLMServer, log_tail
 from atlas_lightning.rollout.digest import WeightDigest
 from atlas_lightning.rollout.engines.adapter_folder import adapter_folder_digest
@@ -164,20 +164,14 @@ class ServerEngine(Engine):
         raise EngineError(self._dead)
 
     def _base_model_name(self) -> str:
-        bases = [card for card in self._model_cards().values() if not card.get("parent")]
-        if not bases:
-            raise EngineError(f"vllm server {self.url} serves no base model")
-        self.vocab_size = served_vocab_size(bases[0].get("root"))
-        return bases[0]["id"]
+        base = base_card(f"vllm server {self.url}", self._model_cards())
+        self.vocab_size = served_vocab_size(base.get("root"))
+        return base["id"]
 
     def _model_cards(self) -> dict[str, dict]:
-        """``/v1/models``' cards by id; ``EngineError`` for an answer that is not a list of them."""
+        """``/v1/models``' cards by id (``model_cards``)."""
         status, body = self._call("GET", "/v1/models", timeout=30.0)
-        cards = body.get("data") if status == 200 and isinstance(body, dict) else None
-        if not isinstance(cards, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str) for c in cards):
-            raise EngineError(f"vllm server {self.url}: /v1/models answered {status}, not a list of models: "
-                              f"{error_message(body)}")
-        return {card["id"]: card for card in cards}
+        return model_cards(f"vllm server {self.url}", status, body)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -256,7 +250,7 @@ class ServerEngine(Engine):
         except ValueError as err:  # the tokens and log-probs missing, unreadable or disagreeing
             return GenerationResult(rid, [], [], "error", error=str(err))
         except (KeyError, IndexError, TypeError, AttributeError) as err:
-            return GenerationResult(rid, [], [], "error", error=f"malformed completion ({err!r}): {str(body)[:500]}")
+            return GenerationResult(rid, [], [], "error", error=f"malformed completion ({quoted(repr(err), 80)}): {quoted(body)}")
         problem = check.identity_problem(body) if check is not None else None
         if problem is not None:
             return GenerationResult(rid, [], [], "error", error=f"a bad reply: {problem}")
@@ -341,7 +335,7 @@ class ServerEngine(Engine):
             return [float(entries[i][str(token)]["logprob"]) for i, token in enumerate(token_ids) if i > 0]
         except (KeyError, IndexError, TypeError, ValueError) as err:  # an answer that is no probe: the engine's fault
             raise EngineError(f"vllm server {self.url}: prompt log-probs: malformed answer ({type(err).__name__}: "
-                              f"{err}): {str(body)[:300]}") from err
+                              f"{quoted(str(err), 80)}): {quoted(body)}") from err
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -398,6 +392,26 @@ class ServerEngine(Engine):
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.server is not None:
             self.server.close()
+
+
+def model_cards(server: str, status: int, body) -> dict[str, dict]:
+    """A server's ``/v1/models`` answer (``status``, decoded ``body``) as its model cards by id;
+    ``EngineError`` beginning with ``server`` (who asked names it: the engine by its address, the
+    start-up check by its config key) for an answer that is not a list of them."""
+    cards = body.get("data") if status == 200 and isinstance(body, dict) else None
+    if not isinstance(cards, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str) for c in cards):
+        raise EngineError(f"{server}: /v1/models answered {status}, not a list of models: "
+                          f"{error_message(body)}")
+    return {card["id"]: card for card in cards}
+
+
+def base_card(server: str, cards: dict[str, dict]) -> dict:
+    """The card of the base model ``server`` serves (the first without a parent: adapters name
+    theirs); ``EngineError`` beginning with ``server`` when it serves none."""
+    bases = [card for card in cards.values() if not card.get("parent")]
+    if not bases:
+        raise EngineError(f"{server}: serves no base model (/v1/models lists {quoted(sorted(cards))})")
+    return bases[0]
 
 
 def served_vocab_size(root: Optional[str]) -> Optional[int]:

@@ -171,11 +171,24 @@ def decode_body(raw: bytes) -> dict | str:
         return text
 
 
+#: The most characters of a server's own text a message quotes: its first words say what went
+#: wrong; the rest (a stack, the request echoed, a page of HTML) stays in the server's log, and a
+#: refusal stays one readable line.
+QUOTED_CHARS = 120
+
+
+def quoted(text: object, limit: int = QUOTED_CHARS) -> str:
+    """``text`` (a reply's body, decoded or not) on one line, cut at ``limit`` characters with
+    the number left out said."""
+    flat = " ".join((text if isinstance(text, str) else json.dumps(text, default=str)).split())
+    return flat if len(flat) <= limit else f"{flat[:limit]}... ({len(flat) - limit} more characters)"
+
+
 def error_message(body: dict | str) -> str:
-    """The error message of a vLLM error reply (``{"error": {"message": ...}}``), or its text."""
+    """The error message of a vLLM error reply (``{"error": {"message": ...}}``), or its text;
+    ``quoted``: one line, cut."""
     if isinstance(body, dict):
         error = body.get("error")
         if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-        return json.dumps(body)[:1000]
-    return body[:1000]
+            return quoted(str(error["message"]))
+    return quoted(body)
