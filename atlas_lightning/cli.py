@@ -200,6 +200,7 @@ def _replacing_nothing(out: Path, build, last: str) -> dict:
     to ``out``) moved last, so that a build killed while moving leaves it absent
     (``BUILT_MARKERS``). The build's staging folder is one of ``store/staging.py``: a killed
     build's is removed by the next build into the same place."""
+    from atlas_lightning.store.atomic import give_ordinary_modes
     from atlas_lightning.store.staging import staging_folder
 
     existing = next(p for p in (out, *out.parents) if p.exists())
@@ -216,6 +217,7 @@ def _replacing_nothing(out: Path, build, last: str) -> dict:
                 raise InputError(f"--out {out}: {target} exists and holds other bytes than this verb writes (your "
                                  f"own file, or one of another --seed): nothing was replaced; choose an empty folder "
                                  f"or move that file away")
+        give_ordinary_modes(built)  # safetensors' files are 0o600
         for path in made:
             target = out / path.relative_to(built)
             target.parent.mkdir(parents=True, exist_ok=True)

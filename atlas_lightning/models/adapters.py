@@ -229,6 +229,8 @@ def write_adapter_copy(copied: AdapterCopy, folder: str | Path) -> Path:
     it, then renamed into place). No collective: one process writes."""
     from safetensors.torch import save_file
 
+    from atlas_lightning.store.atomic import give_ordinary_modes
+
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -239,6 +241,7 @@ def write_adapter_copy(copied: AdapterCopy, folder: str | Path) -> Path:
         if copied.value_head is not None:
             save_file(copied.value_head, str(tmp / VALUE_HEAD_FILE), metadata={"format": "pt"})
         (tmp / BASE_FILE).write_text(json.dumps(copied.identity, indent=2) + "\n")
+        give_ordinary_modes(tmp)  # save_file's files are 0o600
         _replace_folder(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -24,6 +24,22 @@ def _default_mode() -> int:
 
 
 FILE_MODE = _default_mode()
+#: A new folder's ordinary permissions (``0o777`` less the umask), not ``mkdtemp``'s ``0o700``.
+FOLDER_MODE = FILE_MODE | ((FILE_MODE & 0o444) >> 2)
+
+
+def give_ordinary_modes(folder: str | os.PathLike) -> None:
+    """``folder``, every folder and every file below it get a new file's ordinary permissions
+    (``FOLDER_MODE``, ``FILE_MODE``): some writers that are not ours make files their owner alone
+    may read (safetensors' ``save_file``, and transformers' ``save_pretrained`` through it: ``0o600``),
+    and a folder built aside may be ``mkdtemp``'s. Call it on a folder built aside, before it
+    moves into place. Links are left as they are."""
+    for root, folders, files in os.walk(folder):
+        os.chmod(root, FOLDER_MODE)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, FILE_MODE)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], binary: bool = False) -> Path:

@@ -34,6 +34,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from atlas_lightning.store.atomic import give_ordinary_modes
+
 #: The lock file of a staging folder (module doc).
 LOCK_FILE = ".lock"
 _SUFFIX = ".staging-"
@@ -95,7 +97,10 @@ def staging_folder(parent: Path, name: str) -> Iterator[Path]:
 def replace_folder(built: Path, out: Path, staging: Path) -> None:
     """Rename the folder ``built`` (inside ``staging``, on ``out``'s file system) to ``out``; an
     existing ``out`` is first moved into ``staging`` (removed with it), so ``out`` is the old
-    folder or the new one, never a mix (module doc). ``NotADirectoryError`` when ``out`` is a file."""
+    folder or the new one, never a mix (module doc). ``NotADirectoryError`` when ``out`` is a file.
+    What ``built`` holds gets a new file's ordinary permissions first (``atomic.give_ordinary_modes``:
+    safetensors' files are ``0o600``)."""
+    give_ordinary_modes(built)
     if out.exists():
         if not out.is_dir():
             raise NotADirectoryError(f"{out} exists and is not a folder")
