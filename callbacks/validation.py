@@ -5,6 +5,11 @@ When: after the update of step ``N`` when ``N % val_every == 0`` (and at the las
 ``trainer.total_steps``, when ``val_on_last_step``, as verl does), and before the first step as
 step 0 when ``val_before_train`` and the run is fresh (not resumed, step 0 not validated yet).
 A step whose output is not finite is not validated (its update was skipped; the NaN guard owns it).
+A SIGTERM noted before or during the step-0 validation stops the run once it is written, before
+step 1 (Lightning's ``SIGTERMException``, exit 143; Lightning itself looks only at a training
+batch's end). A validation is never cut short: its dump and records appear whole or not at all
+(written aside, then renamed), and a periodic one is part of its step, whose checkpoint Lightning
+writes after every other callback.
 
 What, on every rank: ``trainer.datamodule.validation_rollout(N)`` (collective), with the global
 RNGs (Python, numpy, torch CPU and CUDA) saved before and restored after, so validation never
@@ -59,9 +64,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from atlas_lightning.reward import reward_means
-from atlas_lightning.distributed import on_rank_zero
+from atlas_lightning.distributed import all_reduce_max, on_rank_zero
 from atlas_lightning.store.files import atomic_write_jsonl
 from atlas_lightning.store.step_folder import gather_step, write_step_folder
 from atlas_lightning.callbacks.base import rl_callbacks
@@ -148,7 +154,9 @@ class ValidationCallback(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         fresh = not self._restored and getattr(trainer.datamodule, "next_step", 1) == 1
         if self.val_before_train and fresh and 0 not in self.validated:
+            _stop_on_sigterm(trainer)
             self.run_validation(trainer, pl_module, 0)
+            _stop_on_sigterm(trainer)  # no step is under way: Lightning itself would look only after step 1
         if self.pending is not None and _carries(trainer.datamodule):  # resumed from a checkpoint that deferred it
             trainer.datamodule.carry_validation(self.pending)
             self._carried = True
@@ -269,6 +277,13 @@ class ValidationCallback(L.Callback):
         pending = state_dict.get("pending")
         self.pending = None if pending is None else int(pending)
         self._restored = True
+
+
+def _stop_on_sigterm(trainer: L.Trainer) -> None:
+    """Lightning's ``SIGTERMException`` (a stop with exit 143, ``run/interrupts.py``) on every rank
+    when any rank's trainer has noted a SIGTERM (``trainer.received_sigterm``). Collective."""
+    if all_reduce_max([float(bool(getattr(trainer, "received_sigterm", False)))])[0] > 0:
+        raise SIGTERMException()
 
 
 def _carries(datamodule: Any) -> bool:
