@@ -331,6 +331,7 @@ class TrainerConfig:
     #: Training processes on this node: the layout's training cards.
     devices: int = II("layout.train_gpus")
     num_nodes: int = 1
+    #: Lightning's precision: ``32-true`` (or ``32``) only; the base's dtype is ``model.dtype`` (constraints.py).
     precision: str = "32-true"
     #: ``None``: fresh; a checkpoint folder; or ``auto`` (the run's latest complete step).
     resume: Optional[str] = None

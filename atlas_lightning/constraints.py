@@ -92,11 +92,15 @@ class Int(Real):
 
 @dataclass(frozen=True)
 class OneOf:
+    """One of ``choices``; ``hint``, when given, follows the refusal (what to set instead)."""
+
     choices: tuple
+    hint: str = ""
 
     def __call__(self, value: Any) -> None:
         if value not in self.choices:
-            raise Violation(f"is not one of {', '.join(map(str, self.choices))}")
+            hint = f" ({self.hint})" if self.hint else ""
+            raise Violation(f"is not one of {', '.join(map(str, self.choices))}{hint}")
 
 
 @dataclass(frozen=True)
@@ -297,8 +301,12 @@ CONSTRAINTS: dict[str, Callable[[Any], None]] = {
     "trainer.accelerator": OneOf(("auto", "cpu", "gpu", "cuda")),
     "trainer.devices": Int(1),
     "trainer.num_nodes": Int(1),
-    "trainer.precision": OneOf(("32-true", "32", "64-true", "64", "16-true", "16-mixed", "bf16-true",
-                                "bf16-mixed", "transformer-engine", "transformer-engine-float16")),
+    # the trainer's dtypes are model.dtype's and FSDP2's policy under Lightning's 32-true: another
+    # plugin casts the whole module (the fp32 LoRA masters, "64-true" and "*-true": module.to) or
+    # autocasts the update (bf16-mixed on CPU fails in step 1's fused LoRA matmul, models/fused_lora.py)
+    "trainer.precision": OneOf(("32-true", "32"), hint="the base's dtype is model.dtype (bfloat16, float16 or "
+                                                       "float32); LoRA masters stay float32, and on GPUs FSDP2 "
+                                                       "computes in bfloat16 (models/sharding.py)"),
     "trainer.resume": Text(_PATH_TEXT, "null, auto or a checkpoint folder", optional=True),
     "trainer.init_from": Text(_PATH_TEXT, "null or a checkpoint folder", optional=True),
     "trainer.memory_check_steps": Int(1),

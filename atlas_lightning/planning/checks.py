@@ -5,7 +5,7 @@ Each check returns sentences naming the keys involved and what to change. Some r
 ``OmegaConf.create``) must still never pass a layout the trainer cannot run. The config read is
 a composed one (every key present: the schema holds the defaults).
 
-Who calls it: ``planning.make_plan``.
+Who calls it: ``planning.make_plan``; ``token_budget_refusals`` also ``run/facts.check_inputs`` (fit).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ SEPARATE_LAYOUT_TEST = "tests/e2e/test_separate_layout.py"
 def layout_refusals(cfg: Any, shape: ModelShape) -> list[str]:
     """Every reason ``cfg``'s layout cannot run on ``shape`` (empty: none)."""
     out: list[str] = []
-    layout, rollout, algorithm = cfg.layout, cfg.rollout, cfg.algorithm
+    layout, rollout = cfg.layout, cfg.rollout
     mode = str(layout.mode)
     gpus, train, serve = int(layout.gpus), int(layout.train_gpus), int(layout.serve_gpus)
     tp = int(layout.engine_tp)
@@ -53,15 +53,28 @@ def layout_refusals(cfg: Any, shape: ModelShape) -> list[str]:
     if tp > 0:
         out.extend(_tp_divides_heads(shape, tp))
 
+    out.extend(token_budget_refusals(cfg))
+    utilization = float(rollout.gpu_memory_utilization)
+    if not 0.0 < utilization <= 1.0:
+        out.append(f"rollout.gpu_memory_utilization={utilization} must be within (0, 1]")
+    return out
+
+
+def token_budget_refusals(cfg: Any) -> list[str]:
+    """Each per-card token budget (``algorithm.ppo_max_token_len_per_gpu``, ``forward_max_token_len_per_gpu``)
+    below the longest sequence a rollout can make (``rollout.max_prompt_length +
+    max_response_length``): the update puts such a sequence alone in a micro-batch over the budget
+    (``ppo/micro_batches.py``), which the plan, the memory check and the card never sized. Asked by
+    ``plan`` (``layout_refusals``) and by ``fit`` before anything is written (``run/facts.py``)."""
+    rollout, algorithm = cfg.rollout, cfg.algorithm
     longest = int(rollout.max_prompt_length) + int(rollout.max_response_length)
+    out = []
     for key in ("ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu"):
         budget = int(algorithm[key])
         if longest > budget:
             out.append(f"a single sequence can be rollout.max_prompt_length + rollout.max_response_length = {longest:,} "
-                       f"tokens, longer than algorithm.{key}={budget:,}: such a micro-batch would exceed the budget")
-    utilization = float(rollout.gpu_memory_utilization)
-    if not 0.0 < utilization <= 1.0:
-        out.append(f"rollout.gpu_memory_utilization={utilization} must be within (0, 1]")
+                       f"tokens, longer than algorithm.{key}={budget:,}: such a micro-batch would exceed the budget "
+                       f"(set algorithm.{key} to at least {longest}, or shorten the rollout's lengths)")
     return out
 
 

@@ -16,13 +16,16 @@ import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from omegaconf import DictConfig
 
 from atlas_lightning.config import ConfigError, run_dirs
 from atlas_lightning.questions.loader import QuestionSplits
 from atlas_lightning.store.lora_shapes import LoraShape
+
+if TYPE_CHECKING:
+    from atlas_lightning.run.resume_state import StateLayout
 
 
 @dataclass
@@ -73,8 +76,9 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     adapter folders, their tensors and their LoRA shapes (``_check_starting_adapters``,
     ``store.lora_shapes``), and ``trainer.resume``
     (``resume_path``; ``training``: the run trains on from it, so the trajectories it keeps in
-    flight must be continued). ``ConfigError`` / ``DataError`` / ``AdapterConfigError`` naming
-    the key or file otherwise (the CLI exits 2)."""
+    flight must be continued; its token budgets as ``plan`` checks them: ``_check_token_budgets``).
+    ``ConfigError`` / ``DataError`` / ``AdapterConfigError`` naming the key or file otherwise (the
+    CLI exits 2)."""
     from atlas_lightning.planning.model_folder import check_model_folder
     from atlas_lightning.store.checkpoints import CheckpointError, verify_checkpoint
     from atlas_lightning.store.lora_shapes import CONFIG_FILE as ADAPTER_CONFIG, lora_shapes
@@ -86,6 +90,8 @@ def check_inputs(cfg: DictConfig, *, data: bool = True, training: bool = True) -
     _check_checkpoint_entries(folders["checkpoints"])
     _check_run_history(cfg)
     _check_separate_layout(cfg)
+    if training:
+        _check_token_budgets(cfg)
     check_machine(cfg)
     check_model_folder(cfg.model.path)
     _check_model_shape(cfg.model.shape)
@@ -239,6 +245,16 @@ def _check_separate_layout(cfg: DictConfig) -> None:
         raise ConfigError("; ".join(problems))
 
 
+def _check_token_budgets(cfg: DictConfig) -> None:
+    """The update's token budgets hold the longest sequence a rollout makes: ``plan``'s rule
+    (``planning.checks.token_budget_refusals``), refused here before anything is written."""
+    from atlas_lightning.planning.checks import token_budget_refusals
+
+    problems = token_budget_refusals(cfg)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def check_data_root(data_cfg) -> None:
     """``data.root`` is a folder holding a folder for each of ``data.benchmarks`` (the loader
     would name only the first file it misses, not the key to fix)."""
@@ -331,11 +347,11 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
     named in ``notes``; if checkpoints exist and none verifies it is refused rather than started
     afresh over them) or a ``global_step_N`` folder, which must verify
     (``store.checkpoints.verify_checkpoint``: marker, file list, sizes, sha256). Either way its
-    Lightning state must be whole (``_check_state``), its adapters of this run's LoRA settings and
-    base (``run/resume_adapters.py``) and, when ``training``, the trajectories it
-    keeps in flight readable and continued by this config (``_check_kept_rollouts``; the steps
-    this run samples come from ``fitted()``, the splits ``check_inputs`` fits for the run, or
-    are loaded and fitted here)."""
+    Lightning state must be whole and in the format this run restores (``_check_state``), its
+    adapters of this run's LoRA settings and base (``run/resume_adapters.py``) and, when
+    ``training``, the trajectories it keeps in flight readable and continued by this config
+    (``_check_kept_rollouts``; the steps this run samples come from ``fitted()``, the splits
+    ``check_inputs`` fits for the run, or are loaded and fitted here)."""
     from atlas_lightning.run.resume_adapters import check_resume_adapters
     from atlas_lightning.store.checkpoints import (
         CheckpointError, latest_verified, lightning_state_path, verify_checkpoint,
@@ -353,7 +369,7 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
             raise ConfigError("trainer.resume=auto: no checkpoint of this run verifies:\n  " + "\n  ".join(refusals)
                               + "\nmove the damaged folders away, or set trainer.resume=null to start afresh")
         if folder is not None:
-            _check_state(folder, "trainer.resume=auto", cfg, fitted if training else None)
+            notes += _check_state(folder, "trainer.resume=auto", cfg, fitted if training else None)
             check_resume_adapters(cfg, folder, "trainer.resume=auto")
             if training:
                 _check_steps_left(cfg, folder, "trainer.resume=auto")
@@ -369,12 +385,13 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
         verify_checkpoint(folder)
     except CheckpointError as err:
         raise ConfigError(f"trainer.resume={resume}: {err}") from None
-    _check_state(folder, f"trainer.resume={resume}", cfg, fitted if training else None)
+    notes = _check_state(folder, f"trainer.resume={resume}", cfg, fitted if training else None)
     check_resume_adapters(cfg, folder, f"trainer.resume={resume}")
     if training:
         _check_steps_left(cfg, folder, f"trainer.resume={resume}")
         _check_kept_rollouts(cfg, folder, f"trainer.resume={resume}", fitted)
-    return StartingPoint(folder, str(lightning_state_path(folder)), [f"trainer.resume: resuming from {folder} (verified)"])
+    notes.append(f"trainer.resume: resuming from {folder} (verified)")
+    return StartingPoint(folder, str(lightning_state_path(folder)), notes)
 
 
 def unfinished_checkpoints(checkpoints: Path, after: Optional[Path]) -> list[Path]:
@@ -459,10 +476,12 @@ def _check_same_steps(cfg: DictConfig, folder: Path, key: str, steps: dict,
 
 
 def _check_state(folder: Path, key: str, cfg: DictConfig,
-                 fitted: Optional[Callable[[], QuestionSplits]] = None) -> None:
-    """The checkpoint's Lightning state is whole and of this run's optimizer settings
-    (``run/resume_state.py``) and, given the run's ``fitted()`` splits (a run that trains on), its
-    data cursor of this run's training questions and sampling, or the key is refused."""
+                 fitted: Optional[Callable[[], QuestionSplits]] = None) -> list[str]:
+    """The checkpoint's Lightning state is whole, of this run's optimizer settings and in the
+    format this run restores (``run/resume_state.py``; ``state_layout``) and, given the run's
+    ``fitted()`` splits (a run that trains on), its data cursor of this run's training questions
+    and sampling, or the key is refused. Returns what the log should say of it: a state of
+    another world size, resharded."""
     from atlas_lightning.run.resume_state import ResumeStateError, check_resume_state
 
     sampling = None
@@ -470,7 +489,25 @@ def _check_state(folder: Path, key: str, cfg: DictConfig,
         from atlas_lightning.rollout.step_questions import StepQuestions
 
         sampling = StepQuestions(fitted().train, cfg).digest
+    mine = state_layout(cfg)
     try:
-        check_resume_state(folder, cfg.algorithm, sampling)
+        saved = check_resume_state(folder, cfg.algorithm, sampling, layout=mine)
     except ResumeStateError as err:
         raise ConfigError(f"{key}: {err}") from None
+    if not saved.sharded or saved.world_size == mine.world_size:
+        return []
+    return [f"{key}: {folder} was saved by {saved.world_size} rank(s), this run has {mine.world_size}: "
+            f"torch.distributed.checkpoint reshards its tensors and Adam moments; the random draws (LoRA "
+            f"dropout) do not continue those of the saved run exactly"]
+
+
+def state_layout(cfg: DictConfig) -> StateLayout:
+    """How this run saves and restores its Lightning state (``run/resume_state.StateLayout``): in
+    the format the strategy it builds writes (``run/wiring.build_strategy``,
+    ``callbacks/checkpoint_write.writes_sharded_state``), at its world size."""
+    from atlas_lightning.callbacks.checkpoint_write import writes_sharded_state
+    from atlas_lightning.run.resume_state import StateLayout
+    from atlas_lightning.run.wiring import build_strategy
+
+    world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+    return StateLayout(sharded=writes_sharded_state(build_strategy(cfg)), world_size=world)

@@ -60,6 +60,7 @@ def stops_cleanly(checkpoints: Path, last_step: Callable[[], int], trainer: Opti
     ``last_step()``: the last RL step the module finished (read when the fault is caught).
     ``trainer``: the one fitting, told when its rank handles a fault (``stop_notice.watching``).
     ``user``: the user's own code the run calls (``run/user_code.user_code``): an error of it stops too."""
+    last_step = _counting_restored(last_step, trainer)
     try:
         with stop_notice.watching(trainer):  # another rank's stop reaches this one (several ranks)
             yield
@@ -77,6 +78,24 @@ def stops_cleanly(checkpoints: Path, last_step: Callable[[], int], trainer: Opti
         if received is None:
             raise
         raise _interrupted(received, checkpoints, last_step()) from None
+
+
+def _counting_restored(last_step: Callable[[], int], trainer: Optional[Any]) -> Callable[[], int]:
+    """``last_step`` never below the RL step of the checkpoint ``trainer`` resumes from
+    (``trainer.ckpt_path``, set as its restore begins): the module records that step only once
+    Lightning has loaded the state, and a fault before then (the restore itself failing) would
+    otherwise name a checkpoint before step 1, none, though the one being read is intact."""
+    from atlas_lightning.store.checkpoints import checkpoint_step
+
+    def reached() -> int:
+        try:  # a stop's detail: nothing here may raise in its place
+            parts = reversed(Path(str(trainer.ckpt_path)).parts) if getattr(trainer, "ckpt_path", None) else ()
+            restored = next((step for step in map(checkpoint_step, parts) if step is not None), 0)
+        except Exception:
+            restored = 0
+        return max(last_step(), restored)
+
+    return reached
 
 
 def _as_stop(err: Exception, checkpoints: Path, last_step: Callable[[], int],

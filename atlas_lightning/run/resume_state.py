@@ -24,7 +24,14 @@ alone), before the model is built:
   Python) are there: without them the resumed run's LoRA dropout would draw other masks than
   the uninterrupted run's, a silent divergence like fresh Adam moments. A checkpoint written
   before they were kept is refused like one without its optimizer state; its adapters still
-  start a run (``trainer.init_from``).
+  start a run (``trainer.init_from``);
+* it was saved in the format this run restores (``StateLayout``): one file (``state.ckpt``, one
+  CPU process) or a torch.distributed checkpoint folder (FSDP2). Lightning restores neither into
+  the other (a folder into one process: ``IsADirectoryError``; a file into FSDP2: the optimizers'
+  moments matched to the wrong parameters, a size mismatch), each only after the run's config and
+  log are written. A torch.distributed checkpoint does restore at another world size: torch
+  reshards every tensor and moment (``tests/run/test_resume_other_world_size.py``: the restored
+  values equal the saved ones); only the random draws do not continue exactly (``ppo/rng_state.py``).
 
 ``ResumeStateError`` (an ``InputError``: the CLI exits 2) names the folder and what is missing.
 """
@@ -32,6 +39,7 @@ alone), before the model is built:
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -54,12 +62,30 @@ class ResumeStateError(InputError):
     """A checkpoint's Lightning state lacks part of what a resume restores."""
 
 
-def check_resume_state(folder: str | Path, algorithm: Any = None, sampling: Optional[str] = None) -> None:
+@dataclass(frozen=True)
+class StateLayout:
+    """How a Lightning state is saved: a torch.distributed checkpoint folder (``sharded``: FSDP2,
+    whatever the world size) or one file, and by how many ranks."""
+
+    sharded: bool
+    world_size: int
+
+    @property
+    def format(self) -> str:
+        """The format in words, for a refusal."""
+        return ("a torch.distributed checkpoint folder (FSDP2)" if self.sharded
+                else "one file, lightning/state.ckpt (one CPU process, no FSDP2)")
+
+
+def check_resume_state(folder: str | Path, algorithm: Any = None, sampling: Optional[str] = None,
+                       layout: Optional[StateLayout] = None) -> StateLayout:
     """Refuse ``folder`` (a verified ``global_step_N``) when its Lightning state is not whole
     (module doc), or, given this run's ``algorithm`` config, when its optimizers were set up
     with other hyper-parameters (``_check_hyperparameters``), or, given this run's ``sampling``
     digest (``questions.sampler.sampling_digest``), when its data cursor counts steps of other
-    training questions or sampling settings (a cursor written before it kept one passes)."""
+    training questions or sampling settings (a cursor written before it kept one passes), or,
+    given this run's ``layout``, when it was saved in the other format (``_check_layout``).
+    Returns how it was saved (its world size: the ranks whose generator states it keeps)."""
     path = lightning_state_path(folder)
     where = f"checkpoint {folder}"
     if path.is_file():
@@ -99,6 +125,26 @@ def check_resume_state(folder: str | Path, algorithm: Any = None, sampling: Opti
         from atlas_lightning.run.resume_values import check_distributed_values
 
         check_distributed_values(where, path, metadata, ResumeStateError)
+    saved = StateLayout(sharded=not path.is_file(), world_size=len(top[RNG_KEY]["ranks"]))
+    if layout is not None:  # last: a state that is not whole is refused for that, in either format
+        _check_layout(folder, saved, layout)
+    return saved
+
+
+def _check_layout(folder: str | Path, saved: StateLayout, mine: StateLayout) -> None:
+    """A state restores only in its own format (module doc); at another world size a
+    torch.distributed one is resharded, so only the format is compared."""
+    if saved.sharded == mine.sharded:
+        return
+    world = saved.world_size
+    back = ("on one CPU process (trainer.devices=1 layout.gpus=1 layout.train_gpus=1)" if not saved.sharded else
+            f"under FSDP2: on GPUs, or on {world} CPU processes as saved (trainer.devices={world} "
+            f"layout.train_gpus={world})")
+    raise ResumeStateError(
+        f"checkpoint {folder}: its Lightning state was saved by {world} rank(s) as {saved.format}; this run "
+        f"({mine.world_size} rank(s)) restores only {mine.format}, and Lightning cannot restore one into the "
+        f"other: resume {back}, or start a new run from its adapters with trainer.init_from={folder} "
+        f"trainer.resume=null and another name")
 
 
 def _check_steps(where: str, folder: str | Path, rl_step: Any, next_step: Any) -> int:

@@ -86,7 +86,8 @@ def latest_complete(checkpoints: str | Path, before_step: Optional[int] = None) 
 
 def lightning_state_path(folder: str | Path) -> Path:
     """What ``trainer.fit(ckpt_path=...)`` takes for a checkpoint folder: ``lightning/state.ckpt``
-    (one process) or the ``lightning/`` folder (a torch.distributed checkpoint under FSDP2)."""
+    (one process) or the ``lightning/`` folder (a torch.distributed checkpoint under FSDP2). A run
+    restores only the format its own strategy writes (``run/resume_state.StateLayout``)."""
     state = Path(folder) / STATE_DIR
     single = state / "state.ckpt"
     return single if single.is_file() else state

@@ -395,15 +395,21 @@ def test_a_resume_whose_tensors_do_not_fit_its_adapters_is_refused_before_anythi
     _refused_once_changed(tmp_path, cfg_of, change, message, distributed)
 
 
+def restoring(distributed: bool) -> tuple[str, ...]:
+    """Overrides of a run that restores a state of that layout (``run/resume_state._check_layout``):
+    a torch.distributed one under FSDP2 (two CPU processes), one file in one CPU process."""
+    return ("trainer.devices=2", "layout.gpus=2", "layout.train_gpus=2") if distributed else ()
+
+
 @pytest.mark.parametrize("distributed", [False, True], ids=["one_file", "distributed"])
 def test_the_whole_resumable_state_is_accepted(tmp_path, cfg_of, distributed):
-    """The control of the refusals below: ``resumable_state`` unchanged, in either layout, resumes.
-    Each refusal then comes from its own change alone."""
+    """The control of the refusals below: ``resumable_state`` unchanged, in either layout, resumes
+    in a run that restores that layout. Each refusal then comes from its own change alone."""
     from atlas_lightning.run.facts import check_inputs
 
     folder = _checkpoint(tmp_path / "elsewhere", 3)
     _write_state(folder, resumable_state(), distributed)
-    assert check_inputs(cfg_of(f"trainer.resume={folder}")).start.resume == folder
+    assert check_inputs(cfg_of(f"trainer.resume={folder}", *restoring(distributed))).start.resume == folder
 
 
 def _refused_once_changed(tmp_path, cfg_of, change, message: str, distributed: bool) -> None:
@@ -413,7 +419,7 @@ def _refused_once_changed(tmp_path, cfg_of, change, message: str, distributed: b
     folder = _checkpoint(tmp_path / "elsewhere", 3)
     _write_state(folder, change(resumable_state()), distributed)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check_inputs(cfg_of(f"trainer.resume={folder}"))
+        check_inputs(cfg_of(f"trainer.resume={folder}", *restoring(distributed)))
 
 
 def _write_state(folder, state, distributed: bool) -> None:
@@ -564,9 +570,9 @@ def test_a_resume_under_other_optimizer_settings_is_refused_before_anything_is_w
 
     folder = _checkpoint(tmp_path / "elsewhere", 3)
     _write_state(folder, _groups_with(resumable_state(), weight_decay=0.01, betas=(0.9, 0.999)), distributed)
-    check_inputs(cfg_of(f"trainer.resume={folder}"))  # the same settings: accepted
+    check_inputs(cfg_of(f"trainer.resume={folder}", *restoring(distributed)))  # the same settings: accepted
     with pytest.raises(ConfigError, match=re.escape(message)) as refused:
-        check_inputs(cfg_of(f"trainer.resume={folder}", override))
+        check_inputs(cfg_of(f"trainer.resume={folder}", override, *restoring(distributed)))
     assert f"trainer.init_from={folder} trainer.resume=null" in str(refused.value)
 
 
