@@ -503,11 +503,11 @@ def _check_state(folder: Path, key: str, cfg: DictConfig,
 
 def state_layout(cfg: DictConfig) -> StateLayout:
     """How this run saves and restores its Lightning state (``run/resume_state.StateLayout``): in
-    the format the strategy it builds writes (``run/wiring.build_strategy``,
+    the format the strategy it builds writes (``run/strategy_choice.build_strategy``,
     ``callbacks/checkpoint_write.writes_sharded_state``), at its world size."""
     from atlas_lightning.callbacks.checkpoint_write import writes_sharded_state
     from atlas_lightning.run.resume_state import StateLayout
-    from atlas_lightning.run.wiring import build_strategy
+    from atlas_lightning.run.strategy_choice import build_strategy
 
     world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
     return StateLayout(sharded=writes_sharded_state(build_strategy(cfg)), world_size=world)

@@ -19,7 +19,7 @@ module's and the optimizers') is handed over where it lives, not offloaded: the 
 copies it to the host once, in torch's stager (``callbacks/checkpoint_write.py``); offloaded
 here first, it was copied twice.
 
-Who calls it: ``run/wiring.build_strategy`` (every run on GPUs, and on CPU with several
+Who calls it: ``run/strategy_choice.build_strategy`` (every run on GPUs, and on CPU with several
 processes), tests.
 """
 

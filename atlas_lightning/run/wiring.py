@@ -1,7 +1,7 @@
 """The run wiring: from a validated config and the run's facts to the Lightning pieces every verb runs on.
 
 ``prepare_run`` (folders, the resolved config, the logs), ``build_strategy`` (one device, or
-FSDP2 through ``ModelParallelStrategy`` over every training process), ``build_loggers``,
+FSDP2 through ``ModelParallelStrategy`` over every training process: ``run/strategy_choice.py``), ``build_loggers``,
 ``build_callbacks`` (every callback comes from ``conf/callbacks/``, by ``_target_``, its
 settings interpolated there) and ``build_trainer``. What the run starts from is verified before
 any of it, once: ``run/facts.py``.
@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from atlas_lightning.config import ConfigError, redacted, redacted_text
 from atlas_lightning.loggers.wandb_logger import build_loggers
+from atlas_lightning.run.strategy_choice import build_strategy
 from atlas_lightning.store.atomic import atomic_write_text
 
 if TYPE_CHECKING:
@@ -191,22 +192,6 @@ def build_callbacks(cfg: DictConfig, facts: Optional["RunFacts"] = None) -> list
     check_injections(named, cfg, resumed_step=resumed)  # an injected fault must strike in this run
     # as Lightning orders them: checkpoints after every other callback
     return sorted(callbacks, key=lambda callback: isinstance(callback, Checkpoint))
-
-
-def build_strategy(cfg: DictConfig):
-    """FSDP2 (``ModelParallelStrategy``, NCCL on GPUs) over every training process, also for one
-    GPU: the 8-card runs' strategy, process group and checkpoint format at world 1, and the
-    process group a colocated engine joins (``external_launcher``). A single CPU process keeps
-    Lightning's ``auto`` (no process group; CPU tests and the embedded default). The strategy
-    resumes from the trainable-only checkpoints the module saves (``run/strategy.py``)."""
-    from atlas_lightning.run.environment import trains_on_gpu
-
-    world = cfg.trainer.devices * cfg.trainer.num_nodes
-    if world == 1 and not trains_on_gpu(cfg.trainer.accelerator):
-        return "auto"
-    from atlas_lightning.run.strategy import TrainableStateStrategy
-
-    return TrainableStateStrategy(data_parallel_size=world, tensor_parallel_size=1)
 
 
 def build_trainer(cfg: DictConfig, callbacks: Optional[list] = None, loggers: Optional[list] = None,
