@@ -14,8 +14,12 @@ Failure policy (training never dies for the Hub):
 - a transient error is retried (``retries``, exponential backoff from ``backoff_s``); if it still
   fails, a warning names the step and the repo, and the step is tried again after the next saved
   checkpoint and once more at the end of fit;
-- a permanent error (bad token, no rights, unknown repo, refused commit) logs one warning and turns
+- a permanent error (bad token, no rights, unknown repo, refused commit) warns once and turns
   the uploads off for the rest of the run (``atlas-lightning publish --weights`` can send them later);
+- every warning is a line on the console (above the progress bar) as well as in the run's log, and
+  at the end of fit one line says what was not sent and why, just before the run's closing lines
+  (a token the Hub refuses, or an endpoint that is no Hub, is refused before the run starts:
+  ``run/environment.check_machine``);
 - ``state_dict`` keeps the steps uploaded and still pending, so a resumed run resends what is
   missing; it never holds the token (which comes from ``HF_TOKEN`` or the saved login).
 
@@ -27,11 +31,13 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Optional
 
 from atlas_lightning.callbacks.base import RLCallback
+from atlas_lightning.config import redacted_text
 from atlas_lightning.hub.client import HubPublishError, HubUploader, check_repo_id, check_retries
 
 log = logging.getLogger(__name__)
@@ -92,6 +98,8 @@ class HubCheckpointCallback(RLCallback):
         #: step -> step folder, for steps whose upload failed and will be tried again.
         self.pending: dict[int, str] = {}
         self.disabled_reason: Optional[str] = None
+        self._last_error = ""
+        self._last_try = False
         self._uploader: Optional[HubUploader] = None
         self._queue: "queue.Queue[Optional[tuple[int, Path]]]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
@@ -118,9 +126,26 @@ class HubCheckpointCallback(RLCallback):
             self.wait()
             with self._lock:
                 retry = sorted(self.pending.items())
+            self._last_try = True  # what fails now is said once, by the closing line
             for step, step_dir in retry:  # one last try for steps that failed on the way
                 self._submit(step, Path(step_dir))
         self.wait()
+        if self.enabled and getattr(trainer, "is_global_zero", True):
+            line = self.closing_line()
+            if line:
+                _warn(line)
+
+    def closing_line(self) -> Optional[str]:
+        """What the uploads left unsent and why, or None when nothing failed."""
+        with self._lock:
+            pending, sent = sorted(self.pending), sorted(self.uploaded_steps)
+        later = "`atlas-lightning publish --weights` sends the checkpoints later"
+        if self.disabled_reason:
+            return f"Hub checkpoint uploads were turned off (steps sent: {len(sent)}): {self.disabled_reason}; {later}"
+        if pending:
+            steps = ", ".join(f"global_step_{step}" for step in pending)
+            return f"Hub checkpoint uploads: {steps} not sent ({self._last_error}); {later}"
+        return None
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.wait()
@@ -183,15 +208,28 @@ class HubCheckpointCallback(RLCallback):
             if err.transient:
                 with self._lock:
                     self.pending[step] = str(step_dir)
-                log.warning("Hub upload of global_step_%d failed; it will be tried again after the next "
-                            "checkpoint: %s", step, err)
+                self._last_error = str(err)
+                _warn(f"Hub upload of global_step_{step} failed; it will be tried again after the next "
+                      f"checkpoint: {err}", console=not self._last_try)
             else:
                 self.disabled_reason = str(err)
-                log.warning("Hub uploads turned off for the rest of this run (global_step_%d): %s", step, err)
+                _warn(f"Hub uploads turned off for the rest of this run (global_step_{step}): {err}")
         except Exception as err:  # a local problem (a file pruned meanwhile, ...): retry later
             text = f"{type(err).__name__}: {err}"
             if self._uploader is not None:
                 text = self._uploader.redact(text)
             with self._lock:
                 self.pending[step] = str(step_dir)
-            log.warning("Hub upload of global_step_%d failed; it will be tried again: %s", step, text)
+            self._last_error = text
+            _warn(f"Hub upload of global_step_{step} failed; it will be tried again: {text}",
+                  console=not self._last_try)
+
+
+def _warn(line: str, console: bool = True) -> None:
+    """``line`` as a warning in the run's log and (``console``) on the console, above the progress
+    bar (tqdm's ``write`` keeps the bar whole, from the upload thread too)."""
+    from tqdm import tqdm
+
+    log.warning("%s", line)
+    if console:
+        tqdm.write(f"atlas-lightning: warning: {redacted_text(line)}", file=sys.stderr)

@@ -18,10 +18,21 @@ What this module adds, because the library lacks it:
   is ``huggingface_hub.constants.HF_HUB_DISABLE_XET``, flipped only during our calls, under a lock.
 - Retries of the calls the library does not retry (``create_repo``, the commit of the LFS path):
   the whole call is tried ``retries`` more times on transient errors (408/425/429/5xx, connection
-  errors, timeouts), waiting ``backoff_s * 2**attempt`` seconds. Running an upload again is
-  idempotent (unchanged files are skipped). A permanent error raises ``HubPublishError`` at once.
-- Refused credentials (401) raise ``HubCredentialsError``: an ``InputError`` (the CLI exits 2)
-  whose message says to set ``HF_TOKEN`` or run ``hf auth login``.
+  errors, timeouts), waiting ``backoff_s * 2**attempt`` seconds (each retry an INFO line: the run's
+  log has it, a console shows only the final error). Running an upload again is idempotent
+  (unchanged files are skipped). A permanent error is raised at once.
+- One line for each failure, of what matters: the operation, the repo and endpoint, the HTTP
+  status and the Hub's own words (``HfHubHTTPError.server_message``, at most 120 characters) or,
+  without an answer, the root cause (``ConnectError: [Errno 111] Connection refused``); not the
+  library's whole text (its MDN link, the URL again, the exception chain).
+- What the Hub refuses for good is a ``HubRefusedError``, an ``InputError`` (the CLI exits 2): a
+  4xx answer other than 408/425/429 (the token, the repo, what was sent), and an endpoint that did
+  not answer as a Hub at the first call (a reply that is not JSON: ``hub.endpoint`` names a web
+  server, not a Hub). Refused credentials (401, 403) are its ``HubCredentialsError``, whose
+  message says which token to give. A Hub that cannot be reached, or keeps failing (5xx, 429), is
+  a transient ``HubPublishError``: not the user's input; ``publish`` exits 1 (run it again).
+- ``check_token``: the token asked about once (``whoami-v2``) before a run that uploads writes
+  anything: refused or read-only, the run is refused at its start.
 - A token that never appears in a message: a careless server may quote the ``Authorization``
   header in its error text, which the library copies into its exceptions and which the HTTP
   libraries' debug traces print with the response headers. Every message raised here has the
@@ -30,13 +41,15 @@ What this module adds, because the library lacks it:
 - ``upload(files, message)`` takes ``(path in repo, local path)`` pairs from anywhere on disk:
   ``upload_folder`` sends one folder, so they are laid out as links in a temporary folder.
 
-Who calls it: ``atlas_lightning.hub.publish`` (the closing publish) and
-``atlas_lightning.callbacks.hub.HubCheckpointCallback`` (checkpoint uploads during training).
+Who calls it: ``atlas_lightning.hub.publish`` (the closing publish),
+``atlas_lightning.callbacks.hub.HubCheckpointCallback`` (checkpoint uploads during training) and
+``run/environment.check_hub_answers`` (``check_token`` at the start of a run that uploads).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import random
@@ -54,6 +67,10 @@ log = logging.getLogger(__name__)
 
 REPO_TYPES = ("dataset", "model", "space")
 TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+#: The most characters of the Hub's own words a message quotes (the rest stays in the Hub's answer).
+QUOTED_CHARS = 120
+#: Seconds the start-up ``check_token`` waits for the Hub (``HfApi.whoami`` itself has no limit).
+CHECK_TIMEOUT_S = 15.0
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _XET_LOCK = threading.RLock()
 
@@ -69,9 +86,14 @@ class HubPublishError(RuntimeError):
         self.transient = transient
 
 
-class HubCredentialsError(HubPublishError, InputError):
-    """The Hub refused the credentials (401): no token, or one it does not accept; the message
-    says where a token comes from, never the token. An ``InputError`` too: the CLI exits 2."""
+class HubRefusedError(HubPublishError, InputError):
+    """The Hub refused, for good, what was asked (a 4xx answer other than 408/425/429), or the
+    endpoint did not answer as a Hub; the message quotes why. An ``InputError``: the CLI exits 2."""
+
+
+class HubCredentialsError(HubRefusedError):
+    """The Hub refused the credentials (401: no token, or one it does not accept; 403: a token
+    without the rights, a read token); the message says which token to give, never the token."""
 
 
 def _saved_token() -> Optional[str]:
@@ -154,20 +176,27 @@ def redacted_logs(secret: Optional[str]) -> Iterator[None]:
 
 
 def _error_chain(err: BaseException) -> Iterator[BaseException]:
+    """``err`` and its causes, as a traceback shows them (a context raised ``from None`` is not one)."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         yield err
-        err = err.__cause__ or err.__context__
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+
+
+def _response(err: BaseException) -> Any:
+    """The HTTP response along ``err``'s chain, if any."""
+    for link in _error_chain(err):
+        response = getattr(link, "response", None)
+        if isinstance(getattr(response, "status_code", None), int):
+            return response
+    return None
 
 
 def _status(err: BaseException) -> Optional[int]:
     """The HTTP status along ``err``'s chain, if any."""
-    for link in _error_chain(err):
-        status = getattr(getattr(link, "response", None), "status_code", None)
-        if isinstance(status, int):
-            return status
-    return None
+    response = _response(err)
+    return None if response is None else response.status_code
 
 
 def is_transient(err: BaseException) -> bool:
@@ -184,15 +213,37 @@ def is_transient(err: BaseException) -> bool:
     return any(isinstance(link, (httpx2.TransportError, ConnectionError, TimeoutError)) for link in _error_chain(err))
 
 
-def describe(err: BaseException) -> str:
-    """One line per distinct message along the exception chain (the root cause included)."""
-    lines: list[str] = []
-    for link in _error_chain(err):
-        text = " ".join(str(link).split()) or type(link).__name__
-        line = f"{type(link).__name__}: {text}"
-        if line not in lines:
-            lines.append(line)
-    return " <- ".join(lines)
+def hub_said(err: BaseException) -> str:
+    """``err`` in a few words: the HTTP status and the Hub's own message (``server_message``),
+    else the root cause (``ConnectError: [Errno 111] ...``); what is quoted is one line
+    of at most ``QUOTED_CHARS``, saying how much was left out."""
+    response = _response(err)
+    if response is None:
+        root = list(_error_chain(err))[-1]
+        return type(root).__name__ + (f": {_quoted(str(root))}" if str(root).strip() else "")
+    said = next((link.server_message for link in _error_chain(err) if getattr(link, "server_message", None)), "")
+    return f"{response.status_code} {response.reason_phrase}" + (f": {_quoted(said)}" if said else "")
+
+
+def _quoted(text: str) -> str:
+    flat, limit = " ".join(text.split()), QUOTED_CHARS
+    return flat if len(flat) <= limit else f"{flat[:limit]}... ({len(flat) - limit} more characters)"
+
+
+def not_a_hub(err: BaseException) -> Optional[str]:
+    """How a reply shows that the endpoint is no Hub, or None: a body that does not parse as JSON,
+    or an error answer below 500 that is not JSON (the Hub's API answers JSON, its errors too;
+    an HTML page comes from a web server). Asked of the first call only: later calls reach
+    storage (LFS) whose errors are not the Hub's."""
+    if any(isinstance(link, json.JSONDecodeError) for link in _error_chain(err)):
+        return "a reply that is not JSON"
+    response = _response(err)
+    if response is None or is_transient(err):
+        return None
+    kind = response.headers.get("content-type", "").split(";")[0].strip()
+    if "json" in kind:
+        return None
+    return f"{response.status_code} {response.reason_phrase}, {f'a {kind} page' if kind else 'no content type'}"
 
 
 # ----------------------------------------------------------------------------- the uploader
@@ -241,10 +292,43 @@ class HubUploader:
         return redacted_text(text.replace(self._token, "***") if self._token else text)
 
     def ensure_repo(self) -> str:
-        """Create the repo if needed; returns its URL."""
+        """Create the repo if needed; returns its URL. The first call to the endpoint: an answer
+        that is not a Hub's is refused here (``not_a_hub``)."""
         url = self._retrying("creating", lambda: self._api.create_repo(
-            self.repo_id, repo_type=self.repo_type, private=self.private, exist_ok=True))
+            self.repo_id, repo_type=self.repo_type, private=self.private, exist_ok=True), first_call=True)
         return str(url)
+
+    def check_token(self, timeout: float = CHECK_TIMEOUT_S) -> str:
+        """The account the token belongs to ("" where the endpoint has no such route), asked once
+        (``/api/whoami-v2``, as ``HfApi.whoami`` asks, through the library's session, headers and
+        status check, but within ``timeout`` seconds: ``whoami`` has no limit, and a host that
+        drops packets would hold a run's start).
+        ``HubCredentialsError`` for a token the Hub refuses or one that can only read (no upload
+        could succeed); ``HubRefusedError`` for an endpoint that is no Hub; a transient
+        ``HubPublishError`` when it cannot be reached."""
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        def whoami() -> dict:
+            response = get_session().get(f"{self.endpoint}/api/whoami-v2", timeout=timeout,
+                                         headers=build_hf_headers(token=self._token or False))
+            hf_raise_for_status(response)
+            return response.json()
+
+        at = f"at {redacted_text(self.endpoint)}"
+        try:
+            with redacted_logs(self._token):
+                account = whoami()
+        except Exception as err:
+            if _status(err) == 404 and not not_a_hub(err):  # a Hub without the route (a mirror): uploads will tell
+                return ""
+            raise self._failure("checking the token", err, attempts=1, first_call=True, where=at) from None
+        if not isinstance(account, dict):
+            raise HubRefusedError(self._not_a_hub_line("checking the token", "a reply that is no account", where=at))
+        role = ((account.get("auth") or {}).get("accessToken") or {}).get("role")
+        if role == "read":
+            raise HubCredentialsError(f"checking the token {at}: a read token, with which no upload can succeed: set "
+                                      f"HF_TOKEN to a token with write access, or run `hf auth login` with one")
+        return str(account.get("name") or "")
 
     def upload(self, files: Sequence[tuple[str, Path]], message: str) -> list[str]:
         """Send ``files`` (``(path in repo, local path)``) with ``upload_folder``; returns the id
@@ -259,29 +343,50 @@ class HubUploader:
                     repo_id=self.repo_id, repo_type=self.repo_type, folder_path=folder, commit_message=message))
         return [info.oid]
 
-    def _retrying(self, what: str, call: Callable[[], T]) -> T:
+    def _retrying(self, what: str, call: Callable[[], T], first_call: bool = False) -> T:
         for attempt in range(self.retries + 1):
             try:
                 with redacted_logs(self._token):
                     return call()
             except Exception as err:  # classify, redact, and either wait or give up
-                detail = self.redact(describe(err))
-                if _status(err) == 401:
-                    found = "a token" if self._token else "no token (HF_TOKEN unset, no saved login)"
-                    raise HubCredentialsError(
-                        f"{what} {self.where}: the Hub refused the credentials (401 Unauthorized) with {found}: set "
-                        f"HF_TOKEN to a token with write access, or run `hf auth login` (the Hub said: {detail})"
-                    ) from None
-                transient = is_transient(err)
-                if not transient or attempt == self.retries:
-                    tries = f" after {attempt + 1} attempts" if attempt else ""
-                    kind = "transient error" if transient else "error"
-                    raise HubPublishError(f"{what} {self.where} failed{tries} ({kind}): {detail}", transient) from None
+                failure = self._failure(what, err, attempts=attempt + 1, first_call=first_call)
+                if not failure.transient or attempt == self.retries:
+                    raise failure from None
                 delay = self.backoff_s * (2 ** attempt) * (1 + 0.1 * random.random())
-                log.warning("%s %s: transient error, retry %d/%d in %.1f s: %s",
-                            what, self.where, attempt + 1, self.retries, delay, detail)
+                log.info("%s %s: transient error, retry %d/%d in %.1f s: %s",
+                         what, self.where, attempt + 1, self.retries, delay, self.redact(hub_said(err)))
                 time.sleep(delay)
         raise AssertionError("unreachable")
+
+    def _failure(self, what: str, err: BaseException, attempts: int, first_call: bool,
+                 where: Optional[str] = None) -> HubPublishError:
+        """``err`` of ``what`` (at ``where``: the repo by default) as the error to raise, one line
+        (module doc), never the token."""
+        said = self.redact(hub_said(err))
+        where = where or self.where
+        how = not_a_hub(err) if first_call else None
+        if how:
+            return HubRefusedError(self._not_a_hub_line(what, how, where))
+        status = _status(err)
+        if status == 401:
+            found = "a token" if self._token else "no token (HF_TOKEN unset, no saved login)"
+            return HubCredentialsError(f"{what} {where}: the Hub refused the credentials ({said}) with {found}: "
+                                       f"set HF_TOKEN to a token with write access, or run `hf auth login`")
+        if status == 403:
+            return HubCredentialsError(f"{what} {where}: the Hub refused the credentials ({said}): set HF_TOKEN to "
+                                       f"a token that can write there, or another hub.repo_id")
+        if is_transient(err):
+            return HubPublishError(f"{what} {where} failed after {attempts} attempt{'s' * (attempts > 1)} "
+                                   f"(transient error: {said})", transient=True)
+        if status is not None:
+            return HubRefusedError(f"{what} {where}: the Hub refused it ({said})")
+        return HubPublishError(f"{what} {where} failed ({said})")
+
+    def _not_a_hub_line(self, what: str, how: str, where: str) -> str:
+        from huggingface_hub import constants
+
+        return (f"{what} {where}: hub.endpoint={redacted_text(self.endpoint)} did not answer as a Hugging Face "
+                f"Hub ({how}): set hub.endpoint to a Hub's URL (null: {constants.ENDPOINT})")
 
     def offers_xet(self) -> bool:
         """Whether the endpoint hands out Xet write tokens for this repo (one GET)."""

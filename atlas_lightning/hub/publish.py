@@ -26,14 +26,17 @@ by a person and is published as it is; otherwise it is (re)generated. FILES.txt 
 regenerated: every published file with its size.
 
 Order: the repo is created first (``HubUploader.ensure_repo``), README.md and FILES.txt are
-written into the root only after that (atomically), then everything is uploaded; a refused token
-(``HubCredentialsError``, exit 2) or a repo that cannot be made therefore leaves the root as it
-was. The transfer itself is ``huggingface_hub``'s (``client``); this module decides what is sent
-(the layout above, the reading copy) and writes the two files.
+written into the root only after that (atomically), then everything is uploaded; a refused token,
+an endpoint that is no Hub or a Hub that cannot be reached therefore leaves the root as it was.
+The transfer itself is ``huggingface_hub``'s (``client``); this module decides what is sent (the
+layout above, the reading copy) and writes the two files.
 
 Errors: ``ValueError`` for bad arguments (naming them); ``HubPublishError`` naming the repo (never
 the token) when the Hub fails for good; ``ConfigError`` from ``publish_from_config`` when
-``hub.repo_id`` is unset.
+``hub.repo_id`` is unset. The verb's exit codes: 2 for what the Hub refuses (``HubRefusedError``:
+the token, 401 or 403; another 4xx; an endpoint that is no Hub), the user's to fix; 1 for a Hub
+that could not be reached or kept failing after the retries (a transient fault: the same publish
+run again sends what is missing), or a transfer that failed otherwise; one line each.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from typing import Optional, Union
 
 from omegaconf import DictConfig
 
-from atlas_lightning.hub.client import HubCredentialsError, HubPublishError, HubUploader, check_repo_id
+from atlas_lightning.hub.client import HubPublishError, HubRefusedError, HubUploader, check_repo_id
 from atlas_lightning.hub.readme import (
     GENERATED_MARK,
     LeftOut,
@@ -226,7 +229,7 @@ def publish_data_root(
     question: Optional[str] = None,
     use_xet: Optional[bool] = None,
 ) -> dict:
-    """Create ``repo_id`` if needed (refused credentials stop here: ``HubCredentialsError``), write
+    """Create ``repo_id`` if needed (a refused token or endpoint stops here: ``HubRefusedError``), write
     README.md and FILES.txt into ``root``, then send the data root to ``repo_id``.
 
     Args:
@@ -328,9 +331,10 @@ def check_hub_repo(cfg: DictConfig) -> str:
 
 def publish_from_config(cfg: DictConfig, weights: bool = False) -> int:
     """The ``publish`` verb: the data root ``paths.root`` to ``hub.repo_id`` (required) on
-    ``hub.endpoint``. Prints the result as JSON; returns 0, or 1 with the error on stderr when
-    the Hub failed (the message names the repo, never the token); refused credentials raise
-    ``HubCredentialsError`` (exit 2), before anything is written into the root."""
+    ``hub.endpoint``. Prints the result as JSON; returns 0, or 1 with one line on stderr when the
+    Hub could not be reached or failed otherwise (module doc: exit codes). What the Hub refuses
+    raises ``HubRefusedError`` (exit 2), before anything is written into the root when it is
+    refused at the first call (the token, the repo, the endpoint)."""
     repo_id = check_hub_repo(cfg)
     try:
         result = publish_data_root(
@@ -338,10 +342,11 @@ def publish_from_config(cfg: DictConfig, weights: bool = False) -> int:
             endpoint=cfg.hub.endpoint, private=cfg.hub.private, name=cfg.name,
             question=cfg.hub.description,
         )
-    except HubCredentialsError:
-        raise  # the user's to fix (a token): the CLI names it and exits 2
+    except HubRefusedError:
+        raise  # the user's to fix (a token, the repo, hub.endpoint): the CLI names it and exits 2
     except HubPublishError as err:
-        print(f"atlas-lightning publish: {err}", file=sys.stderr)
+        again = "; run the same publish again later (what was sent is not sent twice)" if err.transient else ""
+        print(f"atlas-lightning publish: {err}{again}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2))
     return 0

@@ -11,7 +11,8 @@ is needed to read a run's curves.
   metric was not logged at that step. Non-finite values are written ``nan``, ``inf``, ``-inf``.
 - ``summary.json``: every metric's last logged value (by RL step), plus ``_step`` (the largest RL
   step logged). Non-finite values are the strings ``"nan"``, ``"inf"``, ``"-inf"`` (JSON has no NaN).
-- ``config.json``: the resolved run configuration given at construction.
+- ``config.json``: the resolved run configuration given at construction, written as fit starts
+  (Lightning's ``save``); a run refused before that (W&B's start failing) leaves no export folder.
 
 Every file is rewritten whole and atomically (temporary file in the same folder, then
 ``os.replace``) after each ``log_metrics`` call: a reader never sees a torn file, and a run killed
@@ -128,6 +129,7 @@ class RunExportLogger(Logger):
         self._columns: list[str] = []
         self._rows: dict[int, dict[str, Any]] = {}
         self._loaded = False
+        self._wrote = False
 
     # ------------------------------------------------------------------ Lightning's Logger API
 
@@ -191,6 +193,10 @@ class RunExportLogger(Logger):
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
+        """The files brought up to date; a run that failed before this logger wrote anything (a
+        refusal at the trainer's set-up, before Lightning's ``save``: W&B's start) writes none."""
+        if status != "success" and not self._wrote:
+            return
         if self._rows and self._loaded:  # never rewrite a history that could not be read back
             self._write_all()
         else:
@@ -228,6 +234,7 @@ class RunExportLogger(Logger):
         self._loaded = True
 
     def _write_config(self) -> None:
+        self._wrote = True
         path = self.log_dir / CONFIG_NAME
         if not path.exists():
             atomic_write_text(path, json.dumps(self._config, indent=2, sort_keys=False, default=str) + "\n")

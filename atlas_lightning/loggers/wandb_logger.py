@@ -16,7 +16,15 @@ from the environment (W&B's own convention for continuing a run), else a new one
 Modes (``logger.mode``): ``online``, ``offline``, ``disabled``, or ``auto``: ``WANDB_MODE`` from
 the environment when it names one of those (``dryrun`` counts as ``offline``), else ``online`` when
 W&B has a key (``WANDB_API_KEY``, or the login ``wandb login`` saved: ``wandb_credentials``), else
-``offline``. ``online`` without a key is refused before the run starts (``run/wiring.check_inputs``).
+``offline``. ``online`` without a key, or with one W&B refuses by its form (``refused_wandb_key``),
+is refused before the run writes anything (``run/environment.check_machine``).
+
+W&B's start (``wandb.init``, at the trainer's set-up, after the run's config and logs are written:
+``run/wiring.prepare_run``) may still fail online: the server refuses the key, or cannot be
+reached within W&B's ``init_timeout`` (90 s; ``WANDB_INIT_TIMEOUT``). Either is a ``ConfigError``
+naming ``logger.mode`` and what to do (exit 2, one line), except that ``auto`` takes a W&B it
+cannot reach as a reason to log offline: a warning on the console and in the run's log, the same
+run id, ``wandb sync`` later. A key the server refuses stays an error in every mode.
 
 Steps: the module calls every logger's ``log_metrics(metrics, step=rl_step)``. W&B's own ``_step``
 *is* the RL step (``run.log(metrics, step=rl_step)``, as verl does), so the W&B charts, the W&B
@@ -30,6 +38,7 @@ figures callback calls it; a no-op otherwise).
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import string
@@ -47,7 +56,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from omegaconf import DictConfig
 
 from atlas_lightning.loggers.run_export import RunExportLogger
-from atlas_lightning.config import ConfigError, is_credential_key, redacted, redacted_argv
+from atlas_lightning.config import ConfigError, is_credential_key, redacted, redacted_argv, redacted_text
+
+log = logging.getLogger(__name__)
 
 WANDB_MODES = ("online", "offline", "disabled")
 _ID_ALPHABET = string.ascii_lowercase + string.digits
@@ -72,19 +83,36 @@ def wandb_credentials(environ: Optional[Mapping[str, str]] = None) -> Optional[s
     """Where W&B would find an API key, or None: ``WANDB_API_KEY``, else the netrc entry
     ``wandb login`` writes for the W&B host (``WANDB_BASE_URL``'s, default api.wandb.ai; the file
     ``NETRC`` names, default ``~/.netrc``). The key itself is never returned."""
+    return _credentials(environ)[0]
+
+
+def refused_wandb_key(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Where the key W&B would log in with is and why W&B refuses its form (``WANDB_API_KEY: API
+    key must have 40+ characters, has 5.``), never the key; None when W&B takes it or there is
+    none. W&B's own rule (``wandb.sdk.lib.wbauth.check_api_key``, which ``wandb.init`` applies
+    only once the run has written its files)."""
+    from wandb.sdk.lib.wbauth import check_api_key
+
+    source, key = _credentials(environ)
+    problem = check_api_key(key) if key else None
+    return f"{source}: {problem}" if problem else None
+
+
+def _credentials(environ: Optional[Mapping[str, str]]) -> tuple[Optional[str], Optional[str]]:
+    """``(where, key)`` of ``wandb_credentials``; ``(None, None)`` without a key."""
     import netrc
     from urllib.parse import urlparse
 
     environ = os.environ if environ is None else environ
     if environ.get("WANDB_API_KEY"):
-        return "WANDB_API_KEY"
+        return "WANDB_API_KEY", environ["WANDB_API_KEY"]
     host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
     path = Path(environ.get("NETRC") or Path(environ.get("HOME") or Path.home()) / ".netrc").expanduser()
     try:
         entry = netrc.netrc(str(path)).authenticators(host) if path.is_file() else None
     except (OSError, netrc.NetrcParseError):
         entry = None
-    return f"{path} (wandb login)" if entry and entry[2] else None
+    return (f"{path} (wandb login)", entry[2]) if entry and entry[2] else (None, None)
 
 
 def check_wandb_settings(cfg: DictConfig, environ: Optional[Mapping[str, str]] = None) -> None:
@@ -133,12 +161,14 @@ def new_run_id(wandb_enabled: bool) -> str:
 class RLStepWandbLogger(WandbLogger):
     """Lightning's ``WandbLogger`` with W&B's ``_step`` equal to the step given to ``log_metrics``
     (the RL step). Lightning's version logs ``trainer/global_step`` and points every chart at it;
-    here nothing else defines the x axis."""
+    here nothing else defines the x axis. ``setting``: ``logger.mode`` as configured, which W&B's
+    failures name (and ``auto`` falls back to offline on a W&B it cannot reach: module doc)."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, setting: Optional[str] = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         if self._wandb_init.get("anonymous") is None:
             self._wandb_init.pop("anonymous", None)  # W&B warns about the setting even when unset
+        self._setting = setting or self._wandb_init.get("mode") or "online"
 
     @property
     @rank_zero_experiment
@@ -155,8 +185,29 @@ class RLStepWandbLogger(WandbLogger):
                 # W&B records the command line (its metadata's ``args``) from sys.argv at init:
                 # it sees the redacted one, so no credential given as an override reaches its files
                 with mock.patch.object(sys, "argv", redacted_argv(sys.argv)):
-                    self._experiment = wandb.init(**self._wandb_init)
+                    self._experiment = self._start()
         return self._experiment
+
+    def _start(self) -> Any:
+        """``wandb.init``; what it raises as a ``ConfigError`` naming ``logger.mode``, or, for
+        ``auto`` and a W&B it cannot reach, the same run started offline (module doc)."""
+        import wandb
+
+        try:
+            return wandb.init(**self._wandb_init)
+        except wandb.errors.Error as err:
+            mode = self._wandb_init.get("mode")
+            unreachable = mode == "online" and _unreachable(err)
+            if not (self._setting == "auto" and unreachable):
+                raise ConfigError(_start_refusal(self._setting, mode, err, unreachable)) from None
+            said = _said(err)
+        line = (f"logger.mode=auto: W&B at {_host()} could not be reached ({said}): logging offline; `wandb sync "
+                f"{Path(self.save_dir or '.') / 'wandb'}/offline-run-*` uploads the run later")
+        log.warning("%s", line)
+        print(f"atlas-lightning: warning: {redacted_text(line)}", file=sys.stderr)
+        wandb.teardown()  # W&B's service keeps the failed run's id: a new one starts the same id offline
+        self._wandb_init["mode"] = "offline"
+        return wandb.init(**self._wandb_init)
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
@@ -165,6 +216,56 @@ class RLStepWandbLogger(WandbLogger):
             self.experiment.log(metrics)
         else:
             self.experiment.log(metrics, step=int(step))
+
+
+def _unreachable(err: Exception) -> bool:
+    """Whether ``wandb.init``'s ``err`` comes from a W&B server that could not be reached: a
+    communication error, not a refused key, and the server does not answer a plain request now
+    (W&B's own text differs by what it was asking: a run's resume status, the run itself)."""
+    import requests
+    from wandb.errors import AuthenticationError, CommError
+
+    if not isinstance(err, CommError) or isinstance(err, AuthenticationError):
+        return False
+    try:
+        requests.head(_host(masked=False), timeout=10)
+    except requests.RequestException:
+        return True
+    return False
+
+
+def _start_refusal(setting: str, mode: Optional[str], err: Exception, unreachable: bool) -> str:
+    """The one line for a ``wandb.init`` that failed in ``mode`` (``unreachable``: ``_unreachable``),
+    ``logger.mode`` being ``setting``."""
+    from wandb.errors import AuthenticationError
+
+    said, key = _said(err), f"logger.mode={setting}"
+    if mode != "online":
+        return f"{key}: W&B could not start {mode}: {said}; logger.mode=disabled runs without W&B"
+    if unreachable:
+        return (f"{key}: W&B at {_host()} could not be reached: {said}; check the network and WANDB_BASE_URL, or use "
+                f"logger.mode=offline")
+    refused = "the key" if isinstance(err, AuthenticationError) else "the run"
+    return (f"{key}: W&B at {_host()} refused {refused}: {said}; check WANDB_API_KEY, logger.entity, logger.project, "
+            f"or use logger.mode=offline")
+
+
+def _said(err: Exception, limit: int = 100) -> str:
+    """W&B's error in a few words: its message's first line, cut at ``limit`` (W&B adds lines of
+    advice about ``wandb.init``'s own arguments, not this command's), else its type."""
+    lines = str(err).strip().splitlines()
+    text = " ".join(lines[0].split()) if lines and lines[0] != "<no message>" else ""
+    if not text:
+        return type(err).__name__
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def _host(masked: bool = True) -> str:
+    """The W&B server ``wandb.init`` used (``WANDB_BASE_URL`` or W&B's default), its password masked."""
+    from wandb.sdk import wandb_setup
+
+    url = str(wandb_setup.singleton().settings.base_url)
+    return redacted_text(url) if masked else url
 
 
 def build_loggers(cfg: DictConfig, run_id: Optional[str] = None) -> list[Logger]:
@@ -186,6 +287,7 @@ def build_loggers(cfg: DictConfig, run_id: Optional[str] = None) -> list[Logger]
                 tags=list(cfg.logger.tags or []),
                 config=config,
                 mode=mode,
+                setting=cfg.logger.mode,
             )
         )
     loggers.append(RunExportLogger(Path(cfg.paths.runs), run_id, config))

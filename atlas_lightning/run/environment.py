@@ -1,7 +1,7 @@
 """What the run needs of this machine, checked before anything is written: the cards
-``trainer.accelerator`` asks for, W&B's key when it logs online and the settings W&B reads from
-the environment, the running server ``rollout.server_url`` names, and the Hub (online, a token)
-where the run uploads to it.
+``trainer.accelerator`` asks for, W&B's key when it logs online (there, and of a form W&B takes)
+and the settings W&B reads from the environment, the running server ``rollout.server_url`` names,
+and the Hub (online, a token it accepts for writing) where the run uploads to it.
 
 Who calls it: ``run/facts.check_inputs`` (fit, validate, memory-check), ``run/verbs.publish`` and the pre-flight's
 ``environment`` check (which may skip the card count on a CPU machine: ``--cpu-preflight``).
@@ -10,6 +10,7 @@ Who calls it: ``run/facts.check_inputs`` (fit, validate, memory-check), ``run/ve
 from __future__ import annotations
 
 import os
+import sys
 
 from atlas_lightning.config import ConfigError
 
@@ -18,10 +19,17 @@ def check_machine(cfg, *, count_gpus: bool = True) -> list[str]:
     """Notes on what was found; ``ConfigError`` naming the key when this machine cannot run
     ``cfg``: ``trainer.accelerator=gpu`` (or ``cuda``) where CUDA has fewer cards than
     ``trainer.devices`` (none at all on a CPU machine), a colocated server engine asked to sleep
-    where there are cards (``rollout/factory.server_engine`` refuses it), or ``logger.mode`` resolving to
-    ``online`` with no W&B key (``WANDB_API_KEY``, or ``wandb login``'s), or W&B's settings (its
-    ``WANDB_*`` environment, ``logger.project``) that W&B would refuse at its start."""
-    from atlas_lightning.loggers.wandb_logger import check_wandb_settings, resolve_wandb_mode, wandb_credentials
+    where there are cards (``rollout/factory.server_engine`` refuses it), ``logger.mode`` resolving to
+    ``online`` with no W&B key (``WANDB_API_KEY``, or ``wandb login``'s) or one W&B refuses by its
+    form, W&B's settings (its ``WANDB_*`` environment, ``logger.project``) that W&B would refuse at
+    its start, or checkpoint uploads (``hub.publish_checkpoints``) the Hub would refuse
+    (``check_hub_answers``)."""
+    from atlas_lightning.loggers.wandb_logger import (
+        check_wandb_settings,
+        refused_wandb_key,
+        resolve_wandb_mode,
+        wandb_credentials,
+    )
 
     notes = []
     t = cfg.trainer
@@ -44,6 +52,7 @@ def check_machine(cfg, *, count_gpus: bool = True) -> list[str]:
         check_hub_online("hub.publish_checkpoints=true")
         check_hub_token("hub.publish_checkpoints=true", "or hub.publish_checkpoints=false (publish later with "
                                                         "atlas-lightning publish)")
+        notes += check_hub_answers(cfg)
     if resolve_wandb_mode(cfg.logger.mode) != "disabled":
         check_wandb_settings(cfg)
     if resolve_wandb_mode(cfg.logger.mode) == "online":
@@ -51,8 +60,38 @@ def check_machine(cfg, *, count_gpus: bool = True) -> list[str]:
         if source is None:
             raise ConfigError("logger.mode=online but W&B has no API key here: set WANDB_API_KEY or run `wandb login`, "
                               "or log offline (logger.mode=offline; `wandb sync` uploads it later)")
+        refused = refused_wandb_key()
+        if refused:
+            raise ConfigError(f"logger.mode={cfg.logger.mode} logs online, but W&B refuses the key in {refused} Set "
+                              f"WANDB_API_KEY to your key (or `wandb login --relogin`), or use logger.mode=offline "
+                              f"(`wandb sync` later)")
         notes.append(f"W&B key from {source}")
     return notes
+
+
+def check_hub_answers(cfg) -> list[str]:
+    """The Hub ``hub.endpoint`` names accepts the token for the checkpoint uploads, asked once
+    (``HubUploader.check_token``: whoami) before anything is written: a token it refuses or that
+    can only read, or an endpoint that is no Hub, is a ``HubRefusedError`` (exit 2; the uploads
+    would otherwise fail mid-run, in the background). A Hub that cannot be reached now is not
+    refused: the run goes on, each checkpoint's upload is tried again after the next and at the
+    end (the callback's policy; ``publish --weights`` later), so an outage does not cost a launch;
+    it is a warning on the console (rank 0) and the note returned."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from atlas_lightning.hub.client import HubPublishError, HubRefusedError, HubUploader
+
+    uploader = HubUploader(cfg.hub.repo_id, repo_type=cfg.hub.repo_type, endpoint=cfg.hub.endpoint)
+    try:
+        account = uploader.check_token()
+    except HubRefusedError as err:
+        raise type(err)(f"hub.publish_checkpoints=true: {err}") from None  # a HubCredentialsError stays one
+    except HubPublishError as err:
+        note = (f"hub.publish_checkpoints=true: {err}; training goes on, each checkpoint's upload is tried "
+                f"again (hub.publish_checkpoints=false turns them off)")
+        rank_zero_only(print)(f"atlas-lightning: warning: {note}", file=sys.stderr)
+        return [note]
+    return [f"Hub token accepted by {uploader.where}" + (f" (account {account})" if account else "")]
 
 
 def check_hub_online(what: str) -> None:

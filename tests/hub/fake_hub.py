@@ -4,6 +4,7 @@ to create a repository, commit files to it and download them back. Standard libr
 Served (``<t>`` is ``models``/``datasets``/``spaces``, ``<p>`` the URL prefix ``""``/``datasets/``/
 ``spaces/``; only the revision ``main`` or a commit id of the repo):
 
+- ``GET  /api/whoami-v2``                            the token's account, its role ``token_role``
 - ``POST /api/repos/create``                         create (409 when it exists)
 - ``POST /api/validate-yaml``                        README metadata check (always fine)
 - ``GET  /api/<t>/<ns>/<name>[/revision/<rev>]``     repo info with ``sha`` and ``siblings``
@@ -23,6 +24,8 @@ regular file is small text (binary or large content must come as ``lfsFile``) an
 names an object uploaded through the LFS API with its size. Uploads must hash to the oid announced.
 
 Knobs: ``token`` (every request but the presigned LFS PUT needs ``Authorization: Bearer <token>``),
+``token_role`` (what whoami says the token may do: ``write``, or ``read``, which this fake does not
+enforce beyond saying it),
 ``lfs_threshold`` (bytes from which preupload answers ``lfs``), ``fail_next(count, status,
 path_contains)`` (fault injection), ``echo_auth_in_errors`` (error bodies quote the Authorization
 header, as a careless server might: the client must not repeat it). ``requests`` logs
@@ -101,13 +104,15 @@ class FakeHub:
     """Start with ``with FakeHub(tmp_path) as hub:``; ``hub.endpoint`` is its base URL."""
 
     def __init__(self, storage: Optional[Path] = None, *, token: Optional[str] = None,
-                 lfs_threshold: int = 10 * 1024 * 1024, echo_auth_in_errors: bool = False):
+                 lfs_threshold: int = 10 * 1024 * 1024, echo_auth_in_errors: bool = False,
+                 token_role: str = "write"):
         self._tmp = None if storage else tempfile.TemporaryDirectory()
         self.storage = Path(storage or self._tmp.name) / "objects"
         self.storage.mkdir(parents=True, exist_ok=True)
         self.token = token
         self.lfs_threshold = lfs_threshold
         self.echo_auth_in_errors = echo_auth_in_errors
+        self.token_role = token_role
         self.repos: dict[tuple[str, str], Repo] = {}
         self.requests: list[tuple[str, str]] = []
         self._faults: list[list] = []
@@ -300,6 +305,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _route(self, method: str, path: str, query: dict, body: bytes) -> None:
         hub = self.hub
+        if method == "GET" and path == "/api/whoami-v2":
+            return self._json(200, {"type": "user", "name": "fake-user", "auth": {
+                "type": "access_token", "accessToken": {"displayName": "fake", "role": hub.token_role}}})
         if method == "POST" and path == "/api/repos/create":
             return self._create(self._json_body(body))
         if method == "POST" and path == "/api/validate-yaml":

@@ -101,8 +101,9 @@ def test_xet_is_used_only_when_the_endpoint_offers_it(repo_hub, tmp_path, hf_env
     binary = tmp_path / "w.bin"
     binary.write_bytes(b"\0" * 5000)
     forced = HubUploader(REPO, endpoint=repo_hub.endpoint, use_xet=True, retries=0)
-    with pytest.raises(HubPublishError, match="xet-write-token"):
+    with pytest.raises(HubPublishError, match="404 Not Found"):
         forced.upload([("w.bin", binary)], "through Xet")
+    assert any(path.endswith("/xet-write-token/main") for _, path in repo_hub.requests)  # Xet it was
     detected = HubUploader(REPO, endpoint=repo_hub.endpoint, retries=0)
     assert detected.offers_xet() is False
     detected.upload([("w.bin", Path(binary))], "through the LFS batch API")

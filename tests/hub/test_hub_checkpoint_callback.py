@@ -92,6 +92,56 @@ def test_a_permanent_error_turns_uploads_off_without_the_token(make_hub, hf_env,
     assert len(refusing.requests) == seen, "a disabled callback must not call the Hub again"
 
 
+def test_failed_uploads_are_said_on_the_console_and_in_the_closing_line(hub, hf_env, tmp_path, trainer, capsys):
+    """Not only in the run's log: each failure is a console line when it happens (from the upload
+    thread), and the end of fit says what was not sent, why, and how to send it."""
+    callback = HubCheckpointCallback(REPO, endpoint=hub.endpoint, retries=0, backoff_s=0.01)
+    hub.fail_next(4, 503, path_contains="/commit/")  # step 5, then at step 10 it and step 10, and 5 at the end
+    callback.on_checkpoint_saved(trainer, _step_dir(tmp_path, 5), 5)
+    callback.wait()
+    warned = _warnings(capsys)
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("atlas-lightning: warning: Hub upload of global_step_5 failed; it will be tried "
+                                "again after the next checkpoint: uploading "), warned
+    assert "503 Service Unavailable" in warned[0] and hf_env not in warned[0]
+    callback.on_checkpoint_saved(trainer, _step_dir(tmp_path, 10), 10)
+    callback.wait()
+    assert len(_warnings(capsys)) == 2  # step 5 again, step 10
+    callback.on_fit_end(trainer, None)
+    at_end = _warnings(capsys)
+    assert len(at_end) == 1  # 10 went at the end, 5 did not: the closing line says so, once
+    closing = at_end[-1]
+    assert closing.startswith("atlas-lightning: warning: Hub checkpoint uploads: global_step_5 not sent "
+                              "(uploading ")
+    assert closing.endswith("`atlas-lightning publish --weights` sends the checkpoints later")
+    assert callback.uploaded_steps == [10]
+
+
+def test_uploads_turned_off_are_said_in_the_closing_line(make_hub, hf_env, tmp_path, trainer, capsys):
+    refusing = make_hub(token="hf_someoneElsesToken0000000000")
+    callback = HubCheckpointCallback(REPO, endpoint=refusing.endpoint, backoff_s=0.01, background=False)
+    callback.on_checkpoint_saved(trainer, _step_dir(tmp_path, 5), 5)
+    callback.on_fit_end(trainer, None)
+    lines = _warnings(capsys)
+    assert len(lines) == 2 and lines[0].startswith("atlas-lightning: warning: Hub uploads turned off for the rest of "
+                                                   "this run (global_step_5): creating ")
+    assert lines[-1].startswith("atlas-lightning: warning: Hub checkpoint uploads were turned off (steps sent: 0): "
+                                "creating dataset repo")
+    assert "refused the credentials (401 Unauthorized" in lines[-1] and hf_env not in "".join(lines)
+
+
+def test_a_run_whose_uploads_all_went_says_nothing_more(hub, hf_env, tmp_path, trainer, capsys):
+    callback = HubCheckpointCallback(REPO, endpoint=hub.endpoint, background=False)
+    callback.on_checkpoint_saved(trainer, _step_dir(tmp_path, 5), 5)
+    callback.on_fit_end(trainer, None)
+    assert _warnings(capsys) == [] and callback.closing_line() is None
+
+
+def _warnings(capsys) -> list[str]:
+    """The callback's console lines (among the library's progress bars of the transfer)."""
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("atlas-lightning: warning: ")]
+
+
 def test_every_n_steps_and_other_ranks_send_nothing(hub, hf_env, tmp_path):
     callback = HubCheckpointCallback(REPO, endpoint=hub.endpoint, every_n_steps=10, background=False)
     callback.on_checkpoint_saved(SimpleNamespace(is_global_zero=True), _step_dir(tmp_path, 5), 5)

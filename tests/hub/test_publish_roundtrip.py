@@ -199,7 +199,7 @@ def test_refused_credentials_exit_2_before_anything_is_written(hub, hf_env, fake
     code = main(["publish", f"paths.root={fake_run.root}", f"name={fake_run.name}", f"hub.repo_id={REPO}",
                  f"hub.endpoint={hub.endpoint}"])
     err = capsys.readouterr().err
-    assert code == 2 and "refused the credentials (401 Unauthorized)" in err and "hf auth login" in err, err
+    assert code == 2 and "refused the credentials (401 Unauthorized" in err and "hf auth login" in err, err
     assert "Traceback" not in err and "hf_notTheRightOne" not in err
     assert {p: p.stat().st_mtime_ns for p in fake_run.root.rglob("*") if p.is_file()} == before  # no README, FILES
 
