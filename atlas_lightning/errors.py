@@ -35,6 +35,18 @@ def first_line(err: BaseException, limit: int = 300) -> str:
     return " ".join(str(err).split())[:limit] or type(err).__name__
 
 
+#: The most characters of another system's own text (a server's reply, the Hub's message) a
+#: message quotes: its first words say what went wrong; the rest stays in that system's log.
+QUOTED_CHARS = 120
+
+
+def quoted(text: str, limit: int = QUOTED_CHARS) -> str:
+    """``text`` (another system's own words) on one line, cut at ``limit`` characters with the
+    number left out said."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else f"{flat[:limit]}... ({len(flat) - limit} more characters)"
+
+
 class InputError(ValueError):
     """Something the user named that cannot be used (a config value, a question file, an adapter
     or checkpoint folder); the message names it and what is wrong. The CLI exits 2 with it."""

@@ -61,14 +61,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 from atlas_lightning.config import redacted_text
-from atlas_lightning.errors import InputError
+from atlas_lightning.errors import InputError, quoted
 
 log = logging.getLogger(__name__)
 
 REPO_TYPES = ("dataset", "model", "space")
 TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
-#: The most characters of the Hub's own words a message quotes (the rest stays in the Hub's answer).
-QUOTED_CHARS = 120
 #: Seconds the start-up ``check_token`` waits for the Hub (``HfApi.whoami`` itself has no limit).
 CHECK_TIMEOUT_S = 15.0
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -216,18 +214,13 @@ def is_transient(err: BaseException) -> bool:
 def hub_said(err: BaseException) -> str:
     """``err`` in a few words: the HTTP status and the Hub's own message (``server_message``),
     else the root cause (``ConnectError: [Errno 111] ...``); what is quoted is one line
-    of at most ``QUOTED_CHARS``, saying how much was left out."""
+    of at most ``errors.QUOTED_CHARS``, saying how much was left out (``errors.quoted``)."""
     response = _response(err)
     if response is None:
         root = list(_error_chain(err))[-1]
-        return type(root).__name__ + (f": {_quoted(str(root))}" if str(root).strip() else "")
+        return type(root).__name__ + (f": {quoted(str(root))}" if str(root).strip() else "")
     said = next((link.server_message for link in _error_chain(err) if getattr(link, "server_message", None)), "")
-    return f"{response.status_code} {response.reason_phrase}" + (f": {_quoted(said)}" if said else "")
-
-
-def _quoted(text: str) -> str:
-    flat, limit = " ".join(text.split()), QUOTED_CHARS
-    return flat if len(flat) <= limit else f"{flat[:limit]}... ({len(flat) - limit} more characters)"
+    return f"{response.status_code} {response.reason_phrase}" + (f": {quoted(said)}" if said else "")
 
 
 def not_a_hub(err: BaseException) -> Optional[str]:

@@ -23,6 +23,9 @@ from typing import Iterator, Optional
 import urllib3
 from urllib3.connection import HTTPConnection
 
+from atlas_lightning.errors import QUOTED_CHARS
+from atlas_lightning.errors import quoted as quoted_text
+
 #: What an exchange raises when it fails: urllib3's errors (they wrap the OS's) and the OS's.
 HTTP_ERRORS = (urllib3.exceptions.HTTPError, OSError, http.client.HTTPException)
 #: Connection failures that mean nobody answers at the server's address (as opposed to one
@@ -171,17 +174,10 @@ def decode_body(raw: bytes) -> dict | str:
         return text
 
 
-#: The most characters of a server's own text a message quotes: its first words say what went
-#: wrong; the rest (a stack, the request echoed, a page of HTML) stays in the server's log, and a
-#: refusal stays one readable line.
-QUOTED_CHARS = 120
-
-
 def quoted(text: object, limit: int = QUOTED_CHARS) -> str:
-    """``text`` (a reply's body, decoded or not) on one line, cut at ``limit`` characters with
-    the number left out said."""
-    flat = " ".join((text if isinstance(text, str) else json.dumps(text, default=str)).split())
-    return flat if len(flat) <= limit else f"{flat[:limit]}... ({len(flat) - limit} more characters)"
+    """``text`` (a reply's body, decoded or not: JSON is quoted as JSON) as ``errors.quoted``
+    quotes it: one line, cut at ``limit`` characters, the number left out said."""
+    return quoted_text(text if isinstance(text, str) else json.dumps(text, default=str), limit)
 
 
 def error_message(body: dict | str) -> str:
