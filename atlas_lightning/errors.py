@@ -14,7 +14,8 @@ card ran out of memory, a non-finite step, a file that could not be written) rea
 resume from; the CLI exits with its ``exit_code`` (``STOP_EXIT_CODES``). This module imports
 nothing of the package, so every floor may import it.
 
-Exit codes of the CLI: 0 done; 2 an input that cannot be used (nothing was written); 3 not
+Exit codes of the CLI: 0 done; 1 ``publish`` could not finish (the Hub unreachable or failing: the same
+command again later sends only what is missing); 2 an input that cannot be used (nothing was written); 3 not
 available yet; 4 the rollout engine died or does not serve what it was sent; 5 out of memory;
 6 a non-finite step; 7 a checkpoint or another file of the run could not be written (the disk
 full); 8 the user's own code (a reward scorer, a callback) raised part-way; 130 SIGINT (Ctrl-C),

@@ -59,6 +59,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
+from atlas_lightning.errors import quoted
+
 from .cards import A100_HBM_TBS, A100_TFLOPS, H200_HBM_TBS, H200_MEASURED_TFLOPS, hbm_tbs
 from .step_names import CHECKPOINT_CALLBACKS, SYNC_CALLBACK, VALIDATION_CALLBACK
 
@@ -126,7 +128,7 @@ def read_bench(path: Path, step: Optional[int] = None) -> Measured:
     try:
         bench = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(f"--bench {path}: not a readable step_bench.json ({err})") from None
+        raise InputError(f"--bench {path}: not a readable step_bench.json ({quoted(str(err))})") from None
     try:
         return inputs_from_bench(bench, step)
     except ValueError as err:

@@ -30,6 +30,7 @@ from typing import Optional
 
 import numpy as np
 
+from atlas_lightning.errors import quoted
 from atlas_lightning.store.records import TENSORS_NAME, RecordError, read_step_tensors
 
 #: the run's config keys the update's shape is read from (``algorithm.<key>``)
@@ -93,7 +94,7 @@ def _run_settings(run_json: Path) -> tuple[dict[str, int], int, dict, Optional[d
         raise RecordedBatchError(f"{run_json}: not found (a step folder of `fit` sits in artifacts/<name>/train/, "
                                  f"beside the run's run.json)") from None
     except (OSError, ValueError) as err:
-        raise RecordedBatchError(f"{run_json}: cannot be read ({err})") from None
+        raise RecordedBatchError(f"{run_json}: cannot be read ({quoted(str(err))})") from None
     algorithm = ((run.get("config") or {}).get("algorithm") or {}) if isinstance(run, dict) else {}
     missing = [key for key in SHAPE_KEYS if not isinstance(algorithm.get(key), int) or algorithm[key] < 1]
     if missing:

@@ -41,7 +41,7 @@ from typing import Any, Mapping, Optional, Union
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
-from atlas_lightning.errors import InputError
+from atlas_lightning.errors import InputError, quoted
 from atlas_lightning.store.atomic import atomic_write_text
 
 HISTORY_NAME = "history.csv"
@@ -79,7 +79,7 @@ def read_history(path: Path) -> tuple[list[str], dict[int, dict[str, Any]]]:
     except HistoryError:
         raise
     except (OSError, csv.Error, UnicodeDecodeError, TypeError, ValueError) as err:
-        raise HistoryError(f"{path}, line {line}: unreadable ({err}); repair it or move it away") from None
+        raise HistoryError(f"{path}, line {line}: unreadable ({quoted(str(err))}); repair it or move it away") from None
     return columns, rows
 
 

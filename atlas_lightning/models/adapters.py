@@ -61,6 +61,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from atlas_lightning.distributed import broadcast_object
+from atlas_lightning.errors import quoted
 from atlas_lightning.store.files import read_json_object
 from atlas_lightning.store.lora_shapes import CONFIG_FILE, AdapterError, read_adapter_config, shape_from_adapter_config
 
@@ -283,7 +284,8 @@ def adapter_lora_config(folder: str | Path):
     try:
         config = LoraConfig.from_pretrained(str(folder))
     except (TypeError, ValueError) as err:
-        raise AdapterMismatchError(f"{folder}: {CONFIG_FILE} is not a LoRA config this peft reads ({err})") from None
+        raise AdapterMismatchError(f"{folder}: {CONFIG_FILE} is not a LoRA config this peft reads "
+                                   f"({quoted(str(err))})") from None
     config.inference_mode = False
     config.modules_to_save = None
     return config

@@ -25,6 +25,7 @@ import json
 from pathlib import Path
 
 from atlas_lightning.config import ConfigError
+from atlas_lightning.errors import quoted
 from atlas_lightning.store.files import read_json_object
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -149,7 +150,7 @@ def _check_safetensors_header(file: Path, where: str) -> set[str]:
             if not isinstance(header, dict):
                 raise ValueError("the header is not a JSON object")
     except (OSError, ValueError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{where}: {file.name} is not a readable safetensors file ({err})") from None
+        raise ConfigError(f"{where}: {file.name} is not a readable safetensors file ({quoted(str(err))})") from None
     end = max((entry["data_offsets"][1] for name, entry in header.items()
                if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry), default=0)
     if 8 + length + end > size:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from atlas_lightning.errors import quoted
+
 DENSE_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_text")
 FULL, LINEAR = "full_attention", "linear_attention"
@@ -268,7 +270,7 @@ def read_model_shape(folder: str | Path) -> ModelShape:
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ShapeError(f"{path}: cannot read it as JSON: {err}") from None
+        raise ShapeError(f"{path}: cannot read it as JSON: {quoted(str(err))}") from None
     return shape_from_config(raw, str(path))
 
 
@@ -283,7 +285,7 @@ def safetensors_header(path: str | Path) -> dict[str, Any]:
                 raise ShapeError(f"{path}: not a safetensors file (header size {size})")
             header = json.loads(handle.read(size))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ShapeError(f"{path}: cannot read its safetensors header: {err}") from None
+        raise ShapeError(f"{path}: cannot read its safetensors header: {quoted(str(err))}") from None
     header.pop("__metadata__", None)
     return header
 

@@ -31,6 +31,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from atlas_lightning.errors import quoted
 from atlas_lightning.questions.rows import DataError, question_from_row, question_to_row
 from atlas_lightning.questions.uid import trajectory_uid
 from atlas_lightning.questions.schema import (
@@ -87,7 +88,7 @@ def _read_table(path: Path, label: str) -> pa.Table:
     try:
         return pq.read_table(path)
     except (pa.ArrowException, OSError) as err:
-        raise DataError(f"{label}: not a readable parquet file ({err})") from None
+        raise DataError(f"{label}: not a readable parquet file ({quoted(str(err))})") from None
 
 
 def _binary_type(kind: pa.DataType) -> pa.DataType:

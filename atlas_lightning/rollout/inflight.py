@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from atlas_lightning import distributed as dist_utils
-from atlas_lightning.errors import InputError
+from atlas_lightning.errors import InputError, quoted
 from atlas_lightning.rollout.agent_loop import Trajectory
 from atlas_lightning.rollout.trajectory_producer import OpenStep
 from atlas_lightning.store.checkpoints import checkpoint_step
@@ -145,7 +145,8 @@ def _read(path: Path, after: Optional[int]) -> list[dict]:
     try:
         content = _DataUnpickler(io.BytesIO(path.read_bytes())).load()
     except Exception as err:  # a damaged or foreign file, whatever the unpickler raises
-        raise InflightError(f"{path}: cannot be read as an in-flight file ({type(err).__name__}: {err})") from None
+        raise InflightError(f"{path}: cannot be read as an in-flight file "
+                            f"({quoted(f'{type(err).__name__}: {err}')})") from None
     if not isinstance(content, dict) or content.get("format") != FORMAT:
         raise InflightError(f"{path}: not an in-flight file of format {FORMAT}")
     if content.get("rank") != int(match.group(1)) or not isinstance(content.get("steps"), list):

@@ -35,7 +35,7 @@ ANSWERED = (ConfigError, InputError, RunStopped, NotImplementedError)
 
 def exit_code_and_line(program: str, err: BaseException) -> tuple[int, str]:
     """The exit code and the stderr line for ``err`` (one of ``ANSWERED``), raised under ``program``."""
-    message = redacted_text(str(err))
+    message = " ".join(redacted_text(str(err)).split())  # one line, whatever line breaks a message holds
     if isinstance(err, ConfigError):  # before InputError: a ConfigError is one
         return 2, f"{program}: config error: {message}"
     if isinstance(err, InputError):  # a question file, adapter, checkpoint folder or option that cannot be used

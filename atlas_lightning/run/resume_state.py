@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from atlas_lightning.errors import InputError
+from atlas_lightning.errors import InputError, quoted
 from atlas_lightning.ppo import rng_state
 from atlas_lightning.ppo.rng_state import RNG_KEY
 from atlas_lightning.store.checkpoints import lightning_state_path
@@ -237,7 +237,8 @@ def _single_file(path: Path) -> tuple[dict, list[tuple[list, dict, list[dict]]]]
         # as Lightning loads it (torch's default, weights only): a state it would refuse is refused here
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as err:  # a file torch cannot read, whatever the library raises
-        raise ResumeStateError(f"checkpoint {path.parent.parent}: {path.name} cannot be read: {err}") from None
+        raise ResumeStateError(f"checkpoint {path.parent.parent}: {path.name} cannot be read: "
+                               f"{quoted(str(err))}") from None
     optimizers = []
     for entry in checkpoint.get("optimizer_states") or []:
         params = [p for group in entry.get("param_groups", []) for p in group.get("params", [])]
@@ -257,7 +258,8 @@ def _distributed_files(path: Path) -> tuple[dict, dict]:
         top = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=True)
         metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as err:  # a damaged folder, whatever the library raises
-        raise ResumeStateError(f"checkpoint {path.parent}: its Lightning state cannot be read: {err}") from None
+        raise ResumeStateError(f"checkpoint {path.parent}: its Lightning state cannot be read: "
+                               f"{quoted(str(err))}") from None
     return top, metadata
 
 

@@ -30,6 +30,8 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+from atlas_lightning.errors import quoted
+
 #: Tensor bytes read at a time: the batch, plus its finiteness mask (a quarter of fp32's bytes).
 BATCH_BYTES = 256 * 2**20
 
@@ -54,7 +56,7 @@ def _check_batch(where: str, path: Path, batch: list[tuple[str, tuple, object]],
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
     except Exception as err:  # a damaged shard, whatever the library raises
-        raise error(f"{where}: its Lightning state's tensor values cannot be read: {err}") from None
+        raise error(f"{where}: its Lightning state's tensor values cannot be read: {quoted(str(err))}") from None
     for key, tensor in tensors.items():
         refuse_nonfinite(where, key, tensor, error)
 

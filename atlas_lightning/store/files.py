@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from atlas_lightning.errors import quoted
 from atlas_lightning.store.atomic import atomic_write, atomic_write_json  # noqa: F401  (re-exported)
 
 
@@ -53,7 +54,7 @@ def read_json_object(path: str | os.PathLike, error: type[Exception], where: obj
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise error(f"{where}: {path.name} is not readable JSON ({type(err).__name__}: {err})") from None
+        raise error(f"{where}: {path.name} is not readable JSON ({quoted(f'{type(err).__name__}: {err}')})") from None
     if not isinstance(value, dict):
         raise error(f"{where}: {path.name} holds a JSON {type(value).__name__}, not an object")
     return value

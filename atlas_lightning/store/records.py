@@ -45,6 +45,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from atlas_lightning.errors import quoted
 from atlas_lightning.store.atomic import atomic_write
 from atlas_lightning.store.files import sha256_file
 
@@ -348,7 +349,7 @@ def strip_token_arrays(text: str, where: str = "record") -> str:
     try:
         data = json.loads(text)
     except ValueError as err:
-        raise RecordError(f"{where}: cannot be read ({err})") from None
+        raise RecordError(f"{where}: cannot be read ({quoted(str(err))})") from None
     if not isinstance(data, dict):
         raise RecordError(f"{where}: the JSON is a {type(data).__name__}, not an object")
     return record_json_text({k: v for k, v in data.items() if k not in TOKEN_ARRAY_FIELDS}, where)
@@ -372,7 +373,7 @@ def read_record(path: str | os.PathLike) -> TrajectoryRecord:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise RecordError(f"record {path}: cannot be read ({err})") from None
+        raise RecordError(f"record {path}: cannot be read ({quoted(str(err))})") from None
     record = TrajectoryRecord.from_json_dict(data, where=f"record {path}")
     if path.name != record.filename:
         raise RecordError(f"record {path}: its uid and session_id name it {record.filename}")
@@ -420,7 +421,7 @@ def read_step_tensors(path: str | os.PathLike) -> dict[str, list]:
         with np.load(path, allow_pickle=False) as data:
             arrays = {key: data[key] for key in data.files}
     except (OSError, ValueError) as err:
-        raise RecordError(f"{path}: cannot be read ({err})") from None
+        raise RecordError(f"{path}: cannot be read ({quoted(str(err))})") from None
     result: dict[str, list] = {"uid": arrays.pop("uid").tolist(), "session_id": arrays.pop("session_id").tolist()}
     for key in sorted(k for k in arrays if not k.endswith("__offsets")):
         offsets = arrays.get(f"{key}__offsets")
@@ -473,7 +474,7 @@ def verify_manifest(folder: str | os.PathLike) -> list[str]:
         manifest = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
         listed = {e["path"]: e for e in manifest["files"]}
     except (OSError, ValueError, KeyError, TypeError) as err:
-        return [f"{folder / MANIFEST_NAME}: cannot be read ({err})"]
+        return [f"{folder / MANIFEST_NAME}: cannot be read ({quoted(str(err))})"]
     present = {p.relative_to(folder).as_posix(): p for p in _listed_files(folder)}
     problems = [f"{name}: listed but missing" for name in sorted(set(listed) - set(present))]
     problems += [f"{name}: present but not listed" for name in sorted(set(present) - set(listed))]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from atlas_lightning.errors import quoted
 from atlas_lightning.rollout.digest import WeightDigest, lora_digest, lora_modules
 from atlas_lightning.rollout.engine import EngineError
 
@@ -36,7 +37,8 @@ def check_adapter_folder(folder: str | Path) -> None:
         with safe_open(str(path), framework="pt") as handle:
             keys = set(handle.keys())
     except Exception as err:  # a missing or damaged file, named
-        raise EngineError(f"adapter folder {folder}: {path.name} is not readable ({type(err).__name__}: {err})") from err
+        raise EngineError(f"adapter folder {folder}: {path.name} is not readable "
+                          f"({quoted(f'{type(err).__name__}: {err}')})") from err
     for key in sorted(keys):
         for mine, other in ((".lora_A.", ".lora_B."), (".lora_B.", ".lora_A.")):
             if mine in key and key.replace(mine, other) not in keys:
@@ -57,7 +59,7 @@ def adapter_folder_digest(folder: str | Path, device: Any = "cpu") -> WeightDige
     try:
         state = load_file(str(weights), device=str(device))
     except Exception as err:  # safetensors' own error types, named
-        raise EngineError(f"adapter folder {folder}: unreadable ({type(err).__name__}: {err})") from err
+        raise EngineError(f"adapter folder {folder}: unreadable ({quoted(f'{type(err).__name__}: {err}')})") from err
     try:
         modules = lora_modules(state, 1.0)
     except ValueError as err:
