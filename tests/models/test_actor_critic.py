@@ -29,11 +29,14 @@ def _model(base, randomize, **kwargs):
     return model
 
 
-def _per_sequence_reference(model, sequences, temperature):
+def _per_sequence_reference(model, sequences, temperature, attn_implementation=None):
     """Independent of packing, chunking and the adapter switch: each sequence alone through a
-    copy of the peft model, adapters chosen with peft's own API, full logits."""
+    copy of the peft model, adapters chosen with peft's own API, full logits; its attention
+    ``attn_implementation`` (default: the model's own)."""
     peft_model = copy.deepcopy(model.peft_model)
     hf = peft_model.base_model.model
+    if attn_implementation is not None:
+        hf.set_attn_implementation(attn_implementation)
     out = {"actor": [], "entropy": [], "values": [], "base": []}
     for seq, prompt in zip(sequences, PROMPTS):
         ids = seq[None]
@@ -220,10 +223,14 @@ def test_bad_arguments(qwen3_base, tmp_path):
 
 @pytest.mark.slow
 def test_flex_attention_block_mask_path(qwen3_base, randomize):
-    """The GPU-recommended path (BlockMask, no dense T x T mask) gives the same numbers.
-    Slow on CPU: the block mask is built with torch.compile (~20 s)."""
+    """The GPU-recommended path (BlockMask, no dense T x T mask) gives the same numbers as each
+    sequence alone through sdpa. Slow on CPU: the block mask and the attention are compiled
+    with torch.compile for each shape, so the reference runs sdpa (each of its four lengths
+    would be another compile) and only the packed row compiles."""
     model = _model(qwen3_base, randomize, attn_implementation="flex_attention")
     sequences = _batch()
     with torch.no_grad():
         log_probs, _ = model.actor_forward(pack_sequences(sequences, PROMPTS), temperature=0.7)
-    torch.testing.assert_close(log_probs, _per_sequence_reference(model, sequences, 0.7)["actor"], rtol=1e-5, atol=1e-5)
+    expected = _per_sequence_reference(model, sequences, 0.7, attn_implementation="sdpa")["actor"]
+    assert model.peft_model.base_model.model.config._attn_implementation == "flex_attention"  # the copy's changed
+    torch.testing.assert_close(log_probs, expected, rtol=1e-5, atol=1e-5)
