@@ -57,7 +57,8 @@ test: setup
 # PPO module's background checkpoints at two ranks, a validation's ride killed and resumed, the
 # colocated merged-weight launch on a full disk, the engine-fault locator, and some slow tests of
 # one variant beside a lighter sibling in `make test` (rank seeds, engines' lifetime, the CPU step
-# benchmark, the tiny-cpu launcher, a dead engine's datamodule, the two-rank non-finite stop):
+# benchmark, the tiny-cpu launcher, a dead engine's datamodule, the two-rank non-finite stop, the
+# fit refused for a vLLM engine that ignores its adapter):
 # about half an hour of worker time on two cores), left out of
 # `make test` to keep CI's time; run them before landing a change to the loop, the layouts, the
 # weight sync, the checkpoints or the faults.

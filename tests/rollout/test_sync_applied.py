@@ -7,7 +7,8 @@ for both sync kinds:
   or, with the norm rule alone, once the update's movement is measurable;
 * an engine that holds the adapter (its worker's digest is true) and applies none, vLLM's
   silent failure on some hybrids, is refused at the starting sync, before any training; through
-  ``atlas-lightning fit`` it exits 2 naming the cause, with no step run;
+  ``atlas-lightning fit`` it exits 2 naming the cause, with no step run (the transformers reference
+  engine ignoring it in ``make test``, the vLLM engine in ``make test-e2e``);
 * an engine that reports what it was sent and keeps serving what it had is refused by the
   movement alone (the absolute probe switched off), with a residual of about the whole expected
   movement (4x the limit): at its first stale sync by the marked check, at both learning rates;
@@ -32,6 +33,7 @@ from atlas_lightning.rollout.digest import digest_named
 from atlas_lightning.rollout.engine import SyncReport
 from atlas_lightning.rollout.engines.adapter_folder import adapter_folder_digest
 from atlas_lightning.rollout.sync_probe import RESIDUAL_LIMIT, StartingCheckError, WeightSyncError
+from tests.e2e_variants import first_variant_in_make_test
 
 pytestmark = pytest.mark.vllm
 
@@ -203,8 +205,39 @@ def test_a_lying_engine_is_refused_by_the_movement_alone(engine, tiny_model_dir,
     assert "since the verified v0 the trainer's probe log-probs moved" in message
 
 
-_PLUGIN = '''
-"""An engine that holds every adapter it is sent and applies none (vLLM's silent failure on some hybrids)."""
+#: Engines that hold every adapter they are sent and apply none (vLLM's silent failure on some
+#: hybrids), as ``rollout.engine`` plugins: the transformers reference engine's in ``make test``, the
+#: in-process vLLM engine's in ``make test-e2e`` (its start-up in a child process is most of the
+#: case's two minutes on two cores; the refusal through ``fit`` does not depend on the engine, and
+#: vLLM's ignoring engine is refused at the starting sync in this process above).
+_PLUGINS = {
+    "hf": '''
+"""The transformers reference engine, holding every adapter it is sent and applying none."""
+from atlas_lightning.rollout.engines.hf_engine import HFEngine
+from atlas_lightning.rollout.factory import hf_engine
+
+
+class AdapterIgnoringEngine(HFEngine):
+    def _unadapted(self, call):
+        if not hasattr(self.model, "disable_adapter"):  # the bare base: nothing to ignore
+            return call()
+        with self.model.disable_adapter():
+            return call()
+
+    def _decode(self, request):
+        return self._unadapted(lambda: HFEngine._decode(self, request))
+
+    def prompt_logprobs(self, token_ids):
+        return self._unadapted(lambda: HFEngine.prompt_logprobs(self, token_ids))
+
+
+def make_engine(cfg, *, rank, local_rank, world_size):
+    engine = hf_engine(cfg, rank=rank, local_rank=local_rank, world_size=world_size)
+    engine.__class__ = AdapterIgnoringEngine
+    return engine
+''',
+    "vllm": '''
+"""The in-process vLLM engine, holding every adapter it is sent and applying none."""
 from atlas_lightning.rollout.engines.vllm_engine import VLLMEngine
 from atlas_lightning.rollout.factory import vllm_engine
 
@@ -228,15 +261,17 @@ def make_engine(cfg, *, rank, local_rank, world_size):
     engine = vllm_engine(cfg, rank=rank, local_rank=local_rank, world_size=world_size)
     engine.__class__ = AdapterIgnoringEngine
     return engine
-'''
+''',
+}
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("engine_kind", first_variant_in_make_test(list(_PLUGINS)))
 def test_fit_with_an_engine_that_ignores_the_adapter_exits_2_before_any_step(tiny_model_dir, sample_data_dir,
-                                                                              tmp_path):
+                                                                              tmp_path, engine_kind):
     plugins = tmp_path / "plugins"
     plugins.mkdir()
-    (plugins / "ignoring_engine.py").write_text(textwrap.dedent(_PLUGIN))
+    (plugins / "ignoring_engine.py").write_text(textwrap.dedent(_PLUGINS[engine_kind]))
     command = [sys.executable, "-m", "atlas_lightning.cli", "fit", "experiment=tiny-cpu", "name=ignored",
                f"model.path={tiny_model_dir}", f"data.root={sample_data_dir}", f"paths.root={tmp_path}",
                "rollout.engine=ignoring_engine.make_engine", "trainer.total_steps=1", "trainer.val_before_train=false",
