@@ -351,7 +351,9 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
     adapters of this run's LoRA settings and base (``run/resume_adapters.py``) and, when
     ``training``, the trajectories it keeps in flight readable and continued by this config
     (``_check_kept_rollouts``; the steps this run samples come from ``fitted()``, the splits
-    ``check_inputs`` fits for the run, or are loaded and fitted here)."""
+    ``check_inputs`` fits for the run, or are loaded and fitted here). Not ``training`` (the
+    ``validate`` verb), ``auto`` with no checkpoint at all is refused: it asked for the run's
+    weights, and the starting adapters' scores would read as theirs."""
     from atlas_lightning.run.resume_adapters import check_resume_adapters
     from atlas_lightning.store.checkpoints import (
         CheckpointError, latest_verified, lightning_state_path, verify_checkpoint,
@@ -368,6 +370,10 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
         if folder is None and refusals:
             raise ConfigError("trainer.resume=auto: no checkpoint of this run verifies:\n  " + "\n  ".join(refusals)
                               + "\nmove the damaged folders away, or set trainer.resume=null to start afresh")
+        if folder is None and not training:  # validating fresh adapters is not what auto asked for
+            raise ConfigError(f"trainer.resume=auto: no checkpoint of run {cfg.name!r} under {checkpoints} to "
+                              f"validate: check name and paths.root, name a global_step_N folder, or leave "
+                              f"trainer.resume unset to validate the starting adapters")
         if folder is not None:
             notes += _check_state(folder, "trainer.resume=auto", cfg, fitted if training else None)
             check_resume_adapters(cfg, folder, "trainer.resume=auto")
