@@ -722,7 +722,11 @@ def compose(overrides: list[str] | None = None, user_config_dir: str | None = No
         path = Path(user_config_dir).expanduser().resolve()
         if not path.is_dir():
             raise ConfigError(f"--config-dir {user_config_dir}: no such folder")
-        overrides.append(f"hydra.searchpath=[file://{path}]")
+        # quoted in hydra's grammar: a folder name with parentheses, brackets, quotes or letters
+        # beyond ASCII is no bare value there. In a quoted value hydra reads a backslash as itself
+        # unless it comes before a quote or ends the value: only those are doubled.
+        escaped = re.sub(r"(\\+)(?='|$)", r"\1\1", f"file://{path}").replace("'", "\\'")
+        overrides.append(f"hydra.searchpath=['{escaped}']")
     schema = _schema()  # in hydra's config store too: config.yaml's first default
     GlobalHydra.instance().clear()
     cfg = None
