@@ -45,7 +45,9 @@ assets: setup
 		$(BIN)/atlas-lightning data demo-model --out $(CACHE)/tiny-orchestrator
 
 demo: assets
-	ATLAS_LIGHTNING_CACHE=$(CACHE) $(BIN)/atlas-lightning fit experiment=tiny-cpu $(DEMO_ARGS)
+	# trainer.resume=auto: a second `make demo` continues the first (a finished run ends at once) rather
+	# than being refused for starting afresh over it
+	ATLAS_LIGHTNING_CACHE=$(CACHE) $(BIN)/atlas-lightning fit experiment=tiny-cpu trainer.resume=auto $(DEMO_ARGS)
 
 test: setup
 	$(BIN)/ruff check .

@@ -176,6 +176,28 @@ def _check_starting_adapters(cfg: DictConfig) -> dict:
     return read
 
 
+def _check_no_earlier_run(cfg: DictConfig, folders: Mapping[str, Path]) -> None:
+    """A fit that starts afresh (``trainer.resume`` unset) finds none of an earlier run's training
+    under its name: no ``global_step_N`` in its checkpoints folder, no ``train/step_N`` in its
+    artifacts. It would write its own step 1 over theirs, and leave their later steps beside its
+    own for ``trainer.resume=auto`` and the closing summary to take as this run's."""
+    from atlas_lightning.store.checkpoints import checkpoint_step
+
+    checkpoints, train = folders["checkpoints"], folders["artifacts"] / "train"
+    steps = [entry.name for entry in sorted(checkpoints.iterdir() if checkpoints.is_dir() else (),
+                                            key=lambda entry: (checkpoint_step(entry) or 0))
+             if checkpoint_step(entry) is not None]
+    where = checkpoints
+    if not steps:
+        steps = sorted(e.name for e in (train.iterdir() if train.is_dir() else ()) if e.name.startswith("step_"))
+        where = train
+    if steps:
+        shown = ", ".join(steps[:3]) + (f" and {len(steps) - 3} more" if len(steps) > 3 else "")
+        raise ConfigError(f"name={cfg.name}: {where} holds an earlier run's steps ({shown}), which a fresh start "
+                          f"would overwrite: continue it with trainer.resume=auto, or choose another name or "
+                          f"paths.root")
+
+
 def _check_run_history(cfg: DictConfig) -> None:
     """The export a run continues (``WANDB_RUN_ID`` naming an id whose ``runs/<name>/<id>/history.csv``
     exists: ``loggers/run_export.py`` reads it back and rewrites it with every step) must read back
@@ -342,7 +364,8 @@ def _check_checkpoint_entries(checkpoints: Path) -> None:
 
 def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
                 fitted: Optional[Callable[[], QuestionSplits]] = None) -> StartingPoint:
-    """``trainer.resume``: None (fresh), ``auto`` (this run's newest checkpoint under
+    """``trainer.resume``: None (fresh; when ``training``, over no earlier run of this name:
+    ``_check_no_earlier_run``), ``auto`` (this run's newest checkpoint under
     ``checkpoints`` that verifies; newer ones that do not, or whose save did not finish, are
     named in ``notes``; if checkpoints exist and none verifies it is refused rather than started
     afresh over them) or a ``global_step_N`` folder, which must verify
@@ -361,6 +384,8 @@ def resume_path(cfg: DictConfig, checkpoints: Path, *, training: bool = True,
 
     resume = cfg.trainer.resume
     if not resume:
+        if training:
+            _check_no_earlier_run(cfg, run_dirs(cfg))
         return StartingPoint()
     if resume == "auto":
         folder, refusals = latest_verified(checkpoints)

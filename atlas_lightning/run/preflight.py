@@ -8,6 +8,8 @@ Checks, in order (each prints one line; the exit code is 0 when all pass, 2 othe
 1. ``config``: the config composes and validates (an unknown key or bad value is named);
    ``callbacks``: every configured callback builds from its arguments, as ``fit`` builds it
    (``run/wiring.build_callbacks``: names and types checked, an injected fault that would strike);
+   ``reward``: the reward scorer builds from ``reward``'s keys, as ``fit``'s datamodule builds it
+   (``reward/scorer.build_scorer``: a scorer from outside the package imported, its arguments taken);
 2. ``model``: ``model.path`` is a local folder with a readable ``config.json`` of a known
    family, a tokenizer and weight files, checked as ``fit`` checks them: the weights are
    exactly the tensors of the architecture (built on the meta device: no tensor is read), the
@@ -136,6 +138,13 @@ def check_adapters(cfg) -> str:
                      for role in ROLES)
 
 
+def check_reward(cfg) -> str:
+    from atlas_lightning.reward.scorer import build_scorer
+
+    scorer = build_scorer(cfg.reward)
+    return f"{cfg.reward.get('_target_')} ({type(scorer).__name__})"
+
+
 def check_resume(cfg) -> str:
     """``trainer.resume`` as ``fit`` resolves it (``run/facts.resume_path``): null, ``auto`` (the
     newest checkpoint of the run that verifies, or none) or a ``global_step_N`` folder that
@@ -212,6 +221,7 @@ def run_preflight(overrides: list[str], *, cpu: bool = False, config_dir: Option
         return results
     cfg = holder["cfg"]
     run("callbacks", lambda: check_callbacks(cfg))
+    run("reward", lambda: check_reward(cfg))
     run("model", lambda: check_model(cfg))
     run("data", lambda: check_data(cfg))
     run("adapters", lambda: check_adapters(cfg))
