@@ -49,9 +49,10 @@ def fit_command(root: Path, seed: int, overrides: list[str]) -> list[str]:
 
 
 def fit_overrides(root: Path, seed: int, overrides: list[str]) -> list[str]:
-    """One seed's overrides: the experiment, the seed, the run's name and root, then the user's."""
+    """One seed's overrides: the experiment, the seed, the run's name and root (resumed: a seed's
+    run stopped part-way goes on from its last checkpoint), then the user's."""
     return [f"experiment={EXPERIMENT}", f"seed={seed}", f"data.seed={seed}", f"name={run_name(seed)}",
-            f"paths.root={root}", *overrides]
+            f"paths.root={root}", "trainer.resume=auto", *overrides]
 
 
 def check_overrides(root: Path, seeds: list[int], overrides: list[str]) -> None:

@@ -41,6 +41,7 @@ import csv
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -160,6 +161,7 @@ def kill_resume(suite: Suite, label: str, name: str, at: int, cap_s: float, over
     ``<label>.json``: the run's history, checkpoints and, with two validations or more, the learning
     figure (``run_summary``)."""
     root, log = suite.runs / label, suite.out / f"{label}.log"
+    shutil.rmtree(root, ignore_errors=True)  # a fresh run: fit refuses to start afresh over an earlier one
     marker = step_dir(root / "checkpoints" / name, at) / MARKER
     deadline = time.monotonic() + cap_s
     command = [*suite.fit, f"name={name}", f"paths.root={root}", *overrides]
@@ -231,6 +233,7 @@ def stage_kr(suite: Suite, opts: argparse.Namespace) -> None:
 def _step_bench(suite: Suite, label: str, cap_s: float, bench_args: list[str], overrides: list[str]) -> None:
     """The step benchmark (``step.py``) into ``--out/<label>/``, its output into ``<label>.log``."""
     log = suite.out / f"{label}.log"
+    shutil.rmtree(suite.runs / label, ignore_errors=True)  # the stage's runs folder: a fresh run each time
     command = [sys.executable, "-m", "atlas_lightning.bench.step", "--out", str(suite.out / label), *bench_args,
                "--", *overrides]
     code = suite.run(command, log, cap_s)

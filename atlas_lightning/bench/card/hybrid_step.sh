@@ -2,6 +2,7 @@
 # LAYERS as setup.sh built the folder (16 unless set)
 source atlas_lightning/bench/card/env.sh
 sync=$1; cap=$2; shift 2
+rm -rf /tmp/runs/h-$sync  # a fresh run each time: fit refuses to start afresh over an earlier one
 timeout -s KILL $cap python3 -m atlas_lightning.bench.step --out $OUT/h-$sync --build qwen3_6_27b --layers ${LAYERS:-16} \
   --model-dir /tmp/qwen3_6_27b --tokenizer-from $C/tiny-model --replay-step 2 -- \
   experiment=h200-8b name=h200-27b-$sync model.path=/tmp/qwen3_6_27b model.linear_attention_kernel=fla \
