@@ -4,6 +4,7 @@ not one is refused by every verb before it writes a config or a log."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -13,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from atlas_lightning.cli import main
-from atlas_lightning.config import ConfigError, RootConfig, compose
+from atlas_lightning.config import ConfigError, RootConfig, compose, validate
 from atlas_lightning.constraints import CONSTRAINTS
 from tests.conftest import write_fake_model_folder, write_fake_safetensors
 
@@ -162,14 +163,32 @@ def test_every_string_key_of_the_schema_has_a_rule():
 @pytest.mark.parametrize("key, is_list", sorted((k, is_list) for k, is_list in _string_leaves(RootConfig)
                                                   if is_list is not None))
 @pytest.mark.parametrize("blank", ["", "   "])
-def test_an_empty_or_blank_name_is_refused_naming_its_key(key, is_list, blank):
+def test_an_empty_or_blank_name_is_refused_naming_its_key(key, is_list, blank, composed):
     """No key that names something (a W&B project or entity, the run, a path, a column, a tag,
     a class) takes an empty or a blank string: each is refused by its key before any work (the
     mappings: ``test_a_blank_column_mapping_is_refused_naming_the_key``, and a callback needs a
-    ``_target_`` naming a class)."""
-    value = f"['{blank}']" if is_list else f"'{blank}'"
+    ``_target_`` naming a class). The value is set on one composed config and checked by
+    ``config.validate``, which ``compose`` runs last (a hydra compose a case made this the suite's
+    costliest test); ``test_a_blank_value_through_compose_is_refused_by_its_key`` takes compose's
+    whole path."""
+    cfg = copy.deepcopy(composed)
+    OmegaConf.set_readonly(cfg, False)
+    OmegaConf.update(cfg, key, [blank] if is_list else blank, merge=False)
+    with pytest.raises(ConfigError, match=f"^{re.escape(key)}="):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("key, value", [("logger.project", "'   '"), ("data.subset_columns", "['']"),
+                                        ("model.path", "'  '")])
+def test_a_blank_value_through_compose_is_refused_by_its_key(key, value):
     with pytest.raises(ConfigError, match=f"^{re.escape(key)}="):
         compose(["experiment=tiny-cpu", f"{key}={value}"])
+
+
+@pytest.fixture(scope="module")
+def composed():
+    """``experiment=tiny-cpu`` composed once for the module's checks of single values."""
+    return compose(["experiment=tiny-cpu"])
 
 
 @pytest.mark.parametrize("blank", ["", "   "])
