@@ -36,6 +36,7 @@ every step: put a zero on an event that earns nothing (``placement.place_rewards
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -103,9 +104,15 @@ def score_trajectory(scorer: RewardScorer, episode: Mapping[str, Any], response_
         value = breakdown[key]
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             raise ValueError(f"{prefix}: reward[{key!r}] must be a finite number, got {value!r}")
+    for key, value in breakdown.items():  # every number, required or not: the records hold them all
+        if _is_number(value) and not math.isfinite(value):
+            raise ValueError(f"{prefix}: reward[{key!r}] must be a finite number, got {value!r}")
     if not isinstance(trace, Mapping) or not isinstance(trace.get("offsets"), list) \
             or not isinstance(trace.get("values"), list):
         raise ValueError(f"{prefix}: 'reward_trace' must hold lists 'offsets' and 'values'")
+    for index, value in enumerate(trace["values"]):  # what PPO receives at each offset
+        if not _is_number(value) or not math.isfinite(value):
+            raise ValueError(f"{prefix}: reward_trace['values'][{index}] must be a finite number, got {value!r}")
     try:
         dense = token_level_rewards(trace, response_length)
     except ValueError as err:
@@ -113,6 +120,11 @@ def score_trajectory(scorer: RewardScorer, episode: Mapping[str, Any], response_
     breakdown, trace = dict(breakdown), dict(trace)
     return ScoredTrajectory(reward=breakdown, reward_trace=trace, token_rewards=dense,
                             invariants=trajectory_invariants(episode, breakdown, trace, dense))
+
+
+def _is_number(value: Any) -> bool:
+    """A real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def build_scorer(reward_cfg: Any) -> RewardScorer:
