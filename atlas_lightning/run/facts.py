@@ -183,14 +183,14 @@ def _check_no_earlier_run(cfg: DictConfig, folders: Mapping[str, Path]) -> None:
     own for ``trainer.resume=auto`` and the closing summary to take as this run's."""
     from atlas_lightning.store.checkpoints import checkpoint_step
 
+    def names(folder: Path, is_step: Callable[[Path], bool]) -> list[str]:  # in step order: step_2 before step_10
+        return sorted((e.name for e in (folder.iterdir() if folder.is_dir() else ()) if is_step(e)),
+                      key=lambda name: (len(name), name))
+
     checkpoints, train = folders["checkpoints"], folders["artifacts"] / "train"
-    steps = [entry.name for entry in sorted(checkpoints.iterdir() if checkpoints.is_dir() else (),
-                                            key=lambda entry: (checkpoint_step(entry) or 0))
-             if checkpoint_step(entry) is not None]
-    where = checkpoints
+    where, steps = checkpoints, names(checkpoints, lambda entry: checkpoint_step(entry) is not None)
     if not steps:
-        steps = sorted(e.name for e in (train.iterdir() if train.is_dir() else ()) if e.name.startswith("step_"))
-        where = train
+        where, steps = train, names(train, lambda entry: entry.name.startswith("step_"))
     if steps:
         shown = ", ".join(steps[:3]) + (f" and {len(steps) - 3} more" if len(steps) > 3 else "")
         raise ConfigError(f"name={cfg.name}: {where} holds an earlier run's steps ({shown}), which a fresh start "
